@@ -1,0 +1,98 @@
+"""Atomic writes: a crash or a retry never leaves a half file or half folder that looks whole.
+
+Files are written to a temporary sibling and ``os.replace``d; folders are built in a temporary
+sibling and renamed into place. It lives in ``models/`` because that is the bottom layer: the
+model-directory format needs it and every step above may use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (readers see the old file or the new, never half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path``.
+
+    For writers that need a file name (pandas, ONNX, safetensors) rather than bytes.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_directory(dest: Path) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``dest``; on success it becomes ``dest``.
+
+    An existing ``dest`` is replaced only after the new one is complete. On any error the
+    temporary folder is removed and ``dest`` is left as it was.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.old")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""The trained ModelDirectory: ``model.json`` + ``model.safetensors`` (+ ``model.onnx`` once exported).
+
+Everything needed to rebuild, score or audit the model sits in ``model.json`` as plain JSON; the
+weights are safetensors, so loading a model directory can never run code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from models.atomic import atomic_directory, write_json
+from models.errors import InvalidModelDirectoryError
+from models.zoo import MODEL_JSON, ModelSpec, build_model
+
+WEIGHTS = "model.safetensors"
+ONNX = "model.onnx"
+TRAINED_FORMAT = "imageops.ModelDirectory"
+
+
+class Preprocessing(BaseModel):
+    """How an image becomes the network's input; training, export and scoring all read this."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    resize: int = Field(description="Shorter side resized to this many pixels.")
+    center_crop: int = Field(description="Square crop fed to the network (the input size).")
+    mean: list[float] = [0.485, 0.456, 0.406]
+    std: list[float] = [0.229, 0.224, 0.225]
+
+
+class ModelInfo(BaseModel):
+    """``model.json`` of a trained ModelDirectory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["imageops.ModelDirectory"] = TRAINED_FORMAT
+    format_version: int = 1
+    architecture: ModelSpec
+    classes: list[str]
+    preprocessing: Preprocessing
+    train_params: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    data_version: dict[str, str] = Field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    best_epoch: int | None = None
+
+
+def save_model_directory(dest: Path, model: nn.Module, info: ModelInfo) -> Path:
+    """Write weights and ``model.json`` to ``dest`` atomically (a half model never looks whole)."""
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    with atomic_directory(Path(dest)) as tmp:
+        save_file(state, str(tmp / WEIGHTS))
+        write_json(tmp / MODEL_JSON, info.model_dump(mode="json"))
+    return Path(dest)
+
+
+def read_model_info(path: Path) -> ModelInfo:
+    path = Path(path)
+    hint = "Pass the folder written by `imageops train` (it holds model.json and model.safetensors)."
+    if not (path / MODEL_JSON).is_file():
+        raise InvalidModelDirectoryError(f"{path} is not a model directory: no {MODEL_JSON}.", hint)
+    try:
+        return ModelInfo.model_validate_json((path / MODEL_JSON).read_bytes())
+    except ValidationError as exc:
+        raise InvalidModelDirectoryError(
+            f"{path / MODEL_JSON} is not a trained model directory "
+            f"({exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}).",
+            hint,
+        ) from exc
+
+
+def load_model_directory(path: Path) -> tuple[nn.Module, ModelInfo]:
+    """Rebuild the network from ``model.json`` and load its safetensors weights (eval mode)."""
+    path = Path(path)
+    info = read_model_info(path)
+    if not (path / WEIGHTS).is_file():
+        raise InvalidModelDirectoryError(
+            f"{path} has no {WEIGHTS}.", "Train the model again; the directory is incomplete."
+        )
+    # The trained weights replace any pretrained ones, so never fetch those here.
+    spec = info.architecture.model_copy(update={"pretrained": False})
+    model = build_model(spec, num_classes=len(info.classes))
+    model.load_state_dict(load_file(str(path / WEIGHTS)))
+    return model.eval(), info

@@ -1,0 +1,27 @@
+"""The error every imageops failure derives from, and the model-directory error of the seed.
+
+Each error carries the problem and what to do about it, so the CLI prints both and never a bare
+traceback. Dataset and training errors live in ``tasks/errors.py``; this one is here because the
+model zoo (which knows nothing of Prefect or datasets) raises it.
+"""
+
+from __future__ import annotations
+
+
+class ImageOpsError(Exception):
+    """A failure the user can fix: ``str(err)`` says what was wrong, ``err.hint`` what to do."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} {self.hint}".strip()
+
+    def __reduce__(self):  # keep message and hint across process boundaries (Prefect, torchrun)
+        return (self.__class__, (self.message, self.hint))
+
+
+class InvalidModelDirectoryError(ImageOpsError):
+    """Seed error: the untrained or trained model input is not a PyTorch model directory we know."""

@@ -1,0 +1,127 @@
+"""Where every piece of state lives: one settings object, read from ``IMAGEOPS_*`` variables.
+
+The embedded defaults put everything under one project working folder (``.imageops/``): Prefect's
+ephemeral API database, MLflow's SQLite tracking and registry, MLflow artifacts, the DVC remote and
+the training runs. Scaling out changes settings only: point ``IMAGEOPS_MLFLOW_TRACKING_URI`` at an
+``mlflow server``, ``IMAGEOPS_PREFECT_API_URL`` at a ``prefect server``, ``IMAGEOPS_DVC_REMOTE_URL``
+at an S3 bucket. The code path stays the same.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Telemetry stays off: the machines this runs on often have no internet, and users did not ask.
+_QUIET_ENVIRONMENT = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+class Settings(BaseSettings):
+    """Every location imageops reads or writes. Relative paths resolve against ``project_root``."""
+
+    model_config = SettingsConfigDict(env_prefix="IMAGEOPS_", extra="forbid", frozen=True)
+
+    project_root: Path = Field(
+        default_factory=Path.cwd,
+        description="The DVC repository root (also the git root when there is one).",
+    )
+    home: Path = Field(
+        default=Path(".imageops"),
+        description="Project working folder: Prefect state, MLflow database, DVC remote, runs.",
+    )
+    data_dir: Path = Field(default=Path("data"), description="DVC-tracked data sets.")
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="MLflow tracking server; default: SQLite under `home`."
+    )
+    mlflow_registry_uri: str | None = Field(
+        default=None, description="MLflow model registry; default: the tracking URI."
+    )
+    mlflow_experiment: str = Field(default="imageops", description="MLflow experiment name.")
+    registered_model_name: str = Field(
+        default="imageops-classifier", description="Name of the model in the MLflow registry."
+    )
+    prefect_api_url: str | None = Field(
+        default=None, description="Prefect server API; default: the local ephemeral API."
+    )
+    dvc_remote_url: str | None = Field(
+        default=None, description="DVC remote; default: a folder under `home`."
+    )
+    weights_cache: Path | None = Field(
+        default=None,
+        description="Pretrained weights cache (TORCH_HOME); default: `home`/torch.",
+    )
+
+    def _resolve(self, path: Path) -> Path:
+        return path if path.is_absolute() else (self.project_root / path).resolve()
+
+    @cached_property
+    def home_dir(self) -> Path:
+        return self._resolve(self.home)
+
+    @cached_property
+    def data_path(self) -> Path:
+        return self._resolve(self.data_dir)
+
+    @cached_property
+    def runs_dir(self) -> Path:
+        """One folder per training run: configuration, checkpoints, rank logs, the model."""
+        return self.home_dir / "runs"
+
+    @cached_property
+    def tracking_uri(self) -> str:
+        if self.mlflow_tracking_uri:
+            return self.mlflow_tracking_uri
+        return f"sqlite:///{self.home_dir / 'mlflow.db'}"
+
+    @cached_property
+    def registry_uri(self) -> str:
+        return self.mlflow_registry_uri or self.tracking_uri
+
+    @cached_property
+    def artifact_location(self) -> str:
+        """Where a new MLflow experiment keeps its artifacts (only used when we create it)."""
+        return (self.home_dir / "mlartifacts").as_uri()
+
+    @cached_property
+    def dvc_remote(self) -> str:
+        return self.dvc_remote_url or str(self.home_dir / "dvc-remote")
+
+    @cached_property
+    def torch_home(self) -> Path:
+        return self._resolve(self.weights_cache) if self.weights_cache else self.home_dir / "torch"
+
+    def environment(self) -> dict[str, str]:
+        """Variables that child processes and the libraries read at import time."""
+        env = dict(_QUIET_ENVIRONMENT)
+        env["PREFECT_HOME"] = str(self.home_dir / "prefect")
+        env["MLFLOW_TRACKING_URI"] = self.tracking_uri
+        env["MLFLOW_REGISTRY_URI"] = self.registry_uri
+        env["TORCH_HOME"] = str(self.torch_home)
+        if self.prefect_api_url:
+            env["PREFECT_API_URL"] = self.prefect_api_url
+        # Pass our own settings on, resolved, so a torchrun worker sees exactly what we see.
+        env["IMAGEOPS_PROJECT_ROOT"] = str(self.project_root.resolve())
+        env["IMAGEOPS_HOME"] = str(self.home_dir)
+        return env
+
+    def apply(self) -> Settings:
+        """Export :meth:`environment` into this process (before Prefect or MLflow is imported)."""
+        self.home_dir.mkdir(parents=True, exist_ok=True)
+        # Settings are the one place that says where things live: they override any stray
+        # MLFLOW_* or PREFECT_HOME left in the shell, so two runs never write to different stores.
+        os.environ.update(self.environment())
+        return self
+
+
+def get_settings() -> Settings:
+    """Settings from the environment, as they are now (tests change the environment)."""
+    return Settings()

@@ -1,0 +1,50 @@
+"""How a plain step function becomes a Prefect task: retries with back-off, no pickled results.
+
+Transient failures (a locked database, a worker killed mid-epoch, a full disk freed) are retried
+with exponential back-off. An :class:`~models.errors.ImageOpsError` means the input is wrong, and
+retrying cannot fix it, so it fails the task at once with its message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prefect import Task, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from models.errors import ImageOpsError
+
+RETRIES = 2
+BACKOFF_SECONDS = 2.0
+
+
+def _retry_unless_user_error(task: Task, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except ImageOpsError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def step(fn: Callable[..., Any], *, name: str, retries: int = RETRIES, **options: Any) -> Task:
+    """Wrap ``fn`` as a Prefect task named ``name`` with the project's retry policy.
+
+    Results stay in memory (``persist_result=False``): Prefect would otherwise pickle them, and the
+    steps pass only paths and small JSON-able values anyway; each step keeps its own outputs on
+    disk, written atomically.
+    """
+    return task(
+        fn,
+        name=name,
+        retries=retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=BACKOFF_SECONDS),
+        retry_jitter_factor=0.5,
+        retry_condition_fn=_retry_unless_user_error,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        **options,
+    )

@@ -1,0 +1,68 @@
+"""Shared fixtures: a throw-away project folder, and real digits as PNG ImageDirectories.
+
+Every test that touches MLflow, DVC or Prefect state gets its own project folder (``project``), so
+tests never see each other's runs. The digits are real scans from scikit-learn, kept tiny (16x16,
+a few classes, a few dozen images) so the suite stays fast on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Before anything imports Prefect or MLflow: telemetry off, and no stray user settings.
+os.environ.update(
+    {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DVC_NO_ANALYTICS": "1",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+)
+for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
+    os.environ.pop(_var, None)
+
+from tasks.settings import Settings  # noqa: E402
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """Settings for a fresh project folder under ``tmp_path`` (applied to the environment)."""
+    root = tmp_path / "project"
+    root.mkdir()
+    monkeypatch.setenv("IMAGEOPS_PROJECT_ROOT", str(root))
+    monkeypatch.setenv("IMAGEOPS_HOME", str(root / ".imageops"))
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_HOME", "TORCH_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(root)
+    settings = Settings()
+    # apply() writes os.environ directly; monkeypatch.setenv first so the values are restored.
+    for key, value in settings.environment().items():
+        monkeypatch.setenv(key, value)
+    settings.home_dir.mkdir(parents=True, exist_ok=True)
+    return settings
+
+
+@pytest.fixture(scope="session")
+def digits_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A raw image folder: 3 digit classes x 30 real scans, 16x16 RGB PNG. Do not modify."""
+    from tasks.sample import write_digits
+
+    return write_digits(
+        tmp_path_factory.mktemp("raw") / "digits", size=16, classes=[0, 1, 2], per_class=30
+    )
+
+
+@pytest.fixture(scope="session")
+def digits_split(tmp_path_factory: pytest.TempPathFactory, digits_raw: Path) -> tuple[Path, Path]:
+    """(train, val) ImageDirectories made from ``digits_raw`` (80/20). Do not modify."""
+    from tasks.convert import convert
+    from tasks.split import split
+
+    root = tmp_path_factory.mktemp("imagedirs")
+    convert(digits_raw, root / "images")
+    split(root / "images", root / "train", root / "val", fraction=0.8, seed=1)
+    return root / "train", root / "val"
