@@ -77,12 +77,26 @@ def resnet(
     )
 
 
-def spec_for(model_name: str, pretrained: bool = False, **options: bool) -> ModelSpec:
-    """The spec for any zoo architecture, by name."""
+def spec_for(
+    model_name: str,
+    pretrained: bool = False,
+    *,
+    memory_efficient: bool = False,
+    zero_init_residual: bool = False,
+) -> ModelSpec:
+    """The spec for any zoo architecture, by name; a switch of the other family is refused."""
     if model_name in DENSENETS:
-        return densenet(model_name, pretrained, **options)
+        if zero_init_residual:
+            raise InvalidModelDirectoryError(
+                f"zero_init_residual applies to ResNets, not {model_name}.", "Leave it off."
+            )
+        return densenet(model_name, pretrained, memory_efficient)
     if model_name in RESNETS:
-        return resnet(model_name, pretrained, **options)
+        if memory_efficient:
+            raise InvalidModelDirectoryError(
+                f"memory_efficient applies to DenseNets, not {model_name}.", "Leave it off."
+            )
+        return resnet(model_name, pretrained, zero_init_residual)
     _check_name(model_name, DENSENETS + RESNETS, "imageops")
     raise AssertionError("unreachable")
 

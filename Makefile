@@ -1,0 +1,40 @@
+# The two commands: `make run` (set up, then the whole pipeline on the digits sample) and
+# `make test` (set up, then the test suite). Set-up is keyed on the lock file: a changed lock
+# builds a fresh virtual environment, an unchanged one is reused.
+
+PYTHON ?= python3
+VENV ?= .venv
+LOCK := requirements.lock
+KEY := $(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(KEY)
+BIN := $(VENV)/bin
+
+.PHONY: install run test lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): $(LOCK) pyproject.toml
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
+	# Exact versions from the lock; torch and torchvision come from the machine's wheel store.
+	$(BIN)/python -m pip install --quiet --requirement $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --editable .
+	touch $@
+
+run: install
+	$(BIN)/imageops run
+
+test: install
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf .imageops data/images data/train data/val data/sample data/repro

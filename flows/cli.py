@@ -1,0 +1,312 @@
+"""The ``imageops`` command line: one subcommand per pipeline step, and ``run`` for the whole flow.
+
+Step subcommands call the plain step functions (no Prefect API needed); ``run`` runs the Prefect
+flow. Heavy libraries are imported inside each command, after the settings have been exported to
+the environment, so ``--help`` is quick and Prefect and MLflow see our locations.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from models.errors import ImageOpsError
+from tasks.settings import Settings, get_settings
+
+app = typer.Typer(
+    name="imageops",
+    help="Image classification MLOps: convert, version, split, train (DDP), export, score, "
+    "evaluate. Locations come from IMAGEOPS_* environment variables (see the README).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+sample_app = typer.Typer(help="Write real sample data sets.", no_args_is_help=True)
+model_app = typer.Typer(help="Write an UntrainedModelDirectory (DenseNet, ResNet).")
+app.add_typer(sample_app, name="sample")
+app.add_typer(model_app, name="model")
+
+err = Console(stderr=True)
+out = Console()
+
+
+@app.callback()
+def _configure() -> None:
+    """Export the settings before any command imports Prefect or MLflow."""
+    get_settings().apply()
+
+
+@sample_app.command("digits")
+def sample_digits(
+    dest: Annotated[Path, typer.Argument(help="Folder to write (one sub-folder per digit).")],
+    size: Annotated[int, typer.Option(help="Side of the square PNGs, in pixels (>= 8).")] = 32,
+    per_class: Annotated[
+        int | None, typer.Option(help="Keep at most this many images per digit (default: all).")
+    ] = None,
+) -> None:
+    """Write scikit-learn's 1,797 handwritten digits as RGB PNGs in class folders."""
+    from tasks.sample import write_digits
+
+    write_digits(dest, size=size, per_class=per_class)
+    out.print(f"wrote digits to {dest}")
+
+
+@app.command()
+def convert(
+    source: Annotated[Path, typer.Argument(help="Image folder or .zip/.tar/.tar.gz/.tar.bz2.")],
+    dest: Annotated[Path, typer.Argument(help="ImageDirectory to write (replaced atomically).")],
+) -> None:
+    """Convert to Image Directory: class sub-folders become labels; broken files are reported."""
+    from tasks.convert import convert as run
+
+    manifest = run(source, dest)
+    kind = f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled"
+    out.print(f"{dest}: {len(manifest.images)} images, {kind}, {len(manifest.skipped)} skipped")
+    for item in manifest.skipped[:20]:
+        out.print(f"  skipped {item.path}: {item.reason}")
+
+
+@app.command()
+def split(
+    source: Annotated[Path, typer.Argument(help="ImageDirectory to split.")],
+    first: Annotated[Path, typer.Argument(help="First output (gets the fraction).")],
+    second: Annotated[Path, typer.Argument(help="Second output (the rest).")],
+    fraction: Annotated[float, typer.Option(help="Share of each class in FIRST, 0..1.")] = 0.9,
+    seed: Annotated[int, typer.Option(help="Random seed: same seed, same split.")] = 1,
+) -> None:
+    """Split Image Directory, stratified by class."""
+    from tasks.split import split as run
+
+    a, b = run(source, first, second, fraction=fraction, seed=seed)
+    out.print(f"{first}: {len(a.images)} images; {second}: {len(b.images)} images")
+
+
+@app.command()
+def version(
+    path: Annotated[Path, typer.Argument(help="Folder inside the project to track with DVC.")],
+) -> None:
+    """Version a data set with DVC (dvc add + push to the configured remote); prints its md5."""
+    from tasks.versioning import version as run
+
+    out.print(run(path))
+
+
+@model_app.command("resnet")
+def model_resnet(
+    dest: Annotated[Path, typer.Argument(help="UntrainedModelDirectory to write.")],
+    name: Annotated[
+        str,
+        typer.Option(
+            help="resnet18/34/50/101/152, resnext50_32x4d, resnext101_32x8d, wide_resnet50_2, "
+            "wide_resnet101_2."
+        ),
+    ] = "resnext101_32x8d",
+    pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights.")] = True,
+    zero_init_residual: Annotated[
+        bool, typer.Option(help="Zero-init the last BN of each residual block.")
+    ] = False,
+) -> None:
+    """ResNet component (seed defaults: resnext101_32x8d, pretrained)."""
+    from tasks.build_model import build_model
+
+    build_model(name, dest, pretrained=pretrained, zero_init_residual=zero_init_residual)
+    out.print(f"wrote {name} to {dest}")
+
+
+@model_app.command("densenet")
+def model_densenet(
+    dest: Annotated[Path, typer.Argument(help="UntrainedModelDirectory to write.")],
+    name: Annotated[
+        str, typer.Option(help="densenet121, densenet161, densenet169, densenet201.")
+    ] = "densenet201",
+    pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights.")] = True,
+    memory_efficient: Annotated[
+        bool, typer.Option(help="Checkpoint activations: less memory, slower.")
+    ] = False,
+) -> None:
+    """DenseNet component (seed defaults: densenet201, pretrained)."""
+    from tasks.build_model import build_model
+
+    build_model(name, dest, pretrained=pretrained, memory_efficient=memory_efficient)
+    out.print(f"wrote {name} to {dest}")
+
+
+@app.command()
+def train(
+    model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
+    train_data: Annotated[Path, typer.Argument(help="Labeled training ImageDirectory.")],
+    val_data: Annotated[Path, typer.Argument(help="Labeled validation ImageDirectory.")],
+    dest: Annotated[Path, typer.Argument(help="ModelDirectory to write (the best epoch).")],
+    epochs: Annotated[int, typer.Option(help="Passes over the training set (>0).")] = 5,
+    batch_size: Annotated[int, typer.Option(help="Images per batch per process (>0).")] = 16,
+    warmup_epochs: Annotated[int, typer.Option(help="Linear warm-up epochs (>=0).")] = 0,
+    learning_rate: Annotated[
+        float, typer.Option(help="Initial SGD rate (>0); x world size when distributed.")
+    ] = 0.001,
+    seed: Annotated[int, typer.Option(help="Random seed for reproducible runs.")] = 1,
+    patience: Annotated[
+        int, typer.Option(help="Stop after this many epochs without a lower validation loss.")
+    ] = 3,
+    print_frequency: Annotated[int, typer.Option(help="Log every N iterations (>0).")] = 10,
+    nodes: Annotated[int, typer.Option(help="Machines taking part (torchrun --nnodes).")] = 1,
+    nproc_per_node: Annotated[
+        int, typer.Option(help="Processes per machine (torchrun --nproc-per-node).")
+    ] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    image_size: Annotated[int, typer.Option(help="Resize + center-crop to this size.")] = 32,
+) -> None:
+    """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow."""
+    from models.directory import Preprocessing
+    from tasks.train.launch import train as run
+    from tasks.train.params import TrainParams
+
+    params = TrainParams.checked(
+        epochs=epochs,
+        batch_size=batch_size,
+        warmup_epochs=warmup_epochs,
+        learning_rate=learning_rate,
+        seed=seed,
+        patience=patience,
+        print_frequency=print_frequency,
+        nodes=nodes,
+        nproc_per_node=nproc_per_node,
+        device=device,
+    )
+    result = run(
+        model,
+        train_data,
+        val_data,
+        dest,
+        params,
+        preprocessing=Preprocessing(resize=image_size, center_crop=image_size),
+    )
+    out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
+
+
+@app.command()
+def export(
+    model_dir: Annotated[Path, typer.Argument(help="Trained ModelDirectory.")],
+    sample: Annotated[
+        Path | None, typer.Option(help="ImageDirectory whose images check ONNX against PyTorch.")
+    ] = None,
+) -> None:
+    """Export to ONNX (dynamic batch) and check it against PyTorch."""
+    from tasks.export import export_onnx
+
+    result = export_onnx(model_dir, sample=sample)
+    out.print(f"{result.path} (max abs difference vs PyTorch: {result.max_abs_diff:.2e})")
+
+
+@app.command()
+def register(
+    model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory.")],
+    alias: Annotated[str | None, typer.Option(help="Alias to point at the new version.")] = None,
+) -> None:
+    """Register the model's ONNX export as a new MLflow model version."""
+    from tasks.registry import register as run
+
+    registered = run(model_dir, alias=alias)
+    out.print(f"registered {registered.name} version {registered.version}")
+
+
+@app.command()
+def score(
+    model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory.")],
+    images: Annotated[Path, typer.Argument(help="ImageDirectory or any folder of images.")],
+    dest: Annotated[Path, typer.Argument(help="Scored table to write (.csv or .parquet).")],
+    batch_size: Annotated[int, typer.Option(help="Images per ONNX Runtime call.")] = 64,
+) -> None:
+    """Score Image Model with ONNX Runtime, in batches."""
+    from tasks.score import score as run
+
+    out.print(f"wrote {run(model_dir, images, dest, batch_size=batch_size)}")
+
+
+@app.command()
+def evaluate(
+    scored: Annotated[Path, typer.Argument(help="Scored table of a labeled ImageDirectory.")],
+    run_id: Annotated[
+        str | None, typer.Option(help="MLflow run to log into (default: a new run).")
+    ] = None,
+) -> None:
+    """Evaluate Model: accuracy, top-5, per-class precision/recall/F1, confusion matrix."""
+    from tasks.evaluate import evaluate as run
+
+    result = run(scored, run_id=run_id)
+    for key, value in result.metrics.items():
+        out.print(f"{key}: {value:.4f}")
+
+
+@app.command("run")
+def run_pipeline(
+    source: Annotated[
+        Path | None,
+        typer.Argument(help="Raw images (folder or archive). Default: data/sample (the digits)."),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="params.yaml-shaped file with the pipeline parameters.")
+    ] = None,
+    epochs: Annotated[int | None, typer.Option(help="Override the training epochs.")] = None,
+    nproc_per_node: Annotated[
+        int | None, typer.Option(help="Override the training processes.")
+    ] = None,
+) -> None:
+    """Run the whole pipeline as a Prefect flow and print where to look."""
+    settings = get_settings()
+    from flows.config import PipelineConfig
+
+    cfg = PipelineConfig.from_yaml(config) if config else PipelineConfig()
+    if source is None and not (settings.project_root / cfg.source).exists():
+        from tasks.sample import write_digits
+
+        out.print(f"{cfg.source} is missing: writing the digits sample there first")
+        write_digits(settings.project_root / cfg.source)
+    updates: dict = {}
+    if source is not None:
+        updates["source"] = str(source.resolve())
+    train_updates = {
+        k: v for k, v in {"epochs": epochs, "nproc_per_node": nproc_per_node}.items() if v
+    }
+    if train_updates:
+        updates["train"] = cfg.train.model_copy(update=train_updates)
+    cfg = PipelineConfig.model_validate({**cfg.model_dump(), **updates})
+
+    from flows.pipeline import pipeline
+
+    result = pipeline(cfg)
+    _print_summary(settings, result)
+
+
+def _print_summary(settings: Settings, result) -> None:  # noqa: ANN001 - PipelineResult
+    out.rule("imageops run finished")
+    for key, value in sorted(result.metrics.items()):
+        out.print(f"  {key:<24} {value:.4f}")
+    out.print(f"  model directory          {result.model_dir}")
+    out.print(f"  scored table             {result.scored}")
+    out.print(f"  outputs                  {result.outputs}")
+    out.print(f"  registered model         {result.registered_model} v{result.registered_version}")
+    out.print(f"  MLflow run               {result.mlflow_run_id}")
+    out.print(f"  data versions (DVC md5)  {result.data_version}")
+    out.print(
+        f"  look at it: mlflow ui --backend-store-uri {settings.tracking_uri} "
+        f"--default-artifact-root {settings.artifact_location}"
+    )
+
+
+def main() -> None:
+    """Console entry: user errors print what was wrong and what to do, never a traceback."""
+    try:
+        app()
+    except ImageOpsError as exc:
+        err.print(f"[bold red]error:[/] {exc.message}")
+        if exc.hint:
+            err.print(f"[yellow]what to do:[/] {exc.hint}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

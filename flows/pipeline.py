@@ -1,0 +1,87 @@
+"""The whole pipeline in one flow: convert, version, split, train, export, register, score, evaluate.
+
+Composition only: every step is a task from ``tasks/`` that does its own work and retries on its
+own; this flow says which, in what order, with what.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+from prefect import flow
+from pydantic import BaseModel
+
+from flows.config import PipelineConfig
+from models.directory import Preprocessing
+from tasks.build_model import build_model_task
+from tasks.convert import convert_task
+from tasks.evaluate import evaluate_task
+from tasks.export import export_task
+from tasks.registry import register_task
+from tasks.score import score_task
+from tasks.settings import get_settings
+from tasks.split import split_task
+from tasks.train.launch import train_task
+from tasks.versioning import version_task
+
+
+class PipelineResult(BaseModel):
+    """What a run produced and where to look."""
+
+    outputs: Path
+    model_dir: Path
+    scored: Path
+    mlflow_run_id: str
+    registered_model: str
+    registered_version: str
+    data_version: dict[str, str]
+    metrics: dict[str, float]
+
+
+@flow(name="imageops-pipeline", log_prints=True)
+def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
+    """Raw images in, a registered, exported, evaluated model out."""
+    config = config or PipelineConfig()
+    settings = get_settings()
+    data = settings.data_path
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    outputs = settings.home_dir / "outputs" / stamp
+    source = settings.project_root / config.source
+
+    convert_task(source, data / "images")
+    split_task(
+        data / "images", data / "train", data / "val",
+        fraction=config.split.fraction, seed=config.split.seed,
+    )  # fmt: skip
+    data_version: dict[str, str] = {}
+    if config.version_data:
+        for name in ("images", "train", "val"):
+            data_version[name] = version_task(data / name)
+
+    build_model_task(
+        config.model.name, outputs / "untrained", pretrained=config.model.pretrained
+    )
+    trained = train_task(
+        outputs / "untrained", data / "train", data / "val", outputs / "model", config.train,
+        preprocessing=Preprocessing(resize=config.image_size, center_crop=config.image_size),
+        data_version=data_version,
+    )  # fmt: skip
+    export_task(trained.model_dir, sample=data / "val")
+    registered = register_task(trained.model_dir, data_version=data_version)
+    scored = score_task(
+        trained.model_dir, data / "val", outputs / "scored.csv",
+        batch_size=config.score_batch_size,
+    )  # fmt: skip
+    evaluation = evaluate_task(scored, run_id=trained.run_id)
+
+    return PipelineResult(
+        outputs=outputs,
+        model_dir=trained.model_dir,
+        scored=scored,
+        mlflow_run_id=trained.run_id,
+        registered_model=registered.name,
+        registered_version=str(registered.version),
+        data_version=data_version,
+        metrics=dict(evaluation.metrics),
+    )

@@ -1,0 +1,73 @@
+"""End to end: the pipeline flow on real digits under a real Prefect API (prefect_test_harness).
+
+Every step runs for real: convert, DVC versioning, split, torchrun with 2 gloo processes, ONNX
+export, MLflow registration, ONNX Runtime scoring and evaluation. Tiny data, one epoch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.config import PipelineConfig
+from tasks.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.mark.slow
+def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Path) -> None:
+    from flows.pipeline import pipeline
+
+    subprocess.run(["git", "init", "-q", str(project.project_root)], check=True)
+    config = PipelineConfig.model_validate(
+        {
+            "source": str(digits_raw),
+            "image_size": 16,
+            "split": {"fraction": 0.8},
+            "train": {"epochs": 1, "batch_size": 8, "learning_rate": 0.01, "nproc_per_node": 2},
+        }
+    )
+    result = pipeline(config)
+
+    # data: converted, split and versioned in DVC, pushed to the local remote
+    data = project.data_path
+    for name in ("images", "train", "val"):
+        assert (data / f"{name}.dvc").is_file()
+        assert result.data_version[name].endswith(".dir")
+    assert any(Path(project.dvc_remote).rglob("*"))
+
+    # model: trained, exported, registered with its data version
+    assert (result.model_dir / "model.safetensors").is_file()
+    assert (result.model_dir / "model.onnx").is_file()
+    client = MlflowClient(tracking_uri=project.tracking_uri, registry_uri=project.registry_uri)
+    version = client.get_model_version(result.registered_model, result.registered_version)
+    assert version.run_id == result.mlflow_run_id
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert {"train/loss", "val/loss", "val/top1", "val/top5", "train/images_per_sec"} <= set(
+        run.data.metrics
+    )
+
+    # scoring and evaluation on the validation split
+    table = pd.read_csv(result.scored)
+    val_images = len(list((data / "val").rglob("*.png")))
+    assert len(table) == val_images
+    assert list(table.columns[-1:]) == ["Scored Labels"]
+    assert [c for c in table.columns if c.startswith("Scored Probabilities_")] == [
+        "Scored Probabilities_0",
+        "Scored Probabilities_1",
+        "Scored Probabilities_2",
+    ]
+    accuracy = (table["category"].astype(str) == table["Scored Labels"].astype(str)).mean()
+    assert result.metrics["eval/accuracy"] == pytest.approx(accuracy)
+    assert "eval/accuracy" in client.get_run(result.mlflow_run_id).data.metrics

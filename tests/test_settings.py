@@ -1,0 +1,42 @@
+"""Settings: one object says where everything lives; environment variables change it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.settings import Settings
+
+
+def test_defaults_live_under_the_project_working_folder(tmp_path: Path) -> None:
+    s = Settings(project_root=tmp_path)
+    assert s.home_dir == tmp_path / ".imageops"
+    assert s.tracking_uri == f"sqlite:///{tmp_path / '.imageops' / 'mlflow.db'}"
+    assert s.registry_uri == s.tracking_uri
+    assert s.dvc_remote == str(tmp_path / ".imageops" / "dvc-remote")
+    assert s.torch_home == tmp_path / ".imageops" / "torch"
+    assert s.data_path == tmp_path / "data"
+    env = s.environment()
+    assert env["PREFECT_HOME"] == str(tmp_path / ".imageops" / "prefect")
+    assert env["MLFLOW_TRACKING_URI"] == s.tracking_uri
+    assert "PREFECT_API_URL" not in env  # embedded: Prefect's ephemeral API
+    assert env["DVC_NO_ANALYTICS"] == "1"
+
+
+def test_servers_for_scale_out_are_only_other_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IMAGEOPS_PROJECT_ROOT", str(tmp_path))
+    monkeypatch.setenv("IMAGEOPS_MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    monkeypatch.setenv("IMAGEOPS_PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    monkeypatch.setenv("IMAGEOPS_DVC_REMOTE_URL", "s3://bucket/imageops")
+    s = Settings()
+    assert s.tracking_uri == "http://127.0.0.1:5000"
+    assert s.dvc_remote == "s3://bucket/imageops"
+    assert s.environment()["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
+
+
+def test_unknown_setting_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mlflow_uri"):
+        Settings(project_root=tmp_path, mlflow_uri="x")  # type: ignore[call-arg]
