@@ -9,17 +9,17 @@ from __future__ import annotations
 from models.errors import ImageOpsError, InvalidModelDirectoryError
 
 __all__ = [
+    "ExportParityError",
     "ImageOpsError",
-    "InvalidModelDirectoryError",
-    "NotLabeledDatasetError",
     "InvalidDatasetError",
     "InvalidImageDirectoryError",
-    "NoUsableImagesError",
-    "UnsafeArchiveError",
+    "InvalidModelDirectoryError",
     "InvalidParameterError",
-    "TrainingFailedError",
-    "ExportParityError",
+    "NoUsableImagesError",
+    "NotLabeledDatasetError",
     "RegistryError",
+    "TrainingFailedError",
+    "UnsafeArchiveError",
     "VersioningError",
 ]
 

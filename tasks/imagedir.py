@@ -1,14 +1,16 @@
 """The ImageDirectory contract every step reads and writes.
 
-Labeled: torchvision's ImageFolder layout (``<root>/<class>/<image>``) plus ``<root>/manifest.json``.
-Unlabeled (for scoring): images anywhere below ``<root>`` and a manifest without classes. The
-manifest is the source of truth for class ids (list index = id, classes sorted by name, exactly as
-ImageFolder sorts them) and for which files belong to the set.
+Labeled: torchvision's ImageFolder layout (``<root>/<class>/<image>``) plus
+``<root>/manifest.json``. Unlabeled (for scoring): images anywhere below ``<root>`` and a manifest
+without classes. The manifest is the source of truth for class ids (list index = id, classes sorted
+by name, exactly as ImageFolder sorts them) and for which files belong to the set.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
+from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
@@ -24,6 +26,31 @@ FORMAT_VERSION = 1
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 # Pillow format names we open; anything else is refused even if the extension looks right.
 PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
+
+
+class SkipReason(StrEnum):
+    """Why a file was left out: the first word of every ``SkippedFile.reason``.
+
+    A reason reads ``"<SkipReason>: <detail>"``, so tools can group skipped files by the code and
+    people can read the detail.
+    """
+
+    EMPTY_FILE = "EmptyFile"
+    NOT_AN_IMAGE = "NotAnImage"
+    EXTENSION_MISMATCH = "ExtensionMismatch"
+    UNREADABLE_IMAGE = "UnreadableImage"
+    IMAGE_EXCEEDS_LIMIT = "ImageExceedsLimit"
+    HIDDEN_FILE = "HiddenFile"
+    BAD_FILE_NAME = "BadFileName"
+    NOT_IN_CLASS_FOLDER = "NotInClassFolder"
+    EMPTY_CLASS = "EmptyClass"
+    SYMLINKED_FOLDER = "SymlinkedFolder"
+    UNSAFE_ARCHIVE_MEMBER = "UnsafeArchiveMember"
+    UNREADABLE_ARCHIVE_MEMBER = "UnreadableArchiveMember"
+
+    def because(self, detail: str) -> str:
+        """The reason text: code first, then what exactly was wrong."""
+        return f"{self.value}: {detail}"
 
 
 class ImageEntry(BaseModel):
@@ -56,6 +83,11 @@ class Manifest(BaseModel):
     images: list[ImageEntry]
     source: str = ""
     skipped: list[SkippedFile] = Field(default_factory=list)
+    duplicates: list[list[str]] = Field(
+        default_factory=list,
+        description="Groups of image paths with the same sha256 (kept, but listed: duplicates "
+        "inflate a class and leak between a training and a validation split).",
+    )
 
     def labels(self) -> list[int]:
         return [int(e.label) for e in self.images if e.label is not None]
@@ -63,6 +95,14 @@ class Manifest(BaseModel):
 
 def is_image_file(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def find_duplicates(entries: Iterable[ImageEntry]) -> list[list[str]]:
+    """Paths that share a sha256, as sorted groups of two or more, ordered by first path."""
+    by_hash: dict[str, list[str]] = {}
+    for entry in entries:
+        by_hash.setdefault(entry.sha256, []).append(entry.path)
+    return sorted(sorted(paths) for paths in by_hash.values() if len(paths) > 1)
 
 
 def read_manifest(root: Path) -> Manifest:
@@ -110,7 +150,8 @@ def require_same_classes(train: Manifest, val: Manifest) -> None:
         only_val = sorted(set(val.classes) - set(train.classes))
         raise InvalidDatasetError(
             "Training and validation datasets have different classes "
-            f"(only in training: {only_train or 'none'}; only in validation: {only_val or 'none'}).",
+            f"(only in training: {only_train or 'none'}; "
+            f"only in validation: {only_val or 'none'}).",
             "Split one ImageDirectory with `imageops split` so both halves share the classes.",
         )
 

@@ -1,0 +1,311 @@
+"""Safe extraction of image archives (.zip, .tar, .tar.gz/.tgz, .tar.bz2) for Convert.
+
+An archive comes from somewhere else, so every member is checked before a byte is written: only
+regular files and folders (no symlinks, hard links, devices or FIFOs), no absolute names, no
+``..``, and the resolved path must stay under the destination. A refused member is reported, not
+extracted. Caps on the member count and the total size stop zip and tar bombs before they fill the
+disk. Python 3.11 predates the 2025 tarfile filter fixes, so tarfile's ``filter="data"`` is used
+in addition to these checks, not instead of them. Nested archives are extracted as plain files and
+never unpacked.
+"""
+
+from __future__ import annotations
+
+import errno
+import lzma
+import os
+import re
+import stat
+import tarfile
+import zipfile
+import zlib
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from tasks.errors import NoUsableImagesError, UnsafeArchiveError
+from tasks.imagedir import SkippedFile, SkipReason
+
+DEFAULT_MAX_MEMBERS = 500_000
+DEFAULT_MAX_BYTES = 20 * 1024**3
+_ZIP_SUFFIXES = (".zip",)
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tbz")
+ARCHIVE_SUFFIXES = _ZIP_SUFFIXES + _TAR_SUFFIXES
+_CHUNK = 1024 * 1024
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_CHECK_COMPLETE = (
+    "Check that the file is complete (a download cut short?) and lists with `unzip -l` or "
+    "`tar -tf`."
+)
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def archive_kind(path: Path) -> str | None:
+    """``"zip"`` or ``"tar"`` from the file name, or None when it is not an archive we read."""
+    name = Path(path).name.lower()
+    if name.endswith(_ZIP_SUFFIXES):
+        return "zip"
+    if name.endswith(_TAR_SUFFIXES):
+        return "tar"
+    return None
+
+
+def extract_archive(
+    archive: Path,
+    dest: Path,
+    *,
+    max_members: int = DEFAULT_MAX_MEMBERS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> list[SkippedFile]:
+    """Extract the safe members of ``archive`` into the existing empty folder ``dest``.
+
+    Returns the refused members, each with the reason. Raises :class:`UnsafeArchiveError` when
+    the archive has more than ``max_members`` members or more than ``max_bytes`` of content (the
+    whole archive is refused: a partial extraction would be a silently partial data set), and
+    :class:`NoUsableImagesError` when the file is not a readable archive.
+    """
+    archive, dest = Path(archive), Path(dest)
+    kind = archive_kind(archive)
+    if kind == "zip":
+        return _extract_zip(archive, dest, max_members, max_bytes)
+    if kind == "tar":
+        return _extract_tar(archive, dest, max_members, max_bytes)
+    raise NoUsableImagesError(
+        f"{archive} is not an archive imageops reads.",
+        f"Use a folder or one of: {', '.join(ARCHIVE_SUFFIXES)}.",
+    )
+
+
+def _safe_target(dest: Path, name: str) -> Path | None:
+    """Where member ``name`` may be written under ``dest``; None for the archive's root itself."""
+    if "\x00" in name:
+        raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because("NUL byte in the name"))
+    if name.startswith("/") or _DRIVE.match(name):
+        raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because("absolute path"))
+    parts = [p for p in PurePosixPath(name).parts if p != "."]
+    if ".." in parts:
+        raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because("'..' in the path"))
+    if not parts:
+        return None
+    target = dest.joinpath(*parts)
+    # Nothing we write is a link, but check the resolved path anyway: defence in depth.
+    root = os.path.realpath(dest)
+    if os.path.commonpath([root, os.path.realpath(target)]) != root:
+        raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because("resolves outside the archive"))
+    return target
+
+
+def _too_many(archive: Path, max_members: int) -> UnsafeArchiveError:
+    return UnsafeArchiveError(
+        f"{archive} has more than {max_members:,} members; refused as a possible archive bomb.",
+        "If it is genuine, pass a larger max_archive_members, or extract it yourself and convert "
+        "the folder.",
+    )
+
+
+def _too_big(archive: Path, max_bytes: int) -> UnsafeArchiveError:
+    return UnsafeArchiveError(
+        f"{archive} unpacks to more than {max_bytes:,} bytes; refused as a possible archive bomb.",
+        "If it is genuine, pass a larger max_archive_bytes, or extract it yourself and convert "
+        "the folder.",
+    )
+
+
+# Errors that mean "this member cannot exist here" (a file named like a folder that holds other
+# members, a name too long or not encodable); anything else (a full disk) is the machine's fault
+# and is raised.
+_MEMBER_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EILSEQ}
+
+
+def _cannot_create(exc: OSError) -> _Refused:
+    return _Refused(
+        SkipReason.UNREADABLE_ARCHIVE_MEMBER.because(f"cannot be created here: {exc.strerror}")
+    )
+
+
+def _make_dir(target: Path) -> None:
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if exc.errno in _MEMBER_ERRNOS:
+            raise _cannot_create(exc) from exc
+        raise
+
+
+def _open_new(target: Path) -> BinaryIO:
+    """Create ``target`` (and its folders); a second member with the same name is refused."""
+    _make_dir(target.parent)
+    try:
+        return target.open("xb")
+    except FileExistsError as exc:
+        raise _Refused(
+            SkipReason.UNSAFE_ARCHIVE_MEMBER.because("a member with this name came earlier")
+        ) from exc
+    except OSError as exc:
+        if exc.errno in _MEMBER_ERRNOS:
+            raise _cannot_create(exc) from exc
+        raise
+
+
+def _extract_zip(archive: Path, dest: Path, max_members: int, max_bytes: int) -> list[SkippedFile]:
+    try:
+        zf = zipfile.ZipFile(archive)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise NoUsableImagesError(
+            f"{archive} is not a readable zip archive: {exc}.", _CHECK_COMPLETE
+        ) from exc
+    skipped: list[SkippedFile] = []
+    total = 0
+    with zf:
+        infos = zf.infolist()
+        if len(infos) > max_members:
+            raise _too_many(archive, max_members)
+        # The declared sizes can lie; this is only the cheap early refusal, the real count of
+        # bytes written below is what enforces the cap.
+        if sum(info.file_size for info in infos) > max_bytes:
+            raise _too_big(archive, max_bytes)
+        for info in infos:
+            # Windows tools sometimes write backslashes; the zip format says "/".
+            name = info.filename.replace("\\", "/")
+            try:
+                kind = stat.S_IFMT(info.external_attr >> 16)
+                if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+                    raise _Refused(
+                        SkipReason.UNSAFE_ARCHIVE_MEMBER.because(
+                            f"a {_zip_kind(kind)}, not a regular file or folder"
+                        )
+                    )
+                target = _safe_target(dest, name)
+                if target is None:
+                    continue
+                if info.is_dir():
+                    _make_dir(target)
+                    continue
+                total = _copy_zip_member(zf, info, target, total, archive, max_bytes)
+            except _Refused as refused:
+                skipped.append(SkippedFile(path=info.filename, reason=refused.reason))
+    return skipped
+
+
+def _zip_kind(kind: int) -> str:
+    names = {
+        stat.S_IFLNK: "symlink",
+        stat.S_IFCHR: "character device",
+        stat.S_IFBLK: "block device",
+        stat.S_IFIFO: "FIFO",
+        stat.S_IFSOCK: "socket",
+    }
+    return names.get(kind, f"file of type {kind:o}")
+
+
+def _copy_zip_member(
+    zf: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    target: Path,
+    total: int,
+    archive: Path,
+    max_bytes: int,
+) -> int:
+    out = _open_new(target)
+    try:
+        with out, zf.open(info) as src:
+            while chunk := src.read(_CHUNK):
+                total += len(chunk)
+                if total > max_bytes:
+                    raise _too_big(archive, max_bytes)
+                out.write(chunk)
+    except (zipfile.BadZipFile, RuntimeError, NotImplementedError, zlib.error, EOFError) as exc:
+        # CRC mismatch, encrypted member, unsupported compression, cut-off data.
+        target.unlink(missing_ok=True)
+        raise _Refused(SkipReason.UNREADABLE_ARCHIVE_MEMBER.because(str(exc))) from exc
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+    return total
+
+
+def _tar_kind(member: tarfile.TarInfo) -> str:
+    if member.issym():
+        return f"symlink to {member.linkname!r}"
+    if member.islnk():
+        return f"hard link to {member.linkname!r}"
+    if member.ischr() or member.isblk():
+        return "device"
+    if member.isfifo():
+        return "FIFO"
+    if member.issparse():
+        return "sparse file"
+    return f"tar member of type {member.type!r}"
+
+
+def _extract_tar(archive: Path, dest: Path, max_members: int, max_bytes: int) -> list[SkippedFile]:
+    try:
+        tf = tarfile.open(archive, mode="r:*")  # noqa: SIM115 (closed by `with tf` below)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise NoUsableImagesError(
+            f"{archive} is not a readable tar archive: {exc}.", _CHECK_COMPLETE
+        ) from exc
+    skipped: list[SkippedFile] = []
+    count = 0
+    total = 0
+    with tf:
+        try:
+            # Iterate lazily: a bomb with millions of headers is refused at the cap, not listed.
+            for member in tf:
+                count += 1
+                if count > max_members:
+                    raise _too_many(archive, max_members)
+                try:
+                    target = _safe_target(dest, member.name)
+                    if target is None:
+                        continue
+                    if member.isdir():
+                        _make_dir(target)
+                        continue
+                    if not member.isreg() or member.issparse():
+                        raise _Refused(
+                            SkipReason.UNSAFE_ARCHIVE_MEMBER.because(
+                                f"a {_tar_kind(member)}, not a regular file or folder"
+                            )
+                        )
+                    total += member.size
+                    if total > max_bytes:
+                        raise _too_big(archive, max_bytes)
+                    _extract_tar_member(tf, member, dest, target)
+                except _Refused as refused:
+                    skipped.append(SkippedFile(path=member.name, reason=refused.reason))
+        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno is not None:
+                raise  # the machine's fault (a full disk), not the archive's: retryable
+            # A cut-off or corrupt stream (gzip and bz2 raise OSError without an errno): refuse
+            # the whole archive rather than convert a silently partial data set.
+            raise NoUsableImagesError(
+                f"{archive} is damaged after {count} member(s): {exc}.", _CHECK_COMPLETE
+            ) from exc
+    return skipped
+
+
+def _extract_tar_member(
+    tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, target: Path
+) -> None:
+    if target.exists() or target.is_symlink():
+        raise _Refused(
+            SkipReason.UNSAFE_ARCHIVE_MEMBER.because("a member with this name came earlier")
+        )
+    _make_dir(target.parent)
+    try:
+        tf.extract(member, dest, set_attrs=False, filter="data")
+    except tarfile.FilterError as exc:
+        raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because(str(exc))) from exc
+    except OSError as exc:
+        if exc.errno in _MEMBER_ERRNOS:
+            raise _cannot_create(exc) from exc
+        raise
+    # What landed must be the regular file we checked, where we checked it.
+    if target.is_symlink() or not target.is_file():
+        target.unlink(missing_ok=True)
+        raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because("did not extract as a file"))

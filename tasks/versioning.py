@@ -1,0 +1,233 @@
+"""Data versioning: a data folder becomes a DVC-tracked, pushed version identified by its md5.
+
+The md5 that ``dvc add`` gives a folder is the data version recorded with every training run, so
+a model can always be traced to the exact images it learned from, and ``dvc pull`` brings them
+back. DVC runs through its Python API in this process. Two DVC commands at once in one repository
+fail on DVC's own lock, so every DVC operation imageops makes holds a file lock in the project's
+working folder first: parallel flows wait their turn instead of failing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+from filelock import FileLock, Timeout
+
+from tasks.errors import VersioningError
+from tasks.settings import Settings, get_settings
+from tasks.step import step
+
+if TYPE_CHECKING:  # importing DVC takes half a second; only the functions below need it
+    from dvc.repo import Repo
+
+REMOTE_NAME = "local"
+LOCK_FILE = "dvc.lock"
+# A push of a large data set to a slow remote can take long; past this, something is stuck.
+LOCK_TIMEOUT_SECONDS = 3600.0
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+@contextmanager
+def _serialised(settings: Settings) -> Iterator[None]:
+    """Hold the project's DVC lock (one DVC operation at a time, across processes)."""
+    settings.home_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(settings.home_dir / LOCK_FILE, timeout=LOCK_TIMEOUT_SECONDS)
+    try:
+        with lock:
+            yield
+    except Timeout as exc:
+        raise VersioningError(
+            f"Waited {LOCK_TIMEOUT_SECONDS:.0f} s for the DVC lock {lock.lock_file}: another "
+            "imageops step has been versioning data in this project all that time.",
+            "Check for a stuck `imageops` process (it holds the lock) and stop it, then retry.",
+        ) from exc
+
+
+def _git_root(path: Path) -> Path | None:
+    """The git work tree that contains ``path``, or None (a ``.git`` file marks a worktree)."""
+    for folder in (path, *path.parents):
+        if (folder / ".git").exists():
+            return folder
+    return None
+
+
+def _remote_url(settings: Settings) -> str:
+    """The remote as DVC should store it: URLs as given, local folders absolute.
+
+    DVC resolves a relative folder against ``.dvc/``, not against where the user stood.
+    """
+    url = settings.dvc_remote
+    if _URL.match(url):
+        return url
+    path = Path(url).expanduser()
+    return str(path if path.is_absolute() else (settings.project_root / path).resolve())
+
+
+def _dvc_error(exc: Exception, action: str, hint: str) -> VersioningError:
+    """A DVC failure as a VersioningError that says what to do, by the kind of failure."""
+    from dvc.config import RemoteConfigError
+    from dvc.exceptions import FileTransferError
+    from dvc.lock import LockError
+    from dvc.output import OutputAlreadyTrackedError
+
+    if isinstance(exc, LockError):
+        hint = (
+            "Another DVC command (outside imageops) is running in this repository: run again "
+            "once it has finished."
+        )
+    elif isinstance(exc, OutputAlreadyTrackedError):
+        hint = (
+            "Git already tracks these files: untrack them with `git rm -r --cached PATH` and "
+            "commit, then version again (DVC tracks the data, git tracks the .dvc file)."
+        )
+    elif isinstance(exc, FileTransferError | RemoteConfigError):
+        hint = (
+            "Check that the DVC remote (IMAGEOPS_DVC_REMOTE_URL) exists, is reachable and is "
+            "writable, then retry."
+        )
+    return VersioningError(f"DVC could not {action}: {exc}", hint)
+
+
+def _configure_remote(repo: Repo, settings: Settings) -> None:
+    """Make ``local`` -> settings' remote the default, in ``.dvc/config.local``, if not already.
+
+    The local level is per checkout and not committed: where the remote lives is a setting of
+    this machine (a folder here, S3 elsewhere), while ``.dvc/config`` is shared through git.
+    Analytics are switched off in the same place, in addition to ``DVC_NO_ANALYTICS``.
+    """
+    url = _remote_url(settings)
+    current = repo.config.read("local")
+    remote = current.get("remote", {}).get(REMOTE_NAME, {})
+    core = current.get("core", {})
+    if (
+        str(remote.get("url", "")) == url
+        and core.get("remote") == REMOTE_NAME
+        and str(core.get("analytics", "")).lower() == "false"
+    ):
+        return  # idempotent: no rewrite, so the file's mtime says when it last changed
+    with repo.config.edit("local") as conf:
+        # setdefault: keep options a user added to this remote (credentials, endpoint).
+        conf["remote"].setdefault(REMOTE_NAME, {})["url"] = url
+        conf["core"]["remote"] = REMOTE_NAME
+        conf["core"]["analytics"] = False
+
+
+def _ensure(settings: Settings) -> Repo:
+    """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    root = settings.project_root.resolve()
+    if not root.is_dir():
+        raise VersioningError(
+            f"The project root {root} is not a folder.",
+            "Set IMAGEOPS_PROJECT_ROOT to the project folder (or run imageops from it).",
+        )
+    try:
+        if not (root / ".dvc").is_dir():
+            git_root = _git_root(root)
+            if git_root is None:
+                repo = Repo.init(str(root), no_scm=True)
+            else:
+                # In git, DVC stages its own files and writes .gitignore entries for the data.
+                repo = Repo.init(str(root), subdir=git_root != root)
+        else:
+            repo = Repo(str(root))
+        try:
+            _configure_remote(repo, settings)
+        except BaseException:
+            repo.close()
+            raise
+    except DvcException as exc:
+        raise _dvc_error(
+            exc,
+            f"set up a DVC repository in {root}",
+            f"Check that {root / '.dvc'} is a DVC folder you can write, or remove it to start "
+            "afresh.",
+        ) from exc
+    return repo
+
+
+def ensure_dvc_repo(settings: Settings | None = None) -> Repo:
+    """Open the DVC repository at ``settings.project_root``, creating and configuring it if needed.
+
+    Creates ``.dvc/`` when missing (tracked by git when the project is in a git work tree, else
+    with ``no_scm``), and sets the default remote ``local`` to ``settings.dvc_remote`` in
+    ``.dvc/config.local``. Idempotent. The caller owns the returned repo: use it as
+    ``with ensure_dvc_repo(settings) as repo: ...`` so it is closed. Raises
+    :class:`VersioningError` when DVC cannot set up the repository.
+    """
+    settings = settings or get_settings()
+    with _serialised(settings):
+        return _ensure(settings)
+
+
+def _inside_project(path: Path, settings: Settings) -> Path:
+    root = settings.project_root.resolve()
+    target = Path(path).expanduser()
+    target = (target if target.is_absolute() else root / target).resolve()
+    if target == root or not target.is_relative_to(root):
+        raise VersioningError(
+            f"{path} is not inside the project root {root}: DVC versions only data inside its "
+            "repository.",
+            f"Write the data under {settings.data_path} (e.g. `imageops convert SRC "
+            f"{settings.data_path / 'images'}`) or set IMAGEOPS_PROJECT_ROOT to a folder that "
+            "contains it.",
+        )
+    if not target.exists():
+        raise VersioningError(f"{target} does not exist: nothing to version.")
+    return target
+
+
+def _tracked_md5(dvc_file: Path) -> str:
+    try:
+        md5 = yaml.safe_load(dvc_file.read_text())["outs"][0]["md5"]
+    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError) as exc:
+        raise VersioningError(
+            f"{dvc_file} has no md5 for its output ({type(exc).__name__}: {exc}).",
+            "Version the data again; if it persists, delete the .dvc file and retry.",
+        ) from exc
+    if not isinstance(md5, str) or not md5:
+        raise VersioningError(f"{dvc_file} has an empty md5.", "Version the data again.")
+    return md5
+
+
+def version(path: Path, settings: Settings | None = None) -> str:
+    """``dvc add`` the folder (or file) ``path`` and ``dvc push`` it; return its md5.
+
+    ``path`` is absolute or relative to the project root, and must be inside it. The md5 is the
+    one in the ``.dvc`` file's first output (``<hash>.dir`` for a folder): the same data gives
+    the same md5, so versioning unchanged data twice returns the same value and pushes nothing.
+    Raises :class:`VersioningError` for a path outside the project or any DVC failure.
+    """
+    from dvc.exceptions import DvcException
+
+    settings = settings or get_settings()
+    target = _inside_project(path, settings)
+    with _serialised(settings), _ensure(settings) as repo:
+        try:
+            stages = repo.add([str(target)])
+            dvc_file = Path(stages[0].path)
+        except DvcException as exc:
+            raise _dvc_error(
+                exc,
+                f"add {target}",
+                "Check that the folder is readable and not inside .dvc/ or .git/.",
+            ) from exc
+        try:
+            repo.push(targets=[str(dvc_file)])
+        except DvcException as exc:
+            raise _dvc_error(
+                exc,
+                f"push {target} to the remote {_remote_url(settings)}",
+                "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
+            ) from exc
+    return _tracked_md5(dvc_file)
+
+
+version_task = step(version, name="version")

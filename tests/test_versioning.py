@@ -1,0 +1,160 @@
+"""Data versioning with a real DVC repository in a throw-away project, with and without git."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from filelock import FileLock
+
+from tasks.errors import VersioningError
+from tasks.settings import Settings
+from tasks.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, version
+
+
+def _data(settings: Settings, source: Path, name: str = "train") -> Path:
+    """A copy of an ImageDirectory under the project's data folder."""
+    dest = settings.data_path / name
+    shutil.copytree(source, dest)
+    return dest
+
+
+def _remote_objects(settings: Settings) -> set[str]:
+    """Content hashes in the remote, as DVC 3 lays them out (files/md5/ab/cdef...)."""
+    root = Path(settings.dvc_remote) / "files" / "md5"
+    return {p.parent.name + p.name for p in root.rglob("*") if p.is_file()}
+
+
+def _git_init(folder: Path) -> None:
+    subprocess.run(["git", "init", "-q", str(folder)], check=True)
+
+
+def test_version_without_git_pushes_and_returns_the_md5(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    data = _data(project, digits_split[0])
+
+    md5 = version(data, project)
+
+    assert md5.endswith(".dir") and len(md5) == 32 + len(".dir")
+    out = yaml.safe_load((data.parent / "train.dvc").read_text())["outs"][0]
+    assert out["md5"] == md5 and out["path"] == "train"
+    n_files = sum(1 for p in data.rglob("*") if p.is_file())
+    assert out["nfiles"] == n_files == 73  # 72 images and the manifest
+    # The remote holds the directory listing and every file, and nothing else.
+    assert md5 in _remote_objects(project)
+    assert len(_remote_objects(project)) == n_files + 1
+    assert not (project.project_root / ".git").exists()
+    assert (project.project_root / ".dvc").is_dir()
+
+
+def test_version_in_git_gives_the_same_md5_and_gitignores_the_data(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    _git_init(project.project_root)
+    data = _data(project, digits_split[0])
+
+    first = version("data/train", project)  # relative to the project root
+    again = version(data, project)
+
+    assert first == again
+    assert (data.parent / ".gitignore").read_text().splitlines() == ["/train"]
+    staged = subprocess.run(
+        ["git", "status", "--porcelain"],
+        cwd=project.project_root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "A  .dvc/config" in staged  # DVC initialised inside git and staged its files
+    assert ".dvc/config.local" not in staged  # machine-local settings stay out of git
+
+
+def test_unchanged_data_keeps_its_md5_and_changed_data_gets_a_new_one(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    data = _data(project, digits_split[1])
+
+    first = version(data, project)
+    pushed = _remote_objects(project)
+    second = version(data, project)
+    assert second == first
+    assert _remote_objects(project) == pushed
+
+    victim = next(data.rglob("*.png"))
+    victim.unlink()
+    third = version(data, project)
+    assert third != first
+    assert third in _remote_objects(project)
+    assert first in _remote_objects(project)  # the old version is still in the remote
+
+
+def test_ensure_dvc_repo_is_idempotent_and_configures_the_local_remote(
+    project: Settings,
+) -> None:
+    with ensure_dvc_repo(project) as repo:
+        assert Path(repo.root_dir) == project.project_root.resolve()
+    config = project.project_root / ".dvc" / "config.local"
+    written = config.read_text()
+    stamp = config.stat().st_mtime_ns
+
+    with ensure_dvc_repo(project) as repo:
+        remote = repo.config["remote"][REMOTE_NAME]["url"]
+        assert repo.config["core"]["remote"] == REMOTE_NAME
+        assert repo.config["core"]["analytics"] is False
+
+    assert remote == str(project.home_dir / "dvc-remote")
+    assert config.read_text() == written and config.stat().st_mtime_ns == stamp
+    assert f'remote "{REMOTE_NAME}"' in written
+    assert (
+        project.project_root / ".dvc" / "config"
+    ).read_text().strip() == "[core]\n    no_scm = True"
+
+
+def test_parallel_versions_wait_for_each_other(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    # Two DVC commands at once in one repository fail on DVC's lock; ours serialises them.
+    train = _data(project, digits_split[0], "train")
+    val = _data(project, digits_split[1], "val")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        md5s = list(pool.map(lambda p: version(p, project), [train, val]))
+
+    assert md5s[0] != md5s[1]
+    assert set(md5s) <= _remote_objects(project)
+
+
+def test_version_waits_while_another_step_holds_the_dvc_lock(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    data = _data(project, digits_split[1])
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        with FileLock(project.home_dir / LOCK_FILE):  # as another imageops process would
+            pending = pool.submit(version, data, project)
+            time.sleep(1.0)
+            assert not pending.done()
+            assert not (project.project_root / ".dvc").exists()  # DVC not touched yet
+        md5 = pending.result(timeout=120)
+
+    assert md5 in _remote_objects(project)
+
+
+def test_a_path_outside_the_project_is_refused(project: Settings, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "x.txt").write_text("x")
+
+    with pytest.raises(VersioningError, match="not inside the project root"):
+        version(outside, project)
+    with pytest.raises(VersioningError, match="not inside the project root"):
+        version(project.project_root, project)
+    with pytest.raises(VersioningError, match="does not exist"):
+        version("data/missing", project)
+    assert not (project.project_root / ".dvc").exists()  # refused before DVC was touched
