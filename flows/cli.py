@@ -281,7 +281,7 @@ def run_pipeline(
     _print_summary(settings, result)
 
 
-def _print_summary(settings: Settings, result) -> None:  # noqa: ANN001 - PipelineResult
+def _print_summary(settings: Settings, result) -> None:
     out.rule("imageops run finished")
     for key, value in sorted(result.metrics.items()):
         out.print(f"  {key:<24} {value:.4f}")

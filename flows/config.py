@@ -1,4 +1,4 @@
-"""The pipeline's parameters: one typed model, the form the Prefect UI renders, ``params.yaml``'s shape.
+"""Pipeline parameters: one typed model, the Prefect UI form, the shape of ``params.yaml``.
 
 Defaults are the seed's, except where the bundled demo needs otherwise (resnet18 from scratch at
 32x32 on two CPU processes instead of a pretrained resnext101 at 224x224 on one GPU).
@@ -53,8 +53,10 @@ class PipelineConfig(BaseModel):
         "project root.",
     )
     image_size: int = Field(
-        default=32, gt=0, title="Image size", description="Images are resized and center-cropped "
-        "to this square size."
+        default=32,
+        gt=0,
+        title="Image size",
+        description="Images are resized and center-cropped to this square size.",
     )
     split: SplitChoice = Field(default_factory=SplitChoice)
     model: ModelChoice = Field(default_factory=ModelChoice)

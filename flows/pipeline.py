@@ -1,4 +1,4 @@
-"""The whole pipeline in one flow: convert, version, split, train, export, register, score, evaluate.
+"""The whole pipeline as one Prefect flow, from raw images to a registered, evaluated model.
 
 Composition only: every step is a task from ``tasks/`` that does its own work and retries on its
 own; this flow says which, in what order, with what.
@@ -6,7 +6,7 @@ own; this flow says which, in what order, with what.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import flow
@@ -45,7 +45,7 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
     config = config or PipelineConfig()
     settings = get_settings()
     data = settings.data_path
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     outputs = settings.home_dir / "outputs" / stamp
     source = settings.project_root / config.source
 
@@ -59,9 +59,7 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
         for name in ("images", "train", "val"):
             data_version[name] = version_task(data / name)
 
-    build_model_task(
-        config.model.name, outputs / "untrained", pretrained=config.model.pretrained
-    )
+    build_model_task(config.model.name, outputs / "untrained", pretrained=config.model.pretrained)
     trained = train_task(
         outputs / "untrained", data / "train", data / "val", outputs / "model", config.train,
         preprocessing=Preprocessing(resize=config.image_size, center_crop=config.image_size),

@@ -1,4 +1,4 @@
-"""The trained ModelDirectory: ``model.json`` + ``model.safetensors`` (+ ``model.onnx`` once exported).
+"""The trained ModelDirectory: ``model.json``, ``model.safetensors``, ``model.onnx`` once exported.
 
 Everything needed to rebuild, score or audit the model sits in ``model.json`` as plain JSON; the
 weights are safetensors, so loading a model directory can never run code.
@@ -61,7 +61,7 @@ def save_model_directory(dest: Path, model: nn.Module, info: ModelInfo) -> Path:
 
 def read_model_info(path: Path) -> ModelInfo:
     path = Path(path)
-    hint = "Pass the folder written by `imageops train` (it holds model.json and model.safetensors)."
+    hint = "Pass the folder `imageops train` wrote (it holds model.json and model.safetensors)."
     if not (path / MODEL_JSON).is_file():
         raise InvalidModelDirectoryError(f"{path} is not a model directory: no {MODEL_JSON}.", hint)
     try:

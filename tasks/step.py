@@ -7,11 +7,15 @@ retrying cannot fix it, so it fails the task at once with its message.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 from models.errors import ImageOpsError
@@ -48,3 +52,21 @@ def step(fn: Callable[..., Any], *, name: str, retries: int = RETRIES, **options
         persist_result=False,
         **options,
     )
+
+
+def in_prefect_run() -> bool:
+    """True inside a Prefect flow or task run.
+
+    Steps are plain functions first: they publish Prefect artifacts and use the run logger only
+    when a run is there to receive them, and work unchanged from tests, DVC stages and workers.
+    """
+    try:
+        get_run_context()
+    except MissingContextError:
+        return False
+    return True
+
+
+def step_logger(name: str) -> logging.Logger | logging.LoggerAdapter:
+    """Prefect's run logger inside a run (messages reach the UI), else the module's own logger."""
+    return get_run_logger() if in_prefect_run() else logging.getLogger(name)

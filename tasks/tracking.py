@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import mlflow
 from mlflow.tracking import MlflowClient
 
+from models.errors import ImageOpsError
 from tasks.settings import Settings
 
 
@@ -28,3 +32,41 @@ def configure_mlflow(settings: Settings) -> str:
     except mlflow.exceptions.MlflowException:
         # Another process created it between our look-up and our create.
         return client.get_experiment_by_name(settings.mlflow_experiment).experiment_id
+
+
+@contextmanager
+def mlflow_run(
+    settings: Settings, run_id: str | None = None, run_name: str | None = None
+) -> Iterator[str]:
+    """Make ``run_id`` (resumed) or a new run in the settings' experiment the active run.
+
+    Yields the run id. A step that logs into an existing run (the training run, a flow's run)
+    resumes it instead of opening a second one; when that run is already active here it is used
+    as is and left open for its owner to end. A new run is ended when the block ends (FAILED if
+    it raised); a resumed run gets back the status it had (a run still training elsewhere stays
+    RUNNING, a failed one stays FAILED).
+    """
+    experiment_id = configure_mlflow(settings)
+    client = MlflowClient()
+    active = mlflow.active_run()
+    if run_id is not None and active is not None and active.info.run_id == run_id:
+        yield run_id
+        return
+    status = None
+    if run_id is not None:
+        try:
+            status = client.get_run(run_id).info.status
+        except mlflow.exceptions.MlflowException as exc:
+            raise ImageOpsError(
+                f"MLflow run {run_id} does not exist in {settings.tracking_uri}.",
+                "Pass the id of a run in this tracking store, or none to start a new run.",
+            ) from exc
+    with mlflow.start_run(
+        run_id=run_id,
+        experiment_id=None if run_id else experiment_id,
+        run_name=None if run_id else run_name,
+        nested=active is not None,
+    ) as run:
+        yield run.info.run_id
+    if status is not None and status != "FINISHED":
+        client.update_run(run_id, status=status)

@@ -1,0 +1,172 @@
+"""Evaluate Model: metrics checked against scikit-learn, files beside the table, MLflow logging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+from sklearn.metrics import (
+    accuracy_score,
+    confusion_matrix,
+    f1_score,
+    precision_recall_fscore_support,
+    precision_score,
+    recall_score,
+    top_k_accuracy_score,
+)
+
+from tasks.errors import NotLabeledDatasetError
+from tasks.evaluate import compute_metrics, evaluate
+from tasks.score import score
+from tasks.settings import Settings
+from tasks.tracking import configure_mlflow
+
+pytest_plugins = ["model_fixtures"]
+
+CLASSES = ["0", "1", "2"]
+PROBS = [f"Scored Probabilities_{c}" for c in CLASSES]
+
+
+@pytest.fixture(scope="module")
+def scored_val(
+    exported_model: Path, digits_split: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The validation digits scored by the session model (CSV). Do not modify."""
+    return score(exported_model, digits_split[1], tmp_path_factory.mktemp("scored") / "val.csv")
+
+
+def test_metrics_match_scikit_learn_and_go_to_the_given_run(
+    project: Settings, scored_val: Path, tmp_path: Path
+) -> None:
+    scored = tmp_path / scored_val.name
+    scored.write_bytes(scored_val.read_bytes())  # the outputs land beside the table
+    experiment_id = configure_mlflow(project)
+    client = MlflowClient()
+    run_id = client.create_run(experiment_id, run_name="train").info.run_id
+
+    result = evaluate(scored, settings=project, run_id=run_id)
+
+    table = pd.read_csv(scored, dtype={"category": str, "Scored Labels": str})
+    truth, predicted = table["category"], table["Scored Labels"]
+    assert result["accuracy"] == pytest.approx(accuracy_score(truth, predicted))
+    # k = min(5, 3 classes): every truth is in the top 3 (scikit-learn refuses to call that a
+    # metric; the ten-class test below compares top-k with it).
+    assert result.top_k == 3
+    assert result["top5_accuracy"] == 1.0
+    for name, fn in (("precision", precision_score), ("recall", recall_score), ("f1", f1_score)):
+        expected = fn(truth, predicted, labels=CLASSES, average="macro", zero_division=0)
+        assert result[f"{name}_macro"] == pytest.approx(expected)
+    expected_cm = confusion_matrix(truth, predicted, labels=CLASSES)
+    confusion = json.loads(result.paths["confusion_json"].read_text())
+    assert confusion == {"labels": CLASSES, "matrix": expected_cm.tolist()}
+    per_class = pd.read_csv(result.paths["per_class_csv"], dtype={"class": str})
+    assert per_class["class"].tolist() == CLASSES
+    assert per_class["support"].tolist() == [int((truth == c).sum()) for c in CLASSES]
+
+    png = result.paths["confusion_png"]
+    assert png.parent == scored.parent
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in scored.parent.iterdir() if p.name.startswith(".")]  # no temp files
+
+    assert result.run_id == run_id
+    assert [r.info.run_id for r in client.search_runs([experiment_id])] == [run_id]
+    assert client.get_run(run_id).info.status == "RUNNING"  # still training: its owner ends it
+    logged = {a.path for a in client.list_artifacts(run_id, "evaluation")}
+    assert "evaluation/val.confusion.png" in logged
+    assert "evaluation/val.per_class.csv" in logged
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["eval/accuracy"] == pytest.approx(result["accuracy"])
+    assert metrics["eval/f1_macro"] == pytest.approx(result["f1_macro"])
+
+
+def test_without_a_run_id_a_new_run_is_made(project: Settings, scored_val: Path, tmp_path: Path):
+    scored = tmp_path / "copy.csv"
+    scored.write_bytes(scored_val.read_bytes())
+    result = evaluate(scored, settings=project)
+    run = MlflowClient().get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["eval/top5_accuracy"] == pytest.approx(result["top5_accuracy"])
+    assert run.data.tags["eval/top_k"] == "3"
+
+
+def test_top_k_and_per_class_on_a_ten_class_table_match_scikit_learn() -> None:
+    # More classes than k, so top-5 is not trivially 1: seeded scores, biased to the truth.
+    rng = np.random.default_rng(0)
+    classes = [f"c{i}" for i in range(10)]
+    truth = rng.integers(0, 10, size=200)
+    logits = rng.normal(size=(200, 10))
+    logits[np.arange(200), truth] += 1.0
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    table = pd.DataFrame({"id": range(200), "path": [f"{i}.png" for i in range(200)]})
+    table["category"] = np.array(classes)[truth]
+    for i, c in enumerate(classes):
+        table[f"Scored Probabilities_{c}"] = probs[:, i]
+    table["Scored Labels"] = np.array(classes)[probs.argmax(axis=1)]
+
+    result = compute_metrics(table)
+
+    assert result.top_k == 5
+    expected_top5 = top_k_accuracy_score(table["category"], probs, k=5, labels=classes)
+    assert 0.5 < expected_top5 < 1.0
+    assert result["top5_accuracy"] == pytest.approx(expected_top5)
+    p, r, f, s = precision_recall_fscore_support(
+        table["category"], table["Scored Labels"], labels=classes, zero_division=0
+    )
+    assert [row["class"] for row in result.per_class] == classes
+    np.testing.assert_allclose([row["precision"] for row in result.per_class], p)
+    np.testing.assert_allclose([row["recall"] for row in result.per_class], r)
+    np.testing.assert_allclose([row["f1"] for row in result.per_class], f)
+    assert [row["support"] for row in result.per_class] == s.tolist()
+
+
+def test_unlabeled_table_is_refused(
+    project: Settings, exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    folder = work / "unlabeled"
+    folder.mkdir(parents=True)
+    for path in sorted(digits_raw.rglob("*.png"))[:4]:
+        (folder / path.name).write_bytes(path.read_bytes())
+    scored = score(exported_model, folder, work / "unlabeled.parquet")
+
+    with pytest.raises(NotLabeledDatasetError, match="no `category` column"):
+        evaluate(scored, settings=project)
+    assert sorted(p.name for p in work.iterdir()) == ["unlabeled", "unlabeled.parquet"]
+
+
+@pytest.mark.slow
+def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
+    project: Settings, scored_val: Path, tmp_path: Path
+) -> None:
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from tasks.evaluate import evaluate_task
+
+    scored = tmp_path / "flow.csv"
+    scored.write_bytes(scored_val.read_bytes())
+
+    @flow(name="evaluate-only")
+    def evaluate_flow(path: Path) -> float:
+        return evaluate_task(path, settings=project)["accuracy"]
+
+    accuracy = evaluate_flow(scored)
+
+    with get_client(sync_client=True) as client:
+        # Prefect 3.8's own read_artifacts sends null offset/flow_runs, which this server
+        # rejects (422); the filter with explicit values is the same query.
+        response = client.request(
+            "POST",
+            "/artifacts/filter",
+            json={"artifacts": {"key": {"any_": ["evaluation-per-class", "evaluation-summary"]}}},
+        )
+    artifacts = {a["key"]: a for a in response.json()}
+    assert artifacts["evaluation-per-class"]["type"] == "table"
+    rows = json.loads(artifacts["evaluation-per-class"]["data"])
+    assert [row["class"] for row in rows] == CLASSES
+    assert artifacts["evaluation-summary"]["type"] == "markdown"
+    assert f"| accuracy | {accuracy:.4f} |" in artifacts["evaluation-summary"]["data"]

@@ -1,0 +1,136 @@
+"""Registration on a real MLflow (SQLite in the project folder): versions, tags, alias, load."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import mlflow.onnx
+import mlflow.pyfunc
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from model_helpers import copy_model, make_model_dir
+
+from models.atomic import write_json
+from models.directory import ONNX, read_model_info
+from tasks.errors import InvalidParameterError, RegistryError
+from tasks.imagedir import load_rgb, read_manifest
+from tasks.registry import register
+from tasks.settings import Settings
+from tasks.tracking import configure_mlflow
+from tasks.transform import eval_transform
+
+pytest_plugins = ["model_fixtures"]
+
+
+def _real_batch(model_dir: Path, images: Path, count: int = 6) -> np.ndarray:
+    transform = eval_transform(read_model_info(model_dir).preprocessing)
+    entries = read_manifest(images).images[:count]
+    return torch.stack([transform(load_rgb(images / e.path)) for e in entries]).numpy()
+
+
+def test_register_twice_makes_versions_with_tags_and_a_loadable_alias(
+    project: Settings, exported_model: Path, digits_split: tuple[Path, Path]
+) -> None:
+    first = register(exported_model, settings=project, data_version={"train": "a" * 32})
+    second = register(
+        exported_model,
+        settings=project,
+        data_version={"train": "b" * 32, "val": "c" * 32},
+        alias="champion",
+    )
+    assert (first.name, first.version, second.version) == ("imageops-classifier", 1, 2)
+    assert second.model_uri == "models:/imageops-classifier/2"
+    assert first.run_id != second.run_id  # no training run recorded: each gets its own run
+
+    client = MlflowClient()
+    version = client.get_model_version("imageops-classifier", "2")
+    tags = version.tags
+    assert tags["data_md5.train"] == "b" * 32
+    assert tags["data_md5.val"] == "c" * 32
+    assert tags["git_revision"] == "unknown"  # the test project is not a git repository
+    assert tags["param.epochs"] == "1"
+    assert tags["param.learning_rate"] == "0.001"
+    assert float(tags["metric.val/top1"]) == 0.5
+    assert tags["architecture"] == "resnet18"
+    assert tags["classes"] == '["0", "1", "2"]'
+    assert int(client.get_model_version_by_alias("imageops-classifier", "champion").version) == 2
+    artifacts = {a.path for a in client.list_artifacts(second.run_id, "model_directory")}
+    assert artifacts == {"model_directory/model.json", "model_directory/model.safetensors"}
+
+    batch = _real_batch(exported_model, digits_split[1])
+    local = ort.InferenceSession(str(exported_model / ONNX), providers=["CPUExecutionProvider"])
+    (expected,) = local.run(["logits"], {"input": batch})
+
+    proto = mlflow.onnx.load_model("models:/imageops-classifier@champion")
+    registered = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = registered.run(["logits"], {"input": batch})
+    np.testing.assert_array_equal(got.argmax(1), expected.argmax(1))
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+    pyfunc = mlflow.pyfunc.load_model("models:/imageops-classifier/1")
+    assert pyfunc.metadata.get_input_schema().inputs[0].shape == (-1, 3, 16, 16)
+    predicted = pyfunc.predict(batch)
+    np.testing.assert_array_equal(predicted["logits"].argmax(1), expected.argmax(1))
+
+
+def test_register_logs_into_the_training_run_with_the_git_revision(
+    project: Settings, exported_model: Path, tmp_path: Path
+) -> None:
+    git = ["git", "-C", str(project.project_root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (project.project_root / "README.md").write_text("project\n")
+    subprocess.run([*git, "add", "README.md"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "init"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True)
+
+    experiment_id = configure_mlflow(project)
+    client = MlflowClient()
+    training_run = client.create_run(experiment_id, run_name="train").info.run_id
+    client.set_terminated(training_run)
+    model_dir = copy_model(exported_model, tmp_path / "trained")
+    info = read_model_info(model_dir).model_copy(update={"mlflow_run_id": training_run})
+    write_json(model_dir / "model.json", info.model_dump(mode="json"))
+
+    registered = register(model_dir, settings=project)
+
+    assert registered.run_id == training_run
+    runs = client.search_runs([experiment_id])
+    assert [r.info.run_id for r in runs] == [training_run]  # no second run was opened
+    assert runs[0].info.status == "FINISHED"
+    version = client.get_model_version(registered.name, str(registered.version))
+    assert version.tags["git_revision"] == head.stdout.strip()
+    assert version.tags["data_md5.train"] == "0" * 32  # from model.json when not passed
+    assert version.run_id == training_run
+
+
+def test_register_without_model_onnx_says_to_export_first(
+    project: Settings, tmp_path: Path, model_classes: list[str]
+) -> None:
+    model_dir = make_model_dir(tmp_path / "not-exported", model_classes)
+    with pytest.raises(RegistryError, match=r"no model\.onnx.*Run the export step first"):
+        register(model_dir, settings=project)
+
+
+def test_register_refuses_an_onnx_exported_from_other_weights(
+    project: Settings, exported_model: Path, tmp_path: Path, model_classes: list[str]
+) -> None:
+    model_dir = copy_model(exported_model, tmp_path / "retrained")
+    other = make_model_dir(tmp_path / "other", model_classes, seed=7)
+    (model_dir / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(RegistryError, match="exported from other weights"):
+        register(model_dir, settings=project)
+    configure_mlflow(project)  # the tracking URI is process-wide: point it at this project
+    assert MlflowClient().search_registered_models() == []
+
+
+def test_register_refuses_a_reserved_alias_before_logging(
+    project: Settings, exported_model: Path
+) -> None:
+    with pytest.raises(InvalidParameterError, match="'latest'"):
+        register(exported_model, settings=project, alias="latest")
+    configure_mlflow(project)
+    assert MlflowClient().search_registered_models() == []

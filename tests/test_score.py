@@ -1,0 +1,138 @@
+"""Score Image Model with real ONNX Runtime on real digit scans: table, formats, bad input."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pandas as pd
+import pytest
+import torch
+from model_helpers import copy_model
+
+from models.atomic import write_json
+from models.directory import ONNX, read_model_info
+from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
+from tasks.imagedir import load_rgb, read_manifest
+from tasks.score import score
+from tasks.transform import eval_transform
+
+pytest_plugins = ["model_fixtures"]
+
+PROBS = ["Scored Probabilities_0", "Scored Probabilities_1", "Scored Probabilities_2"]
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path, dtype={"path": str, "category": str, "Scored Labels": str})
+
+
+def _plain_folder(src: Path, dest: Path, count: int = 5) -> list[str]:
+    """Copy ``count`` scans into nested sub-folders of ``dest``; return their relative paths."""
+    files = sorted(src.rglob("*.png"))[:count]
+    rels = []
+    for i, path in enumerate(files):
+        rel = Path(f"batch{i % 2}") / "nested" / path.name if i % 2 else Path(path.name)
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest / rel)
+        rels.append(rel.as_posix())
+    return sorted(rels)
+
+
+def test_labeled_directory_gives_the_score_image_model_table(
+    exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    val = digits_split[1]
+    manifest = read_manifest(val)
+    out = score(exported_model, val, tmp_path / "scores.csv", batch_size=4, threads=1)
+
+    table = _read_csv(out)
+    assert list(table.columns) == ["id", "path", "category", *PROBS, "Scored Labels"]
+    assert len(table) == len(manifest.images)
+    assert table["id"].tolist() == list(range(len(manifest.images)))
+    truth = {e.path: manifest.classes[e.label] for e in manifest.images}
+    assert table["category"].tolist() == [truth[p] for p in table["path"]]
+    np.testing.assert_allclose(table[PROBS].sum(axis=1), 1.0, atol=1e-9)
+    assert ((table[PROBS] >= 0) & (table[PROBS] <= 1)).all().all()
+    argmax = np.array(["0", "1", "2"])[table[PROBS].to_numpy().argmax(axis=1)]
+    assert table["Scored Labels"].tolist() == argmax.tolist()
+
+    # Independently: the same images through eval_transform and ORT, softmax by hand.
+    info = read_model_info(exported_model)
+    transform = eval_transform(info.preprocessing)
+    batch = torch.stack([transform(load_rgb(val / p)) for p in table["path"][:3]]).numpy()
+    session = ort.InferenceSession(str(exported_model / ONNX), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(["logits"], {"input": batch})
+    expected = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(table[PROBS].to_numpy()[:3], expected, atol=1e-6)
+
+
+def test_parquet_holds_the_same_table_as_csv(
+    exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    val = digits_split[1]
+    csv = _read_csv(score(exported_model, val, tmp_path / "s.csv", batch_size=5))
+    parquet = pd.read_parquet(score(exported_model, val, tmp_path / "s.parquet", batch_size=7))
+    assert list(parquet.columns) == list(csv.columns)
+    assert parquet["id"].dtype == np.int64
+    pd.testing.assert_frame_equal(parquet, csv, check_exact=False, atol=1e-9)
+
+
+def test_plain_folder_is_scored_unlabeled_and_a_corrupt_image_is_skipped(
+    exported_model: Path,
+    digits_raw: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    folder = tmp_path / "photos"
+    good = _plain_folder(digits_raw, folder)
+    (folder / "batch1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    (folder / "notes.txt").write_text("not an image")
+    shutil.copyfile(folder / good[0], folder / ".hidden.png")
+
+    with caplog.at_level(logging.WARNING, logger="tasks.score"):
+        out = score(exported_model, folder, tmp_path / "plain.parquet", batch_size=2)
+
+    table = pd.read_parquet(out)
+    assert list(table.columns) == ["id", "path", *PROBS, "Scored Labels"]  # no category
+    assert sorted(table["path"]) == good
+    assert table["id"].tolist() == list(range(len(good)))
+    np.testing.assert_allclose(table[PROBS].sum(axis=1), 1.0, atol=1e-9)
+    assert any("batch1/broken.png" in r.getMessage() for r in caplog.records)
+
+
+def test_failed_scoring_leaves_no_partial_file(exported_model: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "all-bad"
+    folder.mkdir()
+    for name in ("a.png", "b.jpg", "c.png"):
+        (folder / name).write_bytes(b"garbage")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    dest = out_dir / "scores.csv"
+    dest.write_text("previous results\n")
+
+    with pytest.raises(NoUsableImagesError, match="None of the 3 image"):
+        score(exported_model, folder, dest, batch_size=2)
+
+    assert dest.read_text() == "previous results\n"  # the old table is untouched
+    assert sorted(p.name for p in out_dir.iterdir()) == ["scores.csv"]  # no temp file left
+
+
+def test_bad_arguments_and_mismatched_model_are_refused_up_front(
+    exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    val = digits_split[1]
+    with pytest.raises(InvalidParameterError, match="batch_size must be >= 1, got 0"):
+        score(exported_model, val, tmp_path / "s.csv", batch_size=0)
+    with pytest.raises(InvalidParameterError, match=r"\.csv or \.parquet"):
+        score(exported_model, val, tmp_path / "s.xlsx")
+
+    model_dir = copy_model(exported_model, tmp_path / "four-classes")
+    info = read_model_info(model_dir)
+    info = info.model_copy(update={"classes": [*info.classes, "3"]})
+    write_json(model_dir / "model.json", info.model_dump(mode="json"))
+    with pytest.raises(InvalidModelDirectoryError, match=r"returns 3 scores.*lists 4 classes"):
+        score(model_dir, val, tmp_path / "s.csv")
+    assert not (tmp_path / "s.csv").exists()
