@@ -69,5 +69,5 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
         "Scored Probabilities_2",
     ]
     accuracy = (table["category"].astype(str) == table["Scored Labels"].astype(str)).mean()
-    assert result.metrics["eval/accuracy"] == pytest.approx(accuracy)
+    assert result.metrics["accuracy"] == pytest.approx(accuracy)
     assert "eval/accuracy" in client.get_run(result.mlflow_run_id).data.metrics
