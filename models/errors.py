@@ -9,7 +9,13 @@ from __future__ import annotations
 
 
 class ImageOpsError(Exception):
-    """A failure the user can fix: ``str(err)`` says what was wrong, ``err.hint`` what to do."""
+    """A failure the user can fix: ``str(err)`` says what was wrong, ``err.hint`` what to do.
+
+    ``retryable`` is False for bad input (trying again cannot help, so Prefect fails the task at
+    once) and True for failures a second attempt may get past (a crashed worker, a timeout).
+    """
+
+    retryable: bool = False
 
     def __init__(self, message: str, hint: str = "") -> None:
         super().__init__(message)

@@ -18,6 +18,7 @@ __all__ = [
     "NoUsableImagesError",
     "NotLabeledDatasetError",
     "RegistryError",
+    "TrainingDivergedError",
     "TrainingFailedError",
     "UnsafeArchiveError",
     "VersioningError",
@@ -49,7 +50,13 @@ class InvalidParameterError(ImageOpsError):
 
 
 class TrainingFailedError(ImageOpsError):
-    """torchrun ended with an error; the message points at the rank logs."""
+    """torchrun ended with an error; the message points at the rank logs. Worth a retry."""
+
+    retryable = True
+
+
+class TrainingDivergedError(ImageOpsError):
+    """The training loss became NaN or infinite: the parameters, not luck, must change."""
 
 
 class ExportParityError(ImageOpsError):

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from models.atomic import atomic_file, write_json
+from tasks.artifacts import png_markdown, publish_markdown
 from tasks.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.score import LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.settings import Settings, get_settings
@@ -171,21 +172,21 @@ def _summary_markdown(result: EvaluationResult, scored: Path) -> str:
     ]
     if result.run_id:
         lines += ["", f"MLflow run: `{result.run_id}`"]
+    if "confusion_png" in result.paths:
+        lines += ["", png_markdown(result.paths["confusion_png"], "confusion matrix")]
     return "\n".join(lines) + "\n"
 
 
 def _publish_prefect_artifacts(result: EvaluationResult, scored: Path) -> None:
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_table_artifact
 
     create_table_artifact(
         table=result.per_class,
         key="evaluation-per-class",
         description=f"Per-class precision, recall and F1 of {scored.name}",
     )
-    create_markdown_artifact(
-        markdown=_summary_markdown(result, scored),
-        key="evaluation-summary",
-        description=f"Evaluation of {scored.name}",
+    publish_markdown(
+        "evaluation-summary", _summary_markdown(result, scored), f"Evaluation of {scored.name}"
     )
 
 

@@ -2,7 +2,8 @@
 
 Transient failures (a locked database, a worker killed mid-epoch, a full disk freed) are retried
 with exponential back-off. An :class:`~models.errors.ImageOpsError` means the input is wrong, and
-retrying cannot fix it, so it fails the task at once with its message.
+retrying cannot fix it, so it fails the task at once with its message, unless the error says it is
+``retryable`` (a crashed training worker).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ BACKOFF_SECONDS = 2.0
 def _retry_unless_user_error(task: Task, task_run: Any, state: Any) -> bool:
     try:
         state.result()
-    except ImageOpsError:
-        return False
+    except ImageOpsError as exc:
+        return exc.retryable
     except Exception:
         return True
     return True
@@ -41,17 +42,14 @@ def step(fn: Callable[..., Any], *, name: str, retries: int = RETRIES, **options
     steps pass only paths and small JSON-able values anyway; each step keeps its own outputs on
     disk, written atomically.
     """
-    return task(
-        fn,
-        name=name,
-        retries=retries,
-        retry_delay_seconds=exponential_backoff(backoff_factor=BACKOFF_SECONDS),
-        retry_jitter_factor=0.5,
-        retry_condition_fn=_retry_unless_user_error,
-        cache_policy=NO_CACHE,
-        persist_result=False,
-        **options,
-    )
+    settings: dict[str, Any] = {
+        "retry_delay_seconds": exponential_backoff(backoff_factor=BACKOFF_SECONDS),
+        "retry_jitter_factor": 0.5,
+        "retry_condition_fn": _retry_unless_user_error,
+        "cache_policy": NO_CACHE,
+        "persist_result": False,
+    }
+    return task(fn, name=name, retries=retries, **{**settings, **options})
 
 
 def in_prefect_run() -> bool:

@@ -8,6 +8,7 @@ a few classes, a few dozen images) so the suite stays fast on 2 cores.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,15 @@ for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
     os.environ.pop(_var, None)
 
 from tasks.settings import Settings  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """A real, temporary Prefect API (server and SQLite database) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
 
 
 @pytest.fixture

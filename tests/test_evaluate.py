@@ -140,7 +140,7 @@ def test_unlabeled_table_is_refused(
 
 @pytest.mark.slow
 def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
-    project: Settings, scored_val: Path, tmp_path: Path
+    prefect_api: None, project: Settings, scored_val: Path, tmp_path: Path
 ) -> None:
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -170,3 +170,4 @@ def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
     assert [row["class"] for row in rows] == CLASSES
     assert artifacts["evaluation-summary"]["type"] == "markdown"
     assert f"| accuracy | {accuracy:.4f} |" in artifacts["evaluation-summary"]["data"]
+    assert "![confusion matrix](data:image/png;base64," in artifacts["evaluation-summary"]["data"]

@@ -1,0 +1,13 @@
+"""Train PyTorch Model: DDP training launched through torchrun, tracked in MLflow.
+
+- ``params``: the seed's parameters (:class:`~tasks.train.params.TrainParams`) and the resolved
+  run configuration the workers read.
+- ``launch``: :func:`~tasks.train.launch.train` and ``train_task``, the step flows call: checks the
+  inputs, opens the MLflow run, runs torchrun, returns a ``TrainResult``.
+- ``worker``: the torchrun entry (``python -m tasks.train.worker``); ``loop``: one epoch and one
+  evaluation; ``schedule``: warm-up then polynomial decay; ``distributed``: ranks, process group,
+  reductions; ``data``, ``checkpoint``, ``curves``, ``failure``: the pieces they share.
+
+Nothing is imported here, so a worker loads torch and its own modules only, never Prefect or
+MLflow (rank 0 imports MLflow when it needs it).
+"""

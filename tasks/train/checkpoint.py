@@ -1,0 +1,54 @@
+"""Per-epoch checkpoints: atomic, complete, loadable with ``weights_only=True``.
+
+A checkpoint holds only tensors and plain Python values (numbers, strings, lists, dicts), so
+``torch.load(..., weights_only=True)`` reads it and loading can never run code. It is written to a
+temporary file and renamed, so a crash mid-write leaves the previous epoch's checkpoint intact.
+
+There are no RNG states in it on purpose: the worker reseeds every generator at the start of each
+epoch from (seed, rank, epoch), so a resumed run draws exactly what an uninterrupted one would,
+on every rank, which rank 0 saving its own generator state could not give the other ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.atomic import atomic_file
+from tasks.errors import TrainingFailedError
+
+SCHEMA_VERSION = 1
+CHECKPOINT = "checkpoint.pt"
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> Path:
+    """Write ``state`` (plus the schema version) atomically to ``path``."""
+    with atomic_file(Path(path)) as tmp:
+        torch.save({"schema_version": SCHEMA_VERSION, **state}, tmp)
+    return Path(path)
+
+
+def load_checkpoint(path: Path, config_digest: str) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` if there is one, else None.
+
+    Refused (TrainingFailedError) when it was written by another schema or another job (config
+    digest): resuming someone else's weights under this run's name would be silently wrong.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("schema_version") != SCHEMA_VERSION:
+        raise TrainingFailedError(
+            f"{path} has checkpoint schema {state.get('schema_version')}, this imageops writes "
+            f"{SCHEMA_VERSION}.",
+            "Delete the checkpoint to start the run over, or start a new run.",
+        )
+    if state.get("config_digest") != config_digest:
+        raise TrainingFailedError(
+            f"{path} belongs to a different training configuration or data set than this run.",
+            "Start a new run (a new run folder), or delete the checkpoint to train from scratch.",
+        )
+    return state

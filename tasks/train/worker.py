@@ -1,0 +1,445 @@
+"""The torchrun entry: ``python -m tasks.train.worker --config <run folder>/config.json``.
+
+The same entry runs under torchrun (one process per rank) or as a plain process (a world of one).
+Every rank trains; rank 0 alone does the side effects: MLflow metrics, checkpoints, the best
+weights and the final ModelDirectory. Each rank logs to ``rank_<rank>.log`` in the run folder
+(rank 0, the master, also to the console).
+
+A checkpoint is written after every epoch; when torchrun restarts the workers (``--max-restarts``),
+or a launcher is pointed at the same run, the worker resumes from it if it belongs to the same
+configuration and data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from models.atomic import atomic_file, write_json
+from models.directory import ModelInfo, save_model_directory
+from models.zoo import build_model
+from tasks.errors import InvalidDatasetError, TrainingFailedError
+from tasks.imagedir import read_manifest
+from tasks.train import distributed
+from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from tasks.train.curves import plot_curves
+from tasks.train.data import ManifestImageFolder, ShardSampler
+from tasks.train.failure import read_failures, record_failure
+from tasks.train.loop import (
+    LOSS,
+    LR,
+    METRICS,
+    THROUGHPUT,
+    TOP1,
+    TOP5,
+    VAL_LOSS,
+    derive_seed,
+    evaluate,
+    seed_everything,
+    train_one_epoch,
+)
+from tasks.train.params import RunConfig, manifest_fingerprint
+from tasks.train.schedule import build_scheduler
+from tasks.transform import eval_transform, train_transform
+
+RESULT = "result.json"
+BEST_WEIGHTS = "best.safetensors"
+CURVES = "training_curves.png"
+# The seed's optimizer: SGD with (Nesterov) momentum; weight decay as in torchvision's recipes.
+MOMENTUM = 0.9
+WEIGHT_DECAY = 1e-4
+
+log = logging.getLogger("imageops.train")
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"rank_{rank}.log"
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    formatter = logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Append: a restarted attempt adds to the same file, so the history of the run stays whole.
+    handlers: list[logging.Handler] = [
+        logging.FileHandler(rank_log(run_dir, rank), mode="a", encoding="utf-8")
+    ]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
+
+
+@dataclass
+class Progress:
+    """Where training stands after ``epoch`` completed epochs; plain values, checkpointed."""
+
+    epoch: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_top1: float = -1.0
+    best_epoch: int = 0
+    best_val_loss: float = math.inf
+    bad_epochs: int = 0
+    stopped_early: bool = False
+
+
+class Tracker:
+    """Rank 0's MLflow writer, on the run the launcher created (never a run of its own).
+
+    A client call per record rather than ``mlflow.start_run``: the launcher owns the run's
+    status, and an active-run context here would mark it FINISHED before the logs are attached.
+    """
+
+    def __init__(self, run_id: str | None) -> None:
+        self.run_id = run_id
+        if run_id:
+            from mlflow import MlflowClient  # rank 0 only: the other ranks never import mlflow
+
+            self.client = MlflowClient()  # MLFLOW_TRACKING_URI comes from the launcher
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self.run_id:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        records = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=records)
+
+    def log_artifact(self, path: Path) -> None:
+        if self.run_id:
+            self.client.log_artifact(self.run_id, str(path))
+
+
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def _loader_workers(device: torch.device) -> int:
+    # On CPU the training processes already use every core; loader processes would only compete.
+    if device.type != "cuda":
+        return 0
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(4, (os.cpu_count() or 1) // per_node - 1))
+
+
+def _refuse_repeated_user_error(run_dir: Path) -> None:
+    """After a restart, fail at once if the previous attempt failed on a user error.
+
+    torchrun restarts on any failure, but a wrong input fails the same way every time; only
+    crashes (a killed process, a lost peer) are worth another attempt.
+    """
+    if _attempt() == 0:
+        return
+    for failure in read_failures(run_dir):
+        error = failure.as_error()
+        if error is not None and failure.attempt < _attempt():
+            raise error
+
+
+def train_worker(config: RunConfig) -> dict[str, Any]:
+    """Train as this process's rank; returns the result that rank 0 writes to ``result.json``."""
+    rank = int(os.environ.get("RANK", "0"))
+    _setup_logging(config.run_dir, rank)
+    try:
+        _refuse_repeated_user_error(config.run_dir)
+        dist = distributed.setup(config.device)
+        return _train(config, dist)
+    except Exception as exc:
+        log.exception("training failed on rank %d: %s", rank, exc)
+        record_failure(config.run_dir, rank, _attempt(), exc)
+        raise
+    finally:
+        distributed.cleanup()
+        for handler in log.handlers:
+            handler.flush()
+
+
+def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
+    params = config.params
+    device = dist.device
+    if dist.world_size != config.world_size:
+        raise TrainingFailedError(
+            f"This worker runs in a world of {dist.world_size} processes; the run was configured "
+            f"for {config.world_size}.",
+            "Start it through `tasks.train.launch.train`, which sets up torchrun to match.",
+        )
+    log.info(
+        "attempt %d: rank %d of %d on %s, run folder %s",
+        _attempt(),
+        dist.rank,
+        dist.world_size,
+        device,
+        config.run_dir,
+    )
+
+    # Data: the manifests must be the ones the launcher checked (a resumed run sees the same data).
+    datasets = {}
+    for role, root in (("train", config.train_data), ("val", config.val_data)):
+        if manifest_fingerprint(root) != config.data_fingerprint[role]:
+            raise InvalidDatasetError(
+                f"The {role} dataset {root} changed after this run was configured.",
+                "Start a new run on the data as it is now.",
+            )
+        manifest = read_manifest(root)
+        transform = (
+            train_transform(config.preprocessing, params.horizontal_flip)
+            if role == "train"
+            else eval_transform(config.preprocessing)
+        )
+        datasets[role] = ManifestImageFolder(root, manifest, transform)
+    num_classes = len(config.classes)
+
+    workers = _loader_workers(device)
+    loader_options: dict[str, Any] = {
+        "num_workers": workers,
+        "pin_memory": device.type == "cuda",
+        # fork inside a Prefect-launched process can deadlock on inherited locks: spawn.
+        "multiprocessing_context": "spawn" if workers else None,
+        # Fresh loader processes each epoch draw their seeds from the generator reseeded for
+        # that epoch; persistent ones would keep the first epoch's and break exact resume.
+        "persistent_workers": False,
+    }
+    sampler = DistributedSampler(
+        datasets["train"],
+        num_replicas=dist.world_size,
+        rank=dist.rank,
+        shuffle=True,
+        seed=derive_seed(params.seed, "shuffle"),
+        drop_last=False,
+    )
+    per_rank = len(sampler)
+    train_loader = DataLoader(
+        datasets["train"],
+        batch_size=params.batch_size,
+        sampler=sampler,
+        # A last batch of one image breaks BatchNorm in training mode (one value per channel
+        # after the final pooling): drop exactly that case, never a real batch.
+        drop_last=per_rank > params.batch_size and per_rank % params.batch_size == 1,
+        **loader_options,
+    )
+    val_loader = DataLoader(
+        datasets["val"],
+        batch_size=params.batch_size,
+        sampler=ShardSampler(len(datasets["val"]), dist.rank, dist.world_size),
+        **loader_options,
+    )
+
+    # The same seed on every rank before building: identical initial weights everywhere (DDP
+    # would broadcast rank 0's anyway, but a 1-process run must match too).
+    seed_everything(derive_seed(params.seed, "init"))
+    model = build_model(config.architecture, num_classes).to(device)
+    lr = params.learning_rate * dist.world_size  # the seed's rule: global batch = batch x world
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        steps_per_epoch=len(train_loader),
+        epochs=params.epochs,
+        warmup_epochs=params.warmup_epochs,
+    )
+    progress = Progress()
+    best_state: dict[str, torch.Tensor] | None = None
+    checkpoint = load_checkpoint(config.run_dir / CHECKPOINT, config.digest())
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        progress = Progress(**checkpoint["progress"])
+        if dist.is_primary:
+            best_state = load_file(str(config.run_dir / BEST_WEIGHTS))
+        log.info("resumed from the checkpoint after epoch %d", progress.epoch)
+    net: nn.Module = model
+    if dist.world_size > 1:
+        net = DistributedDataParallel(
+            model, device_ids=[dist.local_rank] if device.type == "cuda" else None
+        )
+    criterion = nn.CrossEntropyLoss()
+    tracker = Tracker(config.mlflow_run_id) if dist.is_primary else None
+
+    log.info(
+        "training %s on %d images, validating on %d (%d classes); %d iterations per epoch and "
+        "process; learning rate %g x %d processes = %g",
+        config.architecture.arch,
+        len(datasets["train"]),
+        len(datasets["val"]),
+        num_classes,
+        len(train_loader),
+        params.learning_rate,
+        dist.world_size,
+        lr,
+    )
+    for epoch in range(progress.epoch + 1, params.epochs + 1):
+        if progress.stopped_early:
+            break
+        # Reseeded per (seed, rank, epoch): augmentation differs across ranks, and a resumed
+        # run draws exactly what an uninterrupted one would have.
+        seed_everything(derive_seed(params.seed, "augment", dist.rank, epoch))
+        sampler.set_epoch(epoch)
+        stats = train_one_epoch(
+            net,
+            train_loader,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            criterion=criterion,
+            device=device,
+            epoch=epoch,
+            epochs=params.epochs,
+            print_frequency=params.print_frequency,
+            log=log,
+        )
+        val = evaluate(model, val_loader, device=device, num_classes=num_classes)
+        metrics = {LOSS: stats.loss, **val, THROUGHPUT: stats.images_per_sec, LR: stats.lr}
+        progress.history.append({"epoch": float(epoch), **metrics})
+        progress.epoch = epoch
+        # The values compared here are all-reduced, hence identical on every rank: every rank
+        # takes the same decision and nobody waits alone at the next collective.
+        if val[TOP1] > progress.best_top1:
+            progress.best_top1, progress.best_epoch = val[TOP1], epoch
+            if dist.is_primary:
+                best_state = _cpu_state(model)
+                with atomic_file(config.run_dir / BEST_WEIGHTS) as tmp:
+                    save_file(best_state, str(tmp))
+        if val[VAL_LOSS] < progress.best_val_loss:
+            progress.best_val_loss, progress.bad_epochs = val[VAL_LOSS], 0
+        else:
+            progress.bad_epochs += 1
+        progress.stopped_early = progress.bad_epochs >= params.patience and epoch < params.epochs
+        if dist.is_primary:
+            save_checkpoint(
+                config.run_dir / CHECKPOINT,
+                {
+                    "config_digest": config.digest(),
+                    "config": config.model_dump(mode="json"),
+                    "mlflow_run_id": config.mlflow_run_id,
+                    "data_version": dict(config.data_version),
+                    "epoch": epoch,
+                    "model": _cpu_state(model),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "progress": asdict(progress),
+                },
+            )
+        distributed.barrier()
+        if tracker is not None:
+            tracker.log_metrics(metrics, step=epoch)
+        log.info(
+            "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.4f, top-%d %.4f, %.1f img/s "
+            "(best top-1 %.4f at epoch %d)",
+            epoch,
+            params.epochs,
+            stats.loss,
+            val[VAL_LOSS],
+            val[TOP1],
+            min(5, num_classes),
+            val[TOP5],
+            stats.images_per_sec,
+            progress.best_top1,
+            progress.best_epoch,
+        )
+        if progress.stopped_early:
+            log.info(
+                "early stop: no lower validation loss for %d epochs (patience %d)",
+                progress.bad_epochs,
+                params.patience,
+            )
+
+    result = _summary(progress)
+    if dist.is_primary:
+        _finish(config, model, best_state, progress, result, tracker)
+    distributed.barrier()  # nobody leaves (and tears the group down) before rank 0 is done
+    return result
+
+
+def _summary(progress: Progress) -> dict[str, Any]:
+    best = next(h for h in progress.history if int(h["epoch"]) == progress.best_epoch)
+    final = progress.history[-1]
+    metrics = {name: best[name] for name in METRICS}
+    metrics |= {f"final/{name}": final[name] for name in METRICS}
+    return {
+        "metrics": metrics,
+        "best_epoch": progress.best_epoch,
+        "history": progress.history,
+        "epochs_trained": progress.epoch,
+        "stopped_early": progress.stopped_early,
+    }
+
+
+def _finish(
+    config: RunConfig,
+    model: nn.Module,
+    best_state: dict[str, torch.Tensor] | None,
+    progress: Progress,
+    result: dict[str, Any],
+    tracker: Tracker | None,
+) -> None:
+    """Rank 0: the best weights become the ModelDirectory; curves and summary go to MLflow."""
+    if best_state is None:
+        raise TrainingFailedError(
+            f"No best weights in {config.run_dir} to write the model from.",
+            "Start a new run; this run folder is incomplete.",
+        )
+    model.load_state_dict(best_state)
+    params = config.params
+    info = ModelInfo(
+        architecture=config.architecture,
+        classes=config.classes,
+        preprocessing=config.preprocessing,
+        train_params={
+            **params.model_dump(mode="json"),
+            "world_size": config.world_size,
+            "device": config.device,
+            "effective_learning_rate": params.learning_rate * config.world_size,
+        },
+        metrics={**result["metrics"], "epochs_trained": float(progress.epoch)},
+        data_version=dict(config.data_version),
+        mlflow_run_id=config.mlflow_run_id,
+        best_epoch=progress.best_epoch,
+    )
+    save_model_directory(config.out, model, info)
+    log.info("wrote the model of epoch %d to %s", progress.best_epoch, config.out)
+    curves = plot_curves(progress.history, config.run_dir / CURVES)
+    if tracker is not None:
+        tracker.log_metrics(
+            {"best/val/top1": progress.best_top1, "best/epoch": float(progress.best_epoch)},
+            step=progress.epoch,
+        )
+        tracker.log_artifact(curves)
+    write_json(config.run_dir / RESULT, result)
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``--config`` and train; ``@record`` hands torchrun the traceback of a failure."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True, help="the run's config.json")
+    args = parser.parse_args(argv)
+    train_worker(RunConfig.load(args.config))
+
+
+if __name__ == "__main__":
+    main()

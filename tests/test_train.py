@@ -1,0 +1,459 @@
+"""Train PyTorch Model: the seed's refusals before anything starts, real torchrun runs on gloo
+tracked in a real MLflow (SQLite), reproducibility, and the pieces a resumed run relies on."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from models.directory import Preprocessing, load_model_directory
+from models.zoo import MODEL_JSON, PretrainedWeightsMissingError, resnet, write_untrained
+from tasks.convert import convert
+from tasks.errors import (
+    InvalidDatasetError,
+    InvalidImageDirectoryError,
+    InvalidModelDirectoryError,
+    InvalidParameterError,
+    NotLabeledDatasetError,
+    TrainingDivergedError,
+    TrainingFailedError,
+)
+from tasks.imagedir import read_manifest
+from tasks.settings import Settings
+from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from tasks.train.data import ManifestImageFolder
+from tasks.train.failure import read_failures, record_failure
+from tasks.train.launch import TrainResult, _run_torchrun, train
+from tasks.train.loop import METRICS
+from tasks.train.params import TrainParams
+
+PRE = Preprocessing(resize=16, center_crop=16)
+FAST = {"epochs": 2, "batch_size": 8, "learning_rate": 0.01, "device": "cpu"}
+
+
+@pytest.fixture
+def untrained(tmp_path: Path) -> Path:
+    return write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
+
+
+def run_train(
+    settings: Settings, untrained: Path, data: tuple[Path, Path], out: Path, **params: object
+) -> TrainResult:
+    train_data, val_data = data
+    return train(
+        untrained,
+        train_data,
+        val_data,
+        out,
+        TrainParams.checked(**{**FAST, **params}),
+        preprocessing=PRE,
+        settings=settings,
+    )
+
+
+def assert_nothing_started(settings: Settings) -> None:
+    """No run folder and no MLflow store: the refusal came before any process or run."""
+    assert not settings.runs_dir.exists()
+    assert not (settings.home_dir / "mlflow.db").exists()
+
+
+# --- the seed's refusals, all before torchrun starts ----------------------------------------
+
+
+def test_unlabeled_training_data_is_refused(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for image in sorted((digits_split[0] / "0").iterdir())[:10]:
+        shutil.copy(image, flat / image.name)
+    convert(flat, tmp_path / "unlabeled")
+    with pytest.raises(NotLabeledDatasetError, match="not labeled"):
+        run_train(project, untrained, (tmp_path / "unlabeled", digits_split[1]), tmp_path / "out")
+    assert_nothing_started(project)
+
+
+def test_validation_with_other_classes_is_refused(
+    project: Settings,
+    untrained: Path,
+    digits_raw: Path,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    two = tmp_path / "two"
+    for label in ("0", "1"):
+        shutil.copytree(digits_raw / label, two / label)
+    convert(two, tmp_path / "val2")
+    with pytest.raises(InvalidDatasetError, match=r"only in training: \['2'\]"):
+        run_train(project, untrained, (digits_split[0], tmp_path / "val2"), tmp_path / "out")
+    assert_nothing_started(project)
+
+
+@pytest.mark.parametrize(
+    "model_json",
+    [
+        None,
+        '{"format": "imageops.UntrainedModelDirectory", '
+        '"family": "resnet", "arch": "resnet9000", '
+        '"pretrained": false}',
+    ],
+    ids=["empty", "unknown"],
+)
+def test_a_bad_model_directory_is_refused(
+    model_json: str | None, project: Settings, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if model_json:
+        (folder / MODEL_JSON).write_text(model_json)
+    with pytest.raises(InvalidModelDirectoryError):
+        run_train(project, folder, digits_split, tmp_path / "out")
+    assert_nothing_started(project)
+
+
+def test_a_batch_larger_than_the_training_set_is_refused(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    images = len(read_manifest(digits_split[0]).images)
+    with pytest.raises(InvalidParameterError) as err:
+        run_train(project, untrained, digits_split, tmp_path / "out", batch_size=images + 1)
+    assert f"batch_size = {images + 1}" in str(err.value)
+    assert f"({images} images)" in str(err.value)
+    assert_nothing_started(project)
+
+
+def test_a_bad_parameter_is_refused_naming_value_and_range(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidParameterError, match=r"epochs = 0, expected an integer > 0"):
+        run_train(project, untrained, digits_split, tmp_path / "out", epochs=0)
+    # A plain dict (as a form or a CLI sends it) is checked the same way.
+    with pytest.raises(InvalidParameterError, match=r"epochs = 0"):
+        train(
+            untrained,
+            *digits_split,
+            tmp_path / "out",
+            {"epochs": 0},
+            preprocessing=PRE,
+            settings=project,
+        )
+    assert_nothing_started(project)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidParameterError, match=r"device = 'cuda'.*\(0 GPUs\)"):
+        run_train(project, untrained, digits_split, tmp_path / "out", device="cuda")
+    assert_nothing_started(project)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_more_processes_than_gpus_is_refused(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    gpus = torch.cuda.device_count()
+    with pytest.raises(InvalidParameterError) as err:
+        run_train(
+            project,
+            untrained,
+            digits_split,
+            tmp_path / "out",
+            device="cuda",
+            nproc_per_node=gpus + 1,
+        )
+    assert f"nproc_per_node = {gpus + 1}" in str(err.value)
+    assert f"the {gpus} GPU(s)" in str(err.value)
+    assert_nothing_started(project)
+
+
+def test_missing_pretrained_weights_are_refused_before_start(
+    project: Settings,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for var in ("https_proxy", "HTTPS_PROXY"):  # no network, deterministically
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    pretrained = write_untrained(resnet("resnet18", pretrained=True), tmp_path / "pretrained")
+    with pytest.raises(PretrainedWeightsMissingError, match=str(project.torch_home)):
+        run_train(project, pretrained, digits_split, tmp_path / "out")
+    assert_nothing_started(project)
+
+
+# --- parameters -------------------------------------------------------------------------------
+
+
+def test_parameter_defaults_are_the_seeds() -> None:
+    assert TrainParams().model_dump() == {
+        "epochs": 5,
+        "batch_size": 16,
+        "warmup_epochs": 0,
+        "learning_rate": 0.001,
+        "seed": 1,
+        "patience": 3,
+        "print_frequency": 10,
+        "nodes": 1,
+        "nproc_per_node": 1,
+        "device": "auto",
+        "horizontal_flip": False,
+    }
+    schema = TrainParams.model_json_schema()["properties"]  # what the Prefect form shows
+    assert all(field.get("title") and field.get("description") for field in schema.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("epochs", 0, "an integer > 0"),
+        ("batch_size", -1, "an integer > 0"),
+        ("warmup_epochs", -1, "an integer >= 0"),
+        ("learning_rate", 0.0, "a finite number > 0"),
+        ("learning_rate", math.nan, "a finite number > 0"),
+        ("patience", 0, "an integer > 0"),
+        ("print_frequency", 0, "an integer > 0"),
+        ("nodes", 0, "an integer >= 1"),
+        ("nproc_per_node", 0, "an integer >= 1"),
+        ("device", "tpu", "one of 'auto', 'cpu', 'cuda'"),
+        ("epochs", 2.5, "an integer > 0"),
+    ],
+)
+def test_out_of_range_values_name_parameter_value_and_range(
+    name: str, value: object, expected: str
+) -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        TrainParams.checked(**{name: value})
+    assert f"{name} = {value!r}, expected {expected}" in str(err.value)
+
+
+def test_unknown_parameters_are_refused() -> None:
+    with pytest.raises(InvalidParameterError, match=r"unknown parameter 'epoch'.*Known parameters"):
+        TrainParams.checked(epoch=3)
+
+
+# --- the pieces a worker and a resumed run rely on --------------------------------------------
+
+
+def test_checkpoint_loads_with_weights_only_and_refuses_another_job(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    path = save_checkpoint(
+        tmp_path / CHECKPOINT,
+        {
+            "config_digest": "abc",
+            "config": {"params": {"epochs": 2}, "classes": ["a", "b"]},
+            "epoch": 1,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "progress": {"history": [{"val/loss": 0.5}], "best_val_loss": math.inf},
+        },
+    )
+    state = load_checkpoint(path, "abc")
+    assert state is not None and state["epoch"] == 1
+    assert torch.equal(state["model"]["weight"], model.weight)
+    restored = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1, momentum=0.9)
+    restored.load_state_dict(state["optimizer"])
+    assert load_checkpoint(tmp_path / "none.pt", "abc") is None
+    with pytest.raises(TrainingFailedError, match="different training configuration"):
+        load_checkpoint(path, "another job")
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]  # no temporary file left
+
+
+def test_image_folder_follows_the_manifest(digits_split: tuple[Path, Path], tmp_path: Path) -> None:
+    root = shutil.copytree(digits_split[1], tmp_path / "val")
+    manifest = read_manifest(root)
+    stray = root / "1" / "stray.png"
+    shutil.copy(root / manifest.images[0].path, stray)  # not in the manifest: not read
+    data = ManifestImageFolder(root, manifest)
+    assert data.class_to_idx == {"0": 0, "1": 1, "2": 2}
+    assert len(data) == len(manifest.images)
+    assert all(Path(p) != stray for p, _ in data.samples)
+    (root / manifest.images[-1].path).unlink()
+    with pytest.raises(InvalidImageDirectoryError, match="no longer matches its manifest"):
+        ManifestImageFolder(root, manifest)
+
+
+def test_worker_errors_cross_the_process_boundary_as_themselves(tmp_path: Path) -> None:
+    record_failure(tmp_path, 1, 0, RuntimeError("segfault-ish"))
+    record_failure(tmp_path, 0, 0, InvalidDatasetError("bad data", "fix it"))
+    first, second = read_failures(tmp_path)
+    error = first.as_error()
+    assert isinstance(error, InvalidDatasetError) and str(error) == "bad data fix it"
+    assert second.as_error() is None  # not a user error: the launcher quotes the log instead
+
+
+def test_a_timeout_stops_the_whole_process_tree(tmp_path: Path) -> None:
+    # A child in a session of its own, like torchrun's workers: killpg alone would miss it.
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(TrainingFailedError, match="longer than timeout_s"):
+        _run_torchrun([sys.executable, "-c", script], {}, tmp_path, timeout_s=3)
+    assert time.monotonic() - start < 30
+    grandchild = int((tmp_path / "torchrun.log").read_text().split()[0])
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == "zombie"
+
+
+# --- real torchrun runs -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_process_gloo_run(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    result = run_train(project, untrained, digits_split, tmp_path / "model", nproc_per_node=2)
+
+    model, info = load_model_directory(result.model_dir)
+    assert info.classes == ["0", "1", "2"]
+    assert info.mlflow_run_id == result.run_id
+    assert info.train_params["world_size"] == 2
+    assert info.train_params["effective_learning_rate"] == pytest.approx(0.02)
+    with torch.no_grad():
+        assert model(torch.zeros(1, 3, 16, 16)).shape == (1, 3)
+
+    client = MlflowClient(project.tracking_uri)
+    experiment = client.get_experiment_by_name(project.mlflow_experiment)
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [result.run_id]  # one run, not one per rank
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    for name in METRICS:
+        history = client.get_metric_history(result.run_id, name)
+        assert sorted(m.step for m in history) == [1, 2], name
+        assert all(math.isfinite(m.value) for m in history)
+    top1 = {m.step: m.value for m in client.get_metric_history(result.run_id, "val/top1")}
+    assert result.metrics["val/top1"] == max(top1.values())  # the best epoch's model was kept
+    assert top1[info.best_epoch] == result.metrics["val/top1"]
+    assert run.data.params["epochs"] == "2"
+    assert run.data.params["batch_size"] == "8"
+    assert run.data.params["world_size"] == "2"
+    logs = {Path(a.path).name for a in client.list_artifacts(result.run_id, "logs")}
+    assert {"rank_0.log", "rank_1.log"} <= logs
+    assert "training_curves.png" in {a.path for a in client.list_artifacts(result.run_id)}
+
+    assert result.run_dir == project.runs_dir / result.run_id
+    assert "rank 1 " in (result.run_dir / "rank_1.log").read_text()
+    state = torch.load(result.run_dir / CHECKPOINT, map_location="cpu", weights_only=True)
+    assert state["epoch"] == 2
+
+
+@pytest.mark.slow
+def kill_worker_after_first_checkpoint(runs_dir: Path, skip: Path, done: threading.Event) -> None:
+    """SIGKILL the worker of the new run once its first checkpoint exists, as an OOM kill would."""
+    deadline = time.monotonic() + 120
+    while not done.is_set() and time.monotonic() < deadline:
+        for run_dir in runs_dir.glob("*"):
+            if run_dir == skip or not (run_dir / CHECKPOINT).is_file():
+                continue
+            config = str(run_dir / "config.json")
+            for proc in psutil.process_iter(["cmdline"]):
+                cmd = proc.info["cmdline"] or []
+                # The worker, not torchrun (whose command line names the worker too).
+                is_worker = "tasks.train.worker" in cmd and "torch.distributed.run" not in cmd
+                if is_worker and config in cmd:
+                    proc.kill()
+                    return
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_same_seed_gives_the_same_model_even_across_a_crash(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    first = run_train(project, untrained, digits_split, tmp_path / "a", seed=7, epochs=3)
+    # The second run's worker is killed after epoch 1: torchrun restarts it, and it resumes from
+    # the checkpoint; reseeding per epoch makes the rest of the run draw what it would have.
+    done = threading.Event()
+    killer = threading.Thread(
+        target=kill_worker_after_first_checkpoint, args=(project.runs_dir, first.run_dir, done)
+    )
+    killer.start()
+    try:
+        second = run_train(project, untrained, digits_split, tmp_path / "b", seed=7, epochs=3)
+    finally:
+        done.set()
+        killer.join()
+    assert "resumed from the checkpoint after epoch" in (second.run_dir / "rank_0.log").read_text()
+    assert first.run_id != second.run_id
+    # Throughput is the one metric that depends on the machine, not on the seed.
+    same = [k for k in first.metrics if "images_per_sec" not in k]
+    assert {k: first.metrics[k] for k in same} == {k: second.metrics[k] for k in same}
+    a = load_file(str(first.model_dir / "model.safetensors"))
+    b = load_file(str(second.model_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    client = MlflowClient(project.tracking_uri)
+    steps = [m.step for m in client.get_metric_history(second.run_id, "val/loss")]
+    assert len(steps) == len(set(steps))  # a resumed epoch is not logged twice
+
+
+@pytest.mark.slow
+def test_a_diverging_loss_stops_training_with_advice(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(TrainingDivergedError, match="Lower learning_rate") as err:
+        run_train(
+            project,
+            untrained,
+            digits_split,
+            tmp_path / "model",
+            learning_rate=1e12,
+            print_frequency=1,
+        )
+    assert "training loss became" in str(err.value)
+    assert not (tmp_path / "model").exists()
+    client = MlflowClient(project.tracking_uri)
+    experiment = client.get_experiment_by_name(project.mlflow_experiment)
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"
+    logs = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert "rank_0.log" in logs
+
+
+def test_a_finished_command_returns_its_exit_code_and_its_output_is_kept(tmp_path: Path) -> None:
+    code = _run_torchrun([sys.executable, "-c", "print('hi')"], {}, tmp_path, timeout_s=None)
+    assert code == 0
+    assert (tmp_path / "torchrun.log").read_text() == "hi\n"
+
+
+@pytest.mark.slow
+def test_a_crash_in_a_worker_quotes_its_log(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train_data = shutil.copytree(digits_split[0], tmp_path / "train")
+    broken = train_data / read_manifest(train_data).images[0].path
+    broken.write_bytes(b"not a png any more")  # after conversion: only the worker finds out
+    with pytest.raises(TrainingFailedError) as err:
+        train(
+            untrained,
+            train_data,
+            digits_split[1],
+            tmp_path / "model",
+            TrainParams.checked(**FAST),
+            preprocessing=PRE,
+            settings=project,
+            max_restarts=0,
+        )
+    message = str(err.value)
+    assert "rank 0 failed with UnidentifiedImageError" in message
+    assert "Last lines of" in message and "rank_0.log" in message
+    assert str(project.runs_dir) in message  # names the folder with every rank's log
