@@ -30,8 +30,9 @@ model_app = typer.Typer(help="Write an UntrainedModelDirectory (DenseNet, ResNet
 app.add_typer(sample_app, name="sample")
 app.add_typer(model_app, name="model")
 
-err = Console(stderr=True)
-out = Console()
+# soft_wrap: paths and URIs stay on one line, so they can be copied even from a narrow log.
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 
 @app.callback()
@@ -284,15 +285,17 @@ def run_pipeline(
 def _print_summary(settings: Settings, result) -> None:
     out.rule("imageops run finished")
     for key, value in sorted(result.metrics.items()):
-        out.print(f"  {key:<24} {value:.4f}")
+        shown = f"{value:.0f}" if key == "images" else f"{value:.4f}"
+        out.print(f"  {key:<24} {shown}")
     out.print(f"  model directory          {result.model_dir}")
     out.print(f"  scored table             {result.scored}")
     out.print(f"  outputs                  {result.outputs}")
     out.print(f"  registered model         {result.registered_model} v{result.registered_version}")
     out.print(f"  MLflow run               {result.mlflow_run_id}")
     out.print(f"  data versions (DVC md5)  {result.data_version}")
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
     out.print(
-        f"  look at it: mlflow ui --backend-store-uri {settings.tracking_uri} "
+        f"  look at it: {mlflow_bin} ui --backend-store-uri {settings.tracking_uri} "
         f"--default-artifact-root {settings.artifact_location}"
     )
 

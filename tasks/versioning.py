@@ -9,6 +9,7 @@ working folder first: parallel flows wait their turn instead of failing.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from filelock import FileLock, Timeout
 
 from tasks.errors import VersioningError
 from tasks.settings import Settings, get_settings
-from tasks.step import step
+from tasks.step import step, step_logger
 
 if TYPE_CHECKING:  # importing DVC takes half a second; only the functions below need it
     from dvc.repo import Repo
@@ -122,6 +123,10 @@ def _ensure(settings: Settings) -> Repo:
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
+    # Importing dvc sets its loggers to INFO with handlers of their own, which would print every
+    # "git add ..." hint twice inside a Prefect run; a step reports what it did itself.
+    for name in ("dvc", "dvc_data", "dvc_objects"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     root = settings.project_root.resolve()
     if not root.is_dir():
         raise VersioningError(
@@ -227,7 +232,9 @@ def version(path: Path, settings: Settings | None = None) -> str:
                 f"push {target} to the remote {_remote_url(settings)}",
                 "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
             ) from exc
-    return _tracked_md5(dvc_file)
+    md5 = _tracked_md5(dvc_file)
+    step_logger(__name__).info("versioned %s as %s (md5 %s)", target, dvc_file.name, md5)
+    return md5
 
 
 version_task = step(version, name="version")
