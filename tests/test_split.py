@@ -144,3 +144,45 @@ def test_outputs_overlapping_the_source_or_each_other_are_refused(
 def test_source_must_be_an_image_directory(digits_raw: Path, tmp_path: Path) -> None:
     with pytest.raises(InvalidImageDirectoryError, match=r"manifest\.json is missing"):
         split(digits_raw, tmp_path / "first", tmp_path / "second")
+
+
+def test_an_optional_third_output_takes_its_share_of_each_class(
+    digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    source = digits_split[0]  # 24 images per class
+    two = split(source, tmp_path / "a2", tmp_path / "b2", fraction=0.5, seed=3)
+    three = split(
+        source,
+        tmp_path / "a3",
+        tmp_path / "b3",
+        fraction=0.5,
+        seed=3,
+        third=tmp_path / "c3",
+        third_fraction=0.25,
+    )
+    assert len(three) == 3
+    first, second, test = three
+    assert first.images == two[0].images  # the first output does not move when a third is asked
+    assert [first.counts[c] for c in first.classes] == [12, 12, 12]
+    assert [test.counts[c] for c in test.classes] == [6, 6, 6]
+    assert [second.counts[c] for c in second.classes] == [6, 6, 6]
+    paths = [{e.path for e in m.images} for m in three]
+    assert not (paths[0] & paths[1] or paths[0] & paths[2] or paths[1] & paths[2])
+    assert set().union(*paths) == {e.path for e in read_manifest(source).images}
+    for manifest, folder in zip(three, ("a3", "b3", "c3"), strict=True):
+        assert read_manifest(tmp_path / folder) == manifest
+        assert manifest.classes == first.classes
+
+
+def test_third_output_fractions_are_checked(
+    digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    source = digits_split[0]
+    with pytest.raises(InvalidParameterError, match="more than 1"):
+        split(source, tmp_path / "a", tmp_path / "b", fraction=0.8, third=tmp_path / "c",
+              third_fraction=0.3)  # fmt: skip
+    with pytest.raises(InvalidParameterError, match="needs a third output"):
+        split(source, tmp_path / "a", tmp_path / "b", third_fraction=0.1)
+    with pytest.raises(InvalidParameterError, match="first and third outputs"):
+        split(source, tmp_path / "a", tmp_path / "b", third=tmp_path / "a", third_fraction=0.1)
+    assert not any(tmp_path.iterdir())
