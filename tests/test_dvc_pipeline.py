@@ -57,5 +57,16 @@ def test_dvc_repro_runs_the_data_stages(project) -> None:
     n_val = len(list((root / "data/repro/val").rglob("*.png")))
     assert (n_train, n_val) == (1433, 364)  # floor(0.8 * n) per class of the 1,797 digits
 
-    again = dvc("status", "split", cwd=root)
-    assert again.returncode == 0 and "up to date" in again.stdout.lower(), again.stdout
+    status = dvc("status", "split", cwd=root)
+    assert status.returncode == 0 and "up to date" in status.stdout.lower(), status.stdout
+    lock_before = (root / "dvc.lock").read_bytes()
+    again = dvc("repro", "split", cwd=root)  # nothing changed: a no-op
+    assert again.returncode == 0, again.stderr
+    assert "Running stage" not in again.stdout, again.stdout
+    assert (root / "dvc.lock").read_bytes() == lock_before
+
+    params["split"]["seed"] = 2  # a changed parameter re-runs only what depends on it
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    rerun = dvc("repro", "split", cwd=root)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "Running stage 'split'" in rerun.stdout and "Running stage 'convert'" not in rerun.stdout
