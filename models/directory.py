@@ -15,22 +15,12 @@ from torch import nn
 
 from models.atomic import atomic_directory, write_json
 from models.errors import InvalidModelDirectoryError
+from models.transform_spec import TransformSpec
 from models.zoo import MODEL_JSON, ModelSpec, build_model
 
 WEIGHTS = "model.safetensors"
 ONNX = "model.onnx"
 TRAINED_FORMAT = "imageops.ModelDirectory"
-
-
-class Preprocessing(BaseModel):
-    """How an image becomes the network's input; training, export and scoring all read this."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    resize: int = Field(description="Shorter side resized to this many pixels.")
-    center_crop: int = Field(description="Square crop fed to the network (the input size).")
-    mean: list[float] = [0.485, 0.456, 0.406]
-    std: list[float] = [0.229, 0.224, 0.225]
 
 
 class ModelInfo(BaseModel):
@@ -42,7 +32,8 @@ class ModelInfo(BaseModel):
     format_version: int = 1
     architecture: ModelSpec
     classes: list[str]
-    preprocessing: Preprocessing
+    # The transform the model was trained with; scoring and export build its inference mode.
+    transform: TransformSpec
     train_params: dict[str, Any] = Field(default_factory=dict)
     metrics: dict[str, float] = Field(default_factory=dict)
     data_version: dict[str, str] = Field(default_factory=dict)

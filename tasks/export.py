@@ -3,9 +3,10 @@
 The network is rebuilt from the ModelDirectory (safetensors, nothing unpickled), exported with a
 dynamic batch axis as one self-contained file (input ``input``, output ``logits``), checked by
 ``onnx.checker`` and then run in ONNX Runtime against PyTorch on the same batch: real images
-through :func:`tasks.transform.eval_transform` when a sample ImageDirectory is given, else a seeded
-random batch. Only a model that passes (max abs difference <= :data:`PARITY_TOLERANCE`, identical
-argmax, at two batch sizes) replaces ``model.onnx``; a failing export leaves nothing behind.
+through the inference transform of the model's own spec (:func:`tasks.transform.build_transform`)
+when a sample ImageDirectory is given, else a seeded random batch. Only a model that passes (max
+abs difference <= :data:`PARITY_TOLERANCE`, identical argmax, at two batch sizes) replaces
+``model.onnx``; a failing export leaves nothing behind.
 
 The file records the sha256 of the weights it came from, so a later step (registration) can tell a
 stale ``model.onnx`` from a current one.
@@ -30,7 +31,7 @@ from models.directory import ONNX, WEIGHTS, ModelInfo, load_model_directory
 from tasks.errors import ExportParityError, InvalidModelDirectoryError, NoUsableImagesError
 from tasks.imagedir import load_rgb, read_manifest
 from tasks.step import step, step_logger
-from tasks.transform import eval_transform
+from tasks.transform import build_transform, input_size
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
@@ -64,15 +65,15 @@ def sha256_file(path: Path) -> str:
 def parity_batch(info: ModelInfo, sample: Path | None, size: int = PARITY_BATCH) -> torch.Tensor:
     """The batch PyTorch and ONNX Runtime are compared on.
 
-    Real images (spread over the sample's manifest, through the one eval transform) test what
-    scoring will see; without a sample, a seeded normal batch still compares every weight.
+    Real images (spread over the sample's manifest, through the model's inference transform) test
+    what scoring will see; without a sample, a seeded normal batch still compares every weight.
     """
-    crop = info.preprocessing.center_crop
+    side = input_size(info.transform)
     if sample is None:
         generator = torch.Generator().manual_seed(SEED)
-        return torch.randn(size, 3, crop, crop, generator=generator)
+        return torch.randn(size, 3, side, side, generator=generator)
     manifest = read_manifest(Path(sample))
-    transform = eval_transform(info.preprocessing)
+    transform = build_transform(info.transform, "inference")
     count = len(manifest.images)
     picks = np.linspace(0, count - 1, num=min(size, count)).round().astype(int)
     tensors = []

@@ -30,7 +30,7 @@ from tasks.export import META_WEIGHTS_SHA256, sha256_file
 from tasks.settings import Settings, get_settings
 from tasks.step import step, step_logger
 from tasks.tracking import mlflow_run
-from tasks.transform import eval_transform
+from tasks.transform import build_transform, input_size
 
 ARTIFACT_NAME = "model"
 DIRECTORY_ARTIFACTS = "model_directory"
@@ -67,19 +67,18 @@ def git_revision(root: Path) -> str:
 
 
 def signature_for(info: ModelInfo) -> tuple[ModelSignature, np.ndarray]:
-    """Tensor signature and input example, shaped by the model's own preprocessing.
+    """Tensor signature and input example, shaped by the model's own transform spec.
 
-    The example is a neutral grey image put through the eval transform, so its shape, dtype and
-    value range are exactly what the scorer feeds the model.
+    The example is a neutral grey image put through the inference transform, so its shape, dtype
+    and value range are exactly what the scorer feeds the model.
     """
-    crop = info.preprocessing.center_crop
+    side = input_size(info.transform)
     signature = ModelSignature(
-        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, crop, crop), "input")]),
+        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, side, side), "input")]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(info.classes)), "logits")]),
     )
-    size = info.preprocessing.resize
-    grey = Image.new("RGB", (size, size), (128, 128, 128))
-    example = eval_transform(info.preprocessing)(grey).numpy()[None].astype(np.float32)
+    grey = Image.new("RGB", (side, side), (128, 128, 128))
+    example = build_transform(info.transform, "inference")(grey).numpy()[None].astype(np.float32)
     return signature, example
 
 
@@ -163,7 +162,7 @@ def register(
             # An ONNX model needs exactly onnx + onnxruntime (MLflow adds itself). Naming them
             # skips MLflow's inference, which re-imports the model in a subprocess (~4 s).
             pip_requirements=mlflow.onnx.get_default_pip_requirements(),
-            metadata={"classes": info.classes, "preprocessing": info.preprocessing.model_dump()},
+            metadata={"classes": info.classes, "transform": info.transform.model_dump()},
         )
         for name in (MODEL_JSON, WEIGHTS):
             mlflow.log_artifact(str(model_dir / name), artifact_path=DIRECTORY_ARTIFACTS)

@@ -1,10 +1,10 @@
 """Score Image Model: run a model's ``model.onnx`` over a folder of images, in batches.
 
-The images go through :func:`tasks.transform.eval_transform` with the model's own preprocessing,
-so scoring sees exactly what training validated on. Images are read, scored and written a batch at
-a time: memory stays flat however large the folder, and the table grows on disk in a temporary
-file that replaces ``dest`` only when every batch is done. An image that does not load is skipped
-and logged; it never fails the batch.
+The images go through the inference mode of the transform spec the model was trained with
+(:func:`tasks.transform.build_transform`), so scoring sees exactly what training validated on.
+Images are read, scored and written a batch at a time: memory stays flat however large the
+folder, and the table grows on disk in a temporary file that replaces ``dest`` only when every
+batch is done. An image that does not load is skipped and logged; it never fails the batch.
 
 The output is the Score Image Model table: ``id``, ``path``, ``category`` (the true class, only
 when the input is labeled), one ``Scored Probabilities_<class>`` column per class (softmax), then
@@ -32,7 +32,7 @@ from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUs
 from tasks.export import INPUT_NAME, OUTPUT_NAME
 from tasks.imagedir import IMAGE_EXTENSIONS, MANIFEST, is_image_file, load_rgb, read_manifest
 from tasks.step import step, step_logger
-from tasks.transform import eval_transform
+from tasks.transform import build_transform, input_size
 
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
@@ -118,11 +118,13 @@ def _check_model(session: ort.InferenceSession, info: ModelInfo, onnx_path: Path
     """Refuse a model.json that does not describe this model.onnx, before any image is read."""
     (inp,) = session.get_inputs()
     (out,) = session.get_outputs()
-    crop = info.preprocessing.center_crop
+    side = input_size(info.transform)
     hint = "Export the model again so model.onnx and model.json agree."
-    if inp.shape[1:] != [3, crop, crop]:
+    if inp.shape[1:] != [3, side, side]:
         raise InvalidModelDirectoryError(
-            f"{onnx_path} takes input {inp.shape}, but model.json crops to {crop}x{crop}.", hint
+            f"{onnx_path} takes input {inp.shape}, but model.json's transform makes "
+            f"{side}x{side} images.",
+            hint,
         )
     if out.shape[-1] != len(info.classes):
         raise InvalidModelDirectoryError(
@@ -249,7 +251,7 @@ def score(
         if unknown:
             log.warning("Classes the model does not know (always scored wrong): %s", unknown)
 
-    transform = eval_transform(info.preprocessing)
+    transform = build_transform(info.transform, "inference")
     prob_columns = [f"{PROBABILITY_PREFIX}{c}" for c in info.classes]
     columns = ["id", "path", *(["category"] if labeled else []), *prob_columns, LABEL_COLUMN]
     classes = np.asarray(info.classes, dtype=object)

@@ -1,36 +1,313 @@
-"""Image transformations, defined once: training, evaluation, export and scoring all use these.
+"""Init / Apply Image Transformation, and the one place an image becomes the network's input.
 
-The network sees exactly what :func:`eval_transform` makes of an image, whether the image comes
-from the training loop, the ONNX parity check or the batch scorer, so scoring cannot drift from
-training.
+Init Image Transformation saves a :class:`~models.transform_spec.TransformSpec` as a
+TransformationDirectory (``transform.json``). Apply Image Transformation runs it over an
+ImageDirectory and writes a new one. Training, export and scoring build their transforms here too,
+from the spec the ModelDirectory stores, so scoring cannot drift from training.
+
+Two modes, as in the seed. **inference** keeps the deterministic steps (resize, center crop, pad,
+grayscale) and drops every random one. **training** adds the random steps that are on; a random
+crop or random resized crop takes the place of the center crop, so the network's input size
+(:func:`input_size`) is the same in both modes.
+
+Torchrun workers import this module for :func:`build_transform`, so it does not import Prefect;
+``init_transformation_task`` and ``apply_transformation_task`` are made on first use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal, get_args
+
 import torch
+from pydantic import ValidationError
 from torchvision.transforms import v2
 
-from models.directory import Preprocessing
+from models.atomic import atomic_directory, write_json
+from models.transform_spec import TransformSpec
+from tasks.errors import (
+    InvalidParameterError,
+    InvalidTransformationDirectoryError,
+    NoUsableImagesError,
+)
+from tasks.imagedir import (
+    ImageEntry,
+    Manifest,
+    SkippedFile,
+    SkipReason,
+    find_duplicates,
+    load_rgb,
+    read_manifest,
+    write_manifest,
+)
+from tasks.validation import checked, describe
+
+TRANSFORM_JSON = "transform.json"
+FORMAT = "imageops.TransformationDirectory"
+FORMAT_VERSION = 1
+Mode = Literal["training", "inference"]
+MODES: tuple[str, ...] = get_args(Mode)
+# Strengths of the random steps the seed only switches on or off (torchvision's usual values).
+COLOR_JITTER = 0.4
+RANDOM_GRAYSCALE_P = 0.1
+PERSPECTIVE_DISTORTION = 0.5
+
+_HINT = "Create one with `imageops transform init DEST` (Init Image Transformation)."
 
 
-def eval_transform(pre: Preprocessing) -> v2.Compose:
-    """Deterministic: resize, center crop, scale to [0, 1], normalise."""
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.Resize(pre.resize, antialias=True),
-            v2.CenterCrop(pre.center_crop),
+def transform_spec(**values: Any) -> TransformSpec:
+    """A spec from option values; a bad one raises InvalidParameterError naming value and range."""
+    return checked(TransformSpec, values, "image transformation option")
+
+
+def init_transformation(dest: Path, spec: TransformSpec | Mapping[str, Any] | None = None) -> Path:
+    """Init Image Transformation: write ``spec`` (default: the seed's) to ``dest/transform.json``.
+
+    ``dest`` is written atomically and replaced whole. Returns ``dest``. Raises
+    InvalidParameterError for a value out of range.
+    """
+    if not isinstance(spec, TransformSpec):
+        spec = transform_spec(**dict(spec or {}))
+    with atomic_directory(Path(dest)) as tmp:
+        write_json(
+            tmp / TRANSFORM_JSON,
+            {"format": FORMAT, "format_version": FORMAT_VERSION, "transform": spec.model_dump()},
+        )
+    return Path(dest)
+
+
+def read_transformation(path: Path) -> TransformSpec:
+    """The spec in the TransformationDirectory ``path``.
+
+    Raises InvalidTransformationDirectoryError when ``path`` has no ``transform.json``, when the
+    file is not one Init Image Transformation wrote, or when a value in it is out of range.
+    """
+    path = Path(path)
+    file = path / TRANSFORM_JSON
+    if not file.is_file():
+        raise InvalidTransformationDirectoryError(
+            f"{path} is not a transformation directory: {TRANSFORM_JSON} is missing.", _HINT
+        )
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidTransformationDirectoryError(
+            f"{file} is not readable JSON: {exc}.", _HINT
+        ) from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT or "transform" not in data:
+        raise InvalidTransformationDirectoryError(
+            f"{file} is not a transform spec (expected format {FORMAT!r}).", _HINT
+        )
+    version = data.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise InvalidTransformationDirectoryError(
+            f"{file} has format version {version!r}; this imageops reads up to {FORMAT_VERSION}.",
+            "Write it again with `imageops transform init` of this imageops, or upgrade imageops.",
+        )
+    try:
+        return TransformSpec.model_validate(data["transform"])
+    except ValidationError as exc:
+        message, hint = describe(TransformSpec, exc)
+        raise InvalidTransformationDirectoryError(
+            f"{file} holds an invalid transform spec: {message}.", f"{hint} {_HINT}"
+        ) from exc
+
+
+def input_size(spec: TransformSpec) -> int:
+    """The side of the square image the network sees, the same in training and inference.
+
+    Inference makes it: the center crop, plus twice the padding when pad is on. In training a
+    random crop (or, without one, a random resized crop) replaces the center crop, so its size
+    must equal the center crop's. Raises InvalidTransformationDirectoryError when center crop is
+    off (images of other shapes would reach the network at other sizes) or the sizes disagree.
+    """
+    if not spec.center_crop:
+        raise InvalidTransformationDirectoryError(
+            "center_crop is off: without it, images of different shapes reach the network at "
+            "different sizes, and the network needs one input size.",
+            "Turn center crop on; its size is the network's input size.",
+        )
+    crop = spec.center_crop_size
+    if spec.random_crop:
+        option, train_crop = "random_crop_size", spec.random_crop_size
+    elif spec.random_resized_crop:
+        option, train_crop = "random_resized_crop_size", spec.random_resized_crop_size
+    else:
+        option, train_crop = "center_crop_size", crop
+    if train_crop != crop:
+        raise InvalidTransformationDirectoryError(
+            f"{option} = {train_crop} but center_crop_size = {crop}: training would feed the "
+            f"network {train_crop}x{train_crop} images and scoring {crop}x{crop}.",
+            f"Set {option} to {crop} (or center_crop_size to {train_crop}).",
+        )
+    return crop + 2 * spec.padding if spec.pad else crop
+
+
+def build_transform(spec: TransformSpec, mode: Mode, *, normalize: bool = True) -> v2.Compose:
+    """The torchvision v2 pipeline of ``spec`` in ``mode``: PIL image in, tensor out.
+
+    ``normalize`` (for the network): a float tensor scaled to [0, 1] and normalised by the spec's
+    mean and std, random erasing (training) after that. Without it (Apply Image Transformation):
+    a uint8 image tensor that can be saved as a picture.
+    """
+    if mode not in MODES:
+        raise InvalidParameterError(f"mode = {mode!r}, expected one of {', '.join(MODES)}.")
+    training = mode == "training"
+    steps: list[v2.Transform] = [v2.ToImage()]
+    if training and spec.random_resized_crop:
+        # It picks its area from the whole image: resizing first would only lose detail.
+        steps.append(v2.RandomResizedCrop(spec.random_resized_crop_size, antialias=True))
+    elif spec.resize:
+        steps.append(v2.Resize(spec.resize_size, antialias=True))
+    if training and spec.random_crop:
+        steps.append(v2.RandomCrop(spec.random_crop_size, pad_if_needed=True))
+    elif spec.center_crop and not (training and spec.random_resized_crop):
+        steps.append(v2.CenterCrop(spec.center_crop_size))
+    if spec.pad and spec.padding:
+        steps.append(v2.Pad(spec.padding, fill=0))
+    if training and spec.color_jitter:
+        steps.append(v2.ColorJitter(COLOR_JITTER, COLOR_JITTER, COLOR_JITTER))
+    if spec.grayscale:
+        steps.append(v2.Grayscale(num_output_channels=3))  # the network takes 3 channels
+    if training:
+        steps += _random_steps(spec)
+    if normalize:
+        steps += [
             v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean=pre.mean, std=pre.std),
+            v2.Normalize(mean=list(spec.mean), std=list(spec.std)),
         ]
-    )
-
-
-def train_transform(pre: Preprocessing, horizontal_flip: bool = False) -> v2.Compose:
-    """The evaluation transform plus the random augmentations asked for."""
-    steps: list[v2.Transform] = [v2.ToImage(), v2.Resize(pre.resize, antialias=True)]
-    steps.append(v2.CenterCrop(pre.center_crop))
-    if horizontal_flip:
-        steps.append(v2.RandomHorizontalFlip())
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=pre.mean, std=pre.std)]
+    if training and spec.random_erasing:
+        steps.append(v2.RandomErasing())  # on the tensor: erased pixels become 0 (the mean)
     return v2.Compose(steps)
+
+
+def _random_steps(spec: TransformSpec) -> list[v2.Transform]:
+    chosen: list[tuple[bool, Any]] = [
+        (spec.random_horizontal_flip, lambda: v2.RandomHorizontalFlip()),
+        (spec.random_vertical_flip, lambda: v2.RandomVerticalFlip()),
+        (spec.random_rotation, lambda: v2.RandomRotation(spec.random_rotation_degrees)),
+        (spec.random_affine, lambda: v2.RandomAffine(spec.random_affine_degrees)),
+        (spec.random_grayscale, lambda: v2.RandomGrayscale(RANDOM_GRAYSCALE_P)),
+        (spec.random_perspective, lambda: v2.RandomPerspective(PERSPECTIVE_DISTORTION)),
+    ]
+    return [make() for on, make in chosen if on]
+
+
+def apply_transformation(
+    transform: Path, images: Path, dest: Path, *, mode: Mode = "inference", seed: int = 1
+) -> Manifest:
+    """Apply Image Transformation: ``images`` through the spec in ``transform``, into ``dest``.
+
+    ``dest`` becomes an ImageDirectory with the same layout and classes, every image saved as PNG
+    with a new manifest entry (sha256, width, height), written atomically. ``mode``: "training"
+    (random steps on, drawn from ``seed`` and each image's path, so a re-run gives the same
+    images) or "inference" (random steps dropped). An image that no longer loads is skipped and
+    listed in the manifest. Returns the new manifest. Raises InvalidTransformationDirectoryError,
+    InvalidImageDirectoryError for bad inputs, InvalidParameterError for a bad mode or a ``dest``
+    that overlaps an input, NoUsableImagesError when no image could be transformed.
+    """
+    transform, images, dest = Path(transform), Path(images), Path(dest)
+    spec = read_transformation(transform)
+    pipeline = build_transform(spec, mode, normalize=False)
+    manifest = read_manifest(images)
+    _check_dest(dest, images, transform)
+    entries: list[ImageEntry] = []
+    skipped: list[SkippedFile] = []
+    taken: set[str] = set()
+    # Seeding per image leaves the caller's random state as it was.
+    with atomic_directory(dest) as tmp, torch.random.fork_rng(devices=[]):
+        for entry in manifest.images:
+            try:
+                image = load_rgb(images / entry.path)
+            except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ...)
+                reason = SkipReason.UNREADABLE_IMAGE.because(f"{type(exc).__name__}: {exc}")
+                skipped.append(SkippedFile(path=entry.path, reason=reason))
+                continue
+            torch.manual_seed(_image_seed(seed, entry.path))
+            out = v2.functional.to_pil_image(pipeline(image))
+            buffer = io.BytesIO()
+            out.save(buffer, format="PNG")
+            data = buffer.getvalue()
+            path = _png_path(entry.path, taken)
+            (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / path).write_bytes(data)
+            entries.append(
+                ImageEntry(
+                    path=path,
+                    label=entry.label,
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    width=out.width,
+                    height=out.height,
+                )
+            )
+        if not entries:
+            raise NoUsableImagesError(
+                f"None of the {len(manifest.images)} image(s) in {images} could be read.",
+                "Re-create the ImageDirectory with `imageops convert`.",
+            )
+        result = Manifest(
+            labeled=manifest.labeled,
+            classes=manifest.classes,
+            counts={
+                c: sum(1 for e in entries if e.label == i) for i, c in enumerate(manifest.classes)
+            },
+            images=entries,
+            source=str(images.resolve()),
+            skipped=skipped,
+            duplicates=find_duplicates(entries),
+        )
+        write_manifest(tmp, result)
+    return result
+
+
+def _check_dest(dest: Path, *inputs: Path) -> None:
+    out = dest.resolve()
+    for source in (p.resolve() for p in inputs):
+        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
+            # Writing there would replace or nest inside an input while it is being read.
+            raise InvalidParameterError(
+                f"The output {out} overlaps the input {source}.",
+                "Write the transformed images to a folder of their own.",
+            )
+
+
+def _image_seed(seed: int, path: str) -> int:
+    """A seed per (run seed, image): the draw does not depend on order or on other images."""
+    digest = hashlib.sha256(f"{seed}\0{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # torch.manual_seed takes < 2**63
+
+
+def _png_path(path: str, taken: set[str]) -> str:
+    """``path`` with a .png suffix, numbered when two sources would meet (a.jpg and a.png)."""
+    source = PurePosixPath(path)
+    candidate, number = source.with_suffix(".png"), 0
+    while candidate.as_posix() in taken:
+        number += 1
+        candidate = source.with_name(f"{source.stem}-{number}.png")
+    taken.add(candidate.as_posix())
+    return candidate.as_posix()
+
+
+_TASKS = {
+    "init_transformation_task": (init_transformation, "init-image-transformation"),
+    "apply_transformation_task": (apply_transformation, "apply-image-transformation"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``init_transformation_task`` and ``apply_transformation_task``, made on first use.
+
+    Workers import this module and must not import Prefect (seconds per process, and threads
+    that a forked DataLoader worker could deadlock on).
+    """
+    if name not in _TASKS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from tasks.step import step
+
+    fn, task_name = _TASKS[name]
+    globals()[name] = step(fn, name=task_name)
+    return globals()[name]

@@ -11,21 +11,27 @@ from pathlib import Path
 
 import torch
 
-from models.directory import ModelInfo, Preprocessing, save_model_directory
+from models.directory import ModelInfo, save_model_directory
+from models.transform_spec import TransformSpec
 from models.zoo import build_model, resnet
 
 SIZE = 16
 
 
-def make_model_dir(dest: Path, classes: list[str], seed: int = 0) -> Path:
-    """A ModelDirectory with seeded random weights for ``classes`` (no model.onnx yet)."""
+def make_model_dir(
+    dest: Path, classes: list[str], seed: int = 0, transform: TransformSpec | None = None
+) -> Path:
+    """A ModelDirectory with seeded random weights for ``classes`` (no model.onnx yet).
+
+    ``transform``: the spec stored in model.json (default: resize and center crop to SIZE).
+    """
     spec = resnet("resnet18", pretrained=False)
     torch.manual_seed(seed)
     model = build_model(spec, len(classes))
     info = ModelInfo(
         architecture=spec,
         classes=classes,
-        preprocessing=Preprocessing(resize=SIZE, center_crop=SIZE),
+        transform=transform or TransformSpec(resize_size=SIZE, center_crop_size=SIZE),
         train_params={"epochs": 1, "batch_size": 16, "learning_rate": 0.001},
         metrics={"val/top1": 0.5, "val/loss": 1.1},
         data_version={"train": "0" * 32},

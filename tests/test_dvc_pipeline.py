@@ -41,11 +41,13 @@ def test_dvc_repro_runs_the_data_stages(project) -> None:
     stages = dvc("stage", "list", "--name-only", cwd=root)
     assert stages.returncode == 0, stages.stderr
     assert stages.stdout.split() == [
-        "sample", "convert", "split", "model", "train", "score", "evaluate"
+        "sample", "convert", "split", "transform", "model", "train", "score", "evaluate"
     ]  # fmt: skip
     dag = dvc("dag", "--dot", cwd=root)
     assert dag.returncode == 0, dag.stderr
-    for edge in ('"split" -> "train"', '"train" -> "score"', '"score" -> "evaluate"'):
+    edges = ('"split" -> "train"', '"transform" -> "train"', '"train" -> "score"',
+             '"score" -> "evaluate"')  # fmt: skip
+    for edge in edges:
         assert edge in dag.stdout, dag.stdout
 
     result = dvc("repro", "split", cwd=root)

@@ -23,7 +23,7 @@ from tasks.export import (
     verify_onnx,
 )
 from tasks.imagedir import load_rgb, read_manifest
-from tasks.transform import eval_transform
+from tasks.transform import build_transform
 
 pytest_plugins = ["model_fixtures"]
 
@@ -50,7 +50,7 @@ def test_dynamic_batch_matches_pytorch_on_real_images(
 ) -> None:
     model, info = load_model_directory(exported_model)
     val = digits_split[1]
-    transform = eval_transform(info.preprocessing)
+    transform = build_transform(info.transform, "inference")
     entries = read_manifest(val).images[:batch]
     x = torch.stack([transform(load_rgb(val / e.path)) for e in entries])
     session = ort.InferenceSession(str(exported_model / ONNX), providers=["CPUExecutionProvider"])

@@ -21,13 +21,13 @@ from tasks.imagedir import load_rgb, read_manifest
 from tasks.registry import register
 from tasks.settings import Settings
 from tasks.tracking import configure_mlflow
-from tasks.transform import eval_transform
+from tasks.transform import build_transform
 
 pytest_plugins = ["model_fixtures"]
 
 
 def _real_batch(model_dir: Path, images: Path, count: int = 6) -> np.ndarray:
-    transform = eval_transform(read_model_info(model_dir).preprocessing)
+    transform = build_transform(read_model_info(model_dir).transform, "inference")
     entries = read_manifest(images).images[:count]
     return torch.stack([transform(load_rgb(images / e.path)) for e in entries]).numpy()
 

@@ -18,7 +18,7 @@ from models.directory import ONNX, read_model_info
 from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
 from tasks.imagedir import load_rgb, read_manifest
 from tasks.score import score
-from tasks.transform import eval_transform
+from tasks.transform import build_transform
 
 pytest_plugins = ["model_fixtures"]
 
@@ -59,9 +59,9 @@ def test_labeled_directory_gives_the_score_image_model_table(
     argmax = np.array(["0", "1", "2"])[table[PROBS].to_numpy().argmax(axis=1)]
     assert table["Scored Labels"].tolist() == argmax.tolist()
 
-    # Independently: the same images through eval_transform and ORT, softmax by hand.
+    # Independently: the same images through the inference transform and ORT, softmax by hand.
     info = read_model_info(exported_model)
-    transform = eval_transform(info.preprocessing)
+    transform = build_transform(info.transform, "inference")
     batch = torch.stack([transform(load_rgb(val / p)) for p in table["path"][:3]]).numpy()
     session = ort.InferenceSession(str(exported_model / ONNX), providers=["CPUExecutionProvider"])
     (logits,) = session.run(["logits"], {"input": batch})

@@ -1,0 +1,151 @@
+"""The transform spec: how an image becomes the network's input, as plain, validated data.
+
+It holds the 21 options of the seed's Init Image Transformation (defaults and ranges from the seed)
+plus the normalisation the network needs. It lives in ``models/`` because a trained ModelDirectory
+stores it in ``model.json``: scoring rebuilds the very transform training validated with, from
+this one definition. The torchvision pipelines built from it are in ``tasks/transform.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+MAX_DEGREES = 180
+
+
+def _size(default: int, title: str, description: str) -> Any:
+    return Field(default, gt=0, title=title, description=description)
+
+
+def _degrees(title: str, description: str) -> Any:
+    return Field(0, ge=0, le=MAX_DEGREES, title=title, description=description)
+
+
+class TransformSpec(BaseModel):
+    """The seed's Init Image Transformation options, and the normalisation.
+
+    Random transforms (the ``random_*`` options and color jitter) run in training mode only;
+    inference mode drops them, so scoring is deterministic. The network's input is the center
+    crop (plus padding); see :func:`tasks.transform.input_size`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    resize: bool = Field(
+        True,
+        title="Resize",
+        description="Resize each image so its shorter side is `resize_size` pixels "
+        "(aspect ratio kept).",
+    )
+    resize_size: int = _size(256, "Size", "Shorter side after resizing, in pixels (> 0).")
+    center_crop: bool = Field(
+        True,
+        title="Center crop",
+        description="Crop the square of `center_crop_size` at the image center. Its size is the "
+        "network's input size, so training and scoring need it on.",
+    )
+    center_crop_size: int = _size(224, "Crop size", "Side of the center crop, in pixels (> 0).")
+    pad: bool = Field(
+        False,
+        title="Pad",
+        description="Add `padding` pixels of value 0 on every side (the input grows by 2 x "
+        "padding).",
+    )
+    padding: int = Field(
+        0, ge=0, title="Padding", description="Pixels added on each border (>= 0)."
+    )
+    color_jitter: bool = Field(
+        False,
+        title="Color jitter",
+        description="Randomly change brightness, contrast and saturation (training only).",
+    )
+    grayscale: bool = Field(
+        False,
+        title="Grayscale",
+        description="Convert every image to grayscale (kept as 3 equal channels for the network).",
+    )
+    random_resized_crop: bool = Field(
+        False,
+        title="Random resized crop",
+        description="Training only: crop a random area (8% to 100%) with a random aspect ratio "
+        "(3/4 to 4/3) and resize it to `random_resized_crop_size` (used to train Inception). "
+        "Replaces resize and center crop in training.",
+    )
+    random_resized_crop_size: int = _size(
+        256, "Random resized crop size", "Side of the random resized crop, in pixels (> 0)."
+    )
+    random_crop: bool = Field(
+        False,
+        title="Random crop",
+        description="Training only: crop a square of `random_crop_size` at a random place "
+        "(instead of the center crop).",
+    )
+    random_crop_size: int = _size(
+        224, "Random crop size", "Side of the random crop, in pixels (> 0)."
+    )
+    random_horizontal_flip: bool = Field(
+        True,
+        title="Random horizontal flip",
+        description="Training only: flip left-right with probability 0.5 (not for digits or text).",
+    )
+    random_vertical_flip: bool = Field(
+        False,
+        title="Random vertical flip",
+        description="Training only: flip upside-down with probability 0.5.",
+    )
+    random_rotation: bool = Field(
+        False,
+        title="Random rotation",
+        description="Training only: rotate by an angle drawn from "
+        "[-random_rotation_degrees, +random_rotation_degrees].",
+    )
+    random_rotation_degrees: int = _degrees(
+        "Rotation degrees", f"Largest rotation angle, 0 to {MAX_DEGREES}."
+    )
+    random_affine: bool = Field(
+        False,
+        title="Random affine",
+        description="Training only: a random affine transform rotating by up to "
+        "`random_affine_degrees`, keeping the image center.",
+    )
+    random_affine_degrees: int = _degrees(
+        "Affine degrees", f"Largest rotation of the affine transform, 0 to {MAX_DEGREES}."
+    )
+    random_grayscale: bool = Field(
+        False,
+        title="Random grayscale",
+        description="Training only: convert to grayscale with probability 0.1.",
+    )
+    random_perspective: bool = Field(
+        False,
+        title="Random perspective",
+        description="Training only: a random perspective distortion (scale 0.5) with "
+        "probability 0.5.",
+    )
+    random_erasing: bool = Field(
+        False,
+        title="Random erasing",
+        description="Training only: erase a random rectangle of the normalised tensor with "
+        "probability 0.5 (Zhong et al., 2017).",
+    )
+    mean: Annotated[
+        list[Annotated[float, Field(allow_inf_nan=False)]], Field(min_length=3, max_length=3)
+    ] = Field(
+        default_factory=lambda: list(IMAGENET_MEAN),
+        title="Normalisation mean",
+        description="Per-channel (R, G, B) mean subtracted after scaling to [0, 1]; ImageNet's "
+        "by default, which pretrained weights expect.",
+    )
+    std: Annotated[
+        list[Annotated[float, Field(gt=0, allow_inf_nan=False)]],
+        Field(min_length=3, max_length=3),
+    ] = Field(
+        default_factory=lambda: list(IMAGENET_STD),
+        title="Normalisation std",
+        description="Per-channel (R, G, B) standard deviation divided by, each > 0; ImageNet's "
+        "by default.",
+    )
