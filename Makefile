@@ -1,6 +1,6 @@
 # The two commands: `make run` (set up, then the whole pipeline on the digits sample) and
-# `make test` (set up, then the test suite). Set-up is keyed on the lock file: a changed lock
-# builds a fresh virtual environment, an unchanged one is reused.
+# `make test` (set up, then the test suite); `make bench` runs the benchmarks. Set-up is keyed on
+# the lock file: a changed lock builds a fresh virtual environment, an unchanged one is reused.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -35,6 +35,10 @@ lint: install
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# Every benchmark in bench/, one after the other; figures are recorded in docs/benchmarks.md.
+bench: install
+	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
 
 clean:
 	rm -rf .imageops data/images data/train data/val data/sample data/repro

@@ -1,27 +1,40 @@
-"""Convert to Image Directory: raw images (a folder or an archive) become an ImageDirectory.
+"""Convert to Image Directory: a folder, an archive or a label file becomes an ImageDirectory.
 
 Class sub-folders are labels; a folder with images directly in it is unlabeled (for scoring).
 Archives (.zip, .tar, .tar.gz/.tgz, .tar.bz2) are extracted safely first (see
 :mod:`tasks.archive`); a single folder wrapping everything in an archive is unwrapped, so zipping a
-folder converts exactly like the folder. Every file is opened, checked against its extension,
-verified and fully decoded, in parallel on all cores; the ones that fail are skipped and listed in
-the manifest with the reason, and the good ones are copied byte for byte with their sha256 and size
-recorded. Identical images are kept but listed, since they leak between a training and a validation
-split.
+folder converts exactly like the folder. A CSV manifest (``path,label``) or a COCO classification
+JSON names the images and their labels instead (see :mod:`tasks.labelfiles`); each image is copied
+to ``<class>/<its file name>``, a name taken already gets ``_1``, ``_2``... Every file is opened,
+checked against its extension, verified and fully decoded, in parallel on all cores; the ones that
+fail are skipped and listed in the manifest with the reason, and the good ones are copied byte for
+byte with their sha256 and size recorded. Identical images are kept but listed, since they leak
+between a training and a validation split.
+
+Converting again is a cache hit when nothing changed: the manifest keeps a fingerprint of what was
+read (the bytes, never the timestamps, so the same images give the same directory and the same
+DVC version wherever they are converted) and of the parameters. When ``dest`` already holds a
+manifest with the fingerprint the source has now, and every file it lists is there with its size,
+that manifest is returned: the source is read and hashed, but nothing is decoded or written.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import multiprocessing
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 from models.atomic import atomic_directory
 from tasks.archive import (
@@ -31,9 +44,10 @@ from tasks.archive import (
     archive_kind,
     extract_archive,
 )
-from tasks.errors import InvalidParameterError, NoUsableImagesError
-from tasks.imagecheck import DEFAULT_MAX_PIXELS, CheckJob, CheckResult, check_file
+from tasks.errors import ImageOpsError, InvalidParameterError, NoUsableImagesError
+from tasks.imagecheck import DEFAULT_MAX_PIXELS, CheckJob, CheckResult, check_file, check_files
 from tasks.imagedir import (
+    FORMAT_VERSION,
     MANIFEST,
     ImageEntry,
     Manifest,
@@ -41,8 +55,10 @@ from tasks.imagedir import (
     SkipReason,
     find_duplicates,
     is_image_file,
+    read_manifest,
     write_manifest,
 )
+from tasks.labelfiles import Listed, label_file_kind, read_label_file
 from tasks.step import step
 
 log = logging.getLogger(__name__)
@@ -54,6 +70,11 @@ MIN_FILES_FOR_POOL = 64
 MIN_BYTES_FOR_POOL = 16 * 1024**2
 # macOS and Windows leave these beside the images; they are never data.
 _JUNK_NAMES = ("__MACOSX",)
+# Part of every fingerprint: bump it when a change here or in tasks.imagecheck can change the
+# result for the same input, so directories converted before are converted again.
+_CONVERTER_VERSION = 1
+# Files per task when hashing for the cache check; one chunk or less is hashed in this thread.
+_HASH_CHUNK = 64
 
 
 @dataclass
@@ -66,6 +87,28 @@ class _Scan:
     skipped: list[SkippedFile] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Item:
+    """One file to check, and where it goes when it passes."""
+
+    source: str  # the file to read
+    rel: str  # its path relative to the source root (or the label file's folder)
+    dest: str  # its path in the ImageDirectory
+    label: str | None  # its class name
+    origin: str | None = None  # recorded as the entry's source_path (label files)
+
+
+@dataclass
+class _Plan:
+    """Everything to convert, before any file is opened."""
+
+    labeled: bool
+    items: list[_Item]
+    classes: list[str]  # the classes the source names: each one left without images is reported
+    skipped: list[SkippedFile]
+    label_file: bool = False
+
+
 def convert(
     source: Path,
     dest: Path,
@@ -75,43 +118,85 @@ def convert(
     max_archive_members: int = DEFAULT_MAX_MEMBERS,
     max_archive_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Manifest:
-    """Convert the image folder or archive ``source`` into the ImageDirectory ``dest``.
+    """Convert the image folder, archive or label file ``source`` into the ImageDirectory ``dest``.
 
+    ``source`` is a folder (class sub-folders = labels, else unlabeled), an archive of one, a CSV
+    manifest (``.csv``, header ``path,label``) or a COCO classification JSON (``.json``).
     ``dest`` is written atomically: it appears complete or not at all, and an existing ``dest`` is
-    replaced only once the new one is whole. ``max_pixels`` refuses decompression bombs per image
-    (reason ``ImageExceedsLimit``). ``workers`` is the number of processes checking images: by
-    default every core this process may use, once the input is big enough to gain from them
-    (1 checks in this process). ``max_archive_members`` and ``max_archive_bytes`` cap what an
-    archive may unpack to.
+    replaced only once the new one is whole. When ``dest`` already holds the conversion of this
+    very source (same content, same parameters) and is intact, its manifest is returned and
+    nothing is written. ``max_pixels`` refuses decompression bombs per image (reason
+    ``ImageExceedsLimit``). ``workers`` is the number of processes checking images, this one
+    included: by default every core this process may use, once the input is big enough to gain
+    from them (1 checks in this process only). ``max_archive_members`` and
+    ``max_archive_bytes`` cap what an archive may unpack to.
 
-    Returns the manifest written. Raises :class:`InvalidParameterError` for a parameter out of
-    range or a ``dest`` that overlaps ``source``, :class:`UnsafeArchiveError` for an archive over
-    the caps, and :class:`NoUsableImagesError` when the source is missing, unreadable, or holds no
-    usable image.
+    Returns the manifest written (or found). Raises :class:`InvalidParameterError` for a
+    parameter out of range or a ``dest`` that overlaps ``source``, :class:`UnsafeArchiveError`
+    for an archive over the caps, :class:`InvalidLabelFileError` for a label file that cannot be
+    read as a whole, and :class:`NoUsableImagesError` when the source is missing, unreadable, or
+    holds no usable image.
     """
     source, dest = Path(source), Path(dest)
     _check_parameters(source, dest, max_pixels, workers, max_archive_members, max_archive_bytes)
+    kind = _source_kind(source)
+    params: dict[str, int] = {"max_pixels": max_pixels}
+    if kind == "archive":
+        # A smaller cap could refuse an archive a larger one let through.
+        params |= {
+            "max_archive_members": max_archive_members,
+            "max_archive_bytes": max_archive_bytes,
+        }
+    head = {
+        "converter": _CONVERTER_VERSION,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "parameters": params,
+        # An archive or a label file is read whole anyway: its own bytes are part of the key.
+        "input_sha256": None if kind == "folder" else _sha256_file(source)[1],
+    }
+    previous = _previous(dest, source)
+    if kind == "archive":
+        fingerprint = _fingerprint(head)
+        if previous is not None and previous.fingerprint == fingerprint:
+            return _unchanged(dest, previous)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # Extract beside dest, not in /tmp: same disk as the result, and /tmp is often small.
+        with tempfile.TemporaryDirectory(prefix=f".{dest.name}.extract-", dir=dest.parent) as tmp:
+            extracted = Path(tmp)
+            refused = extract_archive(
+                source, extracted, max_members=max_archive_members, max_bytes=max_archive_bytes
+            )
+            root, junk = _unwrap(extracted)
+            plan = _plan_folder(root, refused + junk)
+            return _convert_plan(plan, dest, source, max_pixels, workers, fingerprint)
+    plan = _plan_folder(source, []) if kind == "folder" else _plan_label_file(source, dest)
+    if previous is not None and previous.fingerprint == _fingerprint(
+        head, plan, _hash_all([item.source for item in plan.items])
+    ):
+        return _unchanged(dest, previous)
+    return _convert_plan(plan, dest, source, max_pixels, workers, head)
+
+
+def _source_kind(source: Path) -> str:
+    """``folder``, ``archive``, ``csv`` or ``coco``; NoUsableImagesError for anything else."""
     if source.is_dir():
-        return _convert_folder(source, dest, source, [], max_pixels, workers)
+        return "folder"
     if not source.exists():
         raise NoUsableImagesError(
-            f"{source} does not exist.", "Pass a folder of images or an archive of one."
+            f"{source} does not exist.",
+            "Pass a folder of images, an archive of one, or a CSV / COCO JSON label file.",
         )
-    if archive_kind(source) is None:
+    if archive_kind(source) is not None:
+        return "archive"
+    kind = label_file_kind(source)
+    if kind is None:
         raise NoUsableImagesError(
-            f"{source} is neither a folder nor an archive imageops reads.",
-            f"Pass a folder of images (class sub-folders = labels) or one of: "
-            f"{', '.join(ARCHIVE_SUFFIXES)}.",
+            f"{source} is neither a folder nor an archive or label file imageops reads.",
+            f"Pass a folder of images (class sub-folders = labels), one of: "
+            f"{', '.join(ARCHIVE_SUFFIXES)}, or a .csv (path,label) or COCO .json label file.",
         )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Extract beside dest, not in /tmp: same disk as the result, and /tmp is often small.
-    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.extract-", dir=dest.parent) as tmp:
-        extracted = Path(tmp)
-        refused = extract_archive(
-            source, extracted, max_members=max_archive_members, max_bytes=max_archive_bytes
-        )
-        root, junk = _unwrap(extracted)
-        return _convert_folder(root, dest, source, refused + junk, max_pixels, workers)
+    return kind
 
 
 def _check_parameters(
@@ -232,61 +317,229 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _convert_folder(
-    root: Path,
+def _plan_folder(root: Path, skipped: list[SkippedFile]) -> _Plan:
+    scan = _scan(root)
+    items = [
+        _Item(str(path), rel, rel, rel.split("/", 1)[0] if scan.labeled else None)
+        for path, rel in scan.files
+    ]
+    return _Plan(scan.labeled, items, scan.class_dirs, skipped + scan.skipped)
+
+
+def _plan_label_file(source: Path, dest: Path) -> _Plan:
+    listing = read_label_file(source, exclude=dest)
+    names = _unique_names(listing.entries, listing.labeled)
+    items = [
+        _Item(str(entry.path), entry.rel, names[entry.rel], entry.label, entry.rel)
+        for entry in listing.entries
+    ]
+    return _Plan(listing.labeled, items, listing.classes, listing.skipped, label_file=True)
+
+
+def _unique_names(entries: Sequence[Listed], labeled: bool) -> dict[str, str]:
+    """Where each listed file goes: ``<class>/<file name>`` (``<file name>`` when unlabeled).
+
+    Files from different folders may share a name. The first one (in path order) keeps it; the
+    others get ``<stem>_1<suffix>``, ``_2``..., skipping names that are taken. Names are compared
+    without case, so the directory also copies to macOS and Windows intact. The result depends
+    only on the set of files, never on the order the label file lists them.
+    """
+    folders: dict[str, list[Listed]] = {}
+    for entry in sorted(entries, key=lambda e: e.rel):
+        folders.setdefault((entry.label or "") if labeled else "", []).append(entry)
+    names: dict[str, str] = {}
+    for folder, members in folders.items():
+        prefix = f"{folder}/" if folder else ""
+        taken: set[str] = set()
+        later: list[Listed] = []
+        for entry in members:  # first pass: every name its first holder keeps
+            name = PurePosixPath(entry.rel).name
+            if name.casefold() in taken:
+                later.append(entry)
+            else:
+                taken.add(name.casefold())
+                names[entry.rel] = prefix + name
+        for entry in later:
+            name = PurePosixPath(PurePosixPath(entry.rel).name)
+            n = 1
+            while f"{name.stem}_{n}{name.suffix}".casefold() in taken:
+                n += 1
+            free = f"{name.stem}_{n}{name.suffix}"
+            taken.add(free.casefold())
+            names[entry.rel] = prefix + free
+    return names
+
+
+def _convert_plan(
+    plan: _Plan,
     dest: Path,
     source: Path,
-    skipped: list[SkippedFile],
     max_pixels: int,
     workers: int | None,
+    fingerprint: str | dict[str, Any],
 ) -> Manifest:
-    scan = _scan(root)
-    skipped = skipped + scan.skipped
+    """Check every planned file, copy the good ones into a new ``dest``, write the manifest.
+
+    ``fingerprint`` is the final value, or the head of one to finish with the hashes the workers
+    computed of the files they read (no file is read twice).
+    """
+    skipped = list(plan.skipped)
     with atomic_directory(dest) as tmp:
-        jobs = [CheckJob(str(path), rel, str(tmp / rel), max_pixels) for path, rel in scan.files]
+        jobs = [
+            CheckJob(item.source, item.rel, str(tmp / item.dest), max_pixels) for item in plan.items
+        ]
         results = _check_all(jobs, workers)
-        images: list[ImageEntry] = []
-        accepted: list[tuple[CheckResult, str | None]] = []
-        for result in results:
+        accepted: list[tuple[_Item, CheckResult]] = []
+        for item, result in zip(plan.items, results, strict=True):
             if result.reason:
                 skipped.append(SkippedFile(path=result.rel, reason=result.reason))
             else:
-                accepted.append((result, result.rel.split("/", 1)[0] if scan.labeled else None))
-        classes = sorted({name for _, name in accepted if name is not None})
-        for name in scan.class_dirs:
+                accepted.append((item, result))
+        classes = sorted({item.label for item, _ in accepted if item.label is not None})
+        what = "class" if plan.label_file else "class folder"
+        for name in plan.classes:
             if name not in classes:
                 skipped.append(
                     SkippedFile(
                         path=_printable(name) + "/",
                         reason=SkipReason.EMPTY_CLASS.because(
-                            "no valid image in this class folder; the class is left out"
+                            f"no valid image in this {what}; the class is left out"
                         ),
                     )
                 )
         class_id = {name: i for i, name in enumerate(classes)}
-        for result, name in accepted:
-            images.append(
+        images = sorted(
+            (
                 ImageEntry(
-                    path=result.rel,
-                    label=None if name is None else class_id[name],
+                    path=item.dest,
+                    label=None if item.label is None else class_id[item.label],
                     sha256=result.sha256,
                     width=result.width,
                     height=result.height,
+                    size=result.size,
+                    source_path=item.origin,
                 )
-            )
+                for item, result in accepted
+            ),
+            key=lambda entry: entry.path,
+        )
         if not images:
-            raise NoUsableImagesError(_nothing_usable(source, skipped), _NOTHING_USABLE_HINT)
+            raise NoUsableImagesError(
+                _nothing_usable(source, skipped, plan.label_file),
+                _LABEL_FILE_HINT if plan.label_file else _NOTHING_USABLE_HINT,
+            )
+        if isinstance(fingerprint, dict):
+            fingerprint = _fingerprint(fingerprint, plan, [(r.size, r.sha256) for r in results])
         manifest = Manifest(
-            labeled=scan.labeled,
+            labeled=plan.labeled,
             classes=classes,
             counts={c: sum(1 for e in images if e.label == i) for i, c in enumerate(classes)},
             images=images,
             source=str(source.resolve()),
             skipped=sorted(skipped, key=lambda s: s.path),
             duplicates=find_duplicates(images),
+            fingerprint=fingerprint,
         )
         write_manifest(tmp, manifest)
     _log_summary(dest, manifest)
+    return manifest
+
+
+# --- the cache --------------------------------------------------------------------------------
+
+
+def _fingerprint(
+    head: dict[str, Any],
+    plan: _Plan | None = None,
+    digests: Sequence[tuple[int, str]] = (),
+) -> str:
+    """sha256 over ``head`` (parameters, versions) and what the source holds.
+
+    With a ``plan``: the layout, what was skipped before reading, and per file its path,
+    destination, label, size and sha256 (``(-1, "")`` when unreadable), from ``digests``.
+    """
+    digest = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+    if plan is not None:
+        skipped = [[s.path, s.reason] for s in plan.skipped]
+        digest.update(json.dumps([plan.labeled, plan.classes, skipped]).encode())
+        for item, (size, sha256) in zip(plan.items, digests, strict=True):
+            digest.update(json.dumps([item.rel, item.dest, item.label, size, sha256]).encode())
+    return digest.hexdigest()
+
+
+def _sha256_file(path: str | Path) -> tuple[int, str]:
+    try:
+        with open(path, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256")
+            return fh.tell(), digest.hexdigest()
+    except OSError:
+        return -1, ""
+
+
+def _hash_all(paths: Sequence[str]) -> list[tuple[int, str]]:
+    """(size, sha256) of each file, as :func:`tasks.imagecheck.check_file` reports them.
+
+    Threads, not processes: reading and hashing release the GIL, and a thread starts at once.
+    From the page cache one thread is as fast; the others help when the disk makes us wait.
+    """
+    chunks = [paths[i : i + _HASH_CHUNK] for i in range(0, len(paths), _HASH_CHUNK)]
+    if len(chunks) <= 1:
+        return [_sha256_file(path) for path in paths]
+    with ThreadPoolExecutor(max_workers=min(8, 2 * _available_cores())) as pool:
+        return [d for chunk in pool.map(_hash_chunk, chunks) for d in chunk]
+
+
+def _hash_chunk(paths: Sequence[str]) -> list[tuple[int, str]]:
+    return [_sha256_file(path) for path in paths]
+
+
+def _previous(dest: Path, source: Path) -> Manifest | None:
+    """The manifest in ``dest`` when it may be a cache hit, else None.
+
+    That is: converted from ``source``, with a fingerprint, and every file it lists still there
+    with its size (and nothing else).
+    """
+    if not (dest / MANIFEST).is_file():
+        return None
+    try:
+        manifest = read_manifest(dest)
+    except (ImageOpsError, OSError):
+        return None  # not a directory we can trust: convert again, replacing it
+    if manifest.fingerprint is None or manifest.source != str(source.resolve()):
+        return None
+    return manifest if _intact(dest, manifest) else None
+
+
+def _intact(dest: Path, manifest: Manifest) -> bool:
+    """Every listed file is a regular file of the recorded size, and no other file is there.
+
+    Sizes, not hashes: this check is a stat per file. A file changed in place with its size
+    kept goes unnoticed, as it does for DVC's own status.
+    """
+    expected = {entry.path: entry.size for entry in manifest.images}
+    if None in expected.values():
+        return False  # written before sizes were recorded
+    found: dict[str, int] = {}
+    for folder, _dirnames, filenames in os.walk(dest):
+        for name in filenames:
+            path = os.path.join(folder, name)
+            try:
+                info = os.lstat(path)
+            except OSError:  # gone while we looked: not intact
+                return False
+            if not stat.S_ISREG(info.st_mode):
+                return False
+            found[Path(path).relative_to(dest).as_posix()] = info.st_size
+    return found.pop(MANIFEST, None) is not None and found == expected
+
+
+def _unchanged(dest: Path, manifest: Manifest) -> Manifest:
+    log.info(
+        "%s is up to date: the source and parameters have not changed since it was converted "
+        "(%d images); nothing to do.",
+        dest,
+        len(manifest.images),
+    )
     return manifest
 
 
@@ -294,11 +547,15 @@ _NOTHING_USABLE_HINT = (
     "Pass a folder (or archive) of .jpg/.png/... images, in one sub-folder per class for a "
     "labeled set; check that the files open in an image viewer."
 )
+_LABEL_FILE_HINT = (
+    "Check that the paths in the label file are relative to its folder, that the files are "
+    "there, and that they open in an image viewer."
+)
 
 
-def _nothing_usable(source: Path, skipped: Sequence[SkippedFile]) -> str:
+def _nothing_usable(source: Path, skipped: Sequence[SkippedFile], label_file: bool) -> str:
     if not skipped:
-        return f"No usable image in {source}: it holds no files."
+        return f"No usable image in {source}: it {'lists' if label_file else 'holds'} no files."
     by_code: dict[str, int] = {}
     for item in skipped:
         code = item.reason.split(":", 1)[0]
@@ -357,25 +614,58 @@ def _size(path: str) -> int:
 def _check_all(jobs: list[CheckJob], workers: int | None) -> list[CheckResult]:
     """Run :func:`check_file` on every job, in a process pool unless the input is small.
 
-    Spawn, never fork: forking a process that runs Prefect's threads can deadlock the child.
-    Results come back in job order, so the manifest does not depend on scheduling.
+    This process is one of the ``workers``: the others are spawned and take chunks of jobs from
+    the front while this one checks chunks from the back, so the work starts at once instead of
+    after an interpreter start-up (a tenth of a second per spawned worker). Spawn, never fork:
+    forking a process that runs Prefect's threads can deadlock the child. Results come back in
+    job order, so the manifest does not depend on scheduling.
     """
     workers = _use_pool(jobs, workers)
     with _progress(len(jobs)) as advance:
         if workers <= 1:
-            return [advance(check_file(job)) for job in jobs]
+            return [_advanced(advance, check_file(job)) for job in jobs]
         # Chunks amortise the round trip per file, and stay small enough to balance the load.
-        chunksize = max(1, min(32, len(jobs) // (workers * 4)))
+        size = max(1, min(32, len(jobs) // (workers * 4)))
+        chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
+        mine: dict[int, list[CheckResult]] = {}
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            return [advance(r) for r in pool.map(check_file, jobs, chunksize=chunksize)]
+        with ProcessPoolExecutor(max_workers=workers - 1, mp_context=context) as pool:
+            try:
+                futures = [pool.submit(check_files, chunk) for chunk in chunks]
+                for future, chunk in zip(futures, chunks, strict=True):
+                    future.add_done_callback(partial(_chunk_done, advance, len(chunk)))
+                for i in reversed(range(len(chunks))):
+                    if not futures[i].cancel():
+                        break  # a worker has this chunk already: the ones before are theirs too
+                    mine[i] = [_advanced(advance, check_file(job)) for job in chunks[i]]
+                return [
+                    result
+                    for i, future in enumerate(futures)
+                    for result in (mine[i] if i in mine else future.result())
+                ]
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # not the whole queue first
+                raise
+
+
+def _chunk_done(advance: Callable[[int], None], n: int, future: Future) -> None:
+    if not future.cancelled():  # a chunk this process took over counts as it goes
+        advance(n)
+
+
+def _advanced(advance: Callable[[int], None], result: CheckResult) -> CheckResult:
+    advance(1)
+    return result
 
 
 @contextmanager
-def _progress(total: int) -> Iterator[Callable[[CheckResult], CheckResult]]:
-    """A rich progress bar on a terminal; nothing in logs, CI or a Prefect worker."""
+def _progress(total: int) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on a terminal; nothing in logs, CI or a Prefect worker.
+
+    Yields ``advance(n)``, safe to call from any thread.
+    """
     if not sys.stderr.isatty():
-        yield lambda result: result
+        yield lambda n: None
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
@@ -389,12 +679,7 @@ def _progress(total: int) -> Iterator[Callable[[CheckResult], CheckResult]]:
         transient=True,
     ) as bar:
         task = bar.add_task("Checking images", total=total)
-
-        def advance(result: CheckResult) -> CheckResult:
-            bar.advance(task)
-            return result
-
-        yield advance
+        yield lambda n: bar.advance(task, n)
 
 
 convert_task = step(convert, name="convert")

@@ -8,49 +8,29 @@ by name, exactly as ImageFolder sorts them) and for which files belong to the se
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
-from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from models.atomic import write_json
 from tasks.errors import InvalidDatasetError, InvalidImageDirectoryError, NotLabeledDatasetError
 
+# Part of this contract, kept in a module without pydantic so that convert's worker processes
+# start fast; import them from here.
+from tasks.imageformat import (  # noqa: F401
+    IMAGE_EXTENSIONS,
+    PIL_FORMATS,
+    SkipReason,
+    is_image_file,
+    load_rgb,
+    to_rgb,
+)
+
 MANIFEST = "manifest.json"
 FORMAT = "imageops.ImageDirectory"
 FORMAT_VERSION = 1
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-# Pillow format names we open; anything else is refused even if the extension looks right.
-PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
-
-
-class SkipReason(StrEnum):
-    """Why a file was left out: the first word of every ``SkippedFile.reason``.
-
-    A reason reads ``"<SkipReason>: <detail>"``, so tools can group skipped files by the code and
-    people can read the detail.
-    """
-
-    EMPTY_FILE = "EmptyFile"
-    NOT_AN_IMAGE = "NotAnImage"
-    EXTENSION_MISMATCH = "ExtensionMismatch"
-    UNREADABLE_IMAGE = "UnreadableImage"
-    IMAGE_EXCEEDS_LIMIT = "ImageExceedsLimit"
-    HIDDEN_FILE = "HiddenFile"
-    BAD_FILE_NAME = "BadFileName"
-    NOT_IN_CLASS_FOLDER = "NotInClassFolder"
-    EMPTY_CLASS = "EmptyClass"
-    SYMLINKED_FOLDER = "SymlinkedFolder"
-    UNSAFE_ARCHIVE_MEMBER = "UnsafeArchiveMember"
-    UNREADABLE_ARCHIVE_MEMBER = "UnreadableArchiveMember"
-
-    def because(self, detail: str) -> str:
-        """The reason text: code first, then what exactly was wrong."""
-        return f"{self.value}: {detail}"
 
 
 class ImageEntry(BaseModel):
@@ -61,6 +41,13 @@ class ImageEntry(BaseModel):
     sha256: str
     width: int
     height: int
+    # Added after format version 1 shipped; optional, so older manifests still read.
+    size: int | None = Field(default=None, description="Bytes (the copy is byte for byte).")
+    source_path: str | None = Field(
+        default=None,
+        description="Where the image came from, relative to the CSV manifest's or COCO JSON's "
+        "folder; None when it is `path` itself (folders and archives).",
+    )
 
 
 class SkippedFile(BaseModel):
@@ -88,13 +75,16 @@ class Manifest(BaseModel):
         description="Groups of image paths with the same sha256 (kept, but listed: duplicates "
         "inflate a class and leak between a training and a validation split).",
     )
+    fingerprint: str | None = Field(
+        default=None,
+        description="What Convert read and how: sha256 over the source's content (never its "
+        "timestamps) and the parameters. Converting the same source with the same fingerprint "
+        "into a directory that is still intact returns this manifest without any work. Steps "
+        "that derive a directory from another (split) leave it empty.",
+    )
 
     def labels(self) -> list[int]:
         return [int(e.label) for e in self.images if e.label is not None]
-
-
-def is_image_file(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
 def find_duplicates(entries: Iterable[ImageEntry]) -> list[list[str]]:
@@ -154,32 +144,3 @@ def require_same_classes(train: Manifest, val: Manifest) -> None:
             f"only in validation: {only_val or 'none'}).",
             "Split one ImageDirectory with `imageops split` so both halves share the classes.",
         )
-
-
-def load_rgb(path: Path) -> Image.Image:
-    """Open an image as 8-bit RGB, whatever its mode (gray, palette, RGBA, CMYK, 16-bit).
-
-    Decompression-bomb warnings become errors: an image that large is refused, not decoded.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(path, formats=PIL_FORMATS) as img:
-            img.load()
-            return to_rgb(img)
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        # 16/32-bit integer gray: scale to 8 bits instead of letting convert() clip at 255.
-        import numpy as np
-
-        arr = np.asarray(img, dtype=np.float64)
-        top = 65535.0 if img.mode.startswith("I;16") else max(float(arr.max()), 1.0)
-        img = Image.fromarray((arr * (255.0 / top)).clip(0, 255).astype("uint8"), mode="L")
-    elif img.mode == "P" and "transparency" in img.info:
-        img = img.convert("RGBA")
-    if img.mode in ("RGBA", "LA"):
-        background = Image.new("RGB", img.size, (255, 255, 255))
-        background.paste(img, mask=img.getchannel("A"))
-        return background
-    return img.convert("RGB")

@@ -32,6 +32,8 @@ def _write_subset(
             "source": str(source.resolve()),
             "skipped": [],
             "duplicates": find_duplicates(entries),
+            # The fingerprint describes a conversion; a split is not one (and is cheap to redo).
+            "fingerprint": None,
         }
     )
     with atomic_directory(dest) as tmp:
