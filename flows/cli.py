@@ -7,14 +7,17 @@ the environment, so ``--help`` is quick and Prefect and MLflow see our locations
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from models.errors import ImageOpsError
+from models.transform_spec import TransformSpec
 from tasks.settings import Settings, get_settings
 
 app = typer.Typer(
@@ -27,8 +30,13 @@ app = typer.Typer(
 )
 sample_app = typer.Typer(help="Write real sample data sets.", no_args_is_help=True)
 model_app = typer.Typer(help="Write an UntrainedModelDirectory (DenseNet, ResNet).")
+transform_app = typer.Typer(
+    help="Init / Apply Image Transformation: save a transform spec, apply it to images.",
+    no_args_is_help=True,
+)
 app.add_typer(sample_app, name="sample")
 app.add_typer(model_app, name="model")
+app.add_typer(transform_app, name="transform")
 
 # soft_wrap: paths and URIs stay on one line, so they can be copied even from a narrow log.
 err = Console(stderr=True, soft_wrap=True)
@@ -136,6 +144,98 @@ def model_densenet(
     out.print(f"wrote {name} to {dest}")
 
 
+def _with_spec_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` one ``--option`` per TransformSpec field, its help read from the field.
+
+    The CLI, the Prefect form and params.yaml then share one definition. Every option defaults to
+    None (not given), so only the options a person types replace the starting spec.
+    """
+    params = [
+        p
+        for p in inspect.signature(command, eval_str=True).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    for name, field in TransformSpec.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list):  # mean, std: three numbers after the option
+            kind: Any = tuple[float, float, float]
+            default = " ".join(str(v) for v in default)
+        else:
+            kind = field.annotation
+        help_text = f"{field.title}: {field.description} Seed default: {default}."
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[kind | None, typer.Option(help=help_text)],
+            )
+        )
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return command
+
+
+@transform_app.command("init")
+@_with_spec_options
+def transform_init(
+    dest: Annotated[
+        Path, typer.Argument(help="TransformationDirectory to write (transform.json).")
+    ],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="params.yaml-shaped file: start from its `transform` section instead of the "
+            "seed's defaults."
+        ),
+    ] = None,
+    **options: Any,
+) -> None:
+    """Init Image Transformation: save a transform spec (the seed's defaults, changed by the
+    options given)."""
+    from tasks.errors import InvalidTransformationDirectoryError
+    from tasks.transform import init_transformation, input_size, read_transformation
+
+    base: dict[str, Any] = {}
+    if config is not None:
+        from flows.config import PipelineConfig
+
+        base = PipelineConfig.from_yaml(config).transform.model_dump()
+    given = {k: list(v) if isinstance(v, tuple) else v for k, v in options.items() if v is not None}
+    init_transformation(dest, {**base, **given})
+    try:
+        size = input_size(read_transformation(dest))
+        out.print(f"wrote {dest} (the network sees {size}x{size} images)")
+    except InvalidTransformationDirectoryError as exc:  # fine for Apply, not for training
+        out.print(f"wrote {dest}; not usable for training: {exc}")
+
+
+@transform_app.command("apply")
+def transform_apply(
+    transform: Annotated[Path, typer.Argument(help="TransformationDirectory (transform init).")],
+    images: Annotated[Path, typer.Argument(help="ImageDirectory to transform.")],
+    dest: Annotated[Path, typer.Argument(help="ImageDirectory to write (PNG, same classes).")],
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="inference: deterministic steps only (every random transform dropped); "
+            "training: the random steps too."
+        ),
+    ] = "inference",
+    seed: Annotated[
+        int, typer.Option(help="Random seed of the training mode: same seed, same images.")
+    ] = 1,
+) -> None:
+    """Apply Image Transformation: write the transformed images as a new ImageDirectory."""
+    from tasks.transform import apply_transformation
+
+    manifest = apply_transformation(transform, images, dest, mode=mode, seed=seed)  # type: ignore[arg-type]
+    sizes = sorted({(e.width, e.height) for e in manifest.images})
+    shown = ", ".join(f"{w}x{h}" for w, h in sizes[:5]) + (" ..." if len(sizes) > 5 else "")
+    out.print(f"{dest}: {len(manifest.images)} images ({shown}), {len(manifest.skipped)} skipped")
+    for item in manifest.skipped[:20]:
+        out.print(f"  skipped {item.path}: {item.reason}")
+
+
 @app.command()
 def train(
     model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
@@ -158,11 +258,50 @@ def train(
         int, typer.Option(help="Processes per machine (torchrun --nproc-per-node).")
     ] = 1,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    image_size: Annotated[int, typer.Option(help="Resize + center-crop to this size.")] = 32,
+    transform: Annotated[
+        Path | None,
+        typer.Option(
+            help="TransformationDirectory (imageops transform init). Default: the demo's, "
+            "params.yaml's `transform` (resize + center crop to 32, no augmentation)."
+        ),
+    ] = None,
+    node_rank: Annotated[
+        int | None,
+        typer.Option(
+            help="Run only this node's agent (0 to nodes-1), one per machine; needs --run-id "
+            "and --rdzv-endpoint. Without it, --nodes N runs all N agents on this machine."
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(help="MLflow run of a multi-node job (print it with --open-run)."),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="host:port where the nodes meet (c10d rendezvous), the same on every node. "
+            "Default for agents on this machine: 127.0.0.1 and a free port."
+        ),
+    ] = None,
+    rdzv_timeout: Annotated[
+        int, typer.Option(help="Seconds a node waits at the rendezvous for the others.")
+    ] = 600,
+    open_run: Annotated[
+        bool,
+        typer.Option(
+            "--open-run",
+            help="Check everything, open the job's MLflow run (or find its unfinished one), "
+            "print the run id and exit: the id every --node-rank agent needs.",
+        ),
+    ] = False,
 ) -> None:
-    """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow."""
-    from models.directory import Preprocessing
-    from tasks.train.launch import train as run
+    """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow.
+
+    One node trains here. --nodes N alone runs the train flow with N node agents on this
+    machine; on N machines, run --open-run once, then one --node-rank agent on each machine.
+    """
+    from flows.config import DEMO_TRANSFORM
+    from tasks.train import launch
     from tasks.train.params import TrainParams
 
     params = TrainParams.checked(
@@ -177,14 +316,31 @@ def train(
         nproc_per_node=nproc_per_node,
         device=device,
     )
-    result = run(
-        model,
-        train_data,
-        val_data,
-        dest,
-        params,
-        preprocessing=Preprocessing(resize=image_size, center_crop=image_size),
-    )
+    spec = transform if transform is not None else DEMO_TRANSFORM
+    if open_run:
+        out.print(launch.open_run(model, train_data, val_data, dest, params, transform=spec))
+        return
+    if nodes > 1 and node_rank is None:
+        if run_id is not None:
+            from tasks.errors import InvalidParameterError
+
+            raise InvalidParameterError(
+                "--run-id names the run of one node agent's job; --nodes without --node-rank "
+                "runs every agent here and opens the run itself.",
+                "Add --node-rank (one agent per machine), or leave out --run-id.",
+            )
+        from flows.train import train_flow
+
+        result = train_flow(
+            model, train_data, val_data, dest, params, spec,
+            rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
+        )  # fmt: skip
+    else:
+        result = launch.train(
+            model, train_data, val_data, dest, params,
+            transform=spec, run_id=run_id, node_rank=node_rank or 0,
+            rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
+        )  # fmt: skip
     out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
 
 

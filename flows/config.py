@@ -1,7 +1,8 @@
 """Pipeline parameters: one typed model, the Prefect UI form, the shape of ``params.yaml``.
 
 Defaults are the seed's, except where the bundled demo needs otherwise (resnet18 from scratch at
-32x32 on two CPU processes instead of a pretrained resnext101 at 224x224 on one GPU).
+32x32 on two CPU processes instead of a pretrained resnext101 at 224x224 on one GPU; no random
+horizontal flip, since a mirrored digit is not the same digit).
 """
 
 from __future__ import annotations
@@ -9,10 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tasks.errors import InvalidParameterError
+from models.transform_spec import TransformSpec
+from tasks.errors import InvalidParameterError, InvalidTransformationDirectoryError
 from tasks.train.params import TrainParams
+from tasks.transform import input_size
+
+# The seed's Init Image Transformation, sized for the 32x32 digits: every crop (center, and the
+# random ones a person may switch on) is 32, so training and scoring see the same input size.
+DEMO_TRANSFORM = TransformSpec(
+    resize_size=32,
+    center_crop_size=32,
+    random_resized_crop_size=32,
+    random_crop_size=32,
+    random_horizontal_flip=False,
+)
 
 
 class ModelChoice(BaseModel):
@@ -52,19 +65,29 @@ class PipelineConfig(BaseModel):
         description="Folder (class sub-folders = labels) or .zip/.tar archive, relative to the "
         "project root.",
     )
-    image_size: int = Field(
-        default=32,
-        gt=0,
-        title="Image size",
-        description="Images are resized and center-cropped to this square size.",
-    )
     split: SplitChoice = Field(default_factory=SplitChoice)
+    transform: TransformSpec = Field(
+        default=DEMO_TRANSFORM,
+        title="Image transformation",
+        description="Init Image Transformation: how images become the network's input. "
+        "Training uses its training mode; validation, export and scoring its inference mode.",
+    )
     model: ModelChoice = Field(default_factory=ModelChoice)
     train: TrainParams = Field(default_factory=lambda: TrainParams(nproc_per_node=2))
     score_batch_size: int = Field(default=64, gt=0, title="Scoring batch size")
     version_data: bool = Field(
         default=True, title="Version data with DVC", description="dvc add + push every data set."
     )
+
+    @field_validator("transform")
+    @classmethod
+    def _one_input_size(cls, spec: TransformSpec) -> TransformSpec:
+        """Refuse, before any step runs, a spec that would train and score at different sizes."""
+        try:
+            input_size(spec)
+        except InvalidTransformationDirectoryError as exc:
+            raise ValueError(str(exc)) from exc
+        return spec
 
     @classmethod
     def from_yaml(cls, path: Path) -> PipelineConfig:

@@ -13,7 +13,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from flows.config import PipelineConfig
-from models.directory import Preprocessing
+from flows.train import train_flow
 from tasks.build_model import build_model_task
 from tasks.convert import convert_task
 from tasks.evaluate import evaluate_task
@@ -22,7 +22,6 @@ from tasks.registry import register_task
 from tasks.score import score_task
 from tasks.settings import get_settings
 from tasks.split import split_task
-from tasks.train.launch import train_task
 from tasks.versioning import version_task
 
 
@@ -60,9 +59,10 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
             data_version[name] = version_task(data / name)
 
     build_model_task(config.model.name, outputs / "untrained", pretrained=config.model.pretrained)
-    trained = train_task(
+    # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
+    trained = train_flow(
         outputs / "untrained", data / "train", data / "val", outputs / "model", config.train,
-        preprocessing=Preprocessing(resize=config.image_size, center_crop=config.image_size),
+        transform=config.transform,
         data_version=data_version,
     )  # fmt: skip
     export_task(trained.model_dir, sample=data / "val")

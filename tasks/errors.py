@@ -1,7 +1,7 @@
 """Every error a user can meet, in one import: ``from tasks.errors import ...``.
 
-The three seed errors keep the seed's names (Train PyTorch Model raises them where the Azure
-component does); the others name the step that refused the input.
+The seed errors keep the seed's names (raised where the Azure components raise them: Train
+PyTorch Model, Apply Image Transformation); the others name the step that refused the input.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ __all__ = [
     "ImageOpsError",
     "InvalidDatasetError",
     "InvalidImageDirectoryError",
+    "InvalidLabelFileError",
     "InvalidModelDirectoryError",
     "InvalidParameterError",
+    "InvalidTransformationDirectoryError",
     "NoUsableImagesError",
     "NotLabeledDatasetError",
     "RegistryError",
+    "RendezvousTimeoutError",
     "TrainingDivergedError",
     "TrainingFailedError",
     "UnsafeArchiveError",
@@ -37,6 +40,21 @@ class InvalidImageDirectoryError(ImageOpsError):
     """A folder given as an ImageDirectory has no valid manifest.json (run `imageops convert`)."""
 
 
+class InvalidTransformationDirectoryError(ImageOpsError):
+    """Seed error: not a transform spec Init Image Transformation wrote, or one no network can use.
+
+    Raised for a missing or unreadable ``transform.json``, a value out of range in it, and a spec
+    whose training and inference transforms would feed the network images of different sizes.
+    """
+
+
+class InvalidLabelFileError(ImageOpsError):
+    """A CSV manifest or COCO JSON given to Convert is malformed.
+
+    The message names the line (CSV) or the field (JSON) and what is wrong with it.
+    """
+
+
 class NoUsableImagesError(ImageOpsError):
     """Conversion found no image it could decode: nothing to write."""
 
@@ -53,6 +71,14 @@ class TrainingFailedError(ImageOpsError):
     """torchrun ended with an error; the message points at the rank logs. Worth a retry."""
 
     retryable = True
+
+
+class RendezvousTimeoutError(ImageOpsError):
+    """Not every node of a multi-node training job came to the rendezvous in time.
+
+    Not retryable: the rendezvous timeout already is the wait for late nodes, and a retry of one
+    node cannot bring the missing one; the message says how many nodes arrived.
+    """
 
 
 class TrainingDivergedError(ImageOpsError):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-COMMANDS = ["sample", "convert", "split", "version", "model", "train", "export", "register",
-            "score", "evaluate", "run"]  # fmt: skip
+from tasks.imagedir import read_manifest
+
+COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "export",
+            "register", "score", "evaluate", "run"]  # fmt: skip
 
 
 def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -29,9 +32,11 @@ def test_help_lists_every_step(tmp_path: Path) -> None:
         assert command in result.stdout
 
 
-@pytest.mark.parametrize("command", ["train", "run", "score", "split"])
+@pytest.mark.parametrize(
+    "command", ["train", "run", "score", "split", "transform init", "transform apply"]
+)
 def test_every_option_is_explained(tmp_path: Path, command: str) -> None:
-    result = imageops(command, "--help", cwd=tmp_path)
+    result = imageops(*command.split(), "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     options = [line for line in result.stdout.splitlines() if line.strip().startswith("│ --")]
     assert options, result.stdout
@@ -63,3 +68,28 @@ def test_bad_input_gets_a_message_not_a_traceback(tmp_path: Path) -> None:
     result = imageops("split", "nowhere", "a", "b", "--fraction", "1.5", cwd=tmp_path)
     assert result.returncode == 2
     assert "fraction" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_transform_init_then_apply(tmp_path: Path, digits_split: tuple[Path, Path]) -> None:
+    result = imageops(
+        "transform", "init", "t", "--resize-size", "20", "--center-crop-size", "12",
+        "--no-random-horizontal-flip", "--random-rotation", "--random-rotation-degrees", "15",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "the network sees 12x12 images" in result.stdout
+    spec = json.loads((tmp_path / "t" / "transform.json").read_text())["transform"]
+    assert (spec["resize_size"], spec["random_rotation_degrees"]) == (20, 15)
+    assert spec["center_crop_size"] == 12 and not spec["random_horizontal_flip"]
+    assert spec["random_crop_size"] == 224  # an option not given keeps the seed's default
+
+    val = digits_split[1]
+    result = imageops(
+        "transform", "apply", "t", str(val), "out", "--mode", "training", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"out: {len(read_manifest(val).images)} images (12x12), 0 skipped" in result.stdout
+
+    result = imageops("transform", "init", "bad", "--random-affine-degrees", "200", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "random_affine_degrees = 200, expected an integer from 0 to 180" in result.stderr

@@ -26,7 +26,11 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     config = PipelineConfig.model_validate(
         {
             "source": str(digits_raw),
-            "image_size": 16,
+            "transform": {
+                "resize_size": 16,
+                "center_crop_size": 16,
+                "random_horizontal_flip": False,
+            },
             "split": {"fraction": 0.8},
             "train": {"epochs": 1, "batch_size": 8, "learning_rate": 0.01, "nproc_per_node": 2},
         }

@@ -16,7 +16,8 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from models.directory import Preprocessing, load_model_directory
+from models.directory import load_model_directory
+from models.transform_spec import TransformSpec
 from models.zoo import MODEL_JSON, PretrainedWeightsMissingError, resnet, write_untrained
 from tasks.convert import convert
 from tasks.errors import (
@@ -37,7 +38,7 @@ from tasks.train.launch import TrainResult, _run_torchrun, train
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 
-PRE = Preprocessing(resize=16, center_crop=16)
+PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
 FAST = {"epochs": 2, "batch_size": 8, "learning_rate": 0.01, "device": "cpu"}
 
 
@@ -56,7 +57,7 @@ def run_train(
         val_data,
         out,
         TrainParams.checked(**{**FAST, **params}),
-        preprocessing=PRE,
+        transform=PRE,
         settings=settings,
     )
 
@@ -144,7 +145,7 @@ def test_a_bad_parameter_is_refused_naming_value_and_range(
             *digits_split,
             tmp_path / "out",
             {"epochs": 0},
-            preprocessing=PRE,
+            transform=PRE,
             settings=project,
         )
     assert_nothing_started(project)
@@ -209,7 +210,8 @@ def test_parameter_defaults_are_the_seeds() -> None:
         "nodes": 1,
         "nproc_per_node": 1,
         "device": "auto",
-        "horizontal_flip": False,
+        "precision": "auto",
+        "num_workers": None,
     }
     schema = TrainParams.model_json_schema()["properties"]  # what the Prefect form shows
     assert all(field.get("title") and field.get("description") for field in schema.values())
@@ -228,6 +230,7 @@ def test_parameter_defaults_are_the_seeds() -> None:
         ("nodes", 0, "an integer >= 1"),
         ("nproc_per_node", 0, "an integer >= 1"),
         ("device", "tpu", "one of 'auto', 'cpu', 'cuda'"),
+        ("precision", "fp8", "one of 'auto', 'fp32', 'bf16', 'fp16'"),
         ("epochs", 2.5, "an integer > 0"),
     ],
 )
@@ -449,7 +452,7 @@ def test_a_crash_in_a_worker_quotes_its_log(
             digits_split[1],
             tmp_path / "model",
             TrainParams.checked(**FAST),
-            preprocessing=PRE,
+            transform=PRE,
             settings=project,
             max_restarts=0,
         )

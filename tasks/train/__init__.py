@@ -3,7 +3,8 @@
 - ``params``: the seed's parameters (:class:`~tasks.train.params.TrainParams`) and the resolved
   run configuration the workers read.
 - ``launch``: :func:`~tasks.train.launch.train` and ``train_task``, the step flows call: checks the
-  inputs, opens the MLflow run, runs torchrun, returns a ``TrainResult``.
+  inputs, opens the MLflow run (or continues the unfinished one of the same request), runs
+  torchrun for one node, returns a ``TrainResult``; ``open_run`` opens a multi-node job's run.
 - ``worker``: the torchrun entry (``python -m tasks.train.worker``); ``loop``: one epoch and one
   evaluation; ``schedule``: warm-up then polynomial decay; ``distributed``: ranks, process group,
   reductions; ``data``, ``checkpoint``, ``curves``, ``failure``: the pieces they share.

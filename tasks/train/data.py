@@ -1,20 +1,37 @@
-"""Training and validation data: torchvision's ImageFolder, held to the ImageDirectory manifest.
+"""Training and validation data: torchvision's ImageFolder, held to the ImageDirectory manifest,
+and the DataLoaders that keep the model fed.
 
 The manifest is the source of truth: class ids come from its class list (so a class that has no
 image in this half of a split keeps its id), and only the files it lists are read, so a stray
 file dropped into the folder later is not trained on.
+
+Random augmentation draws from a seed per (run seed, epoch, image) that the sampler hands out with
+each index (:class:`SeededSampler`), never from a loader process's own random stream. So the
+images a run trains on do not depend on how many loader processes there are, nor on whether they
+persist across epochs, nor on a restart: same seed, same data, same result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
+from typing import Any
 
-from torch.utils.data import Sampler
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision.datasets import ImageFolder
 
 from tasks.errors import InvalidImageDirectoryError
 from tasks.imagedir import Manifest, load_rgb
+from tasks.train.loop import derive_seed
+
+# Batches each loader process prepares ahead (PyTorch's default is 2): enough to ride out a slow
+# image without holding many batches of pinned memory per GPU.
+PREFETCH_FACTOR = 4
+# Loader processes per GPU at most: decoding and resizing a batch of a few dozen images keeps up
+# with a GPU step with a handful of cores; more only costs memory and start-up time.
+MAX_WORKERS_PER_GPU = 4
 
 
 class ManifestImageFolder(ImageFolder):
@@ -78,3 +95,136 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class SeededSampler(Sampler[tuple[int, int]]):
+    """The indices of a DistributedSampler, each with the seed its augmentation draws from.
+
+    The seed depends on (run seed, epoch, index) only: the sampler runs in the training process,
+    where ``set_epoch`` is called, so even persistent loader processes, which keep the dataset
+    copy they started with, get each epoch's seeds.
+    """
+
+    def __init__(self, sampler: DistributedSampler, seed: int) -> None:
+        self.sampler = sampler
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.sampler.epoch
+        for index in self.sampler:
+            yield index, derive_seed(self.seed, "augment", epoch, index)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class SeededDataset(Dataset):
+    """``dataset[index]`` with torch's random state seeded by the seed that comes with the index.
+
+    torchvision's random transforms draw from torch's global generator; seeding it per image (and
+    restoring it after, so the caller's stream is untouched) makes each image's augmentation a
+    function of its seed alone.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        assert isinstance(self.dataset, Sized)
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+def loader_workers(device: torch.device, requested: int | None) -> int:
+    """Loader processes per training process: ``requested``, or the default for ``device``.
+
+    CPU: 0. Each training process computes with every core it has (torchrun gives each of N
+    processes 1/N of them), so a loader process would take cores away from the step it feeds; on
+    a CPU the step costs far more than decoding its images, so loading in the training process
+    loses little and keeps results independent of scheduling. CUDA: the GPU computes and the
+    cores are idle, so each process gets up to ``MAX_WORKERS_PER_GPU`` loaders from its share of
+    the node's cores, one core left for the training process itself.
+    """
+    if requested is not None:
+        return requested
+    if device.type != "cuda":
+        return 0
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, min(MAX_WORKERS_PER_GPU, (cores or 1) // per_node - 1))
+
+
+def make_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    sampler: Sampler,
+    device: torch.device,
+    num_workers: int,
+    drop_last: bool = False,
+) -> DataLoader:
+    """A DataLoader that keeps the model fed, safely inside a Prefect-launched process.
+
+    With loader processes: the spawn context (fork inside a process that Prefect's threads share
+    can deadlock on a lock held at fork time), persistent across epochs (a spawned process takes
+    seconds to import torch; once per run, not per epoch) and ``PREFETCH_FACTOR`` batches ahead.
+    On CUDA, batches come in pinned memory, so the copy to the GPU is asynchronous
+    (``non_blocking=True`` in the training step) and overlaps the previous step.
+    """
+    options: dict[str, Any] = {"pin_memory": device.type == "cuda"}
+    if num_workers > 0:
+        options |= {
+            "num_workers": num_workers,
+            "multiprocessing_context": "spawn",
+            "persistent_workers": True,
+            "prefetch_factor": PREFETCH_FACTOR,
+        }
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options
+    )
+
+
+def training_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    num_workers: int,
+) -> tuple[DataLoader, SeededSampler]:
+    """The training loader of one rank: its shard, reshuffled per epoch, augmented per image.
+
+    Call ``sampler.set_epoch(epoch)`` before each epoch. Returns (loader, sampler).
+    """
+    assert isinstance(dataset, Sized)
+    shard = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=True,
+        seed=derive_seed(seed, "shuffle"),
+        drop_last=False,
+    )
+    sampler = SeededSampler(shard, seed)
+    per_rank = len(shard)
+    loader = make_loader(
+        SeededDataset(dataset),
+        batch_size=batch_size,
+        sampler=sampler,
+        device=device,
+        num_workers=num_workers,
+        # A last batch of one image breaks BatchNorm in training mode (one value per channel
+        # after the final pooling): drop exactly that case, never a real batch.
+        drop_last=per_rank > batch_size and per_rank % batch_size == 1,
+    )
+    return loader, sampler

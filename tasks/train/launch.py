@@ -3,25 +3,34 @@
 Everything the seed refuses is refused here, before a process starts or a run is created: a folder
 that is not an untrained model (InvalidModelDirectoryError), unlabeled training data
 (NotLabeledDatasetError), different classes in training and validation (InvalidDatasetError), a
-batch larger than the training set, CUDA without a GPU, more processes per node than GPUs.
+batch larger than the training set, CUDA without a GPU, more processes per node than GPUs, a
+transform spec that would train and score at different sizes (InvalidTransformationDirectoryError).
 
 torchrun runs as a subprocess in a session of its own (fork inside a Prefect task can deadlock on
 Prefect's threads), and on a timeout, an interrupt or any error the whole process tree is
 stopped, so no orphaned worker keeps a GPU or a port. A worker's ImageOpsError comes back as the
 same error class; any other failure as a TrainingFailedError quoting the log.
+
+Which MLflow run a request trains in is decided here too (:func:`open_run`): an unfinished run of
+the very same request is continued from its last per-epoch checkpoint (a Prefect retry, or the
+request run again after a crash), never a FINISHED one. A multi-node job opens its run once and
+runs :func:`train` once per node against it; the torchruns meet by c10d rendezvous.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,28 +42,44 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel
 
 import tasks
-from models.directory import Preprocessing
+from models.atomic import write_json
+from models.transform_spec import TransformSpec
 from models.zoo import ModelSpec, build_model, pretrained_weights_path, read_untrained
 from tasks.artifacts import markdown_table, png_markdown, publish_markdown
 from tasks.errors import (
     ImageOpsError,
     InvalidDatasetError,
     InvalidParameterError,
+    RendezvousTimeoutError,
     TrainingFailedError,
 )
 from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
 from tasks.settings import Settings, get_settings
 from tasks.step import step, step_logger
 from tasks.tracking import configure_mlflow
+from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.failure import clear_failures, read_failures
 from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
+from tasks.train.precision import resolve_precision
 from tasks.train.worker import CURVES, RESULT, rank_log
+from tasks.transform import input_size, read_transformation, transform_spec
 
 CONFIG = "config.json"
 TORCHRUN_LOG = "torchrun.log"
 LOG_ARTIFACTS = "logs"
 KILL_GRACE_S = 15.0
 TAIL_LINES = 25
+# torchrun's own default for how long nodes wait for each other at the rendezvous.
+RDZV_TIMEOUT_S = 600
+# What torchrun prints when its rendezvous times out / cannot reach the store.
+RDZV_TIMEOUT_MARK = "RendezvousTimeoutError"
+RDZV_CONNECTION_MARK = "RendezvousConnectionError"
+CLOCK_SLACK_S = 1.0
+# Tag of a training run: the request it trains (RunConfig.job_key), to find it again on a retry.
+RESUME_KEY_TAG = "imageops.resume_key"
+UNFINISHED = ("RUNNING", "FAILED", "KILLED")
+LAUNCH_LOCK = "launch.lock"
+NODES = "nodes"  # in the run folder: when each node's torchrun ran
 
 
 class TrainResult(BaseModel):
@@ -67,6 +92,23 @@ class TrainResult(BaseModel):
     run_dir: Path
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A training request checked in full and resolved, before any MLflow run exists.
+
+    ``config`` is not bound to a run yet (``run_dir`` is the runs folder, no run id): its
+    :meth:`~tasks.train.params.RunConfig.job_key` is what finds an unfinished run to continue.
+    """
+
+    spec: ModelSpec
+    config: RunConfig
+    train_manifest: Manifest
+    val_manifest: Manifest
+
+    def bind(self, run_id: str, run_dir: Path) -> RunConfig:
+        return self.config.model_copy(update={"run_dir": run_dir, "mlflow_run_id": run_id})
+
+
 def train(
     model: Path,
     train_data: Path,
@@ -74,112 +116,123 @@ def train(
     out: Path,
     params: TrainParams | Mapping[str, Any],
     *,
-    preprocessing: Preprocessing,
+    transform: TransformSpec | Mapping[str, Any] | Path,
     settings: Settings | None = None,
     data_version: dict[str, str] | None = None,
     run_name: str | None = None,
     run_id: str | None = None,
+    node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    rdzv_timeout_s: int = RDZV_TIMEOUT_S,
     max_restarts: int = 1,
     timeout_s: float | None = None,
 ) -> TrainResult:
     """Train the untrained ``model`` on ``train_data``, validating on ``val_data``; write ``out``.
 
     ``out`` receives the ModelDirectory of the epoch with the best validation top-1. The MLflow run
-    (created here, named ``run_name``) gets the parameters, per-epoch metrics, the training curves
-    and every rank's log; its folder ``settings.runs_dir/<run id>`` keeps config, checkpoint and
-    logs. ``run_id`` continues an existing run instead (resume after a crash from its last
-    checkpoint, or join a multi-node run whose rendezvous is ``rdzv_endpoint`` host:port).
+    gets the parameters, per-epoch metrics, the training curves and every rank's log; its folder
+    ``settings.runs_dir/<run id>`` keeps config, checkpoint and logs. ``transform``: the image
+    transformation spec (or the TransformationDirectory holding it); the training set goes through
+    its training mode, the validation set through its inference mode, and the ModelDirectory
+    stores it for scoring.
+
+    Which run: ``run_id`` when given (resume after a crash from its last checkpoint, or one node
+    of a multi-node job). Otherwise (one node only) :func:`open_run` picks it: an unfinished run
+    of this very request (same model, data, parameters, transform and ``out``) whose folder holds
+    a checkpoint is continued, so a Prefect retry or a re-run of a crashed request trains only
+    the epochs it lacks; else a new run, named ``run_name``, is created.
+
+    Multi-node (``params.nodes`` > 1): call this once per node, each with its ``node_rank`` (0 to
+    nodes - 1), the same ``run_id`` (from :func:`open_run`) and the same ``rdzv_endpoint``
+    (host:port of a machine every node reaches); the torchruns meet there by c10d rendezvous and
+    wait at most ``rdzv_timeout_s`` for each other. The run folder and ``out`` must be on storage
+    every node shares. Node 0's agent owns the run: it sets its status and attaches the logs;
+    global rank 0, wherever it lands, alone logs metrics and writes the model.
+
     torchrun restarts crashed workers up to ``max_restarts`` times, resuming from the checkpoint;
     ``timeout_s`` bounds the whole run.
 
     Raises the seed's InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError,
-    InvalidParameterError before anything starts; a worker's ImageOpsError as itself; any other
+    InvalidTransformationDirectoryError, InvalidParameterError before anything starts;
+    RendezvousTimeoutError when not every node came; a worker's ImageOpsError as itself; any other
     failure as TrainingFailedError naming the log folder.
     """
     settings = settings or get_settings()
     log = step_logger(__name__)  # inside a Prefect run, these lines reach the UI
-    values = params.model_dump() if isinstance(params, TrainParams) else dict(params)
-    params = TrainParams.checked(**values)  # also catches model_construct()ed or dict params
-    spec = read_untrained(Path(model))
-    train_manifest, val_manifest = _check_datasets(Path(train_data), Path(val_data))
-    _check_sizes(params, train_manifest)
-    device = _resolve_device(params)
-    if params.nodes > 1 and not rdzv_endpoint:
-        raise InvalidParameterError(
-            f"nodes = {params.nodes} needs a rendezvous endpoint; none was given.",
-            "Pass rdzv_endpoint='host:port' of the first node, the same on every node.",
-        )
-    if max_restarts < 0:
-        raise InvalidParameterError(f"max_restarts = {max_restarts}, expected an integer >= 0.")
-    if spec.pretrained:
-        _ensure_pretrained_weights(spec, settings)
-
+    params = _checked_params(params)
+    _check_launch(params, run_id, node_rank, rdzv_endpoint, rdzv_timeout_s, max_restarts)
+    request = _check_request(
+        model, train_data, val_data, out, params, transform, settings, data_version
+    )
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
-    created = run_id is None
     if run_id is None:
-        run_id = client.create_run(
-            experiment_id,
-            run_name=run_name or _default_run_name(spec, params),
-            tags=_tags(spec, params, device, data_version or {}),
-        ).info.run_id
+        run_id = _open_run(client, experiment_id, request, settings, run_name)
     else:
-        _reopen_run(client, run_id)
+        _require_run(client, run_id)
     run_dir = settings.runs_dir / run_id
-    log.info("MLflow run %s, run folder %s", run_id, run_dir)
-    status = "FAILED"
-    try:
-        config = RunConfig(
-            params=params,
-            architecture=spec,
-            classes=train_manifest.classes,
-            preprocessing=preprocessing,
-            train_data=Path(train_data).resolve(),
-            val_data=Path(val_data).resolve(),
-            data_fingerprint={
-                "train": manifest_fingerprint(train_data),
-                "val": manifest_fingerprint(val_data),
-            },
-            data_version=data_version or {},
-            out=Path(out).resolve(),
-            run_dir=run_dir,
-            mlflow_run_id=run_id,
-            device=device,
-            world_size=params.world_size,
-        )
-        config_path = _write_config(run_dir, config)
-        if created:
-            _log_params(client, run_id, config, train_manifest, val_manifest)
-        command = _torchrun_command(params, config_path, run_id, rdzv_endpoint, max_restarts)
-        env = {
-            **os.environ,
-            **settings.environment(),
-            "MLFLOW_RUN_ID": run_id,
-            "PYTHONUNBUFFERED": "1",  # stream the workers' lines as they come
-            # Workers import `tasks` by module name, whatever the working folder.
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (_source_root(), os.environ.get("PYTHONPATH", "")) if p
-            ),
-        }
-        returncode = _run_torchrun(command, env, run_dir, timeout_s)
-        if returncode != 0:
-            raise _failure(run_dir, returncode)
-        if not (run_dir / RESULT).is_file():  # e.g. rank 0 ran on another node's disk
-            raise TrainingFailedError(
-                f"torchrun succeeded but rank 0 left no {RESULT} in {run_dir}.",
-                "Multi-node runs need the run folder and the output on shared storage.",
+    config = request.bind(run_id, run_dir)
+    lead = node_rank == 0
+    log.info(
+        "MLflow run %s, run folder %s (node %d of %d)", run_id, run_dir, node_rank, params.nodes
+    )
+    torchrun_log = run_dir / (
+        TORCHRUN_LOG if params.nodes == 1 else f"torchrun_node_{node_rank}.log"
+    )
+    with _launch_lock(run_dir, run_id) if lead else contextlib.nullcontext():
+        if lead:
+            client.update_run(run_id, status="RUNNING")
+        status = "FAILED"
+        try:
+            config_path = _write_config(run_dir, config)
+            command = _torchrun_command(
+                params, config_path, run_id, rdzv_endpoint, max_restarts, rdzv_timeout_s
             )
-        result = json.loads((run_dir / RESULT).read_text())
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        _attach_logs(client, run_id, run_dir)
-        client.set_terminated(run_id, status)
+            env = {
+                **os.environ,
+                **settings.environment(),
+                "MLFLOW_RUN_ID": run_id,
+                "PYTHONUNBUFFERED": "1",  # stream the workers' lines as they come
+                # Workers import `tasks` by module name, whatever the working folder.
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (_source_root(), os.environ.get("PYTHONPATH", "")) if p
+                ),
+            }
+            offset = torchrun_log.stat().st_size if torchrun_log.is_file() else 0
+            started = time.time()
+            if params.nodes > 1:
+                _mark_node(run_dir, node_rank, started)
+            try:
+                returncode = _run_torchrun(
+                    command, env, run_dir, timeout_s, log_name=torchrun_log.name
+                )
+            finally:
+                if params.nodes > 1:
+                    _mark_node(run_dir, node_rank, started, ended=time.time())
+            if returncode != 0:
+                output = _read_from(torchrun_log, offset)
+                if RDZV_TIMEOUT_MARK in output:
+                    raise _rendezvous_timeout(
+                        run_dir, run_id, params, node_rank, rdzv_endpoint, rdzv_timeout_s, started
+                    )
+                raise _failure(run_dir, returncode, torchrun_log, output)
+            if not (run_dir / RESULT).is_file():  # e.g. rank 0 ran on another node's disk
+                raise TrainingFailedError(
+                    f"torchrun succeeded but rank 0 left no {RESULT} in {run_dir}.",
+                    "Multi-node runs need the run folder and the output on shared storage.",
+                )
+            result = json.loads((run_dir / RESULT).read_text())
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            if lead:
+                _attach_logs(client, run_id, run_dir)
+                client.set_terminated(run_id, status)
     log.info("training finished: %s", result["metrics"])
-    _publish_report(run_id, run_dir, result)
+    if lead:
+        _publish_report(run_id, run_dir, result)
     return TrainResult(
         model_dir=Path(out).resolve(),
         run_id=run_id,
@@ -190,6 +243,140 @@ def train(
 
 
 train_task = step(train, name="train")
+
+
+def open_run(
+    model: Path,
+    train_data: Path,
+    val_data: Path,
+    out: Path,
+    params: TrainParams | Mapping[str, Any],
+    *,
+    transform: TransformSpec | Mapping[str, Any] | Path,
+    settings: Settings | None = None,
+    data_version: dict[str, str] | None = None,
+    run_name: str | None = None,
+) -> str:
+    """Check the training request in full and return the id of the MLflow run to train it in.
+
+    An unfinished run (RUNNING, FAILED or KILLED) of the same request whose run folder holds a
+    checkpoint, and that no launcher is training right now, is continued: a retry then resumes
+    instead of starting over. A FINISHED run is never reused: asking again for a trained model
+    trains a new one. Otherwise a new run is created, with its parameters logged. A multi-node
+    job opens its run once with this and hands the id to every node's :func:`train`.
+
+    Raises what :func:`train` raises before it starts.
+    """
+    settings = settings or get_settings()
+    params = _checked_params(params)
+    request = _check_request(
+        model, train_data, val_data, out, params, transform, settings, data_version
+    )
+    experiment_id = configure_mlflow(settings)
+    client = MlflowClient(settings.tracking_uri, settings.registry_uri)
+    return _open_run(client, experiment_id, request, settings, run_name)
+
+
+open_run_task = step(open_run, name="open-training-run")
+
+
+def local_rendezvous_endpoint() -> str:
+    """``127.0.0.1:<a port free now>``: the rendezvous of node agents that all run here.
+
+    Agents on other machines cannot reach a loopback address, so no stranger joins the job by
+    chance (torch's store itself listens on the port on every interface: the port is free only
+    for a moment before torchrun takes it). Real multi-node jobs name a host all machines reach.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _checked_params(params: TrainParams | Mapping[str, Any]) -> TrainParams:
+    values = params.model_dump() if isinstance(params, TrainParams) else dict(params)
+    return TrainParams.checked(**values)  # also catches model_construct()ed or dict params
+
+
+def _check_launch(
+    params: TrainParams,
+    run_id: str | None,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    rdzv_timeout_s: int,
+    max_restarts: int,
+) -> None:
+    """The launch options, refused before anything starts when they cannot make a job."""
+    if max_restarts < 0:
+        raise InvalidParameterError(f"max_restarts = {max_restarts}, expected an integer >= 0.")
+    if not 0 <= node_rank < params.nodes:
+        raise InvalidParameterError(
+            f"node_rank = {node_rank}, expected 0 to {params.nodes - 1} (nodes = {params.nodes}).",
+            "Give each node agent its own rank, 0 for the one that owns the MLflow run.",
+        )
+    if rdzv_timeout_s <= 0:
+        raise InvalidParameterError(f"rdzv_timeout_s = {rdzv_timeout_s}, expected seconds > 0.")
+    if params.nodes == 1:
+        return
+    if not rdzv_endpoint:
+        raise InvalidParameterError(
+            f"nodes = {params.nodes} needs a rendezvous endpoint; none was given.",
+            "Pass rdzv_endpoint='host:port' of a machine every node reaches, the same on every "
+            "node.",
+        )
+    host, _, port = rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidParameterError(
+            f"rdzv_endpoint = {rdzv_endpoint!r}, expected host:port (port 1 to 65535).",
+            "For example 10.0.0.5:29400, the same on every node.",
+        )
+    if run_id is None:
+        raise InvalidParameterError(
+            f"nodes = {params.nodes}: every node agent needs the id of the job's MLflow run.",
+            "Open the run once with open_run (the train flow and `imageops train --open-run` "
+            "do) and pass its id to every node.",
+        )
+
+
+def _check_request(
+    model: Path,
+    train_data: Path,
+    val_data: Path,
+    out: Path,
+    params: TrainParams,
+    transform: TransformSpec | Mapping[str, Any] | Path,
+    settings: Settings,
+    data_version: dict[str, str] | None,
+) -> _Request:
+    """Everything the seed refuses, refused; the run configuration resolved (not yet bound)."""
+    spec_transform = _check_transform(transform)
+    spec = read_untrained(Path(model))
+    train_manifest, val_manifest = _check_datasets(Path(train_data), Path(val_data))
+    _check_sizes(params, train_manifest)
+    device = _resolve_device(params)
+    # Refused here, before a run exists: fp16 on CPU, bf16 where the device cannot train in it.
+    precision = resolve_precision(params.precision, device, input_size(spec_transform))
+    if spec.pretrained:
+        _ensure_pretrained_weights(spec, settings)
+    config = RunConfig(
+        params=params,
+        architecture=spec,
+        classes=train_manifest.classes,
+        transform=spec_transform,
+        train_data=Path(train_data).resolve(),
+        val_data=Path(val_data).resolve(),
+        data_fingerprint={
+            "train": manifest_fingerprint(train_data),
+            "val": manifest_fingerprint(val_data),
+        },
+        data_version=data_version or {},
+        out=Path(out).resolve(),
+        run_dir=settings.runs_dir,
+        mlflow_run_id=None,
+        device=device,
+        precision=precision,
+        world_size=params.world_size,
+    )
+    return _Request(spec, config, train_manifest, val_manifest)
 
 
 def _check_datasets(train_data: Path, val_data: Path) -> tuple[Manifest, Manifest]:
@@ -204,6 +391,17 @@ def _check_datasets(train_data: Path, val_data: Path) -> tuple[Manifest, Manifes
             "Split with a fraction below 1 so the second half keeps some images.",
         )
     return train_manifest, val_manifest
+
+
+def _check_transform(transform: TransformSpec | Mapping[str, Any] | Path) -> TransformSpec:
+    """The spec (read from a TransformationDirectory when a path is given), checked in full."""
+    if isinstance(transform, str | Path):
+        spec = read_transformation(Path(transform))
+    else:
+        values = transform.model_dump() if isinstance(transform, TransformSpec) else transform
+        spec = transform_spec(**values)
+    input_size(spec)  # training and scoring must feed the network the same size
+    return spec
 
 
 def _check_sizes(params: TrainParams, train_manifest: Manifest) -> None:
@@ -287,7 +485,7 @@ def _tags(
     return tags
 
 
-def _reopen_run(client: MlflowClient, run_id: str) -> None:
+def _require_run(client: MlflowClient, run_id: str) -> None:
     try:
         client.get_run(run_id)
     except MlflowException as exc:
@@ -295,7 +493,163 @@ def _reopen_run(client: MlflowClient, run_id: str) -> None:
             f"run_id = {run_id!r}: no such MLflow run.",
             "Leave run_id empty to start a new run.",
         ) from exc
-    client.update_run(run_id, status="RUNNING")
+
+
+def _open_run(
+    client: MlflowClient,
+    experiment_id: str,
+    request: _Request,
+    settings: Settings,
+    run_name: str | None,
+) -> str:
+    """The unfinished run of this request to continue, else a new run (parameters logged)."""
+    key = request.config.job_key()
+    resumable = _resumable_run(client, experiment_id, key, settings.runs_dir)
+    if resumable is not None:
+        step_logger(__name__).info(
+            "continuing unfinished MLflow run %s of the same request from its checkpoint",
+            resumable,
+        )
+        return resumable
+    config = request.config
+    tags = _tags(request.spec, config.params, config.device, config.data_version)
+    run_id = client.create_run(
+        experiment_id,
+        run_name=run_name or _default_run_name(request.spec, config.params),
+        tags={**tags, RESUME_KEY_TAG: key},
+    ).info.run_id
+    # Once, here: a run that fails in its workers still shows what it was asked to do.
+    _log_params(client, run_id, config, request.train_manifest, request.val_manifest)
+    return run_id
+
+
+def _resumable_run(
+    client: MlflowClient, experiment_id: str, key: str, runs_dir: Path
+) -> str | None:
+    """The newest run of request ``key`` that ended unfinished with a checkpoint to resume from.
+
+    RUNNING counts as unfinished (a launcher killed hard never set the final status), but not
+    while a launcher holds the run's lock: that run is being trained now, by someone else.
+    """
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RESUME_KEY_TAG}` = '{key}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=50,
+    )
+    for run in runs:
+        run_dir = runs_dir / run.info.run_id
+        if run.info.status not in UNFINISHED or not (run_dir / CHECKPOINT).is_file():
+            continue
+        if not _in_training(run_dir):
+            return run.info.run_id
+    return None
+
+
+@contextlib.contextmanager
+def _launch_lock(run_dir: Path, run_id: str) -> Iterator[None]:
+    """Hold the run's lock while node 0's launcher trains it; refuse if another holds it.
+
+    Two launches of one run at once would train into one checkpoint and one model. The lock
+    (``flock``, released by the kernel whatever way the holder dies) also tells a run that is
+    merely unfinished, and may be continued, from one that is being trained right now.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LAUNCH_LOCK, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InvalidParameterError(
+                f"MLflow run {run_id} is being trained right now by another launcher.",
+                "Wait for it to end, or start a new run (leave run_id empty).",
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _in_training(run_dir: Path) -> bool:
+    """True while some launcher holds ``run_dir``'s lock."""
+    path = run_dir / LAUNCH_LOCK
+    if not path.is_file():
+        return False
+    with open(path, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
+
+
+def _mark_node(run_dir: Path, node_rank: int, started: float, ended: float | None = None) -> None:
+    """Note in the shared run folder when this node's torchrun ran: who came to a rendezvous.
+
+    torch's rendezvous timeout says only that it timed out; these notes let the error say which
+    nodes came and which did not.
+    """
+    write_json(
+        run_dir / NODES / f"node_{node_rank}.json",
+        {
+            "node_rank": node_rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": started,
+            "ended": ended,
+        },
+    )
+
+
+def _arrived_nodes(run_dir: Path, nodes: int, started: float, timeout_s: int) -> set[int]:
+    """Node ranks whose torchrun was up while this node's waited (``started`` on).
+
+    A node that came earlier and was still waiting started at most ``timeout_s`` before us; a
+    note of an earlier attempt ended before we started. A second of slack covers clock skew.
+    """
+    arrived = set()
+    for path in (run_dir / NODES).glob("node_*.json"):
+        try:
+            note = json.loads(path.read_text())
+            rank, began, ended = int(note["node_rank"]), float(note["started"]), note["ended"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        recent = began >= started - timeout_s - CLOCK_SLACK_S
+        overlapping = ended is None or float(ended) >= started - CLOCK_SLACK_S
+        if 0 <= rank < nodes and recent and overlapping:
+            arrived.add(rank)
+    return arrived
+
+
+def _rendezvous_timeout(
+    run_dir: Path,
+    run_id: str,
+    params: TrainParams,
+    node_rank: int,
+    endpoint: str | None,
+    timeout_s: int,
+    started: float,
+) -> RendezvousTimeoutError:
+    arrived = _arrived_nodes(run_dir, params.nodes, started, timeout_s) | {node_rank}
+    missing = [rank for rank in range(params.nodes) if rank not in arrived]
+    return RendezvousTimeoutError(
+        f"The rendezvous of training run {run_id} at {endpoint} timed out after {timeout_s} s: "
+        f"{len(arrived)} of {params.nodes} nodes arrived (node rank "
+        f"{', '.join(map(str, sorted(arrived)))}; missing: {', '.join(map(str, missing))}).",
+        f"Start the agent of every node within {timeout_s} s of the others, each with its "
+        f"own node rank, nodes = {params.nodes}, run id {run_id} and rendezvous endpoint "
+        f"{endpoint}; check that every node reaches {endpoint}; or allow more time with "
+        "rdzv_timeout_s (--rdzv-timeout).",
+    )
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """The text of ``path`` from byte ``offset`` on: this launch's part of an appended log."""
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read().decode("utf-8", errors="replace")
 
 
 def _write_config(run_dir: Path, config: RunConfig) -> Path:
@@ -333,11 +687,12 @@ def _log_params(
         "world_size": config.world_size,
         "effective_learning_rate": config.params.learning_rate * config.world_size,
         "device": config.device,
+        "resolved_precision": config.precision,
         "num_classes": len(config.classes),
         "train_images": len(train_manifest.images),
         "val_images": len(val_manifest.images),
-        "resize": config.preprocessing.resize,
-        "center_crop": config.preprocessing.center_crop,
+        "input_size": input_size(config.transform),
+        **{f"transform.{k}": v for k, v in config.transform.model_dump().items()},
     }
     client.log_batch(run_id, params=[Param(k, str(v)) for k, v in values.items()])
 
@@ -352,12 +707,14 @@ def _torchrun_command(
     run_id: str,
     rdzv_endpoint: str | None,
     max_restarts: int,
+    rdzv_timeout_s: int = RDZV_TIMEOUT_S,
 ) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run"]
     if params.nodes == 1:
         command += ["--standalone", "--nnodes", "1"]
     else:
-        # Every node runs this same command; c10d rendezvous on the first node assigns ranks.
+        # Every node runs this same command; c10d rendezvous at the endpoint assigns the ranks
+        # (global rank 0 may land on any node: every side effect keys on it, not on node 0).
         command += [
             "--nnodes",
             str(params.nodes),
@@ -367,6 +724,8 @@ def _torchrun_command(
             str(rdzv_endpoint),
             "--rdzv-id",
             run_id,
+            "--rdzv-conf",
+            f"join_timeout={rdzv_timeout_s}",
         ]
     command += [
         "--nproc-per-node",
@@ -382,7 +741,7 @@ def _torchrun_command(
 
 
 def _pump(stream: IO[str], path: Path) -> None:
-    """Copy torchrun's output to the console and to ``torchrun.log``, line by line."""
+    """Copy torchrun's output to the console and to its log in the run folder, line by line."""
     with open(path, "a", encoding="utf-8") as sink:
         for line in stream:
             sys.stdout.write(line)
@@ -392,7 +751,12 @@ def _pump(stream: IO[str], path: Path) -> None:
 
 
 def _run_torchrun(
-    command: list[str], env: dict[str, str], run_dir: Path, timeout_s: float | None
+    command: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    timeout_s: float | None,
+    *,
+    log_name: str = TORCHRUN_LOG,
 ) -> int:
     step_logger(__name__).info("starting: %s", " ".join(command))
     proc = subprocess.Popen(
@@ -408,7 +772,7 @@ def _run_torchrun(
         start_new_session=True,  # its own process group: we can stop all of it, and only it
     )
     assert proc.stdout is not None
-    pump = threading.Thread(target=_pump, args=(proc.stdout, run_dir / TORCHRUN_LOG), daemon=True)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, run_dir / log_name), daemon=True)
     pump.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
@@ -467,8 +831,18 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
-def _failure(run_dir: Path, returncode: int) -> ImageOpsError:
-    """The error to raise for a failed torchrun: the worker's own error class when it had one."""
+def _failure(run_dir: Path, returncode: int, torchrun_log: Path, output: str = "") -> ImageOpsError:
+    """The error to raise for a failed torchrun: the worker's own error class when it had one.
+
+    ``output`` is what this launch's torchrun printed (its log holds earlier launches too).
+    """
+    if RDZV_CONNECTION_MARK in output:
+        return TrainingFailedError(
+            f"torchrun could not reach the rendezvous of run {run_dir.name}. Last lines of "
+            f"{torchrun_log}:\n{_tail(torchrun_log)}",
+            "Check the rendezvous endpoint (host:port of a machine every node reaches, open in "
+            "its firewall) and start the agent on that host first.",
+        )
     failures = read_failures(run_dir)
     for failure in failures:
         error = failure.as_error()
@@ -482,7 +856,7 @@ def _failure(run_dir: Path, returncode: int) -> ImageOpsError:
         where = rank_log(run_dir, 0)
         what = f"torchrun exited with code {returncode}"
         if not where.is_file():
-            where = run_dir / TORCHRUN_LOG
+            where = torchrun_log
     return TrainingFailedError(
         f"Training failed: {what}. Last lines of {where}:\n{_tail(where)}",
         f"Every rank's log is in {run_dir} (rank_0.log is the master's).",
@@ -506,7 +880,9 @@ def _publish_report(run_id: str, run_dir: Path, result: dict[str, Any]) -> None:
 
 def _attach_logs(client: MlflowClient, run_id: str, run_dir: Path) -> None:
     """Every rank's log (and torchrun's) to the run's ``logs`` artifacts, even after a failure."""
-    paths = [*sorted(run_dir.glob("rank_*.log")), run_dir / TORCHRUN_LOG, run_dir / CONFIG]
+    # One torchrun log per node agent (torchrun.log, or torchrun_node_<k>.log on many nodes).
+    paths = [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
+    paths.append(run_dir / CONFIG)
     for path in paths:
         if not path.is_file():
             continue

@@ -4,6 +4,11 @@ Every metric is a sum and a count all-reduced across ranks, so ``train/loss`` is
 samples of all ranks, not rank 0's view. Every decision taken from a metric (NaN stop, early stop,
 best model) is taken from these reduced values, which are identical on every rank, so ranks
 never disagree and leave a peer waiting in a collective.
+
+Speed: the model and every batch are in channels-last memory format (NHWC), the layout oneDNN
+(CPU) and cuDNN (GPU tensor cores) compute convolutions in; in NCHW each convolution would
+reorder its input and output. The forward pass runs under autocast in the run's precision
+(:mod:`tasks.train.precision`), with a gradient scaler for float16.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from torch.utils.data import DataLoader
 
 from tasks.errors import TrainingDivergedError
 from tasks.train import distributed
+from tasks.train.precision import Amp
 
 LOSS = "train/loss"
 VAL_LOSS = "val/loss"
 TOP1 = "val/top1"
 TOP5 = "val/top5"
 THROUGHPUT = "train/images_per_sec"
+# Per process, i.e. per GPU on GPU: what to compare across machines and world sizes.
+THROUGHPUT_PER_PROCESS = "train/images_per_sec_per_process"
 LR = "train/lr"
 METRICS = (LOSS, VAL_LOSS, TOP1, TOP5, THROUGHPUT)
 
@@ -57,6 +65,18 @@ class TrainStats:
     images: int
     images_per_sec: float
     lr: float
+    # The job's images/s divided by the number of processes (one per GPU on GPU).
+    images_per_sec_per_process: float
+
+
+def channels_last(model: nn.Module) -> nn.Module:
+    """``model`` with its 4-d weights in channels-last format, in place; returns it."""
+    return model.to(memory_format=torch.channels_last)
+
+
+def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on ``device`` in channels-last format (asynchronous from pinned memory)."""
+    return images.to(device, non_blocking=True, memory_format=torch.channels_last)
 
 
 def _check_finite(loss: float, epoch: int, step: int, lr: float) -> None:
@@ -77,23 +97,35 @@ def train_one_epoch(
     scheduler: LRScheduler,
     criterion: nn.Module,
     device: torch.device,
+    amp: Amp,
+    scaler: torch.amp.GradScaler,
     epoch: int,
     epochs: int,
     print_frequency: int,
     log: logging.Logger,
 ) -> TrainStats:
-    """Train one epoch; the scheduler steps per batch. Raises TrainingDivergedError on NaN/inf."""
+    """Train one epoch; the scheduler steps per batch. Raises TrainingDivergedError on NaN/inf.
+
+    The forward pass runs under ``amp``'s autocast; the loss is taken in float32 from the
+    logits. ``scaler`` (from ``amp.grad_scaler()``) scales the loss for float16 and is a
+    pass-through otherwise. Images/s counts from the first batch requested to the last step done,
+    so loading time that the loader did not hide counts against it.
+    """
     model.train()
     loss_sum, count = 0.0, 0
     steps = len(loader)
     start = time.perf_counter()
     for step, (images, targets) in enumerate(loader, start=1):
-        images = images.to(device, non_blocking=True)
+        images = to_device(images, device)
         targets = targets.to(device, non_blocking=True)
-        loss = criterion(model(images), targets)
+        with amp.autocast():
+            logits = model(images)
+        # Softmax and log of a low-precision logit lose digits the loss needs: float32.
+        loss = criterion(logits.float(), targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped (and the scale lowered) if float16 gradients overflowed
+        scaler.update()
         scheduler.step()
         loss_sum += loss.item() * targets.size(0)
         count += targets.size(0)
@@ -119,12 +151,35 @@ def train_one_epoch(
     total, n = distributed.all_reduce_sum([loss_sum, count])
     # Throughput of the whole job: every rank's images over the slowest rank's time.
     slowest = distributed.all_reduce_max(elapsed)
+    throughput = n / max(slowest, 1e-9)
     return TrainStats(
         loss=total / n,
         images=int(n),
-        images_per_sec=n / max(slowest, 1e-9),
+        images_per_sec=throughput,
         lr=optimizer.param_groups[0]["lr"],
+        images_per_sec_per_process=throughput / distributed.info().world_size,
     )
+
+
+@torch.no_grad()
+def check_weights(model: nn.Module, epoch: int, precision: str) -> None:
+    """Raise TrainingDivergedError when a weight or BatchNorm statistic is NaN or infinite.
+
+    A non-finite weight need not show in the training loss (oneDNN's convolution skips the kernel
+    taps that fall on padding) yet poisons every prediction of the exported model, which
+    multiplies them by the padding's zeros. Checked once per epoch, before the checkpoint: the
+    decision is all-reduced, so every rank raises together.
+    """
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    bad = [n for n, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()]
+    (count,) = distributed.all_reduce_sum([len(bad)])
+    if count:
+        raise TrainingDivergedError(
+            f"Weights became NaN or infinite in epoch {epoch} (precision {precision}): "
+            f"{', '.join(bad[:5]) or 'on another rank'}{' ...' if len(bad) > 5 else ''}.",
+            "Lower learning_rate or raise warmup_epochs; if it persists with precision bf16 or "
+            "fp16, train with precision='fp32'.",
+        )
 
 
 @torch.no_grad()
@@ -134,14 +189,15 @@ def evaluate(
     """Validation loss, top-1 and top-k (k = min(5, classes)) over every rank's shard.
 
     Pass the unwrapped module: a DDP forward may sync buffers, a collective that would hang on
-    the uneven validation shards.
+    the uneven validation shards. Always float32, whatever the training precision: the metrics
+    (and the choice of the best epoch) are then those of the model as it is exported and scored.
     """
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     k = min(5, num_classes)
     loss_sum, top1, topk, count = 0.0, 0, 0, 0
     for images, targets in loader:
-        images = images.to(device, non_blocking=True)
+        images = to_device(images, device)
         targets = targets.to(device, non_blocking=True)
         logits = model(images)
         loss_sum += criterion(logits, targets).item()

@@ -9,17 +9,16 @@ the same job, and a checkpoint can tell whether it belongs to that job.
 from __future__ import annotations
 
 import hashlib
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from models.atomic import write_json
-from models.directory import Preprocessing
+from models.transform_spec import TransformSpec
 from models.zoo import ModelSpec
-from tasks.errors import InvalidParameterError
+from tasks.train.precision import Precision, Resolved
+from tasks.validation import checked
 
 
 class TrainParams(BaseModel):
@@ -83,10 +82,20 @@ class TrainParams(BaseModel):
         title="Device",
         description="auto: CUDA when a GPU is visible, else CPU (gloo).",
     )
-    horizontal_flip: bool = Field(
-        False,
-        title="Random horizontal flip",
-        description="Flip training images left-right at random (not for digits or text).",
+    precision: Precision = Field(
+        "auto",
+        title="Precision",
+        description="Float format of the forward pass. auto: bfloat16 on a CPU that computes it "
+        "natively (else fp32); on GPU bfloat16 from compute capability 8.0 (A100, H100), else "
+        "float16 with loss scaling. fp16 is for GPUs only. Weights and optimizer stay fp32.",
+    )
+    num_workers: int | None = Field(
+        None,
+        ge=0,
+        title="Loader workers",
+        description="DataLoader processes per training process (0: load in the training "
+        "process). Empty: 0 on CPU, where the training processes already use every core; on GPU "
+        "up to 4 per GPU from the cores this node has.",
     )
 
     @property
@@ -96,48 +105,7 @@ class TrainParams(BaseModel):
     @classmethod
     def checked(cls, **values: Any) -> TrainParams:
         """Validate ``values``; a bad one raises InvalidParameterError naming value and range."""
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            errors = exc.errors()
-            names = [str(err["loc"][0]) if err["loc"] else "?" for err in errors]
-            fields = [cls.model_fields[n] for n in names if n in cls.model_fields]
-            if len(fields) < len(names):
-                hint = "Known parameters: " + ", ".join(cls.model_fields) + "."
-            else:  # say what each bad parameter is for, as the form would
-                hint = " ".join(f"{f.title}: {f.description}" for f in fields)
-            raise InvalidParameterError(
-                "Invalid training parameter: "
-                + "; ".join(_describe(cls, err) for err in errors)
-                + ".",
-                hint,
-            ) from exc
-
-
-def _describe(cls: type[BaseModel], err: Any) -> str:
-    name = str(err["loc"][0]) if err["loc"] else "?"
-    value = err.get("input")
-    field = cls.model_fields.get(name)
-    if field is None:  # extra="forbid"
-        return f"unknown parameter {name!r} (= {value!r})"
-    return f"{name} = {value!r}, expected {_expected(field)} (default {field.default!r})"
-
-
-def _expected(field: Any) -> str:
-    """The field's range in words, read from its type and constraints (one source of truth)."""
-    annotation = field.annotation
-    if typing.get_origin(annotation) is Literal:
-        return "one of " + ", ".join(repr(v) for v in typing.get_args(annotation))
-    kind = {int: "an integer", float: "a finite number", bool: "true or false"}.get(
-        annotation, str(annotation)
-    )
-    bounds = []
-    for meta in field.metadata:
-        if isinstance(meta, annotated_types.Gt):
-            bounds.append(f"> {meta.gt}")
-        elif isinstance(meta, annotated_types.Ge):
-            bounds.append(f">= {meta.ge}")
-    return " ".join([kind, *bounds])
+        return checked(cls, values, "training parameter")
 
 
 class RunConfig(BaseModel):
@@ -149,7 +117,8 @@ class RunConfig(BaseModel):
     params: TrainParams
     architecture: ModelSpec
     classes: list[str]
-    preprocessing: Preprocessing
+    # Training mode for the training set, inference mode for validation (tasks.transform).
+    transform: TransformSpec
     train_data: Path
     val_data: Path
     # sha256 of each manifest.json: a resumed run must see the very same data.
@@ -159,11 +128,24 @@ class RunConfig(BaseModel):
     run_dir: Path
     mlflow_run_id: str | None = None
     device: Literal["cpu", "cuda"]
+    # The precision resolved for this device (tasks.train.precision): "auto" is decided once,
+    # here, so every rank and every restart trains in the same format.
+    precision: Resolved
     world_size: int = Field(ge=1)
 
     def digest(self) -> str:
         """Identity of the job: a checkpoint is only resumed by a job with the same digest."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+
+    def job_key(self) -> str:
+        """Identity of the training request, whichever MLflow run and run folder it lands in.
+
+        The digest without ``run_dir`` and ``mlflow_run_id``: the same model, data (manifest
+        fingerprints), parameters, transform and output give the same key, so a retry of the
+        same request can find the unfinished run it started and continue it.
+        """
+        request = self.model_dump_json(exclude={"run_dir", "mlflow_run_id"})
+        return hashlib.sha256(request.encode()).hexdigest()
 
     def save(self, path: Path) -> Path:
         return write_json(path, self.model_dump(mode="json"))

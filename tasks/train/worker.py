@@ -8,6 +8,11 @@ weights and the final ModelDirectory. Each rank logs to ``rank_<rank>.log`` in t
 A checkpoint is written after every epoch; when torchrun restarts the workers (``--max-restarts``),
 or a launcher is pointed at the same run, the worker resumes from it if it belongs to the same
 configuration and data.
+
+Speed (see docs/benchmarks.md): channels-last model and batches, autocast in the run's resolved
+precision (bf16 on a CPU that has it; bf16 or fp16 with a gradient scaler on GPU), a DataLoader
+with spawned, persistent, prefetching workers where they pay (GPU), pinned memory and cuDNN's
+autotuner on GPU.
 """
 
 from __future__ import annotations
@@ -27,34 +32,43 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
 
 from models.atomic import atomic_file, write_json
 from models.directory import ModelInfo, save_model_directory
-from models.zoo import build_model
+from models.zoo import ModelSpec, build_model
 from tasks.errors import InvalidDatasetError, TrainingFailedError
 from tasks.imagedir import read_manifest
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from tasks.train.curves import plot_curves
-from tasks.train.data import ManifestImageFolder, ShardSampler
+from tasks.train.data import (
+    ManifestImageFolder,
+    ShardSampler,
+    loader_workers,
+    make_loader,
+    training_loader,
+)
 from tasks.train.failure import read_failures, record_failure
 from tasks.train.loop import (
     LOSS,
     LR,
     METRICS,
     THROUGHPUT,
+    THROUGHPUT_PER_PROCESS,
     TOP1,
     TOP5,
     VAL_LOSS,
+    channels_last,
+    check_weights,
     derive_seed,
     evaluate,
     seed_everything,
     train_one_epoch,
 )
 from tasks.train.params import RunConfig, manifest_fingerprint
+from tasks.train.precision import Amp
 from tasks.train.schedule import build_scheduler
-from tasks.transform import eval_transform, train_transform
+from tasks.transform import build_transform
 
 RESULT = "result.json"
 BEST_WEIGHTS = "best.safetensors"
@@ -133,17 +147,61 @@ class Tracker:
         if self.run_id:
             self.client.log_artifact(self.run_id, str(path))
 
+    def log_missing(self, history: list[dict[str, float]]) -> None:
+        """Log the checkpointed epochs whose metrics the run lacks; each epoch once.
+
+        Metrics go out after the checkpoint: a kill between the two leaves an epoch that is
+        trained and saved but not in MLflow, and a resumed run will not train it again.
+        """
+        if not self.run_id:
+            return
+        logged: dict[str, set[int]] = {}
+        for entry in history:
+            step = int(entry["epoch"])
+            missing = {}
+            for name, value in entry.items():
+                if name == "epoch":
+                    continue
+                if name not in logged:
+                    records = self.client.get_metric_history(self.run_id, name)
+                    logged[name] = {m.step for m in records}
+                if step not in logged[name]:
+                    missing[name] = value
+            if missing:
+                self.log_metrics(missing, step)
+
 
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
 
 
-def _loader_workers(device: torch.device) -> int:
-    # On CPU the training processes already use every core; loader processes would only compete.
-    if device.type != "cuda":
-        return 0
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(0, min(4, (os.cpu_count() or 1) // per_node - 1))
+def configure_backends(device: torch.device) -> None:
+    """Backend switches for speed on ``device``.
+
+    On CUDA, cuDNN benchmarks its convolution algorithms on the first batch of each shape and
+    keeps the fastest: the input size is fixed (the transform's crop), so the search is paid once.
+    Its choice can vary between runs, so on GPU the same seed gives the same result only up to
+    float rounding; CPU runs stay bit-exact.
+    """
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def prepare_model(spec: ModelSpec, num_classes: int, device: torch.device, seed: int) -> nn.Module:
+    """The network for ``spec``, initialised from ``seed``, channels-last, on ``device``.
+
+    Every rank passes the same seed: identical initial weights everywhere (DDP would broadcast
+    rank 0's anyway, but a 1-process run must match too).
+    """
+    seed_everything(derive_seed(seed, "init"))
+    return channels_last(build_model(spec, num_classes)).to(device)
+
+
+def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The seed's optimizer: SGD, Nesterov momentum 0.9, weight decay 1e-4."""
+    return torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
+    )
 
 
 def _refuse_repeated_user_error(run_dir: Path) -> None:
@@ -205,57 +263,37 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
                 "Start a new run on the data as it is now.",
             )
         manifest = read_manifest(root)
-        transform = (
-            train_transform(config.preprocessing, params.horizontal_flip)
-            if role == "train"
-            else eval_transform(config.preprocessing)
+        # Validation sees exactly what scoring will: the inference mode of the same spec.
+        mode = "training" if role == "train" else "inference"
+        datasets[role] = ManifestImageFolder(
+            root, manifest, build_transform(config.transform, mode)
         )
-        datasets[role] = ManifestImageFolder(root, manifest, transform)
     num_classes = len(config.classes)
 
-    workers = _loader_workers(device)
-    loader_options: dict[str, Any] = {
-        "num_workers": workers,
-        "pin_memory": device.type == "cuda",
-        # fork inside a Prefect-launched process can deadlock on inherited locks: spawn.
-        "multiprocessing_context": "spawn" if workers else None,
-        # Fresh loader processes each epoch draw their seeds from the generator reseeded for
-        # that epoch; persistent ones would keep the first epoch's and break exact resume.
-        "persistent_workers": False,
-    }
-    sampler = DistributedSampler(
-        datasets["train"],
-        num_replicas=dist.world_size,
-        rank=dist.rank,
-        shuffle=True,
-        seed=derive_seed(params.seed, "shuffle"),
-        drop_last=False,
-    )
-    per_rank = len(sampler)
-    train_loader = DataLoader(
+    workers = loader_workers(device, params.num_workers)
+    train_loader, sampler = training_loader(
         datasets["train"],
         batch_size=params.batch_size,
-        sampler=sampler,
-        # A last batch of one image breaks BatchNorm in training mode (one value per channel
-        # after the final pooling): drop exactly that case, never a real batch.
-        drop_last=per_rank > params.batch_size and per_rank % params.batch_size == 1,
-        **loader_options,
+        seed=params.seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        device=device,
+        num_workers=workers,
     )
-    val_loader = DataLoader(
+    val_loader = make_loader(
         datasets["val"],
         batch_size=params.batch_size,
         sampler=ShardSampler(len(datasets["val"]), dist.rank, dist.world_size),
-        **loader_options,
+        device=device,
+        num_workers=workers,
     )
 
-    # The same seed on every rank before building: identical initial weights everywhere (DDP
-    # would broadcast rank 0's anyway, but a 1-process run must match too).
-    seed_everything(derive_seed(params.seed, "init"))
-    model = build_model(config.architecture, num_classes).to(device)
+    configure_backends(device)
+    amp = Amp(device.type, config.precision)
+    model = prepare_model(config.architecture, num_classes, device, params.seed)
     lr = params.learning_rate * dist.world_size  # the seed's rule: global batch = batch x world
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY
-    )
+    optimizer = build_optimizer(model, lr)
+    scaler = amp.grad_scaler()
     scheduler = build_scheduler(
         optimizer,
         steps_per_epoch=len(train_loader),
@@ -269,6 +307,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
+        scaler.load_state_dict(checkpoint["scaler"])
         progress = Progress(**checkpoint["progress"])
         if dist.is_primary:
             best_state = load_file(str(config.run_dir / BEST_WEIGHTS))
@@ -280,10 +319,13 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         )
     criterion = nn.CrossEntropyLoss()
     tracker = Tracker(config.mlflow_run_id) if dist.is_primary else None
+    if tracker is not None and checkpoint is not None:
+        tracker.log_missing(progress.history)
 
     log.info(
         "training %s on %d images, validating on %d (%d classes); %d iterations per epoch and "
-        "process; learning rate %g x %d processes = %g",
+        "process; learning rate %g x %d processes = %g; precision %s (asked: %s), "
+        "channels-last, %d loader process(es)",
         config.architecture.arch,
         len(datasets["train"]),
         len(datasets["val"]),
@@ -292,13 +334,17 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         params.learning_rate,
         dist.world_size,
         lr,
+        config.precision,
+        params.precision,
+        workers,
     )
     for epoch in range(progress.epoch + 1, params.epochs + 1):
         if progress.stopped_early:
             break
-        # Reseeded per (seed, rank, epoch): augmentation differs across ranks, and a resumed
+        # Augmentation draws from a seed per image (tasks.train.data.SeededSampler); this
+        # reseeds anything else random in this process per (seed, rank, epoch), so a resumed
         # run draws exactly what an uninterrupted one would have.
-        seed_everything(derive_seed(params.seed, "augment", dist.rank, epoch))
+        seed_everything(derive_seed(params.seed, "epoch", dist.rank, epoch))
         sampler.set_epoch(epoch)
         stats = train_one_epoch(
             net,
@@ -307,13 +353,22 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             scheduler=scheduler,
             criterion=criterion,
             device=device,
+            amp=amp,
+            scaler=scaler,
             epoch=epoch,
             epochs=params.epochs,
             print_frequency=params.print_frequency,
             log=log,
         )
+        check_weights(model, epoch, config.precision)
         val = evaluate(model, val_loader, device=device, num_classes=num_classes)
-        metrics = {LOSS: stats.loss, **val, THROUGHPUT: stats.images_per_sec, LR: stats.lr}
+        metrics = {
+            LOSS: stats.loss,
+            **val,
+            THROUGHPUT: stats.images_per_sec,
+            THROUGHPUT_PER_PROCESS: stats.images_per_sec_per_process,
+            LR: stats.lr,
+        }
         progress.history.append({"epoch": float(epoch), **metrics})
         progress.epoch = epoch
         # The values compared here are all-reduced, hence identical on every rank: every rank
@@ -341,6 +396,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
                     "model": _cpu_state(model),
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict(),
                     "progress": asdict(progress),
                 },
             )
@@ -349,7 +405,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             tracker.log_metrics(metrics, step=epoch)
         log.info(
             "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.4f, top-%d %.4f, %.1f img/s "
-            "(best top-1 %.4f at epoch %d)",
+            "(%.1f per process) (best top-1 %.4f at epoch %d)",
             epoch,
             params.epochs,
             stats.loss,
@@ -358,6 +414,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             min(5, num_classes),
             val[TOP5],
             stats.images_per_sec,
+            stats.images_per_sec_per_process,
             progress.best_top1,
             progress.best_epoch,
         )
@@ -408,7 +465,7 @@ def _finish(
     info = ModelInfo(
         architecture=config.architecture,
         classes=config.classes,
-        preprocessing=config.preprocessing,
+        transform=config.transform,
         train_params={
             **params.model_dump(mode="json"),
             "world_size": config.world_size,

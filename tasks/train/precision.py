@@ -1,0 +1,187 @@
+"""Mixed precision: which float format the training step computes in, decided once per run.
+
+A person asks for ``auto``, ``fp32``, ``bf16`` or ``fp16`` (``TrainParams.precision``); the
+launcher resolves that to ``fp32``, ``bf16`` or ``fp16`` before anything starts and stores it in
+the run's config, so every rank, and every restart of a rank, trains in the same format (a resumed
+run must compute exactly what the uninterrupted one would have).
+
+- **CPU**: bfloat16 autocast where the CPU computes it natively (AVX-512 BF16, AMX): convolutions
+  and matrix products run in bf16, about twice as fast, while weights, gradients, optimizer state
+  and the loss stay float32. bfloat16 has float32's exponent range, so no loss scaling is needed.
+  On a CPU without native support, PyTorch emulates bf16 and is *slower* than float32, so ``auto``
+  measures a small convolution both ways (:func:`cpu_bf16_speedup`) and picks bf16 only when it
+  runs and is not slower. float16 on CPU is refused: it is emulated almost everywhere, and its
+  narrow range would need a gradient scaler that PyTorch provides for GPUs. ``auto`` keeps
+  inputs under ``AUTO_CPU_BF16_INPUT`` pixels in float32, and ``bf16`` refuses inputs under
+  ``MIN_CPU_BF16_INPUT`` (see there).
+- **CUDA**: ``auto`` is bf16 on GPUs that have bf16 tensor cores (compute capability 8.0 and up:
+  A100, H100, RTX 30xx and later), else float16 with a :class:`torch.amp.GradScaler`, which scales
+  the loss so small gradients do not underflow float16 and skips the steps whose gradients
+  overflowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+
+from tasks.errors import InvalidParameterError
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Resolved = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# bf16 tensor cores arrived with Ampere (compute capability 8.0).
+CUDA_BF16_CAPABILITY = (8, 0)
+# Smallest input side trained in bf16 on CPU. Below it, the last ResNet stage convolves 1x1
+# feature maps with stride 2, and oneDNN's bf16 weight gradient of such a convolution reads
+# uninitialised memory for the kernel taps that only ever see padding (seen with torch 2.14.1:
+# NaN in layer4.0.conv1.weight in up to half of the processes at 16 px; never at 24 or 32 px,
+# where those maps are 2x2). The NaN hides from the training loss (oneDNN's forward skips the
+# padding) and shows up at scoring; loop.check_weights stops a run where it appears anyway.
+MIN_CPU_BF16_INPUT = 32
+# Smallest input side ``auto`` trains in bf16 on CPU. Below it a step is mostly per-layer overhead,
+# not arithmetic, and bf16 gains nothing: resnet18, batch 16, 2 cores (docs/benchmarks.md):
+# 32 px 205 img/s fp32 vs 187 bf16; 64 px 125 vs 198; 224 px 14 vs 29.
+AUTO_CPU_BF16_INPUT = 64
+
+
+def resolve_precision(requested: str, device: str, input_size: int | None = None) -> Resolved:
+    """The format a run on ``device`` ("cpu" or "cuda") trains in when ``requested`` is asked.
+
+    ``input_size``: the side of the network's input in pixels (None: not known, taken as large).
+    On CPU, ``auto`` is bf16 when bf16 autocast runs and is not slower (:func:`cpu_bf16_speedup`)
+    and the input has at least ``AUTO_CPU_BF16_INPUT`` pixels, else fp32; on CUDA it is bf16
+    from compute capability 8.0, else fp16.
+
+    Raises InvalidParameterError for a format the device cannot train in: fp16 on CPU, bf16 on a
+    CPU where bf16 autocast does not run or for inputs under ``MIN_CPU_BF16_INPUT`` pixels, bf16
+    on a GPU older than compute capability 8.0.
+    """
+    if requested not in PRECISIONS:
+        raise InvalidParameterError(
+            f"precision = {requested!r}, expected one of {', '.join(map(repr, PRECISIONS))}."
+        )
+    if requested == "fp32":
+        return "fp32"
+    if device == "cuda":
+        return _resolve_cuda(requested)
+    if requested == "fp16":
+        raise InvalidParameterError(
+            "precision = 'fp16' is for CUDA GPUs; it cannot train on CPU (float16 is emulated "
+            "on CPUs, and its loss scaling is a GPU feature).",
+            "Use precision='bf16' or 'auto' on CPU (bfloat16 where the CPU supports it), or "
+            "'fp32'.",
+        )
+    if requested == "auto" and input_size is not None and input_size < AUTO_CPU_BF16_INPUT:
+        return "fp32"
+    speedup = cpu_bf16_speedup()
+    if requested == "bf16":
+        if input_size is not None and input_size < MIN_CPU_BF16_INPUT:
+            raise InvalidParameterError(
+                f"precision = 'bf16' on CPU needs inputs of at least {MIN_CPU_BF16_INPUT} px; "
+                f"this transform gives {input_size} px, where the CPU's bf16 convolution "
+                "gradients of the last stage are unreliable.",
+                "Use precision='auto' or 'fp32', or a larger center crop.",
+            )
+        if speedup is None:
+            raise InvalidParameterError(
+                "precision = 'bf16', but bfloat16 autocast does not run on this CPU.",
+                "Use precision='auto' or 'fp32'.",
+            )
+        return "bf16"
+    return "bf16" if speedup is not None and speedup >= 1.0 else "fp32"
+
+
+def _resolve_cuda(requested: str) -> Resolved:
+    # get_device_capability reads the device properties; it allocates nothing on the GPU, so
+    # the launcher keeps no CUDA memory while its workers train.
+    oldest = min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    has_bf16 = oldest >= CUDA_BF16_CAPABILITY
+    if requested == "bf16" and not has_bf16:
+        raise InvalidParameterError(
+            f"precision = 'bf16' needs a GPU of compute capability 8.0 or newer; this one is "
+            f"{oldest[0]}.{oldest[1]}.",
+            "Use precision='fp16' (with loss scaling) or 'auto' on this GPU.",
+        )
+    if requested == "auto":
+        return "bf16" if has_bf16 else "fp16"
+    return "bf16" if requested == "bf16" else "fp16"
+
+
+@functools.cache
+def cpu_bf16_speedup(repeats: int = 5) -> float | None:
+    """How many times faster a training-shaped convolution runs under bf16 autocast on this CPU.
+
+    A 3x3 convolution (64 channels, 28x28, channels-last, forward and backward) is timed in
+    float32 and under bfloat16 autocast, best of ``repeats`` each, interleaved so a busy machine
+    slows both alike. Returns ``None`` when bf16 autocast fails or gives a non-finite result.
+    Cached: measured once per process. The global random state is left as it was.
+    """
+    generator = torch.Generator().manual_seed(0)
+
+    def make(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).contiguous(
+            memory_format=torch.channels_last
+        )
+
+    images = make(8, 64, 28, 28)
+    weight = make(64, 64, 3, 3).mul_(0.05).requires_grad_()
+
+    def step(bf16: bool) -> float:
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = F.conv2d(images, weight, padding=1)
+        out.float().square().mean().backward()
+        weight.grad = None
+        return time.perf_counter() - start
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            probe = F.conv2d(images, weight, padding=1)
+        if probe.dtype != torch.bfloat16 or not torch.isfinite(probe.float()).all():
+            return None
+        for bf16 in (False, True):  # first calls build the oneDNN kernels: not timed
+            step(bf16)
+        fp32, bf16 = [], []
+        for _ in range(repeats):
+            fp32.append(step(False))
+            bf16.append(step(True))
+    except RuntimeError:  # no bf16 kernel for this CPU or build
+        return None
+    return min(fp32) / max(min(bf16), 1e-9)
+
+
+@dataclass(frozen=True)
+class Amp:
+    """The mixed-precision settings of one training step: autocast region and gradient scaler."""
+
+    device_type: str
+    precision: Resolved
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or None for float32 (no autocast)."""
+        return DTYPES.get(self.precision)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The forward pass runs in here: convolutions and matmuls in the low-precision dtype."""
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
+            yield
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A scaler that is active for float16 on CUDA and a pass-through otherwise.
+
+        Using one (possibly disabled) scaler keeps a single code path in the training step and a
+        single ``scaler`` entry in the checkpoint.
+        """
+        enabled = self.precision == "fp16" and self.device_type == "cuda"
+        return torch.amp.GradScaler(self.device_type, enabled=enabled)

@@ -1,0 +1,220 @@
+"""The fast training path: precision chosen and refused before launch, a bf16 run on CPU, loaders
+whose augmentation does not depend on loader processes, and the GPU path (NCCL, fp16 with a
+gradient scaler, pinned memory, cuDNN autotuning) on machines that have GPUs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from models.transform_spec import TransformSpec
+from models.zoo import resnet, write_untrained
+from tasks.errors import InvalidParameterError, TrainingDivergedError
+from tasks.imagedir import read_manifest
+from tasks.settings import Settings
+from tasks.train.data import ManifestImageFolder, training_loader
+from tasks.train.launch import TrainResult, train
+from tasks.train.loop import THROUGHPUT_PER_PROCESS, channels_last, check_weights, to_device
+from tasks.train.params import TrainParams
+from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision
+from tasks.transform import build_transform
+
+PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
+# bf16 on CPU needs inputs of 32 px or more (tasks.train.precision.MIN_CPU_BF16_INPUT).
+PRE32 = TransformSpec(resize_size=32, center_crop_size=32, random_horizontal_flip=False)
+FAST = {"epochs": 2, "batch_size": 8, "learning_rate": 0.01, "device": "cpu"}
+NO_GPU = "needs a CUDA GPU (runs on GPU machines; this one has none)"
+NO_TWO_GPUS = "needs 2 CUDA GPUs for a 2-process NCCL run"
+
+
+@pytest.fixture
+def untrained(tmp_path: Path) -> Path:
+    return write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
+
+
+def run_train(
+    settings: Settings,
+    untrained: Path,
+    data: tuple[Path, Path],
+    out: Path,
+    transform: TransformSpec = PRE,
+    **params: object,
+) -> TrainResult:
+    return train(
+        untrained,
+        *data,
+        out,
+        TrainParams.checked(**{**FAST, **params}),
+        transform=transform,
+        settings=settings,
+    )
+
+
+def run_config(result: TrainResult) -> dict:
+    return json.loads((result.run_dir / "config.json").read_text())
+
+
+# --- precision: resolved and refused before anything starts ---------------------------------
+
+
+def test_fp16_on_cpu_is_refused_before_anything_starts(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidParameterError, match=r"precision = 'fp16' is for CUDA GPUs") as err:
+        run_train(project, untrained, digits_split, tmp_path / "out", precision="fp16")
+    assert "bf16" in (err.value.hint or "")  # says what to use instead
+    assert not project.runs_dir.exists()
+    assert not (project.home_dir / "mlflow.db").exists()
+
+
+def test_auto_precision_on_cpu_is_bf16_only_where_it_is_not_slower() -> None:
+    speedup = cpu_bf16_speedup()
+    expected = "bf16" if speedup is not None and speedup >= 1.0 else "fp32"
+    assert resolve_precision("auto", "cpu", 224) == expected
+    assert resolve_precision("fp32", "cpu", 224) == "fp32"
+    with pytest.raises(InvalidParameterError, match="precision = 'fp8'"):
+        resolve_precision("fp8", "cpu")
+
+
+def test_small_inputs_train_in_fp32_on_cpu() -> None:
+    # Under 64 px bf16 gains nothing; at 16 px the last stage has 1x1 maps, where the CPU's
+    # bf16 weight gradients are unreliable.
+    assert resolve_precision("auto", "cpu", 32) == "fp32"
+    if cpu_bf16_speedup() is not None:
+        assert resolve_precision("bf16", "cpu", 32) == "bf16"  # asked for: allowed from 32 px
+    assert resolve_precision("auto", "cpu", 16) == "fp32"
+    with pytest.raises(InvalidParameterError, match=r"at least 32 px; this transform gives 16"):
+        resolve_precision("bf16", "cpu", 16)
+
+
+def test_a_non_finite_weight_stops_training_with_advice() -> None:
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    check_weights(model, epoch=1, precision="bf16")  # finite: nothing to say
+    with torch.no_grad():
+        model[0].weight[0, 0, 0, 0] = math.nan
+    with pytest.raises(TrainingDivergedError, match=r"epoch 2 \(precision bf16\): 0.weight"):
+        check_weights(model, epoch=2, precision="bf16")
+
+
+def test_bad_num_workers_is_refused_naming_the_value() -> None:
+    with pytest.raises(InvalidParameterError, match=r"num_workers = -1"):
+        TrainParams.checked(num_workers=-1)
+
+
+def test_a_step_keeps_fp32_weights_in_channels_last_and_trains_in_bf16() -> None:
+    if cpu_bf16_speedup() is None:
+        pytest.skip("bfloat16 autocast does not run on this CPU")
+    torch.manual_seed(0)
+    model = channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten()))
+    images = to_device(torch.randn(2, 3, 5, 5), torch.device("cpu"))
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    with Amp("cpu", "bf16").autocast():
+        out = model(images)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    weight = model[0].weight
+    assert weight.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    assert not Amp("cpu", "bf16").grad_scaler().is_enabled()  # bf16 needs no loss scaling
+
+
+@pytest.mark.slow
+def test_a_bf16_run_on_cpu_trains(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    if cpu_bf16_speedup() is None:
+        pytest.skip("bfloat16 autocast does not run on this CPU")
+    result = run_train(
+        project, untrained, digits_split, tmp_path / "model", PRE32, precision="bf16"
+    )
+    assert all(math.isfinite(v) for v in result.metrics.values())
+    assert run_config(result)["precision"] == "bf16"
+    log = (result.run_dir / "rank_0.log").read_text()
+    assert "precision bf16 (asked: bf16), channels-last" in log
+    client = MlflowClient(project.tracking_uri)
+    assert client.get_run(result.run_id).data.params["resolved_precision"] == "bf16"
+    per_process = client.get_metric_history(result.run_id, THROUGHPUT_PER_PROCESS)
+    assert sorted(m.step for m in per_process) == [1, 2]
+    assert all(m.value > 0 for m in per_process)
+
+
+# --- loaders: the same images whatever the loader processes ------------------------------------
+
+
+def batches(dataset: ManifestImageFolder, workers: int, epochs: int) -> list[torch.Tensor]:
+    loader, sampler = training_loader(
+        dataset,
+        batch_size=8,
+        seed=3,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        num_workers=workers,
+    )
+    seen = []
+    for epoch in range(1, epochs + 1):
+        sampler.set_epoch(epoch)
+        seen.append(torch.cat([images for images, _ in loader]))
+    return seen
+
+
+@pytest.mark.slow  # spawns loader processes: seconds each to import torch
+def test_augmentation_does_not_depend_on_loader_processes(
+    digits_split: tuple[Path, Path],
+) -> None:
+    root = digits_split[0]
+    spec = TransformSpec(
+        resize_size=16, center_crop_size=16, random_rotation=True, random_rotation_degrees=30
+    )
+    dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
+    # In the training process, and in 2 spawned loader processes that persist across epochs.
+    inline = batches(dataset, workers=0, epochs=2)
+    spawned = batches(dataset, workers=2, epochs=2)
+    assert all(torch.equal(a, b) for a, b in zip(inline, spawned, strict=True))
+    assert not torch.equal(inline[0], inline[1])  # each epoch draws new augmentations
+
+
+# --- the GPU path: runs where there is a GPU, skipped (with the reason) elsewhere --------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_one_gpu_run_with_fp16_and_a_gradient_scaler(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    result = run_train(
+        project, untrained, digits_split, tmp_path / "model", device="cuda", precision="fp16"
+    )
+    assert all(math.isfinite(v) for v in result.metrics.values())
+    assert run_config(result)["precision"] == "fp16"
+    state = torch.load(result.run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert state["scaler"]["scale"] > 0  # the scaler was active and is checkpointed
+    log = (result.run_dir / "rank_0.log").read_text()
+    assert "on cuda:0" in log and "per process" in log
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_auto_precision_on_gpu_follows_its_capability() -> None:
+    major, _ = min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    assert resolve_precision("auto", "cuda") == ("bf16" if major >= 8 else "fp16")
+    assert Amp("cuda", "fp16").grad_scaler().is_enabled()
+    assert not Amp("cuda", "bf16").grad_scaler().is_enabled()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=NO_TWO_GPUS)
+def test_two_process_nccl_run(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    result = run_train(
+        project, untrained, digits_split, tmp_path / "model", device="cuda", nproc_per_node=2
+    )
+    assert all(math.isfinite(v) for v in result.metrics.values())
+    assert run_config(result)["world_size"] == 2
+    for rank in (0, 1):
+        assert f"on cuda:{rank}" in (result.run_dir / f"rank_{rank}.log").read_text()
