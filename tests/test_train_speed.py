@@ -17,6 +17,7 @@ from models.zoo import resnet, write_untrained
 from tasks.errors import InvalidParameterError, TrainingDivergedError
 from tasks.imagedir import read_manifest
 from tasks.settings import Settings
+from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.data import ManifestImageFolder, training_loader
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import THROUGHPUT_PER_PROCESS, channels_last, check_weights, to_device
@@ -192,7 +193,7 @@ def test_one_gpu_run_with_fp16_and_a_gradient_scaler(
     )
     assert all(math.isfinite(v) for v in result.metrics.values())
     assert run_config(result)["precision"] == "fp16"
-    state = torch.load(result.run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    state = torch.load(result.run_dir / CHECKPOINT, map_location="cpu", weights_only=True)
     assert state["scaler"]["scale"] > 0  # the scaler was active and is checkpointed
     log = (result.run_dir / "rank_0.log").read_text()
     assert "on cuda:0" in log and "per process" in log

@@ -101,8 +101,8 @@ def resolve_precision(requested: str, device: str, input_size: int | None = None
 
 
 def _resolve_cuda(requested: str) -> Resolved:
-    # get_device_capability reads the device properties; it allocates nothing on the GPU, so
-    # the launcher keeps no CUDA memory while its workers train.
+    # The launcher runs this: get_device_capability only reads device properties, and no tensor
+    # is made on the GPU, so the launcher takes no GPU memory from its workers.
     oldest = min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
     has_bf16 = oldest >= CUDA_BF16_CAPABILITY
     if requested == "bf16" and not has_bf16:
