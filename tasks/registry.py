@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from tasks.settings import Settings, get_settings
 from tasks.step import step, step_logger
 from tasks.tracking import mlflow_run
 from tasks.transform import build_transform, input_size
+from tasks.versioning import git_revision
 
 ARTIFACT_NAME = "model"
 DIRECTORY_ARTIFACTS = "model_directory"
@@ -49,21 +49,6 @@ class RegisteredModel:
     run_id: str
     model_uri: str  # models:/<name>/<version>
     alias: str | None = None
-
-
-def git_revision(root: Path) -> str:
-    """The commit checked out at ``root`` ("unknown" outside a git repository or without git)."""
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
 def signature_for(info: ModelInfo) -> tuple[ModelSignature, np.ndarray]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -200,6 +201,21 @@ def _tracked_md5(dvc_file: Path) -> str:
     if not isinstance(md5, str) or not md5:
         raise VersioningError(f"{dvc_file} has an empty md5.", "Version the data again.")
     return md5
+
+
+def git_revision(root: Path) -> str:
+    """The commit checked out at ``root`` ("unknown" outside a git repository or without git)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
 def version(path: Path, settings: Settings | None = None) -> str:

@@ -22,7 +22,11 @@ from tasks.settings import Settings
 def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Path) -> None:
     from flows.pipeline import pipeline
 
-    subprocess.run(["git", "init", "-q", str(project.project_root)], check=True)
+    root = str(project.project_root)
+    subprocess.run(["git", "init", "-q", root], check=True)
+    git = ["git", "-C", root, "-c", "user.name=t", "-c", "user.email=t@example.org"]
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "start"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     config = PipelineConfig.model_validate(
         {
             "source": str(digits_raw),
@@ -52,6 +56,8 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     assert version.run_id == result.mlflow_run_id
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
+    assert run.data.tags["imageops.git_revision"] == head.strip()  # code version on the run
+    assert run.data.tags["imageops.data_version.train"] == result.data_version["train"]
     assert {"train/loss", "val/loss", "val/top1", "val/top5", "train/images_per_sec"} <= set(
         run.data.metrics
     )

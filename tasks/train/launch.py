@@ -63,6 +63,7 @@ from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
 from tasks.train.precision import resolve_precision
 from tasks.train.worker import CURVES, RESULT, rank_log
 from tasks.transform import input_size, read_transformation, transform_spec
+from tasks.versioning import git_revision
 
 CONFIG = "config.json"
 TORCHRUN_LOG = "torchrun.log"
@@ -513,6 +514,8 @@ def _open_run(
         return resumable
     config = request.config
     tags = _tags(request.spec, config.params, config.device, config.data_version)
+    # The data md5s above and the code's revision: together they say what this run learned from.
+    tags["imageops.git_revision"] = git_revision(settings.project_root)
     run_id = client.create_run(
         experiment_id,
         run_name=run_name or _default_run_name(request.spec, config.params),
