@@ -87,6 +87,26 @@ def test_process_pool_gives_the_same_manifest(digits_raw: Path, tmp_path: Path) 
     assert _files_below(tmp_path / "pooled") == _files_below(tmp_path / "in_process")
 
 
+class _Terminal(io.StringIO):
+    """Standard error as a person's terminal: the progress bar only draws on one."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_sees_a_progress_bar_that_reaches_every_image(
+    digits_raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+
+    manifest = convert(digits_raw, tmp_path / "out", workers=2)
+
+    drawn = terminal.getvalue()
+    assert "Checking images" in drawn
+    assert f"{len(manifest.images)}/{len(manifest.images)}" in drawn
+
+
 def test_flat_folder_is_unlabeled(digits_raw: Path, tmp_path: Path) -> None:
     flat = tmp_path / "flat"
     flat.mkdir()
