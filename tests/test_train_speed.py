@@ -20,14 +20,14 @@ from tasks.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.data import ManifestImageFolder, training_loader
 from tasks.train.launch import TrainResult, train
-from tasks.train.loop import THROUGHPUT_PER_PROCESS, channels_last, check_weights, to_device
+from tasks.train.loop import THROUGHPUT_PER_PROCESS, check_weights, to_device
 from tasks.train.params import TrainParams
 from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision
 from tasks.transform import build_transform
 
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
-# bf16 on CPU needs inputs of 32 px or more (tasks.train.precision.MIN_CPU_BF16_INPUT).
-PRE32 = TransformSpec(resize_size=32, center_crop_size=32, random_horizontal_flip=False)
+# From 64 px a CPU run trains channels-last (and, under auto, in bf16): the fast path.
+PRE64 = TransformSpec(resize_size=64, center_crop_size=64, random_horizontal_flip=False)
 FAST = {"epochs": 2, "batch_size": 8, "learning_rate": 0.01, "device": "cpu"}
 NO_GPU = "needs a CUDA GPU (runs on GPU machines; this one has none)"
 NO_TWO_GPUS = "needs 2 CUDA GPUs for a 2-process NCCL run"
@@ -110,18 +110,28 @@ def test_bad_num_workers_is_refused_naming_the_value() -> None:
 def test_a_step_keeps_fp32_weights_in_channels_last_and_trains_in_bf16() -> None:
     if cpu_bf16_speedup() is None:
         pytest.skip("bfloat16 autocast does not run on this CPU")
+    amp = Amp.for_run("cpu", "bf16", input_size=64)
+    assert amp.memory_format == torch.channels_last
     torch.manual_seed(0)
-    model = channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten()))
-    images = to_device(torch.randn(2, 3, 5, 5), torch.device("cpu"))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())
+    model = model.to(memory_format=amp.memory_format)
+    images = to_device(torch.randn(2, 3, 5, 5), torch.device("cpu"), amp.memory_format)
     assert images.is_contiguous(memory_format=torch.channels_last)
-    with Amp("cpu", "bf16").autocast():
+    with amp.autocast():
         out = model(images)
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     weight = model[0].weight
     assert weight.dtype == torch.float32 and weight.grad.dtype == torch.float32
     assert weight.is_contiguous(memory_format=torch.channels_last)
-    assert not Amp("cpu", "bf16").grad_scaler().is_enabled()  # bf16 needs no loss scaling
+    assert not amp.grad_scaler().is_enabled()  # bf16 needs no loss scaling
+
+
+def test_small_inputs_stay_nchw_on_cpu_and_never_on_gpu() -> None:
+    # Under 64 px a CPU step is mostly overhead, where plain NCHW is fastest.
+    assert Amp.for_run("cpu", "fp32", input_size=32).memory_format == torch.contiguous_format
+    assert Amp.for_run("cpu", "fp32", input_size=224).memory_format == torch.channels_last
+    assert Amp.for_run("cuda", "fp16", input_size=32).memory_format == torch.channels_last
 
 
 @pytest.mark.slow
@@ -131,7 +141,7 @@ def test_a_bf16_run_on_cpu_trains(
     if cpu_bf16_speedup() is None:
         pytest.skip("bfloat16 autocast does not run on this CPU")
     result = run_train(
-        project, untrained, digits_split, tmp_path / "model", PRE32, precision="bf16"
+        project, untrained, digits_split, tmp_path / "model", PRE64, precision="bf16"
     )
     assert all(math.isfinite(v) for v in result.metrics.values())
     assert run_config(result)["precision"] == "bf16"

@@ -124,9 +124,10 @@ class SeededSampler(Sampler[tuple[int, int]]):
 class SeededDataset(Dataset):
     """``dataset[index]`` with torch's random state seeded by the seed that comes with the index.
 
-    torchvision's random transforms draw from torch's global generator; seeding it per image (and
-    restoring it after, so the caller's stream is untouched) makes each image's augmentation a
-    function of its seed alone.
+    torchvision's random transforms draw from torch's default CPU generator; seeding it per image
+    (and restoring it after, so the caller's stream is untouched) makes each image's augmentation
+    a function of its seed alone. The generator is handled directly: ``torch.manual_seed`` and
+    ``fork_rng`` also visit every accelerator's generators and cost 40x more (0.1 ms an image).
     """
 
     def __init__(self, dataset: Dataset) -> None:
@@ -138,9 +139,13 @@ class SeededDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        generator = torch.default_generator
+        state = generator.get_state()
+        generator.manual_seed(seed)
+        try:
             return self.dataset[index]
+        finally:
+            generator.set_state(state)
 
 
 def loader_workers(device: torch.device, requested: int | None) -> int:

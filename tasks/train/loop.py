@@ -5,10 +5,11 @@ samples of all ranks, not rank 0's view. Every decision taken from a metric (NaN
 best model) is taken from these reduced values, which are identical on every rank, so ranks
 never disagree and leave a peer waiting in a collective.
 
-Speed: the model and every batch are in channels-last memory format (NHWC), the layout oneDNN
-(CPU) and cuDNN (GPU tensor cores) compute convolutions in; in NCHW each convolution would
-reorder its input and output. The forward pass runs under autocast in the run's precision
-(:mod:`tasks.train.precision`), with a gradient scaler for float16.
+Speed: the model and every batch are in the run's memory format, channels-last (NHWC) unless the
+input is small and on CPU: the layout oneDNN (CPU) and cuDNN (GPU tensor cores) compute
+convolutions in, where NCHW would make each convolution reorder its input and output. The
+forward pass runs under autocast in the run's precision, with a gradient scaler for float16
+(:mod:`tasks.train.precision`).
 """
 
 from __future__ import annotations
@@ -69,14 +70,11 @@ class TrainStats:
     images_per_sec_per_process: float
 
 
-def channels_last(model: nn.Module) -> nn.Module:
-    """``model`` with its 4-d weights in channels-last format, in place; returns it."""
-    return model.to(memory_format=torch.channels_last)
-
-
-def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on ``device`` in channels-last format (asynchronous from pinned memory)."""
-    return images.to(device, non_blocking=True, memory_format=torch.channels_last)
+def to_device(
+    images: torch.Tensor, device: torch.device, memory_format: torch.memory_format
+) -> torch.Tensor:
+    """A batch on ``device`` in ``memory_format`` (asynchronous from pinned memory)."""
+    return images.to(device, non_blocking=True, memory_format=memory_format)
 
 
 def _check_finite(loss: float, epoch: int, step: int, lr: float) -> None:
@@ -116,7 +114,7 @@ def train_one_epoch(
     steps = len(loader)
     start = time.perf_counter()
     for step, (images, targets) in enumerate(loader, start=1):
-        images = to_device(images, device)
+        images = to_device(images, device, amp.memory_format)
         targets = targets.to(device, non_blocking=True)
         with amp.autocast():
             logits = model(images)
@@ -184,20 +182,26 @@ def check_weights(model: nn.Module, epoch: int, precision: str) -> None:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: DataLoader, *, device: torch.device, num_classes: int
+    model: nn.Module,
+    loader: DataLoader,
+    *,
+    device: torch.device,
+    num_classes: int,
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> dict[str, float]:
     """Validation loss, top-1 and top-k (k = min(5, classes)) over every rank's shard.
 
     Pass the unwrapped module: a DDP forward may sync buffers, a collective that would hang on
     the uneven validation shards. Always float32, whatever the training precision: the metrics
     (and the choice of the best epoch) are then those of the model as it is exported and scored.
+    ``memory_format``: the model's (batches are converted to it).
     """
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     k = min(5, num_classes)
     loss_sum, top1, topk, count = 0.0, 0, 0, 0
     for images, targets in loader:
-        images = to_device(images, device)
+        images = to_device(images, device, memory_format)
         targets = targets.to(device, non_blocking=True)
         logits = model(images)
         loss_sum += criterion(logits, targets).item()

@@ -1,4 +1,4 @@
-"""Mixed precision: which float format the training step computes in, decided once per run.
+"""Mixed precision and memory layout: how the training step computes, decided once per run.
 
 A person asks for ``auto``, ``fp32``, ``bf16`` or ``fp16`` (``TrainParams.precision``); the
 launcher resolves that to ``fp32``, ``bf16`` or ``fp16`` before anything starts and stores it in
@@ -12,12 +12,15 @@ run must compute exactly what the uninterrupted one would have).
   measures a small convolution both ways (:func:`cpu_bf16_speedup`) and picks bf16 only when it
   runs and is not slower. float16 on CPU is refused: it is emulated almost everywhere, and its
   narrow range would need a gradient scaler that PyTorch provides for GPUs. ``auto`` keeps
-  inputs under ``AUTO_CPU_BF16_INPUT`` pixels in float32, and ``bf16`` refuses inputs under
-  ``MIN_CPU_BF16_INPUT`` (see there).
+  inputs under ``CPU_FAST_PATH_INPUT`` pixels in float32 and NCHW (see there), and ``bf16``
+  refuses inputs under ``MIN_CPU_BF16_INPUT``.
 - **CUDA**: ``auto`` is bf16 on GPUs that have bf16 tensor cores (compute capability 8.0 and up:
   A100, H100, RTX 30xx and later), else float16 with a :class:`torch.amp.GradScaler`, which scales
   the loss so small gradients do not underflow float16 and skips the steps whose gradients
   overflowed.
+
+The model and its batches are channels-last (NHWC), the layout oneDNN and cuDNN's tensor-core
+kernels compute convolutions in, except for small inputs on CPU (:meth:`Amp.for_run`).
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ CUDA_BF16_CAPABILITY = (8, 0)
 # where those maps are 2x2). The NaN hides from the training loss (oneDNN's forward skips the
 # padding) and shows up at scoring; loop.check_weights stops a run where it appears anyway.
 MIN_CPU_BF16_INPUT = 32
-# Smallest input side ``auto`` trains in bf16 on CPU. Below it a step is mostly per-layer overhead,
-# not arithmetic, and bf16 gains nothing: resnet18, batch 16, 2 cores (docs/benchmarks.md):
-# 32 px 205 img/s fp32 vs 187 bf16; 64 px 125 vs 198; 224 px 14 vs 29.
-AUTO_CPU_BF16_INPUT = 64
+# Smallest input side that trains in bf16 (under ``auto``) and channels-last on CPU. Below it a
+# step is mostly per-layer overhead, not arithmetic, and plain NCHW float32 is the fastest:
+# `bench/train_speed.py --archs resnet18 --size S --precision bf16` on 2 cores gave our step in
+# bf16 channels-last at 0.68x the plain loop at 32 px, 1.16x at 64 px, 2.16x at 224 px
+# (docs/benchmarks.md).
+CPU_FAST_PATH_INPUT = 64
 
 
 def resolve_precision(requested: str, device: str, input_size: int | None = None) -> Resolved:
@@ -58,7 +63,7 @@ def resolve_precision(requested: str, device: str, input_size: int | None = None
 
     ``input_size``: the side of the network's input in pixels (None: not known, taken as large).
     On CPU, ``auto`` is bf16 when bf16 autocast runs and is not slower (:func:`cpu_bf16_speedup`)
-    and the input has at least ``AUTO_CPU_BF16_INPUT`` pixels, else fp32; on CUDA it is bf16
+    and the input has at least ``CPU_FAST_PATH_INPUT`` pixels, else fp32; on CUDA it is bf16
     from compute capability 8.0, else fp16.
 
     Raises InvalidParameterError for a format the device cannot train in: fp16 on CPU, bf16 on a
@@ -80,7 +85,7 @@ def resolve_precision(requested: str, device: str, input_size: int | None = None
             "Use precision='bf16' or 'auto' on CPU (bfloat16 where the CPU supports it), or "
             "'fp32'.",
         )
-    if requested == "auto" and input_size is not None and input_size < AUTO_CPU_BF16_INPUT:
+    if requested == "auto" and input_size is not None and input_size < CPU_FAST_PATH_INPUT:
         return "fp32"
     speedup = cpu_bf16_speedup()
     if requested == "bf16":
@@ -161,10 +166,23 @@ def cpu_bf16_speedup(repeats: int = 5) -> float | None:
 
 @dataclass(frozen=True)
 class Amp:
-    """The mixed-precision settings of one training step: autocast region and gradient scaler."""
+    """How one training step computes: autocast dtype, gradient scaler and memory layout."""
 
     device_type: str
     precision: Resolved
+    channels_last: bool = True
+
+    @classmethod
+    def for_run(cls, device_type: str, precision: Resolved, input_size: int) -> Amp:
+        """The settings of a run: channels-last on GPU, and on CPU from ``CPU_FAST_PATH_INPUT``
+        pixels (below, NCHW, which is faster there)."""
+        small = device_type == "cpu" and input_size < CPU_FAST_PATH_INPUT
+        return cls(device_type, precision, channels_last=not small)
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """The layout of the model's weights and of every batch."""
+        return torch.channels_last if self.channels_last else torch.contiguous_format
 
     @property
     def dtype(self) -> torch.dtype | None:
