@@ -1,9 +1,11 @@
 """Evaluate Model: metrics of a labeled scored table, written beside it and logged to MLflow.
 
 Accuracy, top-k accuracy (k = min(5, classes)) from the probability columns, per-class
-precision/recall/F1 with macro averages (scikit-learn), and the confusion matrix as a PNG and as
-JSON. Metrics go to MLflow with the ``eval/`` prefix, in the given run (resumed, never a second
-one) or a new run; inside a Prefect run they are also published as Prefect artifacts.
+precision/recall/F1 with macro and weighted averages (scikit-learn), and the confusion matrix as
+a PNG and as JSON. Like the seed's component, a second scored table (its second input, e.g. the
+same images scored by another model) is evaluated side by side. Metrics go to MLflow with the
+``eval/`` prefix (``eval/compare/`` for the second table), in the given run (resumed, never a
+second one) or a new run; inside a Prefect run they are also published as Prefect artifacts.
 """
 
 from __future__ import annotations
@@ -28,7 +30,19 @@ from tasks.step import in_prefect_run, step, step_logger
 from tasks.tracking import mlflow_run
 
 METRIC_PREFIX = "eval/"
+COMPARE_PREFIX = "eval/compare/"
 ARTIFACT_DIR = "evaluation"
+# Rows of the summary table: metric key -> label (top-k's label names its k).
+SUMMARY_ROWS = {
+    "accuracy": "accuracy",
+    "top5_accuracy": "top-{k} accuracy",
+    "precision_macro": "macro precision",
+    "recall_macro": "macro recall",
+    "f1_macro": "macro F1",
+    "precision_weighted": "weighted precision",
+    "recall_weighted": "weighted recall",
+    "f1_weighted": "weighted F1",
+}
 TOP_K = 5
 
 
@@ -43,6 +57,7 @@ class EvaluationResult(Mapping[str, float]):
     top_k: int
     paths: dict[str, Path] = field(default_factory=dict)
     run_id: str | None = None
+    compared: EvaluationResult | None = None  # the second table's, when one was given
 
     def __getitem__(self, key: str) -> float:
         return self.metrics[key]
@@ -97,8 +112,11 @@ def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
     precision, recall, f1, support = precision_recall_fscore_support(
         truth, predicted, labels=labels, zero_division=0
     )
-    macro = precision_recall_fscore_support(
-        truth, predicted, labels=labels, average="macro", zero_division=0
+    macro, weighted = (
+        precision_recall_fscore_support(
+            truth, predicted, labels=labels, average=average, zero_division=0
+        )
+        for average in ("macro", "weighted")
     )
     metrics = {
         "accuracy": float(np.mean(truth == predicted)),
@@ -106,6 +124,9 @@ def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
         "precision_macro": float(macro[0]),
         "recall_macro": float(macro[1]),
         "f1_macro": float(macro[2]),
+        "precision_weighted": float(weighted[0]),
+        "recall_weighted": float(weighted[1]),
+        "f1_weighted": float(weighted[2]),
         "images": float(len(table)),
     }
     per_class = [
@@ -156,55 +177,51 @@ def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Pat
     return path
 
 
-def _summary_markdown(result: EvaluationResult, scored: Path) -> str:
-    m = result.metrics
+def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | None) -> str:
+    """One table, one column per scored table: the seed's side-by-side view."""
+    columns = [result] if result.compared is None else [result, result.compared]
+    names = [scored.name] if compare is None else [scored.name, compare.name]
+    title = " vs ".join(f"`{name}`" for name in names)
     lines = [
-        f"# Evaluation of `{scored.name}`",
+        f"# Evaluation of {title}",
         "",
-        "| metric | value |",
-        "| --- | --- |",
-        f"| images | {int(m['images'])} |",
-        f"| accuracy | {m['accuracy']:.4f} |",
-        f"| top-{result.top_k} accuracy | {m['top5_accuracy']:.4f} |",
-        f"| macro precision | {m['precision_macro']:.4f} |",
-        f"| macro recall | {m['recall_macro']:.4f} |",
-        f"| macro F1 | {m['f1_macro']:.4f} |",
+        "| metric | " + " | ".join(f"`{name}`" for name in names) + " |",
+        "| --- |" + " --- |" * len(names),
+        "| images | " + " | ".join(str(int(r["images"])) for r in columns) + " |",
     ]
+    for key, label in SUMMARY_ROWS.items():
+        values = " | ".join(f"{r[key]:.4f}" for r in columns)
+        lines.append(f"| {label.format(k=result.top_k)} | {values} |")
     if result.run_id:
         lines += ["", f"MLflow run: `{result.run_id}`"]
-    if "confusion_png" in result.paths:
-        lines += ["", png_markdown(result.paths["confusion_png"], "confusion matrix")]
+    for name, r in zip(names, columns, strict=True):
+        if "confusion_png" in r.paths:
+            lines += ["", png_markdown(r.paths["confusion_png"], f"confusion matrix of {name}")]
     return "\n".join(lines) + "\n"
 
 
-def _publish_prefect_artifacts(result: EvaluationResult, scored: Path) -> None:
+def _publish_prefect_artifacts(
+    result: EvaluationResult, scored: Path, compare: Path | None
+) -> None:
     from prefect.artifacts import create_table_artifact
 
-    create_table_artifact(
-        table=result.per_class,
-        key="evaluation-per-class",
-        description=f"Per-class precision, recall and F1 of {scored.name}",
-    )
+    tables = [("evaluation-per-class", result, scored)]
+    if result.compared is not None and compare is not None:
+        tables.append(("evaluation-compare-per-class", result.compared, compare))
+    for key, r, path in tables:
+        create_table_artifact(
+            table=r.per_class,
+            key=key,
+            description=f"Per-class precision, recall and F1 of {path.name}",
+        )
+    title = scored.name if compare is None else f"{scored.name} vs {compare.name}"
     publish_markdown(
-        "evaluation-summary", _summary_markdown(result, scored), f"Evaluation of {scored.name}"
+        "evaluation-summary", _summary_markdown(result, scored, compare), f"Evaluation of {title}"
     )
 
 
-def evaluate(
-    scored: Path, *, settings: Settings | None = None, run_id: str | None = None
-) -> EvaluationResult:
-    """Evaluate the labeled scored table ``scored``; write and log the results.
-
-    Files beside the table (``<stem>.metrics.json``, ``<stem>.per_class.csv``,
-    ``<stem>.per_class.json``, ``<stem>.confusion.png``, ``<stem>.confusion.json``) are written
-    atomically; metrics are logged as ``eval/<name>`` into MLflow run ``run_id`` (resumed) or a
-    new run. Raises NotLabeledDatasetError when the table has no ``category`` column.
-    """
-    settings = settings or get_settings()
-    scored = Path(scored)
-    result = compute_metrics(read_scored(scored))
-    log = step_logger(__name__)
-
+def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
+    """The result's files beside ``scored``, each written atomically; returns them by kind."""
     stem = scored.parent / scored.stem
     paths = {
         "metrics": Path(f"{stem}.metrics.json"),
@@ -219,25 +236,73 @@ def evaluate(
     write_json(paths["per_class_json"], result.per_class)
     confusion_png(result.labels, result.confusion, paths["confusion_png"])
     write_json(paths["confusion_json"], {"labels": result.labels, "matrix": result.confusion})
+    return paths
 
+
+def evaluate(
+    scored: Path,
+    *,
+    compare: Path | None = None,
+    settings: Settings | None = None,
+    run_id: str | None = None,
+) -> EvaluationResult:
+    """Evaluate the labeled scored table ``scored`` (and ``compare`` beside it); write and log.
+
+    Files beside each table (``<stem>.metrics.json``, ``<stem>.per_class.csv``,
+    ``<stem>.per_class.json``, ``<stem>.confusion.png``, ``<stem>.confusion.json``) are written
+    atomically; metrics are logged as ``eval/<name>`` (``eval/compare/<name>`` for ``compare``)
+    into MLflow run ``run_id`` (resumed) or a new run. The second table's result is
+    ``result.compared``. Raises NotLabeledDatasetError when a table has no ``category`` column,
+    and InvalidParameterError when both arguments name the same file.
+    """
+    settings = settings or get_settings()
+    scored = Path(scored)
+    compare = None if compare is None else Path(compare)
+    if compare is not None and compare.resolve() == scored.resolve():
+        raise InvalidParameterError(
+            f"compare is the scored table itself ({scored}).",
+            "Pass a second scored table (e.g. the same images scored by another model), or "
+            "leave compare out.",
+        )
+    if compare is not None and compare.parent == scored.parent and compare.stem == scored.stem:
+        raise InvalidParameterError(
+            f"{scored.name} and {compare.name} would write their results to the same files.",
+            "Give the two tables different names (e.g. champion.csv and challenger.csv).",
+        )
+    result = compute_metrics(read_scored(scored))
+    compared = None if compare is None else compute_metrics(read_scored(compare))
+    log = step_logger(__name__)
+
+    paths = _write_outputs(result, scored)
+    compared_paths = {} if compared is None else _write_outputs(compared, compare)
     with mlflow_run(settings, run_id, run_name=f"evaluate-{scored.stem}") as used_run:
         mlflow.log_metrics({f"{METRIC_PREFIX}{k}": v for k, v in result.metrics.items()})
         # A tag, not a param: params are write-once, and a run may be evaluated again.
         mlflow.set_tag(f"{METRIC_PREFIX}top_k", str(result.top_k))
         for path in paths.values():
             mlflow.log_artifact(str(path), artifact_path=ARTIFACT_DIR)
+        if compared is not None:
+            mlflow.log_metrics({f"{COMPARE_PREFIX}{k}": v for k, v in compared.metrics.items()})
+            mlflow.set_tag(f"{COMPARE_PREFIX}table", compare.name)
+            for path in compared_paths.values():
+                mlflow.log_artifact(str(path), artifact_path=f"{ARTIFACT_DIR}/compare")
 
-    result = replace(result, paths=paths, run_id=used_run)
+    if compared is not None:
+        compared = replace(compared, paths=compared_paths, run_id=used_run)
+    result = replace(result, paths=paths, run_id=used_run, compared=compared)
     if in_prefect_run():
-        _publish_prefect_artifacts(result, scored)
-    log.info(
-        "Evaluated %s: accuracy %.4f, top-%d %.4f, macro F1 %.4f",
-        scored,
-        result["accuracy"],
-        result.top_k,
-        result["top5_accuracy"],
-        result["f1_macro"],
-    )
+        _publish_prefect_artifacts(result, scored, compare)
+    for name, r in ((scored, result), (compare, compared)):
+        if r is not None:
+            log.info(
+                "Evaluated %s: accuracy %.4f, top-%d %.4f, macro F1 %.4f, weighted F1 %.4f",
+                name,
+                r["accuracy"],
+                r.top_k,
+                r["top5_accuracy"],
+                r["f1_macro"],
+                r["f1_weighted"],
+            )
     return result
 
 

@@ -19,7 +19,7 @@ from sklearn.metrics import (
     top_k_accuracy_score,
 )
 
-from tasks.errors import NotLabeledDatasetError
+from tasks.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.evaluate import compute_metrics, evaluate
 from tasks.score import score
 from tasks.settings import Settings
@@ -29,6 +29,7 @@ pytest_plugins = ["model_fixtures"]
 
 CLASSES = ["0", "1", "2"]
 PROBS = [f"Scored Probabilities_{c}" for c in CLASSES]
+PER_CLASS_KEYS = ["evaluation-per-class", "evaluation-compare-per-class"]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,58 @@ def test_top_k_and_per_class_on_a_ten_class_table_match_scikit_learn() -> None:
     np.testing.assert_allclose([row["recall"] for row in result.per_class], r)
     np.testing.assert_allclose([row["f1"] for row in result.per_class], f)
     assert [row["support"] for row in result.per_class] == s.tolist()
+    # Imbalanced classes (seeded draws), so weighted and macro averages differ.
+    for i, name in enumerate(("precision", "recall", "f1")):
+        weighted = precision_recall_fscore_support(
+            table["category"], table["Scored Labels"], labels=classes, average="weighted",
+            zero_division=0,
+        )[i]  # fmt: skip
+        assert result[f"{name}_weighted"] == pytest.approx(weighted)
+    assert result["f1_weighted"] != pytest.approx(result["f1_macro"])
+
+
+def _other_model(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` as another model scored it: right on every image but every third one."""
+    other = table.copy()
+    other["Scored Labels"] = other["category"]
+    rows = other.index[::3]
+    wrong = other.loc[rows, "category"].map(lambda c: CLASSES[(CLASSES.index(c) + 1) % 3])
+    other.loc[rows, "Scored Labels"] = wrong
+    return other
+
+
+def test_two_tables_are_evaluated_side_by_side(
+    project: Settings, scored_val: Path, tmp_path: Path
+) -> None:
+    champion = tmp_path / "champion.csv"
+    champion.write_bytes(scored_val.read_bytes())
+    table = pd.read_csv(champion, dtype={"category": str, "Scored Labels": str})
+    challenger = tmp_path / "other" / "challenger.csv"
+    challenger.parent.mkdir()
+    _other_model(table).to_csv(challenger, index=False)
+
+    result = evaluate(champion, compare=challenger, settings=project)
+
+    assert result.compared is not None
+    wrong = len(table.index[::3])
+    assert result.compared["accuracy"] == pytest.approx(1 - wrong / len(table))
+    assert result["accuracy"] == pytest.approx(
+        accuracy_score(table["category"], table["Scored Labels"])
+    )
+    # Each table's files land beside it.
+    assert result.compared.paths["confusion_png"] == challenger.with_suffix(".confusion.png")
+    assert result.compared.paths["confusion_png"].is_file()
+    metrics = MlflowClient().get_run(result.run_id).data.metrics
+    assert metrics["eval/accuracy"] == pytest.approx(result["accuracy"])
+    assert metrics["eval/compare/accuracy"] == pytest.approx(result.compared["accuracy"])
+    assert metrics["eval/compare/f1_weighted"] == pytest.approx(result.compared["f1_weighted"])
+    logged = {a.path for a in MlflowClient().list_artifacts(result.run_id, "evaluation/compare")}
+    assert "evaluation/compare/challenger.confusion.png" in logged
+
+
+def test_comparing_a_table_with_itself_is_refused(project: Settings, scored_val: Path) -> None:
+    with pytest.raises(InvalidParameterError, match="compare is the scored table itself"):
+        evaluate(scored_val, compare=scored_val, settings=project)
 
 
 def test_unlabeled_table_is_refused(
@@ -149,12 +202,17 @@ def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
 
     scored = tmp_path / "flow.csv"
     scored.write_bytes(scored_val.read_bytes())
+    compare = tmp_path / "weaker.csv"
+    _other_model(pd.read_csv(scored, dtype={"category": str, "Scored Labels": str})).to_csv(
+        compare, index=False
+    )
 
     @flow(name="evaluate-only")
-    def evaluate_flow(path: Path) -> float:
-        return evaluate_task(path, settings=project)["accuracy"]
+    def evaluate_flow(path: Path, other: Path) -> tuple[float, float]:
+        result = evaluate_task(path, compare=other, settings=project)
+        return result["accuracy"], result.compared["accuracy"]
 
-    accuracy = evaluate_flow(scored)
+    accuracy, weaker = evaluate_flow(scored, compare)
 
     with get_client(sync_client=True) as client:
         # Prefect 3.8's own read_artifacts sends null offset/flow_runs, which this server
@@ -162,12 +220,16 @@ def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
         response = client.request(
             "POST",
             "/artifacts/filter",
-            json={"artifacts": {"key": {"any_": ["evaluation-per-class", "evaluation-summary"]}}},
+            json={"artifacts": {"key": {"any_": [*PER_CLASS_KEYS, "evaluation-summary"]}}},
         )
     artifacts = {a["key"]: a for a in response.json()}
     assert artifacts["evaluation-per-class"]["type"] == "table"
     rows = json.loads(artifacts["evaluation-per-class"]["data"])
     assert [row["class"] for row in rows] == CLASSES
-    assert artifacts["evaluation-summary"]["type"] == "markdown"
-    assert f"| accuracy | {accuracy:.4f} |" in artifacts["evaluation-summary"]["data"]
-    assert "![confusion matrix](data:image/png;base64," in artifacts["evaluation-summary"]["data"]
+    compared = json.loads(artifacts["evaluation-compare-per-class"]["data"])
+    assert [row["class"] for row in compared] == CLASSES
+    summary = artifacts["evaluation-summary"]
+    assert summary["type"] == "markdown"
+    assert f"| accuracy | {accuracy:.4f} | {weaker:.4f} |" in summary["data"]
+    for name in ("flow.csv", "weaker.csv"):
+        assert f"![confusion matrix of {name}](data:image/png;base64," in summary["data"]
