@@ -22,8 +22,9 @@ from tasks.settings import Settings, get_settings
 
 app = typer.Typer(
     name="imageops",
-    help="Image classification MLOps: convert, version, split, train (DDP), export, score, "
-    "evaluate. Locations come from IMAGEOPS_* environment variables (see the README).",
+    help="Image classification MLOps: convert, version, split, train (DDP), export, register, "
+    "promote, score, evaluate. Locations come from IMAGEOPS_* environment variables (see the "
+    "README).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -34,6 +35,12 @@ transform_app = typer.Typer(
     help="Init / Apply Image Transformation: save a transform spec, apply it to images.",
     no_args_is_help=True,
 )
+serve_app = typer.Typer(
+    help="Long-running services for a Prefect server: the scoring deployment, the MLflow webhook "
+    "receiver.",
+    no_args_is_help=True,
+)
+app.add_typer(serve_app, name="serve")
 app.add_typer(sample_app, name="sample")
 app.add_typer(model_app, name="model")
 app.add_typer(transform_app, name="transform")
@@ -372,30 +379,144 @@ def register(
 
 @app.command()
 def score(
-    model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory.")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Exported ModelDirectory, or a registry URI: models:/<name>@<alias> or "
+            "models:/<name>/<version> (downloaded into the local cache)."
+        ),
+    ],
     images: Annotated[Path, typer.Argument(help="ImageDirectory or any folder of images.")],
     dest: Annotated[Path, typer.Argument(help="Scored table to write (.csv or .parquet).")],
     batch_size: Annotated[int, typer.Option(help="Images per ONNX Runtime call.")] = 64,
+    threads: Annotated[
+        int | None, typer.Option(help="ONNX Runtime threads (default: the cores available).")
+    ] = None,
+    quantized: Annotated[
+        bool, typer.Option(help="Score with the INT8 model (model.int8.onnx, `imageops quantize`).")
+    ] = False,
+    shard_images: Annotated[
+        int, typer.Option(help="Images per shard; a larger input is scored shard by shard.")
+    ] = 20_000,
 ) -> None:
-    """Score Image Model with ONNX Runtime, in batches."""
-    from tasks.score import score as run
+    """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
+    from tasks.model_uri import resolve_model
+    from tasks.score import score_in_shards
 
-    out.print(f"wrote {run(model_dir, images, dest, batch_size=batch_size)}")
+    written = score_in_shards(
+        resolve_model(model),
+        images,
+        dest,
+        shard_images=shard_images,
+        batch_size=batch_size,
+        threads=threads,
+        quantized=quantized,
+    )
+    out.print(f"wrote {written}")
 
 
 @app.command()
 def evaluate(
     scored: Annotated[Path, typer.Argument(help="Scored table of a labeled ImageDirectory.")],
+    compare: Annotated[
+        Path | None,
+        typer.Option(
+            help="A second scored table (e.g. the same images scored by another model), "
+            "evaluated side by side; logged as eval/compare/<metric>."
+        ),
+    ] = None,
     run_id: Annotated[
         str | None, typer.Option(help="MLflow run to log into (default: a new run).")
     ] = None,
 ) -> None:
-    """Evaluate Model: accuracy, top-5, per-class precision/recall/F1, confusion matrix."""
+    """Evaluate Model: accuracy, top-5, macro and weighted precision/recall/F1, confusion matrix."""
     from tasks.evaluate import evaluate as run
 
-    result = run(scored, run_id=run_id)
+    result = run(scored, compare=compare, run_id=run_id)
+    if result.compared is None:
+        for key, value in result.metrics.items():
+            out.print(f"{key}: {value:.4f}")
+        return
+    out.print(f"{'metric':<20} {scored.name:>14} {compare.name:>14}")
     for key, value in result.metrics.items():
-        out.print(f"{key}: {value:.4f}")
+        out.print(f"{key:<20} {value:>14.4f} {result.compared[key]:>14.4f}")
+
+
+@app.command()
+def promote(
+    holdout: Annotated[
+        Path,
+        typer.Argument(help="Labeled ImageDirectory neither model trained on (e.g. data/val)."),
+    ],
+    candidate: Annotated[
+        str, typer.Option(help="Alias or version number of the model to promote.")
+    ] = "challenger",
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="Evaluate Model metric that decides (higher is better): accuracy, "
+            "top5_accuracy, precision/recall/f1 with _macro or _weighted."
+        ),
+    ] = "accuracy",
+    margin: Annotated[
+        float,
+        typer.Option(help="How much the candidate must beat the champion by (0.01 = 1 point)."),
+    ] = 0.0,
+) -> None:
+    """Give the candidate the champion alias if it beats the champion on the holdout (via ONNX)."""
+    from tasks.promote import promote as run
+
+    decision = run(holdout, candidate=candidate, metric=metric, margin=margin)
+    verdict = "is now @champion" if decision.promoted else "stays where it is"
+    out.print(f"{decision.name} v{decision.challenger_version} {verdict}: {decision.reason}")
+
+
+@serve_app.command("scoring")
+def serve_scoring(
+    alias: Annotated[
+        str, typer.Option(help="The alias whose promotion starts a scoring run.")
+    ] = "champion",
+    images: Annotated[
+        str | None, typer.Option(help="Images each run scores (default: data/val).")
+    ] = None,
+    dest: Annotated[
+        str | None, typer.Option(help="Table each run writes (default: <home>/scores/...).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Concurrent scoring runs at most.")] = None,
+) -> None:
+    """Serve the batch-scoring deployment; a version getting ALIAS in MLflow starts a run."""
+    from flows.score import serve_scoring as run
+
+    run(alias=alias, images=images, dest=dest, limit=limit)
+
+
+@serve_app.command("webhook")
+def serve_webhook(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
+) -> None:
+    """Receive MLflow registry webhooks (HMAC-checked with IMAGEOPS_WEBHOOK_SECRET) as events."""
+    from flows.webhook import serve
+
+    serve(host=host, port=port)
+
+
+@app.command("register-webhook")
+def register_webhook(
+    receiver_url: Annotated[
+        str, typer.Argument(help="The receiver's URL, e.g. http://127.0.0.1:8765/mlflow/webhook.")
+    ],
+    mlflow_url: Annotated[
+        str | None, typer.Option(help="The MLflow server (default: the tracking URI).")
+    ] = None,
+    test: Annotated[
+        bool, typer.Option(help="Have MLflow send its test delivery and check it arrives.")
+    ] = True,
+) -> None:
+    """Create the MLflow webhook that tells the receiver when a model version gets an alias."""
+    from flows.webhook import register_webhook as run
+
+    out.print(f"webhook {run(receiver_url, mlflow_url=mlflow_url, test=test)} is active")
 
 
 @app.command("run")
@@ -441,12 +562,13 @@ def run_pipeline(
 def _print_summary(settings: Settings, result) -> None:
     out.rule("imageops run finished")
     for key, value in sorted(result.metrics.items()):
-        shown = f"{value:.0f}" if key == "images" else f"{value:.4f}"
+        shown = f"{value:.0f}" if key.endswith("images") else f"{value:.4f}"
         out.print(f"  {key:<24} {shown}")
     out.print(f"  model directory          {result.model_dir}")
     out.print(f"  scored table             {result.scored}")
     out.print(f"  outputs                  {result.outputs}")
     out.print(f"  registered model         {result.registered_model} v{result.registered_version}")
+    out.print(f"  champion                 {'this model' if result.champion else 'unchanged'}")
     out.print(f"  MLflow run               {result.mlflow_run_id}")
     out.print(f"  data versions (DVC md5)  {result.data_version}")
     mlflow_bin = Path(sys.executable).parent / "mlflow"

@@ -54,6 +54,24 @@ class SplitChoice(BaseModel):
     seed: int = Field(default=1, title="Split seed")
 
 
+class PromotionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str = Field(
+        default="accuracy",
+        title="Promotion metric",
+        description="Evaluate Model metric the challenger must win on (higher is better): "
+        "accuracy, top5_accuracy, precision/recall/f1 _macro or _weighted.",
+    )
+    margin: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        title="Promotion margin",
+        description="How much more than the champion's the challenger's metric must be.",
+    )
+
+
 class PipelineConfig(BaseModel):
     """Everything ``imageops run`` and the pipeline flow take."""
 
@@ -74,6 +92,7 @@ class PipelineConfig(BaseModel):
     )
     model: ModelChoice = Field(default_factory=ModelChoice)
     train: TrainParams = Field(default_factory=lambda: TrainParams(nproc_per_node=2))
+    promotion: PromotionChoice = Field(default_factory=PromotionChoice)
     score_batch_size: int = Field(default=64, gt=0, title="Scoring batch size")
     version_data: bool = Field(
         default=True, title="Version data with DVC", description="dvc add + push every data set."

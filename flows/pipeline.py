@@ -18,8 +18,9 @@ from tasks.build_model import build_model_task
 from tasks.convert import convert_task
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
+from tasks.promote import CHALLENGER, promote_task
 from tasks.registry import register_task
-from tasks.score import score_task
+from tasks.score import score_in_shards
 from tasks.settings import get_settings
 from tasks.split import split_task
 from tasks.versioning import version_task
@@ -34,13 +35,14 @@ class PipelineResult(BaseModel):
     mlflow_run_id: str
     registered_model: str
     registered_version: str
+    champion: bool  # whether this run's model took the champion alias
     data_version: dict[str, str]
     metrics: dict[str, float]
 
 
 @flow(name="imageops-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
-    """Raw images in, a registered, exported, evaluated model out."""
+    """Raw images in, a registered, exported, evaluated model out; champion if it beats the last."""
     config = config or PipelineConfig()
     settings = get_settings()
     data = settings.data_path
@@ -66,8 +68,13 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
         data_version=data_version,
     )  # fmt: skip
     export_task(trained.model_dir, sample=data / "val")
-    registered = register_task(trained.model_dir, data_version=data_version)
-    scored = score_task(
+    registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
+    promotion = promote_task(
+        data / "val", candidate=registered.version,
+        metric=config.promotion.metric, margin=config.promotion.margin,
+    )  # fmt: skip
+    # One score task, or parallel ones over shards for a large input.
+    scored = score_in_shards(
         trained.model_dir, data / "val", outputs / "scored.csv",
         batch_size=config.score_batch_size,
     )  # fmt: skip
@@ -80,6 +87,7 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
         mlflow_run_id=trained.run_id,
         registered_model=registered.name,
         registered_version=str(registered.version),
+        champion=promotion.promoted,
         data_version=data_version,
         metrics=dict(evaluation.metrics),
     )

@@ -1,5 +1,8 @@
 """The trained ModelDirectory: ``model.json``, ``model.safetensors``, ``model.onnx`` once exported.
 
+``model.int8.onnx`` (and ``model.int8.json``, how it was calibrated and how much top-1 it costs)
+appear once the quantize step has accepted a static INT8 version of ``model.onnx``.
+
 Everything needed to rebuild, score or audit the model sits in ``model.json`` as plain JSON; the
 weights are safetensors, so loading a model directory can never run code.
 """
@@ -20,6 +23,8 @@ from models.zoo import MODEL_JSON, ModelSpec, build_model
 
 WEIGHTS = "model.safetensors"
 ONNX = "model.onnx"
+ONNX_INT8 = "model.int8.onnx"
+INT8_REPORT = "model.int8.json"
 TRAINED_FORMAT = "imageops.ModelDirectory"
 
 

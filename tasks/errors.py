@@ -19,6 +19,7 @@ __all__ = [
     "InvalidTransformationDirectoryError",
     "NoUsableImagesError",
     "NotLabeledDatasetError",
+    "QuantizationAccuracyError",
     "RegistryError",
     "RendezvousTimeoutError",
     "TrainingDivergedError",
@@ -87,6 +88,10 @@ class TrainingDivergedError(ImageOpsError):
 
 class ExportParityError(ImageOpsError):
     """The ONNX model does not give the same answers as the PyTorch model."""
+
+
+class QuantizationAccuracyError(ImageOpsError):
+    """The INT8 model loses more validation top-1 than ``max_top1_drop`` allows; none is kept."""
 
 
 class RegistryError(ImageOpsError):

@@ -24,7 +24,7 @@ from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 from models.atomic import atomic_file, write_json
 from tasks.artifacts import png_markdown, publish_markdown
 from tasks.errors import InvalidParameterError, NotLabeledDatasetError
-from tasks.score import LABEL_COLUMN, PROBABILITY_PREFIX
+from tasks.score import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.settings import Settings, get_settings
 from tasks.step import in_prefect_run, step, step_logger
 from tasks.tracking import mlflow_run
@@ -77,7 +77,9 @@ def read_scored(path: Path) -> pd.DataFrame:
     if path.suffix.lower() == ".parquet":
         return pd.read_parquet(path)
     return pd.read_csv(
-        path, dtype={"path": str, "category": str, LABEL_COLUMN: str}, keep_default_na=False
+        path,
+        dtype={"path": str, "category": str, LABEL_COLUMN: str, ERROR_COLUMN: str},
+        keep_default_na=False,
     )
 
 
@@ -97,6 +99,18 @@ def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
             "Pass the output of the score step.",
         )
     classes = [c.removeprefix(PROBABILITY_PREFIX) for c in prob_columns]
+    # Images that could not be read have no scores: counted apart, not as wrong answers.
+    unscored = 0
+    if ERROR_COLUMN in table.columns:
+        failed = table[ERROR_COLUMN].fillna("").astype(str) != ""
+        unscored = int(failed.sum())
+        table = table[~failed]
+        if table.empty:
+            raise InvalidParameterError(
+                f"None of the {unscored} image(s) of the table was scored (see its "
+                f"`{ERROR_COLUMN}` column).",
+                "Fix or remove the unreadable images and score again.",
+            )
     truth = table["category"].astype(str).to_numpy()
     predicted = table[LABEL_COLUMN].astype(str).to_numpy()
     # A true class the model never learned still counts: as a row of the report, always wrong.
@@ -128,6 +142,7 @@ def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
         "recall_weighted": float(weighted[1]),
         "f1_weighted": float(weighted[2]),
         "images": float(len(table)),
+        "unscored_images": float(unscored),
     }
     per_class = [
         {
@@ -188,6 +203,9 @@ def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | No
         "| metric | " + " | ".join(f"`{name}`" for name in names) + " |",
         "| --- |" + " --- |" * len(names),
         "| images | " + " | ".join(str(int(r["images"])) for r in columns) + " |",
+        "| unreadable images | "
+        + " | ".join(str(int(r["unscored_images"])) for r in columns)
+        + " |",
     ]
     for key, label in SUMMARY_ROWS.items():
         values = " | ".join(f"{r[key]:.4f}" for r in columns)
@@ -196,7 +214,8 @@ def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | No
         lines += ["", f"MLflow run: `{result.run_id}`"]
     for name, r in zip(names, columns, strict=True):
         if "confusion_png" in r.paths:
-            lines += ["", png_markdown(r.paths["confusion_png"], f"confusion matrix of {name}")]
+            alt = "confusion matrix" if len(names) == 1 else f"confusion matrix of {name}"
+            lines += ["", png_markdown(r.paths["confusion_png"], alt)]
     return "\n".join(lines) + "\n"
 
 

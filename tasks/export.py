@@ -27,7 +27,7 @@ from onnx.external_data_helper import uses_external_data
 from torch import nn
 
 from models.atomic import atomic_file
-from models.directory import ONNX, WEIGHTS, ModelInfo, load_model_directory
+from models.directory import INT8_REPORT, ONNX, ONNX_INT8, WEIGHTS, ModelInfo, load_model_directory
 from tasks.errors import ExportParityError, InvalidModelDirectoryError, NoUsableImagesError
 from tasks.imagedir import load_rgb, read_manifest
 from tasks.step import step, step_logger
@@ -177,8 +177,10 @@ def export_onnx(
         onnx.checker.check_model(proto, full_check=True)
         del proto
         max_diff, sizes = check_parity(tmp, model, batch)
-    # An earlier external-data export would leave weights beside the file that nothing reads.
-    (model_dir / f"{ONNX}.data").unlink(missing_ok=True)
+    # An earlier external-data export would leave weights beside the file that nothing reads,
+    # and an INT8 model quantized from the old model.onnx would score with the old weights.
+    for stale in (f"{ONNX}.data", ONNX_INT8, INT8_REPORT):
+        (model_dir / stale).unlink(missing_ok=True)
     log.info("Exported %s (opset %d): max abs difference %.3g", dest, used_opset, max_diff)
     return ExportResult(path=dest, max_abs_diff=max_diff, batch_sizes=sizes, opset=used_opset)
 

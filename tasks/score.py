@@ -4,19 +4,24 @@ The images go through the inference mode of the transform spec the model was tra
 (:func:`tasks.transform.build_transform`), so scoring sees exactly what training validated on.
 Images are read, scored and written a batch at a time: memory stays flat however large the
 folder, and the table grows on disk in a temporary file that replaces ``dest`` only when every
-batch is done. An image that does not load is skipped and logged; it never fails the batch.
+batch is done. An image that does not load becomes a row with empty scores and the reason in
+``Scoring Error`` (and a log line); it never fails the batch. A large input is cut into shards
+that parallel Prefect tasks score and :func:`merge_tables` joins in order
+(:func:`score_in_shards`).
 
-The output is the Score Image Model table: ``id``, ``path``, ``category`` (the true class, only
-when the input is labeled), one ``Scored Probabilities_<class>`` column per class (softmax), then
-``Scored Labels``.
+The output is the Score Image Model table: ``id`` (the image's place in the listing), ``path``,
+``category`` (the true class, only when the input is labeled), ``Scoring Error``, one
+``Scored Probabilities_<class>`` column per class (softmax), then ``Scored Labels``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from models.atomic import atomic_file
-from models.directory import ONNX, ModelInfo, read_model_info
+from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
 from tasks.export import INPUT_NAME, OUTPUT_NAME
 from tasks.imagedir import IMAGE_EXTENSIONS, MANIFEST, is_image_file, load_rgb, read_manifest
@@ -36,6 +41,7 @@ from tasks.transform import build_transform, input_size
 
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
+ERROR_COLUMN = "Scoring Error"  # empty when the image was scored; else why it could not be
 OUTPUT_SUFFIXES = (".csv", ".parquet")
 ROW_GROUP_ROWS = 16_384
 
@@ -134,9 +140,25 @@ def _check_model(session: ort.InferenceSession, info: ModelInfo, onnx_path: Path
         )
 
 
-def _batches(refs: list[ImageRef], size: int) -> Iterator[list[ImageRef]]:
+def _batches(refs: list[ImageRef], size: int) -> Iterator[tuple[int, list[ImageRef]]]:
     for start in range(0, len(refs), size):
-        yield refs[start : start + size]
+        yield start, refs[start : start + size]
+
+
+def table_columns(classes: Sequence[str], labeled: bool) -> list[str]:
+    """The Score Image Model table's columns, in order."""
+    probabilities = [f"{PROBABILITY_PREFIX}{c}" for c in classes]
+    category = ["category"] if labeled else []
+    return ["id", "path", *category, ERROR_COLUMN, *probabilities, LABEL_COLUMN]
+
+
+def shard_bounds(total: int, index: int, count: int) -> tuple[int, int]:
+    """``[first, last)`` of the ``index``-th of ``count`` contiguous, near-equal slices."""
+    if count < 1 or not 0 <= index < count:
+        raise InvalidParameterError(
+            f"shard must be (index, count) with 0 <= index < count, got ({index}, {count})."
+        )
+    return total * index // count, total * (index + 1) // count
 
 
 class _TableWriter:
@@ -151,6 +173,7 @@ class _TableWriter:
             fields = [pa.field("id", pa.int64()), pa.field("path", pa.string())]
             if labeled:
                 fields.append(pa.field("category", pa.string()))
+            fields.append(pa.field(ERROR_COLUMN, pa.string()))
             fields += [
                 pa.field(c, pa.float64()) for c in columns if c.startswith(PROBABILITY_PREFIX)
             ]
@@ -211,13 +234,21 @@ def score(
     *,
     batch_size: int = 64,
     threads: int | None = None,
+    quantized: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> Path:
     """Score ``images`` with the exported ModelDirectory ``model``; write the table to ``dest``.
 
     ``images``: an ImageDirectory (labeled: the true ``category`` is passed through) or any folder
     of images (searched recursively). ``dest`` ends in ``.csv`` or ``.parquet``. ``threads``:
-    ONNX Runtime intra-op threads (default: the cores available). Returns ``dest``, written
-    atomically. Raises NoUsableImagesError when no image could be scored.
+    ONNX Runtime intra-op threads (default: the cores available). ``quantized``: score with
+    ``model.int8.onnx`` (the quantize step's INT8 model) instead of ``model.onnx``. Returns
+    ``dest``, written atomically. ``shard=(i, n)`` scores only the i-th of n equal, contiguous
+    slices of the images (ids stay those of the whole listing), for :func:`score_in_shards`.
+
+    Every image gets a row: one that cannot be read has empty scores and its reason in
+    ``Scoring Error``. Raises NoUsableImagesError when no image could be scored (a shard is
+    checked when the shards are merged).
     """
     model, images, dest = Path(model), Path(images), Path(dest)
     if batch_size < 1:
@@ -232,10 +263,13 @@ def score(
             "Name the scored table scores.csv or scores.parquet.",
         )
     info = read_model_info(model)
-    onnx_path = model / ONNX
+    onnx_path = model / (ONNX_INT8 if quantized else ONNX)
     if not onnx_path.is_file():
         raise InvalidModelDirectoryError(
-            f"{model} has no {ONNX}.", "Run the export step first (tasks.export.export_onnx)."
+            f"{model} has no {onnx_path.name}.",
+            "Run the quantize step first (tasks.quantize.quantize)."
+            if quantized
+            else "Run the export step first (tasks.export.export_onnx).",
         )
     refs, labeled = list_images(images)
     if not refs:
@@ -243,6 +277,10 @@ def score(
             f"No image found in {images}.",
             f"Scoring reads these extensions: {' '.join(IMAGE_EXTENSIONS)}.",
         )
+    first = 0
+    if shard is not None:
+        first, last = shard_bounds(len(refs), *shard)
+        refs = refs[first:last]
     session = inference_session(onnx_path, threads)
     _check_model(session, info, onnx_path)
     log = step_logger(__name__)
@@ -253,46 +291,158 @@ def score(
 
     transform = build_transform(info.transform, "inference")
     prob_columns = [f"{PROBABILITY_PREFIX}{c}" for c in info.classes]
-    columns = ["id", "path", *(["category"] if labeled else []), *prob_columns, LABEL_COLUMN]
+    columns = table_columns(info.classes, labeled)
     classes = np.asarray(info.classes, dtype=object)
-    scored, skipped = 0, 0
+    scored, failed = 0, 0
     with atomic_file(dest) as tmp, _progress(len(refs)) as progress:
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
         writer = _TableWriter(tmp, dest.suffix.lower() == ".parquet", columns, labeled)
         try:
-            for batch in _batches(refs, batch_size):
-                tensors, kept = [], []
-                for ref in batch:
+            for start, batch in _batches(refs, batch_size):
+                tensors, kept, errors = [], [], [""] * len(batch)
+                for i, ref in enumerate(batch):
                     try:
                         tensors.append(transform(load_rgb(ref.file)).numpy())
                     except Exception as exc:  # one bad file must not sink the other images
-                        skipped += 1
-                        log.warning("Skipped %s: %s: %s", ref.path, type(exc).__name__, exc)
+                        errors[i] = f"{type(exc).__name__}: {exc}"
+                        log.warning("Cannot score %s: %s", ref.path, errors[i])
                         continue
-                    kept.append(ref)
+                    kept.append(i)
+                probs = np.full((len(batch), len(classes)), np.nan)
+                labels = np.full(len(batch), "", dtype=object)
                 if kept:
                     (logits,) = session.run([OUTPUT_NAME], {INPUT_NAME: np.stack(tensors)})
-                    probs = _softmax(logits)
-                    data = {
-                        "id": np.arange(scored, scored + len(kept), dtype=np.int64),
-                        "path": [r.path for r in kept],
-                        "category": [r.category for r in kept],
-                    }
-                    data |= {col: probs[:, i] for i, col in enumerate(prob_columns)}
-                    data[LABEL_COLUMN] = classes[probs.argmax(axis=1)]
-                    writer.write(pd.DataFrame({c: data[c] for c in columns}, columns=columns))
-                    scored += len(kept)
+                    probs[kept] = _softmax(logits)
+                    labels[kept] = classes[probs[kept].argmax(axis=1)]
+                data = {
+                    "id": np.arange(first + start, first + start + len(batch), dtype=np.int64),
+                    "path": [r.path for r in batch],
+                    "category": [r.category for r in batch],
+                    ERROR_COLUMN: errors,
+                }
+                data |= {col: probs[:, i] for i, col in enumerate(prob_columns)}
+                data[LABEL_COLUMN] = labels
+                writer.write(pd.DataFrame({c: data[c] for c in columns}, columns=columns))
+                scored += len(kept)
+                failed += len(batch) - len(kept)
                 if bar is not None:
                     progress.advance(bar, len(batch))
         finally:
             writer.close()
-        if not scored:
+        if not scored and shard is None:
             raise NoUsableImagesError(
                 f"None of the {len(refs)} image(s) in {images} could be read; nothing scored.",
                 "Check the files open in an image viewer (the log names each one).",
             )
-    log.info("Scored %d image(s) into %s (%d skipped)", scored, dest, skipped)
+    log.info("Scored %d image(s) into %s (%d could not be read)", scored, dest, failed)
     return dest
 
 
 score_task = step(score, name="score")
+SHARD_IMAGES = 20_000  # a shard per this many images: big enough that start-up is noise
+
+
+def merge_tables(parts: Sequence[Path], dest: Path) -> int:
+    """Concatenate the shard tables ``parts`` into ``dest`` in the order given, atomically.
+
+    Streams a row group (Parquet) or a chunk of rows (CSV) at a time, so memory stays flat.
+    Returns how many rows were scored (not failed). Raises NoUsableImagesError when none was.
+    """
+    dest = Path(dest)
+    scored = rows = 0
+    with atomic_file(dest) as tmp:
+        if dest.suffix.lower() == ".parquet":
+            writer = None
+            try:
+                for part in parts:
+                    source = pq.ParquetFile(part)
+                    writer = writer or pq.ParquetWriter(str(tmp), source.schema_arrow)
+                    for group in range(source.num_row_groups):
+                        table = source.read_row_group(group)
+                        errors = table.column(ERROR_COLUMN).to_pylist()
+                        scored += sum(1 for e in errors if not e)
+                        rows += len(errors)
+                        writer.write_table(table)
+            finally:
+                if writer is not None:
+                    writer.close()
+        else:
+            with open(tmp, "w", encoding="utf-8", newline="") as out:
+                for i, part in enumerate(parts):
+                    with open(part, encoding="utf-8", newline="") as src:
+                        header = src.readline()
+                        if i == 0:
+                            out.write(header)
+                        shutil.copyfileobj(src, out)
+                    errors = pd.read_csv(
+                        part,
+                        usecols=[ERROR_COLUMN],
+                        dtype=str,
+                        keep_default_na=False,
+                        chunksize=ROW_GROUP_ROWS,
+                    )
+                    for chunk in errors:
+                        scored += int((chunk[ERROR_COLUMN] == "").sum())
+                        rows += len(chunk)
+        if not scored:
+            raise NoUsableImagesError(
+                f"None of the {rows} image(s) could be read; nothing scored.",
+                "Check the files open in an image viewer (the log names each one).",
+            )
+    return scored
+
+
+def score_in_shards(
+    model: Path,
+    images: Path,
+    dest: Path,
+    *,
+    shard_images: int = SHARD_IMAGES,
+    batch_size: int = 64,
+    threads: int | None = None,
+    quantized: bool = False,
+) -> Path:
+    """:func:`score` for inputs of any size: shards of ``shard_images`` scored in parallel.
+
+    Called from a flow, each shard is a ``score`` task submitted to the flow's task runner (ONNX
+    Runtime and image decoding release the GIL, so threads run side by side), the cores split
+    between them; outside a flow the shards run one after another. The shard tables are merged
+    in shard order, so the result is the same table :func:`score` writes, whatever finished
+    first. An input of one shard is scored directly.
+    """
+    from prefect.futures import wait
+
+    from tasks.step import in_prefect_run
+
+    if shard_images < 1:
+        raise InvalidParameterError(f"shard_images must be >= 1, got {shard_images}.")
+    dest = Path(dest)
+    total = len(list_images(images)[0])
+    count = max(1, -(-total // shard_images))
+    kwargs = {"batch_size": batch_size, "quantized": quantized}
+    if count == 1:
+        run = score_task if in_prefect_run() else score
+        return run(model, images, dest, threads=threads, **kwargs)
+    parallel = in_prefect_run()
+    per_shard = max(1, (threads or default_threads()) // count) if parallel else threads
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.shards-", dir=dest.parent) as tmp:
+        parts = [Path(tmp) / f"{i:05d}{dest.suffix}" for i in range(count)]
+        if parallel:
+            futures = [
+                score_task.submit(
+                    model, images, part, shard=(i, count), threads=per_shard, **kwargs
+                )
+                for i, part in enumerate(parts)
+            ]
+            wait(futures)
+            for future in futures:
+                future.result()  # raises the first shard's error, if any
+        else:
+            for i, part in enumerate(parts):
+                score(model, images, part, shard=(i, count), threads=per_shard, **kwargs)
+        scored = merge_tables(parts, dest)
+    step_logger(__name__).info(
+        "Scored %d of %d image(s) in %d shards into %s", scored, total, count, dest
+    )
+    return dest

@@ -13,7 +13,7 @@ import os
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Telemetry stays off: the machines this runs on often have no internet, and users did not ask.
@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     )
     dvc_remote_url: str | None = Field(
         default=None, description="DVC remote; default: a folder under `home`."
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="Secret the MLflow registry webhook signs with (HMAC-SHA256); the webhook "
+        "receiver refuses to start without it.",
     )
     weights_cache: Path | None = Field(
         default=None,

@@ -15,8 +15,10 @@ from tasks.settings import Settings
 def configure_mlflow(settings: Settings) -> str:
     """Point MLflow at the settings' stores and return the experiment id (created if missing).
 
-    A new experiment gets its artifact location under the project working folder, so artifacts
-    never land in a ``mlruns/`` beside wherever the command happened to run.
+    With a local store, a new experiment gets its artifact location under the project working
+    folder, so artifacts never land in a ``mlruns/`` beside wherever the command happened to
+    run. With an ``mlflow server`` the server decides (its artifact store, proxied), so every
+    machine that logs reaches the same artifacts.
     """
     settings.home_dir.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(settings.tracking_uri)
@@ -26,8 +28,10 @@ def configure_mlflow(settings: Settings) -> str:
     if experiment is not None:
         return experiment.experiment_id
     try:
+        server = settings.tracking_uri.startswith(("http://", "https://"))
         return client.create_experiment(
-            settings.mlflow_experiment, artifact_location=settings.artifact_location
+            settings.mlflow_experiment,
+            artifact_location=None if server else settings.artifact_location,
         )
     except mlflow.exceptions.MlflowException:
         # Another process created it between our look-up and our create.

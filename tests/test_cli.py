@@ -12,7 +12,7 @@ import pytest
 from tasks.imagedir import read_manifest
 
 COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "export",
-            "register", "score", "evaluate", "run"]  # fmt: skip
+            "register", "promote", "score", "evaluate", "run"]  # fmt: skip
 
 
 def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -33,7 +33,8 @@ def test_help_lists_every_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "command", ["train", "run", "score", "split", "transform init", "transform apply"]
+    "command",
+    ["train", "run", "score", "split", "transform init", "transform apply", "promote", "evaluate"],
 )
 def test_every_option_is_explained(tmp_path: Path, command: str) -> None:
     result = imageops(*command.split(), "--help", cwd=tmp_path)
@@ -68,6 +69,9 @@ def test_bad_input_gets_a_message_not_a_traceback(tmp_path: Path) -> None:
     result = imageops("split", "nowhere", "a", "b", "--fraction", "1.5", cwd=tmp_path)
     assert result.returncode == 2
     assert "fraction" in result.stderr and "Traceback" not in result.stderr
+    result = imageops("promote", "nowhere", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "is not an ImageDirectory" in result.stderr and "what to do:" in result.stderr
 
 
 def test_transform_init_then_apply(tmp_path: Path, digits_split: tuple[Path, Path]) -> None:

@@ -233,3 +233,25 @@ def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
     assert f"| accuracy | {accuracy:.4f} | {weaker:.4f} |" in summary["data"]
     for name in ("flow.csv", "weaker.csv"):
         assert f"![confusion matrix of {name}](data:image/png;base64," in summary["data"]
+
+
+def test_rows_of_unreadable_images_are_counted_not_scored_wrong(
+    project: Settings, scored_val: Path, tmp_path: Path
+) -> None:
+    table = pd.read_csv(
+        scored_val, dtype={"category": str, "Scored Labels": str, "Scoring Error": str}
+    )
+    table.loc[0, "Scoring Error"] = "UnidentifiedImageError: cannot identify image file"
+    table.loc[0, PROBS] = np.nan
+    table.loc[0, "Scored Labels"] = ""
+    scored = tmp_path / "with_error.csv"
+    table.to_csv(scored, index=False)
+
+    result = evaluate(scored, settings=project)
+
+    rest = table.iloc[1:]
+    assert result["unscored_images"] == 1
+    assert result["images"] == len(rest)
+    assert result["accuracy"] == pytest.approx(
+        accuracy_score(rest["category"], rest["Scored Labels"])
+    )

@@ -54,6 +54,12 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     client = MlflowClient(tracking_uri=project.tracking_uri, registry_uri=project.registry_uri)
     version = client.get_model_version(result.registered_model, result.registered_version)
     assert version.run_id == result.mlflow_run_id
+    # the first model of a registry becomes champion (the promote step, scored through ONNX)
+    assert result.champion
+    for alias in ("challenger", "champion"):
+        by_alias = client.get_model_version_by_alias(result.registered_model, alias)
+        assert str(by_alias.version) == result.registered_version
+    assert version.tags["promotion.decision"] == "promoted"
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["imageops.git_revision"] == head.strip()  # code version on the run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +18,22 @@ from models.atomic import write_json
 from models.directory import ONNX, read_model_info
 from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
 from tasks.imagedir import load_rgb, read_manifest
-from tasks.score import score
+from tasks.score import score, score_in_shards
 from tasks.transform import build_transform
 
 pytest_plugins = ["model_fixtures"]
 
 PROBS = ["Scored Probabilities_0", "Scored Probabilities_1", "Scored Probabilities_2"]
+ERR = "Scoring Error"
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
-    return pd.read_csv(path, dtype={"path": str, "category": str, "Scored Labels": str})
+    return pd.read_csv(
+        path,
+        dtype={"path": str, "category": str, "Scored Labels": str, ERR: str},
+        keep_default_na=False,
+        na_values={p: [""] for p in PROBS},
+    )
 
 
 def _plain_folder(src: Path, dest: Path, count: int = 5) -> list[str]:
@@ -49,7 +56,8 @@ def test_labeled_directory_gives_the_score_image_model_table(
     out = score(exported_model, val, tmp_path / "scores.csv", batch_size=4, threads=1)
 
     table = _read_csv(out)
-    assert list(table.columns) == ["id", "path", "category", *PROBS, "Scored Labels"]
+    assert list(table.columns) == ["id", "path", "category", ERR, *PROBS, "Scored Labels"]
+    assert (table[ERR] == "").all()
     assert len(table) == len(manifest.images)
     assert table["id"].tolist() == list(range(len(manifest.images)))
     truth = {e.path: manifest.classes[e.label] for e in manifest.images}
@@ -80,7 +88,7 @@ def test_parquet_holds_the_same_table_as_csv(
     pd.testing.assert_frame_equal(parquet, csv, check_exact=False, atol=1e-9)
 
 
-def test_plain_folder_is_scored_unlabeled_and_a_corrupt_image_is_skipped(
+def test_plain_folder_is_scored_unlabeled_and_a_corrupt_image_is_a_reported_row(
     exported_model: Path,
     digits_raw: Path,
     tmp_path: Path,
@@ -96,10 +104,15 @@ def test_plain_folder_is_scored_unlabeled_and_a_corrupt_image_is_skipped(
         out = score(exported_model, folder, tmp_path / "plain.parquet", batch_size=2)
 
     table = pd.read_parquet(out)
-    assert list(table.columns) == ["id", "path", *PROBS, "Scored Labels"]  # no category
-    assert sorted(table["path"]) == good
-    assert table["id"].tolist() == list(range(len(good)))
-    np.testing.assert_allclose(table[PROBS].sum(axis=1), 1.0, atol=1e-9)
+    assert list(table.columns) == ["id", "path", ERR, *PROBS, "Scored Labels"]  # no category
+    assert sorted(table["path"]) == sorted([*good, "batch1/broken.png"])
+    assert table["id"].tolist() == list(range(len(good) + 1))
+    broken = table[table["path"] == "batch1/broken.png"].iloc[0]
+    assert "UnidentifiedImageError" in broken[ERR]
+    assert broken[PROBS].isna().all() and broken["Scored Labels"] == ""
+    fine = table[table["path"] != "batch1/broken.png"]
+    assert (fine[ERR] == "").all()
+    np.testing.assert_allclose(fine[PROBS].sum(axis=1), 1.0, atol=1e-9)
     assert any("batch1/broken.png" in r.getMessage() for r in caplog.records)
 
 
@@ -136,3 +149,72 @@ def test_bad_arguments_and_mismatched_model_are_refused_up_front(
     with pytest.raises(InvalidModelDirectoryError, match=r"returns 3 scores.*lists 4 classes"):
         score(model_dir, val, tmp_path / "s.csv")
     assert not (tmp_path / "s.csv").exists()
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_shards_merge_into_the_table_one_pass_writes(
+    exported_model: Path, digits_raw: Path, tmp_path: Path, suffix: str
+) -> None:
+    folder = tmp_path / "photos"
+    _plain_folder(digits_raw, folder, count=11)
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    whole = score(exported_model, folder, tmp_path / f"whole{suffix}", batch_size=4)
+
+    sharded = score_in_shards(
+        exported_model, folder, tmp_path / f"sharded{suffix}", shard_images=5, batch_size=2
+    )  # 12 images: shards of 4 (ceil(12 / 5) = 3 shards)
+
+    read = pd.read_parquet if suffix == ".parquet" else _read_csv
+    pd.testing.assert_frame_equal(read(sharded), read(whole), check_exact=False, atol=1e-9)
+    assert read(sharded)["id"].tolist() == list(range(12))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["photos", f"whole{suffix}", f"sharded{suffix}"]
+    )  # no shard folder left behind
+
+
+@pytest.mark.slow
+def test_in_a_flow_the_shards_are_parallel_prefect_tasks(
+    prefect_api: None, exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    folder = tmp_path / "photos"
+    _plain_folder(digits_raw, folder, count=9)
+    whole = score(exported_model, folder, tmp_path / "whole.csv")
+
+    @flow(name="score-in-shards")
+    def sharded_flow() -> Path:
+        return score_in_shards(exported_model, folder, tmp_path / "sharded.csv", shard_images=3)
+
+    state = sharded_flow(return_state=True)
+    pd.testing.assert_frame_equal(_read_csv(state.result()), _read_csv(whole), atol=1e-9)
+    with get_client(sync_client=True) as client:
+        # Prefect 3.8's read_task_runs sends null limit/sort, which its server rejects (422).
+        response = client.request(
+            "POST",
+            "/task_runs/filter",
+            json={
+                "flow_runs": {"id": {"any_": [str(state.state_details.flow_run_id)]}},
+                "sort": "EXPECTED_START_TIME_ASC",
+                "limit": 50,
+            },
+        )
+    shards = [r for r in response.json() if r["name"].startswith("score")]
+    assert len(shards) == 3
+    assert all(r["state"]["type"] == "COMPLETED" for r in shards)
+    # Submitted together to the flow's thread pool: at least two shards ran at the same time.
+    spans = sorted((r["start_time"], r["end_time"]) for r in shards)
+    assert any(later[0] < earlier[1] for earlier, later in pairwise(spans))
+
+
+def test_all_shards_unreadable_is_a_clear_error_and_writes_nothing(
+    exported_model: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "all-bad"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"{i}.png").write_bytes(b"garbage")
+    with pytest.raises(NoUsableImagesError, match="None of the 4 image"):
+        score_in_shards(exported_model, folder, tmp_path / "out.csv", shard_images=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all-bad"]

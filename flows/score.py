@@ -1,0 +1,178 @@
+"""Batch scoring as a flow, and its deployment that a promotion in the MLflow registry starts.
+
+Composition only: resolve the model (a ModelDirectory path, or a ``models:/`` URI fetched from the
+registry into the local cache), then the score task. The deployment carries a trigger on the
+alias event of :mod:`tasks.promotion_events`, so a version becoming ``@champion`` runs this flow
+with ``model="models:/<name>@champion"``, whether the event came from MLflow's webhook (through
+``flows/webhook.py``) or from the promote step in embedded mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+from prefect import flow, serve
+from prefect.deployments.runner import RunnerDeployment
+from pydantic import BaseModel, Field
+
+from tasks.errors import ImageOpsError
+from tasks.model_uri import fetch_registered_model_task, is_registry_uri
+from tasks.promotion_events import CHAMPION, alias_trigger
+from tasks.score import SHARD_IMAGES, score_in_shards
+from tasks.settings import Settings, get_settings
+
+DEPLOYMENT_NAME = "score"
+SCORES_DIR = "scores"
+
+
+class ScoreResult(BaseModel):
+    """What a scoring run used and wrote."""
+
+    model: str  # as asked: a path or a models:/ URI
+    model_dir: Path  # the ModelDirectory scored with (a cache folder for a URI)
+    version: int | None  # the registry version a URI resolved to
+    scored: Path
+
+
+@flow(name="imageops-score", log_prints=True)
+def score_flow(
+    model: Annotated[
+        str | None,
+        Field(
+            title="Model",
+            description="A ModelDirectory path, models:/<name>@<alias> or models:/<name>/<version>;"
+            " default: models:/<registered model name>@champion.",
+        ),
+    ] = None,
+    images: Annotated[
+        str, Field(title="Images", description="ImageDirectory or image folder to score.")
+    ] = "data/val",
+    dest: Annotated[
+        str | None,
+        Field(
+            title="Scored table",
+            description=".csv or .parquet; default: <home>/scores/<model>-<UTC time>.csv.",
+        ),
+    ] = None,
+    batch_size: Annotated[int, Field(gt=0, title="Batch size")] = 64,
+    shard_images: Annotated[
+        int,
+        Field(
+            gt=0,
+            title="Images per shard",
+            description="A larger input is cut into shards scored by parallel tasks.",
+        ),
+    ] = SHARD_IMAGES,
+    threads: Annotated[
+        int | None, Field(gt=0, title="Threads", description="Default: the cores available.")
+    ] = None,
+) -> ScoreResult:
+    """Score ``images`` with ``model``; relative paths are under the project root."""
+    settings = get_settings()
+    model = model or f"models:/{settings.registered_model_name}@{CHAMPION}"
+    version = None
+    if is_registry_uri(model):
+        cached = fetch_registered_model_task(model)
+        model_dir, version = cached.path, cached.version
+        label = f"{cached.path.parent.name}-v{cached.version}"
+    else:
+        model_dir = settings.project_root / model
+        label = model_dir.name
+    if dest is None:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        out = settings.home_dir / SCORES_DIR / f"{label}-{stamp}.csv"
+    else:
+        out = settings.project_root / dest
+    # One score task, or parallel ones over shards for a large input, merged in order.
+    scored = score_in_shards(
+        model_dir,
+        settings.project_root / images,
+        out,
+        shard_images=shard_images,
+        batch_size=batch_size,
+        threads=threads,
+    )
+    print(f"Scored {images} with {model} ({model_dir}) into {scored}")
+    return ScoreResult(model=model, model_dir=model_dir, version=version, scored=scored)
+
+
+def scoring_deployment(
+    *,
+    alias: str = CHAMPION,
+    images: str | None = None,
+    dest: str | None = None,
+    name: str = DEPLOYMENT_NAME,
+    settings: Settings | None = None,
+) -> RunnerDeployment:
+    """The scoring deployment, triggered when ``alias`` of the registered model is set.
+
+    ``images`` and ``dest`` become the deployment's default parameters (the trigger passes only
+    ``model``). The registered model name is the settings' (IMAGEOPS_REGISTERED_MODEL_NAME).
+    """
+    settings = settings or get_settings()
+    defaults = {k: v for k, v in {"images": images, "dest": dest}.items() if v is not None}
+    return score_flow.to_deployment(
+        name=name,
+        description=f"Scores images with {settings.registered_model_name}@{alias}; runs when a "
+        f"version becomes @{alias} in the MLflow registry.",
+        parameters=defaults,
+        triggers=[alias_trigger(settings.registered_model_name, alias)],
+        tags=["imageops", "scoring"],
+    )
+
+
+def serve_scoring(
+    *,
+    alias: str = CHAMPION,
+    images: str | None = None,
+    dest: str | None = None,
+    limit: int | None = None,
+) -> None:
+    """Serve the scoring deployment from this process until interrupted (needs a Prefect server).
+
+    Export the settings (``Settings.apply``) before Prefect is imported, as the ``imageops`` CLI
+    does; this checks that Prefect sees the same API as the settings say.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    settings = get_settings()
+    api = PREFECT_API_URL.value()
+    if not api or (settings.prefect_api_url and api != settings.prefect_api_url):
+        wanted = (
+            f" (the settings say {settings.prefect_api_url})" if settings.prefect_api_url else ""
+        )
+        raise ImageOpsError(
+            f"Serving needs a Prefect server; Prefect's API here is {api or 'not set'}{wanted}.",
+            "Export PREFECT_API_URL (e.g. http://127.0.0.1:4200/api) before starting, or use the "
+            "imageops CLI, which exports IMAGEOPS_PREFECT_API_URL first. Triggers need a "
+            "`prefect server start`; the ephemeral API has none.",
+        )
+    serve(
+        scoring_deployment(alias=alias, images=images, dest=dest, settings=settings),
+        limit=limit,
+        print_starting_message=False,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flows.score serve``: the triggered scoring deployment, without the CLI."""
+    parser = argparse.ArgumentParser(prog="python -m flows.score")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_cmd = commands.add_parser("serve", help="serve the scoring deployment with its trigger")
+    serve_cmd.add_argument("--alias", default=CHAMPION)
+    serve_cmd.add_argument("--images", default=None, help="default parameter (flow: data/val)")
+    serve_cmd.add_argument("--dest", default=None, help="default parameter (flow: <home>/scores)")
+    serve_cmd.add_argument("--limit", type=int, default=None, help="concurrent runs at most")
+    args = parser.parse_args(argv)
+    get_settings().apply()
+    try:
+        serve_scoring(alias=args.alias, images=args.images, dest=args.dest, limit=args.limit)
+    except ImageOpsError as exc:
+        raise SystemExit(f"error: {exc.message}\nwhat to do: {exc.hint}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Promote a model: the challenger takes the ``champion`` alias only by beating it on held-out data.
+
+Both versions are fetched from the registry and scored through their ONNX models (what batch
+scoring will run, not the PyTorch weights) on the same held-out ImageDirectory, and compared on
+one metric of Evaluate Model. The challenger wins when its score beats the champion's by more than
+``margin``; the first model becomes champion when there is none. The decision and both scores
+are written as tags on the challenger's version (and, once beaten, on the champion's), so the
+registry says why each alias sits where it does.
+
+Moving ``champion`` is what starts the next batch-scoring run: with an MLflow server, its
+registry webhook does it (:mod:`flows.webhook`); in embedded mode (SQLite, no server, so no
+webhook) this step emits the same Prefect event itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from models.atomic import write_json
+from tasks.errors import InvalidParameterError, RegistryError
+from tasks.evaluate import SUMMARY_ROWS, compute_metrics, read_scored
+from tasks.imagedir import MANIFEST, read_manifest
+from tasks.registry import check_alias
+from tasks.score import score
+from tasks.settings import Settings, get_settings
+from tasks.step import step, step_logger
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+TAG_PREFIX = "promotion."
+METRICS = tuple(SUMMARY_ROWS)  # all "higher is better"
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What the comparison found and what was done about it."""
+
+    name: str
+    challenger_version: int
+    champion_version: int | None  # the champion before this decision (None: there was none)
+    metric: str
+    challenger_score: float
+    champion_score: float | None
+    margin: float
+    promoted: bool
+    reason: str
+    holdout: str
+
+
+def _version(client: MlflowClient, name: str, candidate: str | int) -> int:
+    """The version number ``candidate`` names: a number, or an alias of ``name``."""
+    try:
+        if isinstance(candidate, int) or str(candidate).isdigit():
+            return int(client.get_model_version(name, str(candidate)).version)
+        return int(client.get_model_version_by_alias(name, str(candidate)).version)
+    except MlflowException as exc:
+        raise RegistryError(
+            f"Registered model {name!r} has no version {candidate!r}: {exc.message}",
+            f"Register a model first (imageops register, or run the pipeline), with alias "
+            f"{CHALLENGER!r} for the one to promote, or pass its version number.",
+        ) from exc
+
+
+def _champion(client: MlflowClient, name: str) -> int | None:
+    try:
+        return int(client.get_model_version_by_alias(name, CHAMPION).version)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST" or "alias" in exc.message.lower():
+            return None
+        raise
+
+
+def _score_version(
+    name: str, version: int, holdout: Path, work: Path, metric: str, settings: Settings
+) -> float:
+    """``metric`` of registered version ``version`` on ``holdout``, scored through ONNX Runtime."""
+    from tasks.model_uri import resolve_model
+
+    model_dir = resolve_model(f"models:/{name}/{version}", settings)
+    scored = score(model_dir, holdout, work / f"v{version}.csv")
+    return compute_metrics(read_scored(scored))[metric]
+
+
+def _check(holdout: Path, metric: str, margin: float) -> None:
+    if metric not in METRICS:
+        raise InvalidParameterError(
+            f"metric must be one of {', '.join(METRICS)}, got {metric!r}.",
+            "Pick the Evaluate Model metric that decides promotion (default accuracy).",
+        )
+    if not 0.0 <= margin < 1.0:
+        raise InvalidParameterError(
+            f"margin must be in [0, 1), got {margin}.",
+            "The margin is in the metric's own units: 0.01 is one point of accuracy.",
+        )
+    if not (holdout / MANIFEST).is_file():
+        raise InvalidParameterError(
+            f"holdout {holdout} is not an ImageDirectory (no {MANIFEST}).",
+            "Pass a converted, labeled data set the candidates did not train on, e.g. the "
+            "validation or test output of the split step.",
+        )
+    if not read_manifest(holdout).labeled:
+        raise InvalidParameterError(
+            f"holdout {holdout} is unlabeled: there is no truth to compare the models on.",
+            "Pass a labeled ImageDirectory (one sub-folder per class).",
+        )
+
+
+def promote(
+    holdout: Path,
+    *,
+    candidate: str | int = CHALLENGER,
+    metric: str = "accuracy",
+    margin: float = 0.0,
+    settings: Settings | None = None,
+) -> Promotion:
+    """Compare ``candidate`` (an alias or version number) with the champion on ``holdout``.
+
+    The candidate becomes ``champion`` when there is none, or when its ``metric`` exceeds the
+    champion's by more than ``margin``. Returns the decision, also recorded as ``promotion.*``
+    tags on the versions and as ``promotion.json`` in this step's work folder. Raises
+    InvalidParameterError for a bad metric, margin or holdout, and RegistryError when the
+    candidate does not exist.
+    """
+    settings = settings or get_settings()
+    holdout = Path(holdout)
+    _check(holdout, metric, margin)
+    if isinstance(candidate, str) and not candidate.isdigit():
+        check_alias(candidate)
+    log = step_logger(__name__)
+    name = settings.registered_model_name
+    client = MlflowClient(settings.tracking_uri, settings.registry_uri)
+    challenger = _version(client, name, candidate)
+    champion = _champion(client, name)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
+    work = settings.home_dir / "promotions" / f"{stamp}-v{challenger}"
+    work.mkdir(parents=True, exist_ok=True)
+
+    challenger_score = _score_version(name, challenger, holdout, work, metric, settings)
+    champion_score = None
+    if champion is None:
+        promoted, reason = True, "first model: there was no champion"
+    elif champion == challenger:
+        promoted, reason = False, f"version {challenger} is already the champion"
+        champion_score = challenger_score
+    else:
+        champion_score = _score_version(name, champion, holdout, work, metric, settings)
+        gain = challenger_score - champion_score
+        promoted = gain > margin
+        reason = (
+            f"{metric} {challenger_score:.4f} vs champion v{champion} {champion_score:.4f}: "
+            f"{'+' if gain >= 0 else ''}{gain:.4f}, "
+            f"{'more' if promoted else 'not more'} than the margin {margin:g}"
+        )
+    decision = Promotion(
+        name=name,
+        challenger_version=challenger,
+        champion_version=champion,
+        metric=metric,
+        challenger_score=challenger_score,
+        champion_score=champion_score,
+        margin=margin,
+        promoted=promoted,
+        reason=reason,
+        holdout=str(holdout.resolve()),
+    )
+    _record(client, decision, stamp)
+    write_json(work / "promotion.json", asdict(decision))
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, str(challenger))
+        _announce(settings, name, challenger)
+    log.info(
+        "%s v%d %s: %s",
+        name,
+        challenger,
+        "is the new champion" if promoted else "stays challenger",
+        reason,
+    )
+    return decision
+
+
+def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
+    """The decision as tags: on the challenger, and on the champion it was measured against."""
+    tags = {
+        "decision": "promoted" if decision.promoted else "not promoted",
+        "reason": decision.reason,
+        "metric": decision.metric,
+        "margin": repr(decision.margin),
+        "challenger_version": str(decision.challenger_version),
+        "challenger_score": repr(decision.challenger_score),
+        "champion_version": str(decision.champion_version or ""),
+        "champion_score": "" if decision.champion_score is None else repr(decision.champion_score),
+        "holdout": decision.holdout,
+        "time": stamp,
+    }
+    versions = {decision.challenger_version, decision.champion_version} - {None}
+    for version in versions:
+        for key, value in tags.items():
+            client.set_model_version_tag(decision.name, str(version), TAG_PREFIX + key, value)
+
+
+def _announce(settings: Settings, name: str, version: int) -> None:
+    """Emit the alias event where no MLflow server (and so no webhook) will."""
+    if settings.registry_uri.startswith(("http://", "https://")):
+        step_logger(__name__).info("The MLflow server's webhook announces %s@%s", name, CHAMPION)
+        return
+    from tasks.promotion_events import emit_alias_event
+
+    emit_alias_event(name, CHAMPION, version)
+
+
+promote_task = step(promote, name="promote")

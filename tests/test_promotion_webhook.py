@@ -1,0 +1,418 @@
+"""Promotion starts scoring: MLflow's signed webhook -> receiver -> Prefect event -> scoring run.
+
+The fast tests drive the receiver in-process (FastAPI's TestClient) against the session's real
+Prefect API and read the events back from it. The slow test runs the whole chain as a person
+would: a real ``mlflow server``, a real ``prefect server start``, the receiver and the served
+scoring deployment, each in its own process, and sets the alias through MLflow's REST API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pandas as pd
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from mlflow.webhooks.constants import (
+    WEBHOOK_DELIVERY_ID_HEADER,
+    WEBHOOK_SIGNATURE_HEADER,
+    WEBHOOK_TIMESTAMP_HEADER,
+)
+from mlflow.webhooks.delivery import _generate_hmac_signature
+from mlflow.webhooks.types import ModelVersionAliasCreatedPayload
+
+from flows import webhook
+from flows.webhook import PATH, create_app
+from tasks.errors import ImageOpsError
+from tasks.imagedir import read_manifest
+from tasks.promotion_events import (
+    ALIAS_CREATED_EVENT,
+    alias_trigger,
+    emit_alias_event,
+    model_resource_id,
+)
+from tasks.settings import Settings
+
+pytest_plugins = ["model_fixtures"]
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "test-secret-" + "x" * 20
+NAME = "imageops-classifier"
+
+
+def _signed(body: dict[str, Any], secret: str = SECRET, age_s: int = 0) -> tuple[bytes, dict]:
+    """A delivery as MLflow sends it: its JSON, headers and signature (MLflow's own function)."""
+    payload = json.dumps(body)
+    delivery_id, timestamp = str(uuid.uuid4()), str(int(time.time()) - age_s)
+    return payload.encode(), {
+        "Content-Type": "application/json",
+        WEBHOOK_DELIVERY_ID_HEADER: delivery_id,
+        WEBHOOK_TIMESTAMP_HEADER: timestamp,
+        WEBHOOK_SIGNATURE_HEADER: _generate_hmac_signature(secret, delivery_id, timestamp, payload),
+    }
+
+
+def _alias_body(name: str, alias: str = "champion", version: str = "3") -> dict[str, Any]:
+    return {
+        "entity": "model_version_alias",
+        "action": "created",
+        "timestamp": "2026-01-01T00:00:00+00:00",
+        "data": {"name": name, "alias": alias, "version": version},
+    }
+
+
+def _events(resource_id: str, want: int, timeout_s: float = 30.0) -> list[dict]:
+    """The alias events about ``resource_id`` the Prefect API has, waiting for ``want`` of them."""
+    from prefect.client.orchestration import get_client
+
+    query = {
+        "filter": {"event": {"name": [ALIAS_CREATED_EVENT]}, "resource": {"id": [resource_id]}},
+        "limit": 50,
+    }
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            events = client.request("POST", "/events/filter", json=query).json()["events"]
+            if len(events) >= want or time.monotonic() > deadline:
+                return events
+            time.sleep(0.5)
+
+
+def test_unsigned_wrongly_signed_and_stale_deliveries_are_refused() -> None:
+    client = TestClient(create_app(SECRET))
+    body, headers = _signed(_alias_body("refused-model"))
+
+    missing = client.post(PATH, content=body, headers={"Content-Type": "application/json"})
+    assert missing.status_code == 401
+    assert "missing X-MLflow-Signature" in missing.json()["detail"]
+
+    unsigned = {k: v for k, v in headers.items() if k != WEBHOOK_SIGNATURE_HEADER}
+    assert client.post(PATH, content=body, headers=unsigned).status_code == 401
+
+    _, other = _signed(_alias_body("refused-model"), secret="another-secret")
+    wrong = client.post(PATH, content=body, headers={**other})
+    assert wrong.status_code == 403
+    assert "does not match" in wrong.json()["detail"]
+
+    tampered = body.replace(b'"3"', b'"4"')
+    assert client.post(PATH, content=tampered, headers=headers).status_code == 403
+
+    stale_body, stale = _signed(_alias_body("refused-model"), age_s=3600)
+    refused = client.post(PATH, content=stale_body, headers=stale)
+    assert refused.status_code == 403
+    assert "stale" in refused.json()["detail"]
+
+    garbage, garbage_headers = b"not json", dict(headers)
+    garbage_headers[WEBHOOK_SIGNATURE_HEADER] = _generate_hmac_signature(
+        SECRET, headers[WEBHOOK_DELIVERY_ID_HEADER], headers[WEBHOOK_TIMESTAMP_HEADER], "not json"
+    )
+    assert client.post(PATH, content=garbage, headers=garbage_headers).status_code == 400
+
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_the_receiver_needs_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("IMAGEOPS_WEBHOOK_SECRET", raising=False)
+    with pytest.raises(ImageOpsError, match="IMAGEOPS_WEBHOOK_SECRET"):
+        create_app()
+    monkeypatch.setenv("IMAGEOPS_WEBHOOK_SECRET", SECRET)
+    assert create_app().title  # from the settings
+
+
+def test_only_an_mlflow_server_can_have_the_webhook(project: Settings) -> None:
+    with pytest.raises(ImageOpsError, match=r"not an MLflow server.*promote step emit"):
+        webhook.register_webhook("http://127.0.0.1:1/mlflow/webhook", secret=SECRET)
+
+
+def test_a_signed_alias_delivery_becomes_one_prefect_event(prefect_api: None) -> None:
+    client = TestClient(create_app(SECRET))
+    name = f"model-{uuid.uuid4().hex[:8]}"
+    body, headers = _signed(_alias_body(name, version="3"))
+
+    answer = client.post(PATH, content=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "emitted"
+    # MLflow re-delivering the same delivery (its retry) does not make a second event.
+    assert client.post(PATH, content=body, headers=headers).json()["status"] == "duplicate"
+    # MLflow's "test webhook" delivery and other events are acknowledged, never forwarded.
+    test_ping = dict(_alias_body(name), data=dict(ModelVersionAliasCreatedPayload.example()))
+    assert client.post(PATH, content=(p := _signed(test_ping))[0], headers=p[1]).json() == {
+        "status": "test",
+        "delivery_id": p[1][WEBHOOK_DELIVERY_ID_HEADER],
+    }
+    created = dict(_alias_body(name), entity="model_version")
+    answer = client.post(PATH, content=(c := _signed(created))[0], headers=c[1])
+    assert answer.json()["status"] == "ignored"
+
+    (event,) = _events(model_resource_id(name), want=1)
+    assert event["id"] == headers[WEBHOOK_DELIVERY_ID_HEADER]
+    assert event["resource"] == {
+        "prefect.resource.id": f"mlflow.registered_model.{name}",
+        "prefect.resource.name": name,
+        "mlflow.registered_model.name": name,
+        "mlflow.alias": "champion",
+        "mlflow.model_version": "3",
+    }
+    assert event["payload"]["model_uri"] == f"models:/{name}@champion"
+    assert event["payload"]["version_uri"] == f"models:/{name}/3"
+    assert event["payload"]["source"] == "mlflow-webhook"
+
+
+def test_when_prefect_is_down_mlflow_is_told_to_deliver_again() -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    client = TestClient(create_app(SECRET))
+    body, headers = _signed(_alias_body("model-while-down"))
+    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{_free_port()}/api"}):
+        answer = client.post(PATH, content=body, headers=headers)
+    assert answer.status_code == 503  # MLflow retries 5xx
+    assert "Prefect did not take the event" in answer.json()["detail"]
+
+
+def test_embedded_promotion_emits_the_same_event(prefect_api: None) -> None:
+    name = f"model-{uuid.uuid4().hex[:8]}"
+    emitted = emit_alias_event(name, "champion", 5)
+    assert emitted is not None
+    (event,) = _events(model_resource_id(name), want=1)
+    assert event["event"] == ALIAS_CREATED_EVENT
+    assert event["resource"]["mlflow.model_version"] == "5"
+    assert event["payload"]["source"] == "imageops"
+    with pytest.raises(ImageOpsError, match="version number"):
+        emit_alias_event(name, "champion", "latest")
+
+
+def test_without_a_prefect_server_nothing_is_emitted() -> None:
+    """No API and no run: no triggers anywhere to react, so no ephemeral API is started for it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert emit_alias_event("some-model", "champion", 1) is None
+
+
+def test_the_prefect_yaml_trigger_is_the_python_trigger() -> None:
+    from prefect.events import DeploymentTriggerTypes
+    from pydantic import TypeAdapter
+
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    (deployment,) = [d for d in spec["deployments"] if d["name"] == "score"]
+    assert deployment["entrypoint"] == "flows/score.py:score_flow"
+    (trigger,) = deployment["triggers"]
+    # Read as `prefect deploy` reads it.
+    from_yaml = TypeAdapter(DeploymentTriggerTypes).validate_python(trigger)
+    assert from_yaml.model_dump() == alias_trigger(NAME).model_dump()
+
+
+# --- the whole chain, with real servers -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Processes:
+    """Subprocesses in their own process groups, logging to files; all killed at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs, self.started = logs, []
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.started.append((name, proc))
+        return proc
+
+    def report(self) -> str:
+        """The end of every process's log, for a failure message."""
+        parts = []
+        for name, proc in self.started:
+            text = (self.logs / f"{name}.log").read_text(errors="replace")
+            parts.append(f"----- {name} (exit {proc.poll()}) -----\n{text[-4000:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """Last started, first stopped: clients go before the servers they would call."""
+        for _, proc in reversed(self.started):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # nothing here needs a clean exit
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[_Processes]:
+    procs = _Processes(tmp_path / "logs")
+    try:
+        yield procs
+    finally:
+        procs.stop()
+
+
+def _wait(what: str, ready: Callable[[], Any], procs: _Processes, timeout_s: float = 120.0) -> Any:
+    """Poll ``ready`` until it returns something truthy; fail with every log if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if result := ready():
+                return result
+        except httpx.HTTPError:
+            pass
+        dead = [name for name, proc in procs.started if proc.poll() is not None]
+        if dead:
+            pytest.fail(f"{', '.join(dead)} exited while waiting for {what}\n{procs.report()}")
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{procs.report()}")
+
+
+def _healthy(url: str) -> bool:
+    return httpx.get(url, timeout=5).status_code == 200
+
+
+def _base_env() -> dict[str, str]:
+    """This environment without any Prefect, MLflow or imageops setting, telemetry off."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_", "MLFLOW_", "IMAGEOPS_"))
+    }
+    return env | {
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+@pytest.mark.slow
+def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
+    processes: _Processes,
+    tmp_path: Path,
+    exported_model: Path,
+    digits_split: tuple[Path, Path],
+) -> None:
+    from cryptography.fernet import Fernet
+
+    bin_dir = Path(sys.executable).parent
+    prefect_port, mlflow_port, receiver_port = _free_port(), _free_port(), _free_port()
+    prefect_api = f"http://127.0.0.1:{prefect_port}/api"
+    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
+    receiver = f"http://127.0.0.1:{receiver_port}"
+    base = _base_env()
+
+    # The project every imageops process shares: its home, the MLflow server, the Prefect server.
+    project_root = tmp_path / "project"
+    project_root.mkdir()
+    imageops = {
+        "IMAGEOPS_PROJECT_ROOT": str(project_root),
+        "IMAGEOPS_HOME": str(project_root / ".imageops"),
+        "IMAGEOPS_MLFLOW_TRACKING_URI": mlflow_url,
+        "IMAGEOPS_PREFECT_API_URL": prefect_api,
+        "PREFECT_API_URL": prefect_api,
+        "PREFECT_HOME": str(project_root / ".imageops" / "prefect"),
+    }
+    # Everything that needs no other server starts at once, so the start-ups overlap.
+    processes.start(
+        "prefect-server",
+        [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+         "--port", str(prefect_port), "--no-ui", "--no-scheduler", "--no-late-runs"],
+        base | {"PREFECT_HOME": str(tmp_path / "prefect-home")},
+    )  # fmt: skip
+    processes.start(
+        "mlflow-server",
+        [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+         "--artifacts-destination", str(tmp_path / "mlflow-artifacts")],
+        base
+        | {
+            # A receiver on http://127.0.0.1 is refused unless both are allowed (SSRF guard).
+            "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+            "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+            # One fixed key, or each server worker encrypts webhook secrets with its own.
+            "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode(),
+            # No job runner (evaluation jobs, schedulers): not needed, slow to start and stop.
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        },
+    )  # fmt: skip
+    processes.start(
+        "receiver",
+        [sys.executable, "-m", "flows.webhook", "serve", "--port", str(receiver_port)],
+        base | imageops | {"IMAGEOPS_WEBHOOK_SECRET": SECRET},
+    )
+    _wait("the Prefect server", lambda: _healthy(f"{prefect_api}/health"), processes)
+    val = digits_split[1]
+    scores = tmp_path / "scores.csv"
+    processes.start(
+        "score-deployment",
+        [sys.executable, "-m", "flows.score", "serve", "--images", str(val), "--dest", str(scores)],
+        base | imageops | {"PREFECT_RUNNER_POLL_FREQUENCY": "1"},
+    )
+    _wait("the MLflow server", lambda: _healthy(f"{mlflow_url}/health"), processes)
+    _wait("the receiver", lambda: _healthy(f"{receiver}/health"), processes)
+
+    def automation() -> dict | None:
+        found = httpx.post(f"{prefect_api}/automations/filter", json={}, timeout=5).json()
+        return next((a for a in found if a["name"] == f"{NAME}@champion promoted"), None)
+
+    trigger = _wait("the scoring deployment's trigger", automation, processes)
+    deployment_id = trigger["actions"][0]["deployment_id"]
+
+    # The webhook, created through MLflow's client; MLflow's test delivery must get through.
+    webhook.register_webhook(f"{receiver}{PATH}", secret=SECRET, mlflow_url=mlflow_url)
+
+    # A version, registered against the server (artifacts go through its artifact proxy) ...
+    import mlflow
+
+    from tasks.registry import register
+
+    settings = Settings(
+        project_root=project_root, home=project_root / ".imageops", mlflow_tracking_uri=mlflow_url
+    )
+    try:
+        registered = register(exported_model, settings=settings)
+    finally:
+        mlflow.set_tracking_uri(None)  # other tests must not talk to this server
+        mlflow.set_registry_uri(None)
+    # ... and promoted through MLflow's REST API, as any other tool would.
+    answer = httpx.post(
+        f"{mlflow_url}/api/2.0/mlflow/registered-models/alias",
+        json={"name": NAME, "alias": "champion", "version": str(registered.version)},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+
+    def finished_run() -> dict | None:
+        query = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}}
+        runs = httpx.post(f"{prefect_api}/flow_runs/filter", json=query, timeout=5).json()
+        for run in runs:
+            if run["state_type"] in {"FAILED", "CRASHED", "CANCELLED"}:
+                pytest.fail(f"scoring run ended {run['state_type']}\n{processes.report()}")
+        return next((r for r in runs if r["state_type"] == "COMPLETED"), None)
+
+    run = _wait("a completed scoring run", finished_run, processes, timeout_s=240)
+    assert run["parameters"]["model"] == f"models:/{NAME}@champion"
+    table = pd.read_csv(scores)
+    assert len(table) == len(read_manifest(val).images)
+    cached = project_root / ".imageops" / "registry-cache" / NAME / str(registered.version)
+    assert (cached / "model.onnx").is_file()
+    receiver_log = (processes.logs / "receiver.log").read_text()
+    assert "MLflow webhook test delivery" in receiver_log
+    assert f"{NAME}@champion -> version {registered.version}: emitted" in receiver_log
