@@ -22,9 +22,9 @@ from tasks.settings import Settings, get_settings
 
 app = typer.Typer(
     name="imageops",
-    help="Image classification MLOps: convert, version, split, train (DDP), export, register, "
-    "promote, score, evaluate. Locations come from IMAGEOPS_* environment variables (see the "
-    "README).",
+    help="Image classification MLOps: convert, version, split, train (DDP), tune, export, "
+    "register, promote, score, evaluate. Locations come from IMAGEOPS_* environment variables "
+    "(see the README).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -366,6 +366,39 @@ def export(
 
 
 @app.command()
+def quantize(
+    model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory (has model.onnx).")],
+    calibration: Annotated[
+        Path, typer.Argument(help="ImageDirectory whose images set the INT8 ranges (train).")
+    ],
+    validation: Annotated[
+        Path, typer.Argument(help="Labeled ImageDirectory both models are measured on (val).")
+    ],
+    max_top1_drop: Annotated[
+        float,
+        typer.Option(help="Most top-1 (percentage points) INT8 may lose; above it, none is kept."),
+    ] = 0.5,
+    calibration_images: Annotated[
+        int, typer.Option(help="Calibration images, spread evenly over the classes.")
+    ] = 256,
+) -> None:
+    """Static INT8 (QDQ) quantization with ONNX Runtime, kept only if top-1 holds up."""
+    from tasks.quantize import quantize as run
+
+    result = run(
+        model_dir,
+        calibration,
+        validation,
+        max_top1_drop=max_top1_drop,
+        calibration_images=calibration_images,
+    )
+    out.print(
+        f"{result.path}: top-1 {result.int8_top1:.2%} vs fp32 {result.fp32_top1:.2%} "
+        f"(drop {result.top1_drop:.2f} points)"
+    )
+
+
+@app.command()
 def register(
     model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory.")],
     alias: Annotated[str | None, typer.Option(help="Alias to point at the new version.")] = None,
@@ -375,6 +408,69 @@ def register(
 
     registered = run(model_dir, alias=alias)
     out.print(f"registered {registered.name} version {registered.version}")
+
+
+@app.command()
+def tune(
+    spec: Annotated[Path, typer.Argument(help="Tuning spec (YAML, the shape of tuning.yaml).")],
+    train_data: Annotated[Path, typer.Option(help="Labeled training ImageDirectory.")] = Path(
+        "data/train"
+    ),
+    val_data: Annotated[
+        Path,
+        typer.Option(help="Labeled validation ImageDirectory (the metric is measured on it)."),
+    ] = Path("data/val"),
+    study: Annotated[
+        str | None,
+        typer.Option(
+            help="Study name (replaces the file's); the same name continues a stopped study."
+        ),
+    ] = None,
+    max_trials: Annotated[int | None, typer.Option(help="Replace max_trial_count.")] = None,
+    parallel: Annotated[int | None, typer.Option(help="Replace parallel_trial_count.")] = None,
+    transform: Annotated[
+        Path | None,
+        typer.Option(
+            help="TransformationDirectory (imageops transform init). Default: the demo's."
+        ),
+    ] = None,
+    register: Annotated[
+        bool, typer.Option(help="Export and register the best trial's model as @challenger.")
+    ] = True,
+    trial_deployment: Annotated[
+        str | None,
+        typer.Option(
+            help="Run each trial as a flow run of this deployment on its work pool "
+            "(imageops-tune-trial/tune-trial; needs IMAGEOPS_TUNING_STORAGE and a Prefect server)."
+        ),
+    ] = None,
+) -> None:
+    """Tune hyperparameters with Optuna: each trial a training run; best model -> @challenger."""
+    from flows.tune import tune_flow, tune_spec_file
+    from tasks.transform import read_transformation
+
+    study_spec = tune_spec_file(
+        spec, study_name=study, max_trial_count=max_trials, parallel_trial_count=parallel
+    )
+    result = tune_flow(
+        study_spec,
+        str(train_data.resolve()),
+        str(val_data.resolve()),
+        transform=read_transformation(transform) if transform is not None else None,
+        register_best=register,
+        trial_deployment=trial_deployment,
+    )
+    out.rule(f"study {result.study_name}")
+    for trial in result.trials:
+        value = "" if trial.value is None else f"{trial.value:.4f}"
+        state = "INTERRUPTED" if trial.interrupted else trial.state
+        out.print(f"  trial {trial.number:>3} {state:<11} {value:>8}  {trial.values}")
+    if result.best is not None:
+        out.print(f"  best: trial {result.best.number}, {result.metric} = {result.best.value:.4f}")
+        out.print(f"  model: {result.best.model_dir}  MLflow run: {result.best.run_id}")
+    if result.registered_version is not None:
+        out.print(f"  registered version {result.registered_version} as @challenger")
+    out.print(f"  trials table: {result.folder / 'trials.csv'}  study: {result.storage}")
 
 
 @app.command()

@@ -92,6 +92,15 @@ class PipelineConfig(BaseModel):
     )
     model: ModelChoice = Field(default_factory=ModelChoice)
     train: TrainParams = Field(default_factory=lambda: TrainParams(nproc_per_node=2))
+    quantize: bool = Field(
+        default=False,
+        title="Quantize to INT8",
+        description="Also write a static INT8 model (calibrated on the training split), kept only "
+        "if it loses at most max_top1_drop points of validation top-1.",
+    )
+    max_top1_drop: float = Field(
+        default=0.5, ge=0.0, le=100.0, title="Most top-1 INT8 may lose (points)"
+    )
     promotion: PromotionChoice = Field(default_factory=PromotionChoice)
     score_batch_size: int = Field(default=64, gt=0, title="Scoring batch size")
     version_data: bool = Field(

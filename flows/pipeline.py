@@ -19,6 +19,7 @@ from tasks.convert import convert_task
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
 from tasks.promote import CHALLENGER, promote_task
+from tasks.quantize import quantize_task
 from tasks.registry import register_task
 from tasks.score import score_in_shards
 from tasks.settings import get_settings
@@ -68,6 +69,10 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
         data_version=data_version,
     )  # fmt: skip
     export_task(trained.model_dir, sample=data / "val")
+    if config.quantize:
+        quantize_task(
+            trained.model_dir, data / "train", data / "val", max_top1_drop=config.max_top1_drop
+        )
     registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
     promotion = promote_task(
         data / "val", candidate=registered.version,

@@ -44,3 +44,13 @@ def publish_markdown(key: str, markdown: str, description: str) -> bool:
 
     create_markdown_artifact(markdown=markdown, key=key, description=description)
     return True
+
+
+def publish_table(key: str, rows: list[dict[str, object]], description: str) -> bool:
+    """Create a table artifact (sortable in the UI) when inside a Prefect run."""
+    if not in_prefect_run():
+        return False
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(table=rows, key=key, description=description)
+    return True

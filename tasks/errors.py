@@ -17,6 +17,7 @@ __all__ = [
     "InvalidModelDirectoryError",
     "InvalidParameterError",
     "InvalidTransformationDirectoryError",
+    "InvalidTuningSpecError",
     "NoUsableImagesError",
     "NotLabeledDatasetError",
     "QuantizationAccuracyError",
@@ -24,6 +25,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "TrainingDivergedError",
     "TrainingFailedError",
+    "TuningFailedError",
     "UnsafeArchiveError",
     "VersioningError",
 ]
@@ -100,3 +102,17 @@ class RegistryError(ImageOpsError):
 
 class VersioningError(ImageOpsError):
     """DVC could not version a data set."""
+
+
+class InvalidTuningSpecError(InvalidParameterError):
+    """A tuning spec that cannot make a study; refused before any trial runs.
+
+    The message names the parameter and what is wrong with it: a grid over a double, a log
+    scale with min <= 0, a child whose parent is missing or a double, an unknown training
+    parameter, or a study that was started with another search space.
+    """
+
+
+class TuningFailedError(ImageOpsError):
+    """A tuning study stopped: more trials failed than ``max_failed_trial_count`` allows, or no
+    trial completed. The message gives the count and the last trial's error."""

@@ -4,7 +4,7 @@ The embedded defaults put everything under one project working folder (``.imageo
 ephemeral API database, MLflow's SQLite tracking and registry, MLflow artifacts, the DVC remote and
 the training runs. Scaling out changes settings only: point ``IMAGEOPS_MLFLOW_TRACKING_URI`` at an
 ``mlflow server``, ``IMAGEOPS_PREFECT_API_URL`` at a ``prefect server``, ``IMAGEOPS_DVC_REMOTE_URL``
-at an S3 bucket. The code path stays the same.
+at an S3 bucket, ``IMAGEOPS_TUNING_STORAGE`` at a database for Optuna. The code path stays the same.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         description="Secret the MLflow registry webhook signs with (HMAC-SHA256); the webhook "
         "receiver refuses to start without it.",
     )
+    tuning_storage: str | None = Field(
+        default=None,
+        description="Optuna storage of the tuning studies: a database URL every machine reaches "
+        "(postgresql://...); default: one journal file per study under `home`/tuning.",
+    )
     weights_cache: Path | None = Field(
         default=None,
         description="Pretrained weights cache (TORCH_HOME); default: `home`/torch.",
@@ -113,6 +118,8 @@ class Settings(BaseSettings):
         env["TORCH_HOME"] = str(self.torch_home)
         if self.prefect_api_url:
             env["PREFECT_API_URL"] = self.prefect_api_url
+        if self.tuning_storage:  # a training worker of a tuning trial reports to it
+            env["IMAGEOPS_TUNING_STORAGE"] = self.tuning_storage
         # Pass our own settings on, resolved, so a torchrun worker sees exactly what we see.
         env["IMAGEOPS_PROJECT_ROOT"] = str(self.project_root.resolve())
         env["IMAGEOPS_HOME"] = str(self.home_dir)

@@ -11,8 +11,9 @@ import pytest
 
 from tasks.imagedir import read_manifest
 
-COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "export",
-            "register", "promote", "score", "evaluate", "run"]  # fmt: skip
+COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "tune",
+            "export", "quantize", "register", "promote", "score", "evaluate", "serve",
+            "run"]  # fmt: skip
 
 
 def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -32,10 +33,12 @@ def test_help_lists_every_step(tmp_path: Path) -> None:
         assert command in result.stdout
 
 
-@pytest.mark.parametrize(
-    "command",
-    ["train", "run", "score", "split", "transform init", "transform apply", "promote", "evaluate"],
-)
+HELP_CHECKED = ["train", "run", "score", "split", "transform init", "transform apply",
+                "promote", "evaluate", "quantize", "serve scoring", "serve webhook",
+                "register-webhook", "tune"]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", HELP_CHECKED)
 def test_every_option_is_explained(tmp_path: Path, command: str) -> None:
     result = imageops(*command.split(), "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -59,7 +59,7 @@ from tasks.step import step, step_logger
 from tasks.tracking import configure_mlflow
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.failure import clear_failures, read_failures
-from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
+from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
 from tasks.train.precision import resolve_precision
 from tasks.train.worker import CURVES, RESULT, rank_log
 from tasks.transform import input_size, read_transformation, transform_spec
@@ -91,6 +91,10 @@ class TrainResult(BaseModel):
     metrics: dict[str, float]
     best_epoch: int
     run_dir: Path
+    # Every epoch's metrics, in order (what a tuning trial measures its value from).
+    history: list[dict[str, float]] = []
+    # A tuning trial stopped early for being worse than the median (the model is still written).
+    pruned: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ def train(
     rdzv_timeout_s: int = RDZV_TIMEOUT_S,
     max_restarts: int = 1,
     timeout_s: float | None = None,
+    tuning: TrialHook | None = None,
 ) -> TrainResult:
     """Train the untrained ``model`` on ``train_data``, validating on ``val_data``; write ``out``.
 
@@ -151,7 +156,9 @@ def train(
     global rank 0, wherever it lands, alone logs metrics and writes the model.
 
     torchrun restarts crashed workers up to ``max_restarts`` times, resuming from the checkpoint;
-    ``timeout_s`` bounds the whole run.
+    ``timeout_s`` bounds the whole run. ``tuning``: set for a trial of a tuning study
+    (:mod:`tasks.tune`): rank 0 reports the metric to the study after every epoch and the run
+    ends early, with ``pruned`` set, when the study's pruner says so.
 
     Raises the seed's InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError,
     InvalidTransformationDirectoryError, InvalidParameterError before anything starts;
@@ -173,6 +180,8 @@ def train(
         _require_run(client, run_id)
     run_dir = settings.runs_dir / run_id
     config = request.bind(run_id, run_dir)
+    if tuning is not None:
+        config = config.model_copy(update={"tuning": tuning})
     lead = node_rank == 0
     log.info(
         "MLflow run %s, run folder %s (node %d of %d)", run_id, run_dir, node_rank, params.nodes
@@ -240,6 +249,8 @@ def train(
         metrics=result["metrics"],
         best_epoch=result["best_epoch"],
         run_dir=run_dir,
+        history=result.get("history", []),
+        pruned=bool(result.get("pruned", False)),
     )
 
 

@@ -50,6 +50,22 @@ class TrainParams(BaseModel):
         description="Initial SGD learning rate of one process; distributed runs use it x the "
         "number of processes, decayed polynomially to 0. Lower it if the loss becomes NaN.",
     )
+    momentum: float = Field(
+        0.9,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        title="Momentum",
+        description="SGD momentum (Nesterov when above 0): how much of the last step each "
+        "step keeps.",
+    )
+    weight_decay: float = Field(
+        1e-4,
+        ge=0,
+        allow_inf_nan=False,
+        title="Weight decay",
+        description="L2 penalty on the weights, as in torchvision's recipes.",
+    )
     seed: int = Field(
         1,
         title="Random seed",
@@ -108,6 +124,29 @@ class TrainParams(BaseModel):
         return checked(cls, values, "training parameter")
 
 
+class TrialHook(BaseModel):
+    """Where a tuning trial's training reports its metric after every epoch (tasks.tune).
+
+    Rank 0 reports to the Optuna study and asks whether to prune; the answer reaches every rank.
+    Not part of the job's identity: it says where to report, not what to train, so a re-run of an
+    interrupted trial (another trial number) still resumes the same run from its checkpoint.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The study's journal file; None: the database of IMAGEOPS_TUNING_STORAGE, read from the
+    # environment (its URL may hold a password: it stays out of config.json and MLflow).
+    storage: str | None = None
+    study_name: str
+    trial_number: int = Field(ge=0)
+    metric: str = Field(description="The per-epoch metric reported, e.g. val/top1.")
+    early_stopping: bool = Field(
+        False, description="Prune when worse than the median of completed trials."
+    )
+    min_trials: int = Field(1, ge=1, description="Completed trials before anything is pruned.")
+    min_epochs: int = Field(1, ge=1, description="A trial is judged from this epoch on.")
+
+
 class RunConfig(BaseModel):
     """Everything a worker needs, resolved by the launcher; saved as ``config.json``."""
 
@@ -132,10 +171,12 @@ class RunConfig(BaseModel):
     # here, so every rank and every restart trains in the same format.
     precision: Resolved
     world_size: int = Field(ge=1)
+    # Set when the run is a tuning trial; excluded from the job's identity (see TrialHook).
+    tuning: TrialHook | None = None
 
     def digest(self) -> str:
         """Identity of the job: a checkpoint is only resumed by a job with the same digest."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+        return hashlib.sha256(self.model_dump_json(exclude={"tuning"}).encode()).hexdigest()
 
     def job_key(self) -> str:
         """Identity of the training request, whichever MLflow run and run folder it lands in.
@@ -144,7 +185,7 @@ class RunConfig(BaseModel):
         fingerprints), parameters, transform and output give the same key, so a retry of the
         same request can find the unfinished run it started and continue it.
         """
-        request = self.model_dump_json(exclude={"run_dir", "mlflow_run_id"})
+        request = self.model_dump_json(exclude={"run_dir", "mlflow_run_id", "tuning"})
         return hashlib.sha256(request.encode()).hexdigest()
 
     def save(self, path: Path) -> Path:

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -70,10 +70,14 @@ from tasks.train.precision import Amp
 from tasks.train.schedule import build_scheduler
 from tasks.transform import build_transform, input_size
 
+if TYPE_CHECKING:
+    from tasks.tune.pruning import TrialReporter
+
 RESULT = "result.json"
 BEST_WEIGHTS = "best.safetensors"
 CURVES = "training_curves.png"
 # The seed's optimizer: SGD with (Nesterov) momentum; weight decay as in torchvision's recipes.
+# The defaults of TrainParams.momentum / weight_decay (tunable per run).
 MOMENTUM = 0.9
 WEIGHT_DECAY = 1e-4
 
@@ -118,6 +122,7 @@ class Progress:
     best_val_loss: float = math.inf
     bad_epochs: int = 0
     stopped_early: bool = False
+    pruned: bool = False  # a tuning trial stopped for being worse than the median (tasks.tune)
 
 
 class Tracker:
@@ -199,8 +204,16 @@ def prepare_model(
     return build_model(spec, num_classes).to(device, memory_format=amp.memory_format)
 
 
-def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The seed's optimizer: SGD, Nesterov momentum 0.9, weight decay 1e-4.
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    momentum: float = MOMENTUM,
+    weight_decay: float = WEIGHT_DECAY,
+) -> torch.optim.Optimizer:
+    """The seed's optimizer: SGD with Nesterov momentum (0.9) and weight decay (1e-4).
+
+    Nesterov needs a momentum above 0: a momentum of 0 (a tuning trial may ask for it) is plain
+    SGD.
 
     Fused: one kernel updates every parameter, where the default (foreach) makes a pass over all
     weights per term (decay, momentum, Nesterov); on CPU that saves about 5 ms a step for resnet18,
@@ -209,9 +222,9 @@ def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(
         model.parameters(),
         lr=lr,
-        momentum=MOMENTUM,
-        nesterov=True,
-        weight_decay=WEIGHT_DECAY,
+        momentum=momentum,
+        nesterov=momentum > 0,
+        weight_decay=weight_decay,
         fused=True,
     )
 
@@ -304,7 +317,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     amp = Amp.for_run(device.type, config.precision, input_size(config.transform))
     model = prepare_model(config.architecture, num_classes, device, params.seed, amp)
     lr = params.learning_rate * dist.world_size  # the seed's rule: global batch = batch x world
-    optimizer = build_optimizer(model, lr)
+    optimizer = build_optimizer(model, lr, params.momentum, params.weight_decay)
     scaler = amp.grad_scaler()
     scheduler = build_scheduler(
         optimizer,
@@ -333,6 +346,11 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     tracker = Tracker(config.mlflow_run_id) if dist.is_primary else None
     if tracker is not None and checkpoint is not None:
         tracker.log_missing(progress.history)
+    reporter = None
+    if config.tuning is not None and dist.is_primary:
+        from tasks.tune.pruning import TrialReporter  # optuna only where a study listens
+
+        reporter = TrialReporter(config.tuning)
 
     log.info(
         "training %s on %d images, validating on %d (%d classes); %d iterations per epoch and "
@@ -352,7 +370,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         workers,
     )
     for epoch in range(progress.epoch + 1, params.epochs + 1):
-        if progress.stopped_early:
+        if progress.stopped_early or progress.pruned:
             break
         # Augmentation draws from a seed per image (tasks.train.data.SeededSampler); this
         # reseeds anything else random in this process per (seed, rank, epoch), so a resumed
@@ -403,6 +421,8 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         else:
             progress.bad_epochs += 1
         progress.stopped_early = progress.bad_epochs >= params.patience and epoch < params.epochs
+        if config.tuning is not None:
+            progress.pruned = _prune_vote(reporter, metrics, epoch) and epoch < params.epochs
         if dist.is_primary:
             save_checkpoint(
                 config.run_dir / CHECKPOINT,
@@ -443,12 +463,30 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
                 progress.bad_epochs,
                 params.patience,
             )
+        if progress.pruned:
+            log.info(
+                "pruned: %s of this tuning trial is worse than the median of the completed "
+                "trials at epoch %d",
+                config.tuning.metric if config.tuning else "the metric",
+                epoch,
+            )
 
     result = _summary(progress)
     if dist.is_primary:
         _finish(config, model, best_state, progress, result, tracker)
     distributed.barrier()  # nobody leaves (and tears the group down) before rank 0 is done
     return result
+
+
+def _prune_vote(reporter: TrialReporter | None, metrics: dict[str, float], epoch: int) -> bool:
+    """Rank 0 reports the epoch to the study and asks whether to prune; every rank gets the answer.
+
+    Only rank 0 talks to the study (``reporter`` is None elsewhere); the all-reduce of its vote
+    is a collective every rank joins, so all ranks stop together and none waits alone.
+    """
+    vote = reporter.report(metrics, epoch) if reporter is not None else False
+    (votes,) = distributed.all_reduce_sum([1.0 if vote else 0.0])
+    return votes > 0
 
 
 def _summary(progress: Progress) -> dict[str, Any]:
@@ -462,6 +500,7 @@ def _summary(progress: Progress) -> dict[str, Any]:
         "history": progress.history,
         "epochs_trained": progress.epoch,
         "stopped_early": progress.stopped_early,
+        "pruned": progress.pruned,
     }
 
 

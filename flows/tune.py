@@ -1,0 +1,138 @@
+"""The tune flow: hyperparameter tuning the Vertex AI way, each trial a real training run.
+
+Composition: open (or continue) the study, keep up to ``parallel_trial_count`` trials running
+as tasks on the flow's thread pool (or, with ``trial_deployment``, as flow runs of the
+``tune-trial`` deployment on its work pool), settle each as it ends, until the study has
+``max_trial_count`` finished trials or too many failed; then the trials table and plot, and the
+best trial's model exported and registered as ``@challenger``.
+
+Started again with the same study name, the flow continues the study: finished trials are not
+repeated, trials a killed flow left running are run again from their checkpoints, numbering
+goes on (tasks.tune.study).
+"""
+
+# No `from __future__ import annotations` here: a flow served with `serve()` runs from a
+# by-value pickle whose globals hold only what the body uses, so the parameter types must be
+# real classes in the signature, not names to look up.
+from pathlib import Path
+from typing import Annotated
+
+from prefect import flow
+from prefect.futures import PrefectFuture, as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
+
+from flows.config import DEMO_TRANSFORM
+from models.transform_spec import TransformSpec
+from tasks.export import export_task
+from tasks.promote import CHALLENGER
+from tasks.registry import register_task
+from tasks.settings import get_settings
+from tasks.tune.report import StudyResult, report_study
+from tasks.tune.spec import MAX_PARALLEL_TRIALS, TuningSpec
+from tasks.tune.study import AskedTrial, TrialJob, TrialOutcome, open_study
+from tasks.tune.trial import run_trial, trial_task
+
+
+# The pool bounds nothing here (the flow keeps parallel_trial_count running); it only must not
+# be the smaller limit.
+@flow(
+    name="imageops-tune",
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_TRIALS),
+    log_prints=True,
+)
+def tune_flow(
+    spec: Annotated[
+        TuningSpec | None,
+        Field(
+            title="Tuning spec",
+            description="The study: parameters, metric, trials (see "
+            "tuning.yaml). Empty: the example study of the digits demo.",
+        ),
+    ] = None,
+    train_data: Annotated[
+        str, Field(title="Training data", description="Labeled ImageDirectory.")
+    ] = "data/train",
+    val_data: Annotated[
+        str,
+        Field(title="Validation data", description="Labeled ImageDirectory the metric is on."),
+    ] = "data/val",
+    transform: Annotated[
+        TransformSpec | None,
+        Field(title="Image transformation", description="Default: the demo's (32x32 digits)."),
+    ] = None,
+    data_version: dict[str, str] | None = None,
+    register_best: Annotated[
+        bool, Field(title="Register the best model", description="As @challenger.")
+    ] = True,
+    trial_deployment: Annotated[
+        str | None,
+        Field(
+            title="Trial deployment",
+            description="<flow>/<deployment> that runs one trial (imageops-tune-trial/"
+            "tune-trial): trials become flow runs on its work pool. Empty: tasks of this flow.",
+        ),
+    ] = None,
+) -> StudyResult:
+    """Run (or continue) the study ``spec`` and register its best model as @challenger.
+
+    Raises InvalidTuningSpecError before any trial for a spec that cannot make a study, and
+    TuningFailedError when more than ``max_failed_trial_count`` trials failed or none completed
+    (the trials table is published either way).
+    """
+    settings = get_settings()
+    root = settings.project_root
+    study = open_study(
+        spec or TuningSpec(), root / train_data, root / val_data,
+        transform=transform or DEMO_TRANSFORM, settings=settings, data_version=data_version,
+    )  # fmt: skip
+    with study.tracking():
+        try:
+            running: dict[PrefectFuture, int] = {}
+            while True:
+                while study.can_ask(len(running)):
+                    asked = study.ask()
+                    trial = trial_task.with_options(task_run_name=f"trial-{asked.number}")
+                    running[trial.submit(study.job, asked, trial_deployment)] = asked.number
+                if not running:
+                    break
+                done = next(as_completed(list(running)))
+                study.settle(running.pop(done), _error(done))
+        finally:
+            result = report_study(study)
+        study.raise_if_failed()
+    best = result.best
+    if register_best and best is not None and best.model_dir is not None:
+        version = study.registered_version(best)
+        if version is None:
+            export_task(best.model_dir, sample=root / val_data)
+            registered = register_task(best.model_dir, data_version=data_version, alias=CHALLENGER)
+            version = study.record_registration(best, registered.version)
+        result = result.model_copy(update={"registered_version": version})
+    return result
+
+
+@flow(name="imageops-tune-trial", log_prints=True)
+def trial_flow(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
+    """One trial of a study as a flow run of its own: the ``tune-trial`` deployment.
+
+    The tune flow starts it on the work pool with ``trial_deployment``; the study's storage
+    (a database), MLflow and the study folder must be shared with the worker's machine.
+    """
+    return run_trial(job, asked)
+
+
+def _error(future: PrefectFuture) -> str | None:
+    """Why a trial task ended without a result (a crash, not a trial failure it told)."""
+    try:
+        future.result()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def tune_spec_file(path: Path, **overrides: object) -> TuningSpec:
+    """A spec from a tuning.yaml-shaped file, with the fields given (e.g. study_name) replaced."""
+    spec = TuningSpec.from_yaml(path)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return TuningSpec.checked(**{**spec.model_dump(), **given}) if given else spec

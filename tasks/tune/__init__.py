@@ -1,0 +1,13 @@
+"""Tune Model Hyperparameters (the Vertex AI way) on Optuna; each trial a real training run.
+
+- ``spec``: :class:`~tasks.tune.spec.TuningSpec`, the study a person asks for (tuning.yaml, the
+  tune flow's form), and its checks.
+- ``storage``: where studies live (a journal file per study, or a database) and their folders.
+- ``search``: the spec in Optuna's terms: samplers, the pruner, one trial's parameters.
+- ``study``: open or continue a study, recover trials a killed flow left running, ask and count.
+- ``trial``: one trial: train with its parameters (tasks.train), report, tell the study.
+- ``pruning``: what a training worker uses to report each epoch and hear whether to stop.
+- ``report``: the trials table and plot, to Prefect and MLflow.
+
+Nothing is imported here: a training worker imports ``pruning`` alone.
+"""

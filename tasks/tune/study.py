@@ -1,0 +1,507 @@
+"""A study: opened or continued in Optuna storage, asked for trials, counted, closed.
+
+Continuing: a study is found by name in its storage. Only a study with the same search space,
+metric, training setup and data continues (anything else would compare trials that are not
+comparable); the counts, the algorithm and early stopping may change. Finished trials are never
+run again: ``max_trial_count`` counts completed, pruned and failed trials.
+
+Interrupted trials: one tune flow owns a study at a time, so a trial still RUNNING when a flow
+starts was left by a flow that was killed. It is marked FAIL with ``imageops.interrupted`` (it
+counts neither as finished nor as failed) and its parameters are queued again: the new trial
+continues the interrupted one's training run from its last checkpoint (same folder, same
+request: tasks.train.launch.open_run finds the unfinished run). Numbering always continues.
+
+The study's MLflow parent run (named after the study) is created once and reopened by every
+flow that continues the study; each trial's training run is nested under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psutil
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
+from pydantic import BaseModel
+
+from models.transform_spec import TransformSpec
+from tasks.errors import InvalidParameterError, InvalidTuningSpecError, TuningFailedError
+from tasks.imagedir import read_manifest
+from tasks.settings import Settings
+from tasks.step import step_logger
+from tasks.tracking import configure_mlflow
+from tasks.train.params import manifest_fingerprint
+from tasks.tune.search import make_pruner, make_sampler, suggest
+from tasks.tune.spec import TuningSpec, Value, identity_digest
+from tasks.tune.storage import (
+    describe_storage,
+    open_storage,
+    quiet_optuna,
+    storage_ref,
+    study_dir,
+)
+
+# Study attributes.
+IDENTITY = "imageops.identity"
+IDENTITY_DIGEST = "imageops.identity_digest"
+OWNER = "imageops.owner"
+PARENT_RUN = "imageops.mlflow_parent_run_id"
+REGISTERED = "imageops.registered"
+# Trial attributes.
+VALUES = "imageops.values"  # the values trained with (reverse_log undone)
+RESUMES = "imageops.resumes"  # the number of the interrupted trial whose run this one continues
+INTERRUPTED = "imageops.interrupted"
+ERROR = "imageops.error"
+RUN_ID = "imageops.mlflow_run_id"
+MODEL_DIR = "imageops.model_dir"
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+class AskedTrial(BaseModel):
+    """A trial the study handed out: its number and the values to train with."""
+
+    number: int
+    values: dict[str, Value]
+    resumes: int | None = None  # continue the run of this (interrupted) trial
+
+    @property
+    def folder_number(self) -> int:
+        return self.number if self.resumes is None else self.resumes
+
+
+class TrialJob(BaseModel):
+    """Everything a trial needs besides its values; JSON-able, so a remote flow run takes it."""
+
+    study_name: str
+    storage: str | None  # the journal file; None: the settings' database
+    spec: TuningSpec
+    train_data: Path
+    val_data: Path
+    transform: TransformSpec
+    data_version: dict[str, str] = {}
+    parent_run_id: str
+    folder: Path
+
+    def trial_folder(self, asked: AskedTrial) -> Path:
+        return self.folder / f"trial_{asked.folder_number:04d}"
+
+
+class TrialOutcome(BaseModel):
+    """One trial as it stands in the study: a row of the trials table."""
+
+    number: int
+    state: str  # COMPLETE, PRUNED, FAIL, RUNNING, WAITING
+    value: float | None
+    values: dict[str, Value]
+    duration_s: float | None
+    run_id: str | None = None
+    model_dir: Path | None = None
+    error: str | None = None
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class Tally:
+    """How far the study is: finished trials (an interrupted one is not) and failures."""
+
+    complete: int
+    pruned: int
+    failed: int
+    last_error: str | None
+
+    @property
+    def finished(self) -> int:
+        return self.complete + self.pruned + self.failed
+
+
+def outcome_of(trial: FrozenTrial) -> TrialOutcome:
+    duration = trial.duration.total_seconds() if trial.duration is not None else None
+    attrs = trial.user_attrs
+    model_dir = attrs.get(MODEL_DIR)
+    return TrialOutcome(
+        number=trial.number,
+        state=trial.state.name,
+        value=trial.value if trial.value is not None and math.isfinite(trial.value) else None,
+        values=attrs.get(VALUES, {}),
+        duration_s=duration,
+        run_id=attrs.get(RUN_ID),
+        model_dir=Path(model_dir) if model_dir else None,
+        error=attrs.get(ERROR),
+        interrupted=bool(attrs.get(INTERRUPTED, False)),
+    )
+
+
+class Study:
+    """A study opened for one tune flow: ask trials, settle them, count, report."""
+
+    def __init__(
+        self,
+        spec: TuningSpec,
+        study: optuna.Study,
+        storage: BaseStorage,
+        job: TrialJob,
+        settings: Settings,
+    ) -> None:
+        self.spec = spec
+        self.optuna = study
+        self.storage = storage
+        self.job = job
+        self.settings = settings
+        self.name = job.study_name
+        self.study_id = storage.get_study_id_from_name(self.name)
+
+    # --- counting ------------------------------------------------------------------------
+
+    def budget(self) -> int:
+        """Trials to finish in all: max_trial_count, or the grid's size when smaller."""
+        if self.spec.algorithm == "grid":
+            return min(self.spec.max_trial_count, self.spec.grid_size())
+        return self.spec.max_trial_count
+
+    def outcomes(self) -> list[TrialOutcome]:
+        return [outcome_of(t) for t in self.optuna.get_trials(deepcopy=False)]
+
+    def tally(self) -> Tally:
+        trials = self.optuna.get_trials(deepcopy=False, states=FINISHED)
+        failed = [t for t in trials if t.state == TrialState.FAIL and not _interrupted(t)]
+        last = max(failed, key=lambda t: t.number, default=None)
+        return Tally(
+            complete=sum(t.state == TrialState.COMPLETE for t in trials),
+            pruned=sum(t.state == TrialState.PRUNED for t in trials),
+            failed=len(failed),
+            last_error=(
+                f"trial {last.number}: {last.user_attrs.get(ERROR, 'no error recorded')}"
+                if last
+                else None
+            ),
+        )
+
+    def failed_out(self, tally: Tally | None = None) -> bool:
+        return (tally or self.tally()).failed > self.spec.max_failed_trial_count
+
+    def can_ask(self, running: int) -> bool:
+        """Another trial may start: a free slot, budget left, failures within bounds."""
+        tally = self.tally()
+        return (
+            running < self.spec.parallel_trial_count
+            and tally.finished + running < self.budget()
+            and not self.failed_out(tally)
+        )
+
+    # --- trials --------------------------------------------------------------------------
+
+    def ask(self) -> AskedTrial:
+        """A new trial (a queued one first: a grid point, an interrupted trial's parameters)."""
+        trial = self.optuna.ask()
+        internal = suggest(trial, self.spec)
+        values = self.spec.training_values(internal)
+        trial.set_user_attr(VALUES, values)
+        resumes = trial.user_attrs.get(RESUMES)
+        step_logger(__name__).info(
+            "study %s: trial %d with %s%s",
+            self.name,
+            trial.number,
+            values,
+            f" (continues interrupted trial {resumes})" if resumes is not None else "",
+        )
+        return AskedTrial(number=trial.number, values=values, resumes=resumes)
+
+    def settle(self, number: int, error: str | None) -> TrialOutcome:
+        """After a trial's task ended: a trial it left RUNNING (it crashed) is marked FAIL."""
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+        if self.storage.get_trial(trial_id).state == TrialState.RUNNING:
+            self.storage.set_trial_user_attr(
+                trial_id, ERROR, error or "the trial's task ended without telling the study"
+            )
+            self.optuna.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        outcome = outcome_of(self.storage.get_trial(trial_id))
+        detail = ""
+        if outcome.value is not None:
+            detail = f" with {self.spec.metric} = {outcome.value:.4f}"
+        elif outcome.error:
+            detail = f": {outcome.error}"
+        step_logger(__name__).info(
+            "study %s: trial %d %s%s", self.name, number, outcome.state, detail
+        )
+        return outcome
+
+    def best(self) -> TrialOutcome | None:
+        """The best completed trial (pruned and failed ones have no value to compare)."""
+        complete = self.optuna.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if not complete:
+            return None
+        return outcome_of(self.optuna.best_trial)
+
+    def registered_version(self, best: TrialOutcome) -> int | None:
+        """The registry version of ``best`` if a flow of this study registered it already."""
+        record = self.optuna.user_attrs.get(REGISTERED) or {}
+        return int(record["version"]) if record.get("trial") == best.number else None
+
+    def record_registration(self, best: TrialOutcome, version: int) -> int:
+        """Remember the registered best trial: a flow continuing a finished study skips it."""
+        self.optuna.set_user_attr(REGISTERED, {"trial": best.number, "version": version})
+        client = MlflowClient(self.settings.tracking_uri, self.settings.registry_uri)
+        client.set_tag(self.job.parent_run_id, "tune.registered_version", str(version))
+        return version
+
+    def raise_if_failed(self) -> None:
+        """TuningFailedError when too many trials failed or none completed."""
+        tally = self.tally()
+        where = f"Study {self.name!r} ({describe_storage(self.job.storage)})"
+        if self.failed_out(tally):
+            raise TuningFailedError(
+                f"{where}: {tally.failed} trials failed, more than max_failed_trial_count = "
+                f"{self.spec.max_failed_trial_count}. Last error: {tally.last_error}",
+                "Fix the cause (e.g. a learning rate range so high that training diverges), or "
+                "raise max_failed_trial_count; then start the flow again with the same study "
+                "name to continue the study.",
+            )
+        if tally.complete == 0:
+            raise TuningFailedError(
+                f"{where}: no trial completed ({tally.pruned} pruned, {tally.failed} failed); "
+                f"there is no best trial. Last error: {tally.last_error}",
+                "Raise max_trial_count, or turn early stopping off or raise "
+                "early_stopping_min_trials, and continue the study under the same name.",
+            )
+
+    # --- the MLflow parent run -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        """The parent run is RUNNING while the flow works, then FINISHED, FAILED or KILLED."""
+        client = MlflowClient(self.settings.tracking_uri, self.settings.registry_uri)
+        client.update_run(self.job.parent_run_id, status="RUNNING")
+        status = "FAILED"
+        try:
+            yield
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            client.set_terminated(self.job.parent_run_id, status)
+
+
+def open_study(
+    spec: TuningSpec,
+    train_data: Path,
+    val_data: Path,
+    *,
+    transform: TransformSpec,
+    settings: Settings,
+    data_version: dict[str, str] | None = None,
+) -> Study:
+    """Create the study, or continue the one of that name; ready to ask for trials.
+
+    Checks the spec and the data first (InvalidTuningSpecError, InvalidImageDirectoryError);
+    refuses to continue a study started with another search space or data, or one that a live
+    flow on this machine is tuning now (InvalidParameterError). Trials left RUNNING are
+    recovered (see the module), the grid is queued, and the parent MLflow run is created or
+    reopened.
+    """
+    quiet_optuna()
+    spec.check()
+    name = spec.study_name or datetime.now(UTC).strftime("tune-%Y%m%d-%H%M%S")
+    identity = {
+        **spec.identity(),
+        "transform": transform.model_dump(mode="json"),
+        "data": {
+            role: _fingerprint(path) for role, path in (("train", train_data), ("val", val_data))
+        },
+    }
+    ref = storage_ref(settings, name)
+    storage = open_storage(ref, settings)
+    study = optuna.create_study(
+        study_name=name,
+        storage=storage,
+        direction=spec.goal,
+        load_if_exists=True,
+        pruner=make_pruner(
+            spec.early_stopping, spec.early_stopping_min_trials, spec.early_stopping_min_epochs
+        ),
+    )
+    _check_identity(study, name, identity)
+    _take_ownership(study, name)
+    study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
+    log = step_logger(__name__)
+    recovered = _recover_interrupted(study, storage)
+    if recovered:
+        log.info("study %s: trials %s were interrupted; queued again", name, recovered)
+    if spec.algorithm == "grid":
+        _queue_grid(study, spec)
+    job = TrialJob(
+        study_name=name,
+        storage=ref,
+        spec=spec,
+        train_data=Path(train_data).resolve(),
+        val_data=Path(val_data).resolve(),
+        transform=transform,
+        data_version=dict(data_version or {}),
+        parent_run_id=_parent_run(study, spec, settings),
+        folder=study_dir(settings, name),
+    )
+    opened = Study(spec, study, storage, job, settings)
+    tally = opened.tally()
+    log.info(
+        "study %s in %s: %d of %d trials finished (%d complete, %d pruned, %d failed)",
+        name,
+        describe_storage(ref),
+        tally.finished,
+        opened.budget(),
+        tally.complete,
+        tally.pruned,
+        tally.failed,
+    )
+    return opened
+
+
+def _fingerprint(root: Path) -> str:
+    read_manifest(Path(root))  # a clear InvalidImageDirectoryError for a folder that is not one
+    return manifest_fingerprint(Path(root))
+
+
+def _interrupted(trial: FrozenTrial) -> bool:
+    return bool(trial.user_attrs.get(INTERRUPTED, False))
+
+
+def _check_identity(study: optuna.Study, name: str, identity: dict[str, Any]) -> None:
+    digest = identity_digest(identity)
+    stored = study.user_attrs.get(IDENTITY_DIGEST)
+    if stored is None:
+        study.set_user_attr(IDENTITY, json.dumps(identity, sort_keys=True))
+        study.set_user_attr(IDENTITY_DIGEST, digest)
+        return
+    if stored == digest:
+        return
+    before = json.loads(study.user_attrs.get(IDENTITY, "{}"))
+    changed = sorted(k for k in identity.keys() | before.keys() if identity.get(k) != before.get(k))
+    raise InvalidTuningSpecError(
+        f"Study {name!r} was started with another setup (differs in: {', '.join(changed)}); its "
+        "trials would not be comparable with new ones.",
+        "Continue it with the spec and data it was started with (only the counts, the "
+        "algorithm, early stopping and the seed may change), or use another study_name.",
+    )
+
+
+def _me() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": psutil.Process().create_time(),
+    }
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    """Whether the process that owned the study still runs (only knowable on this host)."""
+    if owner.get("host") != socket.gethostname():
+        return False
+    try:
+        return abs(psutil.Process(int(owner["pid"])).create_time() - owner["started"]) < 1.0
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def _take_ownership(study: optuna.Study, name: str) -> None:
+    """One flow tunes a study at a time: its RUNNING trials are then all that flow's."""
+    me, owner = _me(), study.user_attrs.get(OWNER)
+    if owner and owner.get("pid") != me["pid"] and _alive(owner):
+        raise InvalidParameterError(
+            f"Study {name!r} is being tuned right now by process {owner['pid']} on this machine.",
+            "Wait for that flow to end (or stop it), or tune under another study_name.",
+        )
+    if owner and owner.get("host") != me["host"]:
+        step_logger(__name__).warning(
+            "study %s was last tuned on %s; taking it over (its running trials count as "
+            "interrupted)",
+            name,
+            owner.get("host"),
+        )
+    study.set_user_attr(OWNER, me)
+
+
+def _recover_interrupted(study: optuna.Study, storage: BaseStorage) -> list[int]:
+    """Mark trials left RUNNING as interrupted FAILs and queue their parameters again."""
+    study_id = storage.get_study_id_from_name(study.study_name)
+    recovered = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+        storage.set_trial_user_attr(trial_id, INTERRUPTED, True)
+        storage.set_trial_user_attr(trial_id, ERROR, "interrupted: its flow stopped")
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+        if trial.params:
+            resumes = trial.user_attrs.get(RESUMES, trial.number)
+            study.enqueue_trial(dict(trial.params), user_attrs={RESUMES: resumes})
+        recovered.append(trial.number)
+    return recovered
+
+
+def _queue_grid(study: optuna.Study, spec: TuningSpec) -> None:
+    """Queue every grid point no trial has taken (finished, running or queued)."""
+    taken = []
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state == TrialState.WAITING:
+            taken.append(trial.system_attrs.get("fixed_params", {}))
+        elif not _interrupted(trial):
+            taken.append(trial.params)
+    for point in spec.grid():
+        if point not in taken:
+            study.enqueue_trial(point)
+
+
+def _parent_run(study: optuna.Study, spec: TuningSpec, settings: Settings) -> str:
+    """The study's MLflow run: created on the first flow, found again by every later one."""
+    experiment_id = configure_mlflow(settings)
+    client = MlflowClient(settings.tracking_uri, settings.registry_uri)
+    run_id = study.user_attrs.get(PARENT_RUN)
+    if run_id is not None:
+        with contextlib.suppress(MlflowException):
+            client.get_run(run_id)
+            _tag_counts(client, run_id, spec)
+            return run_id
+    run_id = client.create_run(
+        experiment_id,
+        run_name=study.study_name,
+        tags={"imageops.step": "tune", "imageops.study": study.study_name},
+    ).info.run_id
+    # Parameters are immutable in MLflow: only what a continued study keeps (its identity).
+    fixed = {
+        "metric": spec.metric,
+        "goal": spec.goal,
+        "measurement": spec.measurement,
+        "model": spec.model,
+        "pretrained": spec.pretrained,
+        "parameters": json.dumps([p.model_dump(exclude_none=True) for p in spec.parameters]),
+        **{f"train.{k}": v for k, v in spec.train.model_dump().items()},
+    }
+    for key, value in fixed.items():
+        client.log_param(run_id, key, str(value)[:6000])
+    _tag_counts(client, run_id, spec)
+    study.set_user_attr(PARENT_RUN, run_id)
+    return run_id
+
+
+def _tag_counts(client: MlflowClient, run_id: str, spec: TuningSpec) -> None:
+    """What may change between flows of a study, as tags (the latest flow's)."""
+    for key in (
+        "algorithm",
+        "max_trial_count",
+        "parallel_trial_count",
+        "max_failed_trial_count",
+        "early_stopping",
+        "early_stopping_min_trials",
+        "early_stopping_min_epochs",
+        "seed",
+    ):
+        client.set_tag(run_id, f"tune.{key}", str(getattr(spec, key)))

@@ -1,0 +1,176 @@
+"""One trial: a real training run with the trial's values, nested under the study's MLflow run.
+
+The trial writes its UntrainedModelDirectory (the architecture may be tuned), opens its training
+run (:func:`tasks.train.launch.open_run`: an interrupted trial's unfinished run is continued from
+its checkpoint) and trains through torchrun with a :class:`~tasks.train.params.TrialHook`, so rank
+0 reports the metric after every epoch and the run stops early when the study prunes it. The
+trial then tells the study itself (COMPLETE with its value, PRUNED, or FAIL with the error), so it
+can run anywhere: a task of the tune flow, or a flow run on a work pool.
+
+A pruned trial's model is still written (its best epoch so far): it is never the study's best,
+since only completed trials are compared, but it can be looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import optuna
+from mlflow import MlflowClient
+from optuna.trial import TrialState
+
+from tasks.build_model import build_model
+from tasks.settings import get_settings
+from tasks.step import step, step_logger
+from tasks.train.launch import open_run, train
+from tasks.train.params import TrialHook
+from tasks.tune.spec import TuningSpec
+from tasks.tune.storage import open_storage, quiet_optuna
+from tasks.tune.study import (
+    ERROR,
+    MODEL_DIR,
+    RUN_ID,
+    AskedTrial,
+    TrialJob,
+    TrialOutcome,
+    outcome_of,
+)
+
+UNTRAINED = "untrained"
+MODEL = "model"
+VALUE_METRIC = "tuning/value"
+
+
+def measure(history: list[dict[str, float]], spec: TuningSpec) -> float:
+    """The trial's value: its best epoch's metric (by the goal), or its last epoch's."""
+    series = [float(entry[spec.metric]) for entry in history]
+    if spec.measurement == "last":
+        return series[-1]
+    return max(series) if spec.goal == "maximize" else min(series)
+
+
+def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
+    """Train the trial ``asked`` of ``job``'s study and tell the study how it went.
+
+    Any failure of the training (a diverging loss, a refused batch size, a crashed worker)
+    is the trial's: it is told FAIL with the error, and returned, not raised. An interrupt is
+    not a failure: the trial stays RUNNING for the next flow to recover.
+    """
+    quiet_optuna()
+    settings = get_settings()
+    log = step_logger(__name__)
+    storage = open_storage(job.storage, settings)
+    study = optuna.load_study(
+        study_name=job.study_name, storage=storage, sampler=optuna.samplers.RandomSampler()
+    )
+    study_id = storage.get_study_id_from_name(job.study_name)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, asked.number)
+    client = MlflowClient(settings.tracking_uri, settings.registry_uri)
+    spec, folder = job.spec, job.trial_folder(asked)
+    run_id = None
+    started = time.monotonic()
+    try:
+        params = spec.trial_params(asked.values)
+        untrained = folder / UNTRAINED
+        build_model(spec.trial_architecture(asked.values), untrained, pretrained=spec.pretrained)
+        request = {
+            "model": untrained,
+            "train_data": job.train_data,
+            "val_data": job.val_data,
+            "out": folder / MODEL,
+            "params": params,
+            "transform": job.transform,
+            "settings": settings,
+            "data_version": job.data_version,
+        }
+        run_id = open_run(**request, run_name=f"{job.study_name} trial {asked.number}")
+        storage.set_trial_user_attr(trial_id, RUN_ID, run_id)
+        _tag_run(client, run_id, job, asked)
+        hook = TrialHook(
+            storage=job.storage,
+            study_name=job.study_name,
+            trial_number=asked.number,
+            metric=spec.metric,
+            early_stopping=spec.early_stopping,
+            min_trials=spec.early_stopping_min_trials,
+            min_epochs=spec.early_stopping_min_epochs,
+        )
+        result = train(**request, run_id=run_id, tuning=hook)
+    except Exception as exc:  # the trial's failure, counted by the study; never the flow's
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("trial %d failed after %.0f s: %s", asked.number, _since(started), error)
+        storage.set_trial_user_attr(trial_id, ERROR, error[:4000])
+        study.tell(asked.number, state=TrialState.FAIL, skip_if_finished=True)
+        if run_id is not None:
+            client.set_tag(run_id, "imageops.trial_state", TrialState.FAIL.name)
+        return outcome_of(storage.get_trial(trial_id))
+    storage.set_trial_user_attr(trial_id, MODEL_DIR, str(result.model_dir))
+    value = measure(result.history, spec)
+    if result.pruned:
+        study.tell(asked.number, state=TrialState.PRUNED, skip_if_finished=True)
+    else:
+        study.tell(asked.number, value, skip_if_finished=True)
+    outcome = outcome_of(storage.get_trial(trial_id))
+    client.set_tag(run_id, "imageops.trial_state", outcome.state)
+    client.log_metric(run_id, VALUE_METRIC, value)
+    log.info(
+        "trial %d %s after %.0f s: %s = %.4f (%s over %d epochs)",
+        asked.number,
+        outcome.state,
+        _since(started),
+        spec.metric,
+        value,
+        spec.measurement,
+        len(result.history),
+    )
+    return outcome
+
+
+def _since(started: float) -> float:
+    return time.monotonic() - started
+
+
+def _tag_run(client: MlflowClient, run_id: str, job: TrialJob, asked: AskedTrial) -> None:
+    """Nest the training run under the study's run, and say which trial it is."""
+    tags = {
+        "mlflow.parentRunId": job.parent_run_id,  # what the MLflow UI nests runs by
+        "imageops.study": job.study_name,
+        "imageops.trial": str(asked.number),
+        "imageops.tuned": json.dumps(asked.values, sort_keys=True),
+    }
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def run_trial_anywhere(
+    job: TrialJob, asked: AskedTrial, deployment: str | None = None
+) -> TrialOutcome:
+    """The trial here, or, with ``deployment`` (``<flow>/<deployment>``), as a flow run of it.
+
+    A deployed trial runs on the deployment's work pool (a worker on another machine, sharing
+    the study's database, the MLflow server and the storage of ``job.folder``); this waits for
+    it and reads the outcome from the study. A flow run that ended without telling the study
+    is failed by the tune flow (:meth:`tasks.tune.study.Study.settle`).
+    """
+    if deployment is None:
+        return run_trial(job, asked)
+    from prefect.deployments import run_deployment
+
+    flow_run = run_deployment(
+        deployment,
+        parameters={"job": job.model_dump(mode="json"), "asked": asked.model_dump(mode="json")},
+        timeout=None,  # wait for it, however long the training takes
+        flow_run_name=f"{job.study_name}-trial-{asked.number}",
+    )
+    storage = open_storage(job.storage)
+    study_id = storage.get_study_id_from_name(job.study_name)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, asked.number)
+    state = flow_run.state
+    if state is not None and not state.is_completed():
+        raise RuntimeError(f"flow run {flow_run.name} ended {state.name}: {state.message}")
+    return outcome_of(storage.get_trial(trial_id))
+
+
+# No retries: a trial's failure is counted by the study, and a crash is settled by the flow.
+trial_task = step(run_trial_anywhere, name="tune-trial", retries=0)
