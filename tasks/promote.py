@@ -67,12 +67,9 @@ def _version(client: MlflowClient, name: str, candidate: str | int) -> int:
 
 
 def _champion(client: MlflowClient, name: str) -> int | None:
-    try:
-        return int(client.get_model_version_by_alias(name, CHAMPION).version)
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST" or "alias" in exc.message.lower():
-            return None
-        raise
+    """The champion's version, or None: read from the model's aliases, not guessed from an error."""
+    version = client.get_registered_model(name).aliases.get(CHAMPION)
+    return None if version is None else int(version)
 
 
 def _score_version(
