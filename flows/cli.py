@@ -36,9 +36,9 @@ transform_app = typer.Typer(
     no_args_is_help=True,
 )
 serve_app = typer.Typer(
-    help="Long-running services for a Prefect server: the scoring deployment, the MLflow webhook "
-    "receiver.",
-    no_args_is_help=True,
+    help="Serve: with no subcommand, the whole local stack (Prefect server and worker, MLflow "
+    "server, promotion receiver, every deployment) until Ctrl-C; `scoring` and `webhook` serve "
+    "one part for a Prefect server you run yourself.",
 )
 app.add_typer(serve_app, name="serve")
 app.add_typer(sample_app, name="sample")
@@ -565,6 +565,59 @@ def promote(
     decision = run(holdout, candidate=candidate, metric=metric, margin=margin)
     verdict = "is now @champion" if decision.promoted else "stays where it is"
     out.print(f"{decision.name} v{decision.challenger_version} {verdict}: {decision.reason}")
+
+
+@serve_app.callback(invoke_without_command=True)
+def serve_stack(
+    ctx: typer.Context,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Interface the servers listen on. 127.0.0.1: this machine only; 0.0.0.0: "
+            "every interface (put it behind a firewall or proxy: the servers have no login)."
+        ),
+    ] = "127.0.0.1",
+    prefect_port: Annotated[int, typer.Option(help="Prefect server and UI port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow server and UI port.")] = 5000,
+    receiver_port: Annotated[
+        int, typer.Option(help="Port of the promotion receiver (MLflow's webhook target).")
+    ] = 8765,
+    ui: Annotated[bool, typer.Option(help="Serve the Prefect UI.")] = True,
+    worker: Annotated[
+        bool, typer.Option(help="Start a worker on the `local` process pool.")
+    ] = True,
+) -> None:
+    """Bring the whole stack up on this machine; Ctrl-C stops all of it."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from flows.stack import Ports, Stack
+
+    stack = Stack(
+        get_settings(),
+        host=host,
+        ports=Ports(prefect=prefect_port, mlflow=mlflow_port, receiver=receiver_port),
+        ui=ui,
+        worker=worker,
+        say=lambda message: err.print(f"[dim]{message}[/]"),
+    )
+    err.print("starting the Prefect server, the MLflow server and the promotion receiver ...")
+    stack.start()
+    try:
+        out.print(f"[bold]Prefect UI[/]  {stack.prefect_url}")
+        out.print(f"[bold]MLflow UI[/]   {stack.mlflow_url}")
+        out.print(f"[bold]Receiver[/]    {stack.receiver_url}")
+        out.print(f"[bold]Worker[/]      {'pool `local`' if worker else 'none'}")
+        out.print(f"[bold]Logs[/]        {stack.dir / 'logs'}")
+        out.print("Use this stack from another shell:")
+        out.print(f"  export IMAGEOPS_PREFECT_API_URL={stack.prefect_api}")
+        out.print(f"  export IMAGEOPS_MLFLOW_TRACKING_URI={stack.mlflow_url}")
+        out.print("[bold]ready[/]; Ctrl-C stops everything")
+        stack.serve_forever()
+    except KeyboardInterrupt:
+        err.print("stopping ...")
+    finally:
+        stack.stop()
+    err.print("stopped")
 
 
 @serve_app.command("scoring")

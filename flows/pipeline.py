@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Annotated
 
 from prefect import flow
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from flows.config import PipelineConfig
 from flows.train import train_flow
+from tasks.artifacts import markdown_table, publish_markdown
 from tasks.build_model import build_model_task
 from tasks.convert import convert_task
 from tasks.evaluate import evaluate_task
@@ -22,8 +24,10 @@ from tasks.promote import CHALLENGER, promote_task
 from tasks.quantize import quantize_task
 from tasks.registry import register_task
 from tasks.score import score_in_shards
-from tasks.settings import get_settings
+from tasks.settings import Settings, get_settings
 from tasks.split import split_task
+from tasks.step import name_flow_run
+from tasks.tracking import model_version_url, run_url
 from tasks.versioning import version_task
 
 
@@ -41,10 +45,22 @@ class PipelineResult(BaseModel):
     metrics: dict[str, float]
 
 
+# The form's defaults in the Prefect UI; the flow never changes the object it is given.
+DEFAULT_CONFIG = PipelineConfig()
+
+
 @flow(name="imageops-pipeline", log_prints=True)
-def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
+def pipeline(
+    config: Annotated[
+        PipelineConfig,
+        Field(
+            title="Pipeline parameters",
+            description="Every option of `imageops run` (params.yaml has the same shape).",
+        ),
+    ] = DEFAULT_CONFIG,
+) -> PipelineResult:
     """Raw images in, a registered, exported, evaluated model out; champion if it beats the last."""
-    config = config or PipelineConfig()
+    name_flow_run(f"pipeline-{config.model.name}")
     settings = get_settings()
     data = settings.data_path
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -60,6 +76,7 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
     if config.version_data:
         for name in ("images", "train", "val"):
             data_version[name] = version_task(data / name)
+        name_flow_run(f"pipeline-{config.model.name}-data-{data_version['images'][:8]}")
 
     build_model_task(config.model.name, outputs / "untrained", pretrained=config.model.pretrained)
     # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
@@ -85,7 +102,7 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
     )  # fmt: skip
     evaluation = evaluate_task(scored, run_id=trained.run_id)
 
-    return PipelineResult(
+    result = PipelineResult(
         outputs=outputs,
         model_dir=trained.model_dir,
         scored=scored,
@@ -95,4 +112,38 @@ def pipeline(config: PipelineConfig | None = None) -> PipelineResult:
         champion=promotion.promoted,
         data_version=data_version,
         metrics=dict(evaluation.metrics),
+    )
+    publish_markdown(
+        "pipeline-summary",
+        summary_markdown(result, settings),
+        f"{result.registered_model} v{result.registered_version}: metrics and links",
+    )
+    return result
+
+
+def summary_markdown(result: PipelineResult, settings: Settings) -> str:
+    """The run at a glance: what it trained on, how well, where the model and its logs are."""
+    run_page = run_url(settings, result.mlflow_run_id)
+    logs_page = run_url(settings, result.mlflow_run_id, "artifacts")
+    version_page = model_version_url(settings, result.registered_model, result.registered_version)
+    model = f"{result.registered_model} v{result.registered_version}"
+    ui = f"`mlflow ui --backend-store-uri {settings.tracking_uri}`"
+
+    def link(text: str, url: str | None) -> str:
+        return f"[{text}]({url})" if url else f"{text} (in {ui})"
+
+    rows = [{"metric": k, "value": v} for k, v in sorted(result.metrics.items())]
+    data = [{"data set": k, "DVC md5": v} for k, v in result.data_version.items()]
+    return "\n\n".join(
+        part
+        for part in (
+            f"### {model}{' is now @champion' if result.champion else ' (@challenger)'}",
+            f"- MLflow run: {link(result.mlflow_run_id, run_page)}",
+            f"- Registered version: {link(model, version_page)}",
+            f"- Per-rank training logs: {link('logs/ in the run artifacts', logs_page)}",
+            f"- Scored table: `{result.scored}`",
+            markdown_table(rows),
+            markdown_table(data),
+        )
+        if part
     )

@@ -7,24 +7,54 @@ Prefect UI, or on a schedule. Moving ``champion`` starts batch scoring through t
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from prefect import flow
+from pydantic import Field
 
 from tasks.promote import CHALLENGER, Promotion, promote_task
 from tasks.settings import get_settings
+from tasks.step import name_flow_run
 
 
 @flow(name="imageops-promote", log_prints=True)
 def promote_flow(
-    holdout: str | None = None,
-    candidate: str = CHALLENGER,
-    metric: str = "accuracy",
-    margin: float = 0.0,
+    holdout: Annotated[
+        str | None,
+        Field(
+            title="Holdout images",
+            description="Labeled ImageDirectory neither model trained on, relative to the "
+            "project root. Empty: the pipeline's validation set (data/val).",
+        ),
+    ] = None,
+    candidate: Annotated[
+        str,
+        Field(
+            title="Candidate",
+            description="Alias (e.g. challenger) or version number of the model to promote.",
+            min_length=1,
+        ),
+    ] = CHALLENGER,
+    metric: Annotated[
+        str,
+        Field(
+            title="Metric",
+            description="Evaluate Model metric compared (higher is better): accuracy, "
+            "top5_accuracy, precision/recall/f1 _macro or _weighted.",
+        ),
+    ] = "accuracy",
+    margin: Annotated[
+        float,
+        Field(
+            title="Margin",
+            description="How much more than the champion's the candidate's metric must be.",
+            ge=0.0,
+            lt=1.0,
+        ),
+    ] = 0.0,
 ) -> Promotion:
-    """Promote ``candidate`` (alias or version) to champion if it beats it by ``margin``.
-
-    ``holdout``: a labeled ImageDirectory neither model trained on (default: the pipeline's
-    validation set, data/val).
-    """
+    """Promote ``candidate`` (alias or version) to champion if it beats it by ``margin``."""
+    name_flow_run(f"promote-{candidate}")
     settings = get_settings()
     data = settings.project_root / holdout if holdout else settings.data_path / "val"
     return promote_task(data, candidate=candidate, metric=metric, margin=margin)

@@ -23,6 +23,7 @@ from tasks.model_uri import fetch_registered_model_task, is_registry_uri
 from tasks.promotion_events import CHAMPION, alias_trigger
 from tasks.score import SHARD_IMAGES, score_in_shards
 from tasks.settings import Settings, get_settings
+from tasks.step import name_flow_run
 
 DEPLOYMENT_NAME = "score"
 SCORES_DIR = "scores"
@@ -81,6 +82,7 @@ def score_flow(
     else:
         model_dir = settings.project_root / model
         label = model_dir.name
+    name_flow_run(f"score-{label}-{Path(images).name}")
     if dest is None:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         out = settings.home_dir / SCORES_DIR / f"{label}-{stamp}.csv"

@@ -10,12 +10,22 @@ scale-out section), or, when deployed, as a flow run on a work pool.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Annotated
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import BaseModel, Field
 
+from flows.config import DEMO_TRANSFORM, ModelChoice
 from models.transform_spec import TransformSpec
+from tasks.build_model import build_model_task
+from tasks.export import export_task
+from tasks.promote import CHALLENGER
+from tasks.registry import register_task
+from tasks.settings import get_settings
+from tasks.step import name_flow_run
 from tasks.train.launch import (
     RDZV_TIMEOUT_S,
     TrainResult,
@@ -24,6 +34,7 @@ from tasks.train.launch import (
     train_task,
 )
 from tasks.train.params import TrainParams
+from tasks.versioning import version_task
 
 # Node agents wait for each other at the rendezvous, so each needs a thread of its own: a pool
 # smaller than the job would leave the last agents queued until the others time out.
@@ -73,3 +84,86 @@ def train_flow(
         ))  # fmt: skip
     results = [agent.result() for agent in agents]
     return results[0]
+
+
+class TrainedModel(BaseModel):
+    """What a run of the train deployment produced."""
+
+    model_dir: Path
+    mlflow_run_id: str
+    metrics: dict[str, float]
+    data_version: dict[str, str]
+    registered_version: str | None  # None when not registered
+
+
+# The train deployment's form defaults: the pipeline's (two processes on the digits demo).
+DEFAULT_MODEL = ModelChoice()
+DEFAULT_TRAIN_PARAMS = TrainParams(nproc_per_node=2)
+
+
+@flow(name="imageops-train-model", log_prints=True)
+def train_model_flow(
+    model: Annotated[ModelChoice, Field(title="Model")] = DEFAULT_MODEL,
+    train_data: Annotated[
+        str,
+        Field(
+            title="Training data",
+            description="Labeled ImageDirectory, relative to the project root.",
+            min_length=1,
+        ),
+    ] = "data/train",
+    val_data: Annotated[
+        str,
+        Field(
+            title="Validation data",
+            description="Labeled ImageDirectory scored after every epoch (the best epoch wins).",
+            min_length=1,
+        ),
+    ] = "data/val",
+    params: Annotated[TrainParams, Field(title="Training parameters")] = DEFAULT_TRAIN_PARAMS,
+    transform: Annotated[
+        TransformSpec,
+        Field(
+            title="Image transformation",
+            description="Init Image Transformation; the default fits the 32x32 digits demo.",
+        ),
+    ] = DEMO_TRANSFORM,
+    version_data: Annotated[
+        bool,
+        Field(
+            title="Version data with DVC",
+            description="dvc add + push both data sets first; their md5s tag the run and model.",
+        ),
+    ] = True,
+    register_model: Annotated[
+        bool,
+        Field(title="Register", description="Export to ONNX and register as @challenger."),
+    ] = True,
+) -> TrainedModel:
+    """Train one model from the UI or a schedule: build, train (DDP), export, register."""
+    settings = get_settings()
+    root = settings.project_root
+    name_flow_run(f"train-{model.name}")
+    data_version: dict[str, str] = {}
+    if version_data:
+        data_version = {name: version_task(root / path) for name, path in
+                        (("train", train_data), ("val", val_data))}  # fmt: skip
+        name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
+    out = settings.home_dir / "outputs" / datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
+    build_model_task(model.name, out / "untrained", pretrained=model.pretrained)
+    trained = train_flow(
+        out / "untrained", root / train_data, root / val_data, out / "model", params,
+        transform=transform, data_version=data_version,
+    )  # fmt: skip
+    version = None
+    if register_model:
+        export_task(trained.model_dir, sample=root / val_data)
+        registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
+        version = str(registered.version)
+    return TrainedModel(
+        model_dir=trained.model_dir,
+        mlflow_run_id=trained.run_id,
+        metrics=trained.metrics,
+        data_version=data_version,
+        registered_version=version,
+    )

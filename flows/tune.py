@@ -28,6 +28,7 @@ from tasks.export import export_task
 from tasks.promote import CHALLENGER
 from tasks.registry import register_task
 from tasks.settings import get_settings
+from tasks.step import name_flow_run
 from tasks.tune.report import StudyResult, report_study
 from tasks.tune.spec import MAX_PARALLEL_TRIALS, TuningSpec
 from tasks.tune.study import AskedTrial, TrialJob, TrialOutcome, open_study
@@ -86,6 +87,7 @@ def tune_flow(
         spec or TuningSpec(), root / train_data, root / val_data,
         transform=transform or DEMO_TRANSFORM, settings=settings, data_version=data_version,
     )  # fmt: skip
+    name_flow_run(f"tune-{study.job.study_name}")
     with study.tracking():
         try:
             running: dict[PrefectFuture, int] = {}

@@ -68,3 +68,19 @@ def in_prefect_run() -> bool:
 def step_logger(name: str) -> logging.Logger | logging.LoggerAdapter:
     """Prefect's run logger inside a run (messages reach the UI), else the module's own logger."""
     return get_run_logger() if in_prefect_run() else logging.getLogger(name)
+
+
+def name_flow_run(name: str) -> None:
+    """Give the flow run we are in a name a person can find it by (model, data version, trial).
+
+    Prefect names a run at random before its parameters are validated; the flow renames it once
+    it knows what it runs on. Outside a flow run this does nothing.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(context.flow_run.id, name=name)

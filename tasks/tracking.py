@@ -74,3 +74,26 @@ def mlflow_run(
         yield run.info.run_id
     if status is not None and status != "FINISHED":
         client.update_run(run_id, status=status)
+
+
+def ui_url(settings: Settings, path: str) -> str | None:
+    """A link into the MLflow UI (``path`` after ``#/``) when tracking goes to an MLflow server.
+
+    A local SQLite store has no UI until someone runs ``mlflow ui``, so there is no link to give.
+    """
+    uri = settings.tracking_uri
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return f"{uri.rstrip('/')}/#/{path.lstrip('/')}"
+
+
+def run_url(settings: Settings, run_id: str, tab: str = "") -> str | None:
+    """The MLflow UI page of a run (``tab``: e.g. ``artifacts``)."""
+    run = MlflowClient(tracking_uri=settings.tracking_uri).get_run(run_id)
+    page = f"experiments/{run.info.experiment_id}/runs/{run_id}"
+    return ui_url(settings, f"{page}/{tab}" if tab else page)
+
+
+def model_version_url(settings: Settings, name: str, version: str | int) -> str | None:
+    """The MLflow UI page of a registered model version."""
+    return ui_url(settings, f"models/{name}/versions/{version}")

@@ -15,9 +15,9 @@ SPEC = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
 
 @pytest.mark.parametrize("deployment", SPEC["deployments"], ids=lambda d: d["name"])
 def test_every_entrypoint_is_a_flow_that_takes_the_parameters(deployment: dict) -> None:
-    path, name = deployment["entrypoint"].split(":")
-    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-    flow = getattr(module, name)
+    # Module paths: a worker imports the installed package, wherever its working folder is.
+    module, _, name = deployment["entrypoint"].rpartition(".")
+    flow = getattr(importlib.import_module(module), name)
     assert isinstance(flow, Flow)
     accepted = set(flow.parameters.properties)
     given = set(deployment.get("parameters") or {})
@@ -28,4 +28,4 @@ def test_every_entrypoint_is_a_flow_that_takes_the_parameters(deployment: dict) 
 
 def test_the_promote_and_score_deployments_are_there() -> None:
     names = {d["name"] for d in SPEC["deployments"]}
-    assert {"pipeline", "promote", "score"} <= names
+    assert {"pipeline", "train", "tune", "tune-trial", "promote", "score"} <= names

@@ -90,14 +90,27 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
         response = prefect.request(
             "POST",
             "/artifacts/filter",
-            json={"artifacts": {"key": {"any_": ["training-report", "evaluation-summary"]}}},
+            json={
+                "artifacts": {
+                    "key": {"any_": ["training-report", "evaluation-summary", "pipeline-summary"]}
+                }
+            },
         )
-    # The session's Prefect API holds other tests' artifacts under the same keys: this run's only.
-    reports = {
-        a["key"]: a["data"]
-        for a in response.json()
-        if datetime.fromisoformat(a["created"]) >= started
-    }
+        # The session's Prefect API holds other tests' artifacts under the same keys: ours only.
+        mine = [a for a in response.json() if datetime.fromisoformat(a["created"]) >= started]
+        reports = {a["key"]: a["data"] for a in mine}
+        summary = next(a for a in mine if a["key"] == "pipeline-summary")
+        flow_run = prefect.request("GET", f"/flow_runs/{summary['flow_run_id']}").json()
     assert "![training curves](data:image/png;base64," in reports["training-report"]
     assert "| epoch |" in reports["training-report"]
+    assert "rank_0.log" in reports["training-report"] and "rank_1.log" in reports["training-report"]
     assert "![confusion matrix](data:image/png;base64," in reports["evaluation-summary"]
+    # one markdown artifact per pipeline run: key metrics, the MLflow run, the registered version
+    assert (
+        f"{result.registered_model} v{result.registered_version} is now @champion"
+        in (reports["pipeline-summary"])
+    )
+    assert result.mlflow_run_id in reports["pipeline-summary"]
+    assert f"| accuracy | {result.metrics['accuracy']:.4f} |" in reports["pipeline-summary"]
+    # the run is named after what it ran on: model and data version
+    assert flow_run["name"] == f"pipeline-resnet18-data-{result.data_version['images'][:8]}"

@@ -207,7 +207,7 @@ def test_the_prefect_yaml_trigger_is_the_python_trigger() -> None:
 
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
     (deployment,) = [d for d in spec["deployments"] if d["name"] == "score"]
-    assert deployment["entrypoint"] == "flows/score.py:score_flow"
+    assert deployment["entrypoint"] == "flows.score.score_flow"
     (trigger,) = deployment["triggers"]
     # Read as `prefect deploy` reads it.
     from_yaml = TypeAdapter(DeploymentTriggerTypes).validate_python(trigger)

@@ -56,7 +56,7 @@ from tasks.errors import (
 from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
 from tasks.settings import Settings, get_settings
 from tasks.step import step, step_logger
-from tasks.tracking import configure_mlflow
+from tasks.tracking import configure_mlflow, run_url
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.failure import clear_failures, read_failures
 from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
@@ -242,7 +242,7 @@ def train(
                 client.set_terminated(run_id, status)
     log.info("training finished: %s", result["metrics"])
     if lead:
-        _publish_report(run_id, run_dir, result)
+        _publish_report(run_id, run_dir, result, settings)
     return TrainResult(
         model_dir=Path(out).resolve(),
         run_id=run_id,
@@ -877,15 +877,28 @@ def _failure(run_dir: Path, returncode: int, torchrun_log: Path, output: str = "
     )
 
 
-def _publish_report(run_id: str, run_dir: Path, result: dict[str, Any]) -> None:
-    """The training curves and per-epoch metrics as a Prefect artifact (inside a Prefect run)."""
+def _publish_report(run_id: str, run_dir: Path, result: dict[str, Any], settings: Settings) -> None:
+    """The training curves, per-epoch metrics and where each rank's log is, as an artifact."""
     rows = [{"epoch": int(h.pop("epoch")), **h} for h in map(dict, result.get("history", []))]
+    logs_page = run_url(settings, run_id, "artifacts")
+    logs = "\n".join(
+        f"- `{path.name}`: `{path}`"
+        for path in [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
+    )
+    if logs:
+        copies = (
+            f"[{LOG_ARTIFACTS}/ in the MLflow run]({logs_page})"
+            if logs_page
+            else (f"`{LOG_ARTIFACTS}/` in the MLflow run's artifacts")
+        )
+        logs = f"Per-rank logs (rank_0 is the master; copies in {copies}):\n\n{logs}"
     markdown = "\n\n".join(
         part
         for part in (
             f"### Training run `{run_id}` (best epoch {result['best_epoch']})",
             png_markdown(run_dir / CURVES, "training curves"),
             markdown_table(rows),
+            logs,
         )
         if part
     )

@@ -1,0 +1,152 @@
+"""Register the deployments of ``deployments/prefect.yaml`` with a Prefect server, from Python.
+
+``prefect.yaml`` stays the one description of the deployments (people read it, and
+``prefect deploy --prefect-file deployments/prefect.yaml --name <one>`` also takes it). This
+module reads the same file and registers every entry with Prefect's own ``RunnerDeployment``,
+because ``prefect deploy --all`` of Prefect 3.8.8 stops after the first deployment: its hint
+about idle workers sends ``limit: null``, which the 3.8.8 server refuses (422).
+
+Each deployment keeps the file's pull step (``set_working_directory`` on the worker's
+``IMAGEOPS_PROJECT_ROOT``), so a worker runs the code where it is, never a copy.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import yaml
+
+from tasks.errors import ImageOpsError
+
+DEPLOYMENTS_FILE = Path(__file__).resolve().parents[1] / "deployments" / "prefect.yaml"
+TRAINING_QUEUE = "training"  # one training at a time per pool: this queue's limit is 1
+
+# Keys of a prefect.yaml deployment this registrar carries over; anything else is refused, so
+# an option added to the file is never silently dropped.
+_KNOWN_KEYS = {
+    "name", "description", "entrypoint", "work_pool", "parameters", "schedules", "triggers",
+    "tags", "concurrency_limit", "enforce_parameter_schema",
+}  # fmt: skip
+
+
+class _PullSteps:
+    """The file's ``pull`` section as a RunnerDeployment's storage (all it needs of one)."""
+
+    def __init__(self, steps: list[dict[str, Any]]) -> None:
+        self.steps = steps
+        self.destination = Path.cwd()
+        self.pull_interval = None
+
+    def set_base_path(self, path: Path) -> None:
+        self.destination = path
+
+    async def pull_code(self) -> None:  # the code is already where the pull step points
+        return None
+
+    def to_pull_step(self) -> list[dict[str, Any]]:
+        return self.steps
+
+
+def load_spec(path: Path = DEPLOYMENTS_FILE) -> dict[str, Any]:
+    """The parsed prefect.yaml; a broken file is an error naming the file."""
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ImageOpsError(f"Cannot read the deployments file {path}: {exc}.") from exc
+    if not isinstance(spec, dict) or not isinstance(spec.get("deployments"), list):
+        raise ImageOpsError(
+            f"{path} has no `deployments:` list.",
+            "Start from the repository's deployments/prefect.yaml.",
+        )
+    return spec
+
+
+def _schedule(entry: dict[str, Any]) -> Any:
+    from prefect.schedules import Cron
+
+    if "cron" not in entry:
+        raise ImageOpsError(
+            f"Schedule {entry!r}: only cron schedules are registered here.",
+            "Write it as `cron: '0 2 * * *'` with an optional timezone, parameters and active.",
+        )
+    return Cron(
+        entry["cron"],
+        timezone=entry.get("timezone", "UTC"),
+        day_or=entry.get("day_or", True),
+        active=entry.get("active", True),
+        parameters=entry.get("parameters") or {},
+        slug=entry.get("slug"),
+    )
+
+
+def runner_deployment(entry: dict[str, Any], pull: list[dict[str, Any]]) -> Any:
+    """One prefect.yaml entry as Prefect's RunnerDeployment (loads the flow from its entrypoint)."""
+    from prefect.deployments.runner import RunnerDeployment
+    from prefect.events import DeploymentTriggerTypes
+    from pydantic import TypeAdapter
+
+    unknown = set(entry) - _KNOWN_KEYS
+    if unknown:
+        raise ImageOpsError(
+            f"Deployment {entry.get('name')!r}: options {sorted(unknown)} are not registered.",
+            f"Use only {sorted(_KNOWN_KEYS)}, or teach flows/deployments.py the new option.",
+        )
+    pool = entry.get("work_pool") or {}
+    triggers = TypeAdapter(list[DeploymentTriggerTypes]).validate_python(
+        entry.get("triggers") or []
+    )
+    deployment = RunnerDeployment.from_entrypoint(
+        entry["entrypoint"],
+        name=entry["name"],
+        description=entry.get("description"),
+        parameters=entry.get("parameters") or {},
+        schedules=[_schedule(s) for s in entry.get("schedules") or []],
+        triggers=triggers,
+        tags=entry.get("tags") or [],
+        concurrency_limit=entry.get("concurrency_limit"),
+        enforce_parameter_schema=entry.get("enforce_parameter_schema", True),
+        work_pool_name=pool.get("name"),
+        work_queue_name=pool.get("work_queue_name"),
+        job_variables=pool.get("job_variables") or {},
+    )
+    deployment.storage = _PullSteps(pull)
+    return deployment
+
+
+def register_deployments(
+    path: Path = DEPLOYMENTS_FILE, *, work_pool: str | None = None
+) -> dict[str, UUID]:
+    """Create or update every deployment in ``path``; returns ``{flow/deployment: id}``.
+
+    ``work_pool`` puts every deployment on that pool instead of the file's. Needs
+    PREFECT_API_URL (a server: schedules and triggers do nothing on the ephemeral API) and the
+    pools to exist (``imageops serve`` creates ``local``).
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise ImageOpsError(
+            "Registering deployments needs a Prefect server, and PREFECT_API_URL is not set.",
+            "Start one (`imageops serve` does) and export PREFECT_API_URL, or set "
+            "IMAGEOPS_PREFECT_API_URL.",
+        )
+    spec = load_spec(path)
+    pull = spec.get("pull") or []
+    root = Path(path).resolve().parents[1]
+    ids: dict[str, UUID] = {}
+    cwd = Path.cwd()
+    os.chdir(root)  # entrypoints are relative to the project root
+    try:
+        for entry in spec["deployments"]:
+            pool = dict(entry.get("work_pool") or {})
+            if work_pool:
+                pool["name"] = work_pool
+            deployment = runner_deployment({**entry, "work_pool": pool}, pull)
+            key = f"{deployment.flow_name}/{deployment.name}"
+            ids[key] = deployment.apply(work_pool_name=pool.get("name"))
+    finally:
+        os.chdir(cwd)
+    return ids
