@@ -1,5 +1,6 @@
 # The two commands: `make run` (set up, then the whole pipeline on the digits sample) and
-# `make test` (set up, then the test suite); `make bench` runs the benchmarks. Set-up is keyed on
+# `make test` (set up, then the test suite); `make serve` brings the servers up for the Prefect UI
+# and schedules; `make bench` runs the benchmarks. Set-up is keyed on
 # the lock file: a changed lock builds a fresh virtual environment, an unchanged one is reused.
 
 PYTHON ?= python3
@@ -9,7 +10,7 @@ KEY := $(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(KEY)
 BIN := $(VENV)/bin
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run serve test lint format bench clean
 
 install: $(STAMP)
 
@@ -24,6 +25,11 @@ $(STAMP): $(LOCK) pyproject.toml
 
 run: install
 	$(BIN)/imageops run
+
+# The whole stack on localhost (Prefect server + worker, MLflow server, promotion receiver, every
+# deployment); Ctrl-C stops it.
+serve: install
+	$(BIN)/imageops serve
 
 test: install
 	$(BIN)/python -m pytest

@@ -150,3 +150,28 @@ def register_deployments(
     finally:
         os.chdir(cwd)
     return ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flows.deployments``: register every deployment with the server Prefect uses."""
+    import argparse
+
+    from tasks.settings import get_settings
+
+    parser = argparse.ArgumentParser(prog="python -m flows.deployments", description=__doc__)
+    parser.add_argument("--file", type=Path, default=DEPLOYMENTS_FILE, help="the prefect.yaml")
+    parser.add_argument(
+        "--work-pool", default=None, help="put every deployment on this pool (default: the file's)"
+    )
+    args = parser.parse_args(argv)
+    get_settings().apply()  # IMAGEOPS_PREFECT_API_URL -> PREFECT_API_URL, before Prefect loads
+    try:
+        ids = register_deployments(args.file, work_pool=args.work_pool)
+    except ImageOpsError as exc:
+        raise SystemExit(f"error: {exc.message}\nwhat to do: {exc.hint}") from None
+    for name, deployment_id in ids.items():
+        print(f"{name}: {deployment_id}")
+
+
+if __name__ == "__main__":
+    main()

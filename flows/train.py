@@ -29,6 +29,7 @@ from tasks.step import name_flow_run
 from tasks.train.launch import (
     RDZV_TIMEOUT_S,
     TrainResult,
+    finished_result,
     local_rendezvous_endpoint,
     open_run_task,
     train_task,
@@ -57,12 +58,15 @@ def train_flow(
     run_name: str | None = None,
     rdzv_endpoint: str | None = None,
     rdzv_timeout_s: int = RDZV_TIMEOUT_S,
+    node_deployment: str | None = None,
 ) -> TrainResult:
     """Train ``model`` into ``out`` with ``params.nodes`` x ``params.nproc_per_node`` processes.
 
     ``rdzv_endpoint`` (host:port) is where the node agents meet; default: a free port on
     127.0.0.1. ``rdzv_timeout_s``: how long an agent waits for the others before it fails with
-    RendezvousTimeoutError. Returns node 0's result (all nodes share one run and one model).
+    RendezvousTimeoutError. ``node_deployment`` (``imageops-train-node/train-node``): each node
+    agent is a flow run of that deployment, so the pool's workers (one per machine) run them.
+    Returns node 0's result (all nodes share one run and one model).
     """
     if params.nodes == 1:
         return train_task(
@@ -74,6 +78,12 @@ def train_flow(
         model, train_data, val_data, out, params,
         transform=transform, data_version=data_version, run_name=run_name,
     )  # fmt: skip
+    if node_deployment:
+        _run_node_deployments(
+            node_deployment, model, train_data, val_data, out, params, transform,
+            data_version, run_id, endpoint, rdzv_timeout_s,
+        )  # fmt: skip
+        return finished_result(run_id, out)
     agents = []
     for node_rank in range(params.nodes):
         agent = train_task.with_options(task_run_name=f"train-node-{node_rank}")
@@ -139,6 +149,23 @@ def train_model_flow(
         bool,
         Field(title="Register", description="Export to ONNX and register as @challenger."),
     ] = True,
+    rdzv_endpoint: Annotated[
+        str | None,
+        Field(
+            title="Rendezvous endpoint",
+            description="host:port where the nodes of a multi-node job meet (a machine every "
+            "node reaches). Empty: a free port on this machine.",
+            pattern=r"^[^:\s]+:\d+$",
+        ),
+    ] = None,
+    node_deployment: Annotated[
+        str | None,
+        Field(
+            title="Node deployment",
+            description="For nodes > 1: imageops-train-node/train-node makes each node a flow "
+            "run on the work pool (one worker per machine). Empty: all nodes run here.",
+        ),
+    ] = None,
 ) -> TrainedModel:
     """Train one model from the UI or a schedule: build, train (DDP), export, register."""
     settings = get_settings()
@@ -153,7 +180,8 @@ def train_model_flow(
     build_model_task(model.name, out / "untrained", pretrained=model.pretrained)
     trained = train_flow(
         out / "untrained", root / train_data, root / val_data, out / "model", params,
-        transform=transform, data_version=data_version,
+        transform=transform, data_version=data_version, rdzv_endpoint=rdzv_endpoint,
+        node_deployment=node_deployment,
     )  # fmt: skip
     version = None
     if register_model:
@@ -167,3 +195,89 @@ def train_model_flow(
         data_version=data_version,
         registered_version=version,
     )
+
+
+def _run_node_deployments(
+    deployment: str,
+    model: Path,
+    train_data: Path,
+    val_data: Path,
+    out: Path,
+    params: TrainParams,
+    transform: TransformSpec | Path,
+    data_version: dict[str, str] | None,
+    run_id: str,
+    endpoint: str,
+    rdzv_timeout_s: int,
+) -> None:
+    """One flow run of ``deployment`` per node, all at once; raise if any did not complete."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefect.deployments import run_deployment
+
+    from tasks.errors import TrainingFailedError
+
+    shared = {
+        "model": str(model), "train_data": str(train_data), "val_data": str(val_data),
+        "out": str(out), "params": params.model_dump(mode="json"),
+        "transform": transform.model_dump(mode="json")
+        if isinstance(transform, TransformSpec) else str(transform),
+        "data_version": data_version, "run_id": run_id, "rdzv_endpoint": endpoint,
+        "rdzv_timeout_s": rdzv_timeout_s,
+    }  # fmt: skip
+
+    def agent(node_rank: int) -> str | None:
+        run = run_deployment(
+            deployment,
+            parameters={**shared, "node_rank": node_rank},
+            timeout=None,  # as long as the training takes
+            flow_run_name=f"train-node-{node_rank}-of-{params.nodes}",
+        )
+        if run.state is not None and run.state.is_completed():
+            return None
+        state = run.state.type.value if run.state else "unknown"
+        return f"node {node_rank} ({run.name}): {state} {run.state.message if run.state else ''}"
+
+    with ThreadPoolExecutor(max_workers=params.nodes) as pool:
+        failed = [f for f in pool.map(agent, range(params.nodes)) if f]
+    if failed:
+        raise TrainingFailedError(
+            f"Node agents of run {run_id} did not complete: {'; '.join(failed)}.",
+            "Open the failed flow runs in the Prefect UI: each has its node's torchrun log.",
+        )
+
+
+@flow(name="imageops-train-node", log_prints=True)
+def train_node_flow(
+    model: str,
+    train_data: str,
+    val_data: str,
+    out: str,
+    params: TrainParams,
+    transform: TransformSpec | str,
+    run_id: Annotated[str, Field(title="MLflow run", description="The job's run (open-run).")],
+    node_rank: Annotated[int, Field(ge=0, title="Node rank", description="0 to nodes - 1.")],
+    rdzv_endpoint: Annotated[
+        str,
+        Field(
+            title="Rendezvous endpoint",
+            description="host:port every node reaches (node 0's machine, port open).",
+            pattern=r"^[^:\s]+:\d+$",
+        ),
+    ],
+    rdzv_timeout_s: Annotated[int, Field(gt=0, title="Rendezvous timeout (s)")] = RDZV_TIMEOUT_S,
+    data_version: dict[str, str] | None = None,
+) -> TrainResult:
+    """One node of a multi-node job: torchrun for this node, against the job's MLflow run.
+
+    Started by the train flow (``node_deployment``) once per node, or by hand from the UI with
+    each node rank; paths are on storage every node shares, relative to the project root.
+    """
+    name_flow_run(f"train-node-{node_rank}-of-{params.nodes}")
+    root = get_settings().project_root
+    return train_task(
+        root / model, root / train_data, root / val_data, root / out, params,
+        transform=transform if isinstance(transform, TransformSpec) else root / transform,
+        data_version=data_version, run_id=run_id, node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout_s,
+    )  # fmt: skip

@@ -130,7 +130,7 @@ def served(
 
 def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> None:
     names = {d["name"] for d in served.post("/deployments/filter", {}).json()}
-    assert {"pipeline", "train", "tune", "tune-trial", "promote", "score"} <= names
+    assert {"pipeline", "train", "train-node", "tune", "tune-trial", "promote", "score"} <= names
 
     train = served.deployment("train")
     assert train["enforce_parameter_schema"] is True
@@ -182,22 +182,27 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
 def test_run_buttons_with_own_parameters_train_one_at_a_time(
     served: Served, digits_split: tuple[Path, Path]
 ) -> None:
+    """Two presses of Run on the train form; the second is a 2-node job on the work pool."""
     train_dir, val_dir = digits_split
     train = served.deployment("train")
     rates = ["0.02", "0.03"]
     started = []
     for rate in rates:  # two presses of Run, one right after the other
+        multi_node = rate == rates[1]
         parameters = {
             "train_data": str(train_dir),
             "val_data": str(val_dir),
             "params": {
                 "epochs": 1, "batch_size": 32, "learning_rate": float(rate),
-                "nproc_per_node": 1, "print_frequency": 1,
+                "nproc_per_node": 1, "print_frequency": 1, "nodes": 2 if multi_node else 1,
             },
             "transform": {"resize_size": 16, "center_crop_size": 16},
             "version_data": False,
-            "register_model": rate == rates[0],
+            "register_model": not multi_node,
         }  # fmt: skip
+        if multi_node:  # each node a flow run of train-node, meeting at one endpoint
+            parameters["node_deployment"] = "imageops-train-node/train-node"
+            parameters["rdzv_endpoint"] = f"127.0.0.1:{_free_port()}"
         answer = served.post(
             f"/deployments/{train['id']}/create_flow_run", {"parameters": parameters}
         )
@@ -228,6 +233,9 @@ def test_run_buttons_with_own_parameters_train_one_at_a_time(
         assert found.info.status == "FINISHED"
         assert found.data.params["epochs"] == "1"
         assert found.data.params["input_size"] == "16"
+        assert found.data.params["world_size"] == ("2" if rate == rates[1] else "1")
+    nodes = served.flow_runs(served.deployment("train-node")["id"], ["COMPLETED"])
+    assert sorted(r["name"] for r in nodes) == ["train-node-0-of-2", "train-node-1-of-2"]
     (version,) = client.search_model_versions(f"name = '{MODEL}'")
     assert client.get_model_version_by_alias(MODEL, "challenger").version == version.version
 

@@ -243,6 +243,10 @@ def train(
     log.info("training finished: %s", result["metrics"])
     if lead:
         _publish_report(run_id, run_dir, result, settings)
+    return _as_result(result, out, run_id, run_dir)
+
+
+def _as_result(result: dict[str, Any], out: Path, run_id: str, run_dir: Path) -> TrainResult:
     return TrainResult(
         model_dir=Path(out).resolve(),
         run_id=run_id,
@@ -252,6 +256,22 @@ def train(
         history=result.get("history", []),
         pruned=bool(result.get("pruned", False)),
     )
+
+
+def finished_result(run_id: str, out: Path, settings: Settings | None = None) -> TrainResult:
+    """A finished job's result, read from the run folder, as the node agent that ran it returns it.
+
+    For node agents that ran elsewhere (flow runs on a work pool): the run folder is on the
+    shared storage every node writes to.
+    """
+    run_dir = (settings or get_settings()).runs_dir / run_id
+    path = run_dir / RESULT
+    if not path.is_file():
+        raise TrainingFailedError(
+            f"Run {run_id} has no {RESULT} in {run_dir}: its rank 0 did not finish here.",
+            "Multi-node runs need IMAGEOPS_HOME (the run folders) on storage every node shares.",
+        )
+    return _as_result(json.loads(path.read_text()), out, run_id, run_dir)
 
 
 train_task = step(train, name="train")
