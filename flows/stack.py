@@ -199,7 +199,11 @@ class Stack:
         self._launch(
             "prefect-server",
             prefect_args,
-            base | quiet | {"PREFECT_HOME": str(self.dir / "prefect")},
+            # The UI calls the API where this stack put it, not on Prefect's default port.
+            {"PREFECT_UI_API_URL": self.prefect_api}
+            | base
+            | quiet
+            | {"PREFECT_HOME": str(self.dir / "prefect")},
         )
         key = _kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
         self._launch(
@@ -313,13 +317,15 @@ class Stack:
         def interrupt(*_: object) -> None:
             raise KeyboardInterrupt
 
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        # SIGINT too: a shell that starts us in the background makes us ignore it otherwise.
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             while True:
                 self.check_alive()
                 time.sleep(poll_s)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def stop(self) -> None:
         """Stop every service, last started first: the worker before the servers it calls."""

@@ -121,11 +121,11 @@ def served(
         served.wait("`imageops serve` to say ready", lambda: "ready" in log.read_text())
         yield served
     finally:
-        if process.poll() is None:
-            process.kill()  # the last test stops it with Ctrl-C; this is for a failed run
-            for child in psutil.Process().children(recursive=True):
-                if child.pid != process.pid and "stack" in " ".join(child.cmdline()):
-                    child.kill()
+        if process.poll() is None:  # the last test stops it with Ctrl-C; this is for a failure
+            # Its services first (listed while they are still its children), then itself.
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
 
 
 def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> None:
