@@ -224,7 +224,8 @@ def test_run_buttons_with_own_parameters_train_one_at_a_time(
     # Each run is in MLflow with the parameters pressed in the form.
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=served.mlflow)
+    # Both URIs: an earlier test in this process may have left MLflow a global registry URI.
+    client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
     experiment = client.get_experiment_by_name("imageops")
     for rate in rates:
         (found,) = client.search_runs(
