@@ -12,7 +12,6 @@ Each deployment keeps the file's pull step (``set_working_directory`` on the wor
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -135,20 +134,15 @@ def register_deployments(
         )
     spec = load_spec(path)
     pull = spec.get("pull") or []
-    root = Path(path).resolve().parents[1]
     ids: dict[str, UUID] = {}
-    cwd = Path.cwd()
-    os.chdir(root)  # entrypoints are relative to the project root
-    try:
-        for entry in spec["deployments"]:
-            pool = dict(entry.get("work_pool") or {})
-            if work_pool:
-                pool["name"] = work_pool
-            deployment = runner_deployment({**entry, "work_pool": pool}, pull)
-            key = f"{deployment.flow_name}/{deployment.name}"
-            ids[key] = deployment.apply(work_pool_name=pool.get("name"))
-    finally:
-        os.chdir(cwd)
+    # Entrypoints are module paths of the installed package: no working folder to be in.
+    for entry in spec["deployments"]:
+        pool = dict(entry.get("work_pool") or {})
+        if work_pool:
+            pool["name"] = work_pool
+        deployment = runner_deployment({**entry, "work_pool": pool}, pull)
+        key = f"{deployment.flow_name}/{deployment.name}"
+        ids[key] = deployment.apply(work_pool_name=pool.get("name"))
     return ids
 
 

@@ -124,7 +124,7 @@ def pipeline(
 def summary_markdown(result: PipelineResult, settings: Settings) -> str:
     """The run at a glance: what it trained on, how well, where the model and its logs are."""
     run_page = run_url(settings, result.mlflow_run_id)
-    logs_page = run_url(settings, result.mlflow_run_id, "artifacts")
+    logs_page = f"{run_page}/artifacts" if run_page else None
     version_page = model_version_url(settings, result.registered_model, result.registered_version)
     model = f"{result.registered_model} v{result.registered_version}"
     ui = f"`mlflow ui --backend-store-uri {settings.tracking_uri}`"

@@ -34,6 +34,7 @@ from flows.deployments import DEPLOYMENTS_FILE, TRAINING_QUEUE, register_deploym
 from flows.webhook import DEFAULT_PORT as RECEIVER_PORT
 from flows.webhook import PATH as RECEIVER_PATH
 from tasks.errors import ImageOpsError
+from tasks.log_tail import tail
 from tasks.settings import Settings
 
 POOL = "local"
@@ -307,7 +308,7 @@ class Stack:
             if service.process is not None and service.process.poll() is not None:
                 raise ImageOpsError(
                     f"{service.name} exited with code {service.process.returncode}. "
-                    f"End of {service.log}:\n{_tail(service.log)}",
+                    f"End of {service.log}:\n{tail(service.log) or '(empty)'}",
                     "Fix what its log says, then run `imageops serve` again.",
                 )
 
@@ -356,9 +357,3 @@ def _tool(name: str) -> str:
     """A console script of this environment (prefect, mlflow), wherever the shell's PATH points."""
     here = Path(sys.executable).parent / name
     return str(here) if here.is_file() else name
-
-
-def _tail(path: Path | None, lines: int = 30) -> str:
-    if path is None or not path.is_file():
-        return "(no log)"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

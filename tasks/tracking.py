@@ -88,7 +88,9 @@ def ui_url(settings: Settings, path: str) -> str | None:
 
 
 def run_url(settings: Settings, run_id: str, tab: str = "") -> str | None:
-    """The MLflow UI page of a run (``tab``: e.g. ``artifacts``)."""
+    """The MLflow UI page of a run (``tab``: e.g. ``artifacts``); None without a server."""
+    if ui_url(settings, "") is None:
+        return None  # no UI to link to, and no reason to ask the store for the run
     run = MlflowClient(tracking_uri=settings.tracking_uri).get_run(run_id)
     page = f"experiments/{run.info.experiment_id}/runs/{run_id}"
     return ui_url(settings, f"{page}/{tab}" if tab else page)

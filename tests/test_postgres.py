@@ -20,7 +20,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,10 +32,10 @@ from typing import Any
 
 import httpx
 import pytest
+from server_processes import Processes, base_env, free_port, healthy
 
 from tasks.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
 DATABASES = ("mlflow", "prefect", "optuna")
 DB_USER = "imageops"
 # Where distributions put the server binaries (Debian/Ubuntu, RHEL's PGDG, source, Homebrew).
@@ -131,12 +130,6 @@ def _run_as() -> dict[str, Any]:
     return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Postgres:
     """A running throw-away cluster: one database per service, reached over TCP as DB_USER."""
@@ -206,7 +199,7 @@ def postgres() -> Iterator[Postgres]:
     root = Path(tempfile.mkdtemp(prefix="imageops-pg-"))
     if run_as:
         os.chown(root, run_as["user"], run_as["group"])
-    pg = Postgres(bin_dir, root, _free_port(), run_as)
+    pg = Postgres(bin_dir, root, free_port(), run_as)
     try:
         init = pg.run(
             "initdb", "-D", str(pg.data), "-U", DB_USER, "-A", "trust", "-E", "UTF8",
@@ -240,81 +233,15 @@ def postgres() -> Iterator[Postgres]:
 # --- servers ----------------------------------------------------------------------------------
 
 
-class _Processes:
-    """Subprocesses in their own process groups, logging to files; all killed at the end."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs, self.started = logs, []
-        logs.mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.started.append((name, proc))
-        return proc
-
-    def report(self) -> str:
-        parts = []
-        for name, proc in self.started:
-            text = (self.logs / f"{name}.log").read_text(errors="replace")
-            parts.append(f"----- {name} (exit {proc.poll()}) -----\n{text[-4000:]}")
-        return "\n".join(parts)
-
-    def stop(self) -> None:
-        for _, proc in reversed(self.started):
-            with contextlib.suppress(ProcessLookupError):
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-
-
 @pytest.fixture
-def processes(tmp_path: Path, postgres: Postgres) -> Iterator[_Processes]:
-    procs = _Processes(tmp_path / "logs")
+def processes(tmp_path: Path, postgres: Postgres) -> Iterator[Processes]:
+    procs = Processes(tmp_path / "logs")
     try:
         yield procs
     finally:
         procs.stop()
         # Shown by pytest only when the test failed: what every server said last.
         print(procs.report(), postgres.log_tail(), sep="\n")
-
-
-def _wait(what: str, ready: Callable[[], Any], procs: _Processes, timeout_s: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if result := ready():
-                return result
-        dead = [name for name, proc in procs.started if proc.poll() is not None]
-        if dead:
-            pytest.fail(f"{', '.join(dead)} exited while waiting for {what}\n{procs.report()}")
-        time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{procs.report()}")
-
-
-def _healthy(url: str) -> bool:
-    return httpx.get(url, timeout=5).status_code == 200
-
-
-def _base_env() -> dict[str, str]:
-    """This environment without any Prefect, MLflow or imageops setting, telemetry off."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "MLFLOW_", "IMAGEOPS_"))
-    }
-    return env | {
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "1",
-    }
 
 
 def _flow() -> Callable[..., Any]:
@@ -329,14 +256,14 @@ def _flow() -> Callable[..., Any]:
 
 def test_mlflow_and_prefect_servers_keep_their_state_in_postgres(
     postgres: Postgres,
-    processes: _Processes,
+    processes: Processes,
     project: Settings,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     bin_dir = Path(sys.executable).parent
-    prefect_port, mlflow_port = _free_port(), _free_port()
-    base = _base_env()
+    prefect_port, mlflow_port = free_port(), free_port()
+    base = base_env()
     # Both start at once, so their database migrations overlap.
     processes.start(
         "prefect-server",
@@ -366,7 +293,7 @@ def test_mlflow_and_prefect_servers_keep_their_state_in_postgres(
     # --- MLflow: a run, a model version, an alias; then the same rows in PostgreSQL.
     from mlflow import MlflowClient
 
-    _wait("the MLflow server", lambda: _healthy(f"{settings.tracking_uri}/health"), processes)
+    processes.wait("the MLflow server", lambda: healthy(f"{settings.tracking_uri}/health"))
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     experiment_id = client.create_experiment(f"postgres-{uuid.uuid4().hex[:8]}")
     run = client.create_run(experiment_id)
@@ -399,7 +326,7 @@ def test_mlflow_and_prefect_servers_keep_their_state_in_postgres(
     # --- Prefect: a flow run against the server; then the same run in PostgreSQL.
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    _wait("the Prefect server", lambda: _healthy(f"{api}/health"), processes)
+    processes.wait("the Prefect server", lambda: healthy(f"{api}/health"))
     with temporary_settings(updates={PREFECT_API_URL: api}):
         state = _flow()(21, return_state=True)
     assert state.is_completed(), state

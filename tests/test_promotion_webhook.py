@@ -9,14 +9,10 @@ scoring deployment, each in its own process, and sets the alias through MLflow's
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +28,7 @@ from mlflow.webhooks.constants import (
 )
 from mlflow.webhooks.delivery import _generate_hmac_signature
 from mlflow.webhooks.types import ModelVersionAliasCreatedPayload
+from server_processes import Processes, base_env, free_port, healthy
 
 from flows import webhook
 from flows.webhook import PATH, create_app
@@ -175,7 +172,7 @@ def test_when_prefect_is_down_mlflow_is_told_to_deliver_again() -> None:
 
     client = TestClient(create_app(SECRET))
     body, headers = _signed(_alias_body("model-while-down"))
-    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{_free_port()}/api"}):
+    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
         answer = client.post(PATH, content=body, headers=headers)
     assert answer.status_code == 503  # MLflow retries 5xx
     assert "Prefect did not take the event" in answer.json()["detail"]
@@ -217,94 +214,18 @@ def test_the_prefect_yaml_trigger_is_the_python_trigger() -> None:
 # --- the whole chain, with real servers -------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Processes:
-    """Subprocesses in their own process groups, logging to files; all killed at the end."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs, self.started = logs, []
-        logs.mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.started.append((name, proc))
-        return proc
-
-    def report(self) -> str:
-        """The end of every process's log, for a failure message."""
-        parts = []
-        for name, proc in self.started:
-            text = (self.logs / f"{name}.log").read_text(errors="replace")
-            parts.append(f"----- {name} (exit {proc.poll()}) -----\n{text[-4000:]}")
-        return "\n".join(parts)
-
-    def stop(self) -> None:
-        """Last started, first stopped: clients go before the servers they would call."""
-        for _, proc in reversed(self.started):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # nothing here needs a clean exit
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[_Processes]:
-    procs = _Processes(tmp_path / "logs")
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path / "logs")
     try:
         yield procs
     finally:
         procs.stop()
 
 
-def _wait(what: str, ready: Callable[[], Any], procs: _Processes, timeout_s: float = 120.0) -> Any:
-    """Poll ``ready`` until it returns something truthy; fail with every log if it never does."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if result := ready():
-                return result
-        except httpx.HTTPError:
-            pass
-        dead = [name for name, proc in procs.started if proc.poll() is not None]
-        if dead:
-            pytest.fail(f"{', '.join(dead)} exited while waiting for {what}\n{procs.report()}")
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{procs.report()}")
-
-
-def _healthy(url: str) -> bool:
-    return httpx.get(url, timeout=5).status_code == 200
-
-
-def _base_env() -> dict[str, str]:
-    """This environment without any Prefect, MLflow or imageops setting, telemetry off."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "MLFLOW_", "IMAGEOPS_"))
-    }
-    return env | {
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "1",
-    }
-
-
 @pytest.mark.slow
 def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
-    processes: _Processes,
+    processes: Processes,
     tmp_path: Path,
     exported_model: Path,
     digits_split: tuple[Path, Path],
@@ -312,11 +233,11 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     from cryptography.fernet import Fernet
 
     bin_dir = Path(sys.executable).parent
-    prefect_port, mlflow_port, receiver_port = _free_port(), _free_port(), _free_port()
+    prefect_port, mlflow_port, receiver_port = free_port(), free_port(), free_port()
     prefect_api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
     receiver = f"http://127.0.0.1:{receiver_port}"
-    base = _base_env()
+    base = base_env()
 
     # The project every imageops process shares: its home, the MLflow server, the Prefect server.
     project_root = tmp_path / "project"
@@ -357,7 +278,7 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
         [sys.executable, "-m", "flows.webhook", "serve", "--port", str(receiver_port)],
         base | imageops | {"IMAGEOPS_WEBHOOK_SECRET": SECRET},
     )
-    _wait("the Prefect server", lambda: _healthy(f"{prefect_api}/health"), processes)
+    processes.wait("the Prefect server", lambda: healthy(f"{prefect_api}/health"))
     val = digits_split[1]
     scores = tmp_path / "scores.csv"
     processes.start(
@@ -365,14 +286,14 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
         [sys.executable, "-m", "flows.score", "serve", "--images", str(val), "--dest", str(scores)],
         base | imageops | {"PREFECT_RUNNER_POLL_FREQUENCY": "1"},
     )
-    _wait("the MLflow server", lambda: _healthy(f"{mlflow_url}/health"), processes)
-    _wait("the receiver", lambda: _healthy(f"{receiver}/health"), processes)
+    processes.wait("the MLflow server", lambda: healthy(f"{mlflow_url}/health"))
+    processes.wait("the receiver", lambda: healthy(f"{receiver}/health"))
 
     def automation() -> dict | None:
         found = httpx.post(f"{prefect_api}/automations/filter", json={}, timeout=5).json()
         return next((a for a in found if a["name"] == f"{NAME}@champion promoted"), None)
 
-    trigger = _wait("the scoring deployment's trigger", automation, processes)
+    trigger = processes.wait("the scoring deployment's trigger", automation)
     deployment_id = trigger["actions"][0]["deployment_id"]
 
     # The webhook, created through MLflow's client; MLflow's test delivery must get through.
@@ -407,7 +328,7 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
                 pytest.fail(f"scoring run ended {run['state_type']}\n{processes.report()}")
         return next((r for r in runs if r["state_type"] == "COMPLETED"), None)
 
-    run = _wait("a completed scoring run", finished_run, processes, timeout_s=240)
+    run = processes.wait("a completed scoring run", finished_run, timeout_s=240)
     assert run["parameters"]["model"] == f"models:/{NAME}@champion"
     table = pd.read_csv(scores)
     assert len(table) == len(read_manifest(val).images)

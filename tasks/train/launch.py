@@ -54,6 +54,7 @@ from tasks.errors import (
     TrainingFailedError,
 )
 from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
+from tasks.log_tail import tail
 from tasks.settings import Settings, get_settings
 from tasks.step import step, step_logger
 from tasks.tracking import configure_mlflow, run_url
@@ -69,7 +70,6 @@ CONFIG = "config.json"
 TORCHRUN_LOG = "torchrun.log"
 LOG_ARTIFACTS = "logs"
 KILL_GRACE_S = 15.0
-TAIL_LINES = 25
 # torchrun's own default for how long nodes wait for each other at the rendezvous.
 RDZV_TIMEOUT_S = 600
 # What torchrun prints when its rendezvous times out / cannot reach the store.
@@ -859,12 +859,6 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _tail(path: Path, lines: int = TAIL_LINES) -> str:
-    if not path.is_file():
-        return ""
-    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-
-
 def _failure(run_dir: Path, returncode: int, torchrun_log: Path, output: str = "") -> ImageOpsError:
     """The error to raise for a failed torchrun: the worker's own error class when it had one.
 
@@ -873,7 +867,7 @@ def _failure(run_dir: Path, returncode: int, torchrun_log: Path, output: str = "
     if RDZV_CONNECTION_MARK in output:
         return TrainingFailedError(
             f"torchrun could not reach the rendezvous of run {run_dir.name}. Last lines of "
-            f"{torchrun_log}:\n{_tail(torchrun_log)}",
+            f"{torchrun_log}:\n{tail(torchrun_log)}",
             "Check the rendezvous endpoint (host:port of a machine every node reaches, open in "
             "its firewall) and start the agent on that host first.",
         )
@@ -892,7 +886,7 @@ def _failure(run_dir: Path, returncode: int, torchrun_log: Path, output: str = "
         if not where.is_file():
             where = torchrun_log
     return TrainingFailedError(
-        f"Training failed: {what}. Last lines of {where}:\n{_tail(where)}",
+        f"Training failed: {what}. Last lines of {where}:\n{tail(where)}",
         f"Every rank's log is in {run_dir} (rank_0.log is the master's).",
     )
 

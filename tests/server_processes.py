@@ -1,0 +1,96 @@
+"""Real servers in tests: free ports, a clean environment, processes that always stop.
+
+Shared by the tests that start `prefect server`, `mlflow server`, the receiver or `imageops
+serve` as subprocesses (test_promotion_webhook, test_postgres, test_stack).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def base_env() -> dict[str, str]:
+    """This environment without any Prefect, MLflow or imageops setting, telemetry off."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_", "MLFLOW_", "IMAGEOPS_"))
+    }
+    return env | {
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def healthy(url: str) -> bool:
+    return httpx.get(url, timeout=5).status_code == 200
+
+
+class Processes:
+    """Subprocesses in their own process groups, logging to files; all killed at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs, self.started = logs, []
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.started.append((name, proc))
+        return proc
+
+    def report(self) -> str:
+        """The end of every process's log, for a failure message."""
+        parts = []
+        for name, proc in self.started:
+            text = (self.logs / f"{name}.log").read_text(errors="replace")
+            parts.append(f"----- {name} (exit {proc.poll()}) -----\n{text[-4000:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """Last started, first stopped: clients go before the servers they would call."""
+        for _, proc in reversed(self.started):
+            with contextlib.suppress(ProcessLookupError):
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # nothing here needs a clean exit
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+    def wait(self, what: str, ready: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+        """Poll ``ready`` until it returns something truthy; fail with every log if never."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if result := ready():
+                    return result
+            dead = [name for name, proc in self.started if proc.poll() is not None]
+            if dead:
+                pytest.fail(f"{', '.join(dead)} exited while waiting for {what}\n{self.report()}")
+            time.sleep(0.3)
+        pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
