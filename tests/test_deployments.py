@@ -29,3 +29,42 @@ def test_every_entrypoint_is_a_flow_that_takes_the_parameters(deployment: dict) 
 def test_the_promote_and_score_deployments_are_there() -> None:
     names = {d["name"] for d in SPEC["deployments"]}
     assert {"pipeline", "train", "tune", "tune-trial", "promote", "score"} <= names
+
+
+def test_a_broken_deployments_file_or_entry_is_a_clear_error(tmp_path: Path) -> None:
+    from flows.deployments import load_spec, runner_deployment
+    from tasks.errors import ImageOpsError
+
+    broken = tmp_path / "prefect.yaml"
+    broken.write_text("deployments: [unclosed")
+    with pytest.raises(ImageOpsError, match="Cannot read the deployments file"):
+        load_spec(broken)
+    broken.write_text("name: x\n")
+    with pytest.raises(ImageOpsError, match="no `deployments:` list"):
+        load_spec(broken)
+    (entry,) = [d for d in SPEC["deployments"] if d["name"] == "promote"]
+    with pytest.raises(ImageOpsError, match=r"options \['work_queue'\] are not registered"):
+        runner_deployment({**entry, "work_queue": "x"}, [])
+    with pytest.raises(ImageOpsError, match="only cron schedules"):
+        runner_deployment({**entry, "schedules": [{"interval": 60}]}, [])
+
+
+def test_serve_refuses_a_busy_port_before_starting_anything(tmp_path: Path) -> None:
+    import socket
+
+    from flows.stack import Ports, Stack
+    from tasks.errors import ImageOpsError
+    from tasks.settings import Settings
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        stack = Stack(
+            Settings(project_root=tmp_path, home=tmp_path / ".imageops"),
+            ports=Ports(prefect=port, mlflow=port + 1, receiver=port + 2),
+        )
+        with pytest.raises(ImageOpsError, match=rf"Prefect port {port}\b.*on 127.0.0.1 is in use"):
+            stack.start()
+    assert stack.services == []
+    assert not (tmp_path / ".imageops" / "stack").exists()

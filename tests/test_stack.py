@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from server_processes import free_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "imageops-classifier"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -86,7 +80,7 @@ def served(
     tmp_path_factory: pytest.TempPathFactory, digits_split: tuple[Path, Path]
 ) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("served-project")
-    ports = {"prefect": _free_port(), "mlflow": _free_port(), "receiver": _free_port()}
+    ports = {"prefect": free_port(), "mlflow": free_port(), "receiver": free_port()}
     env = {
         k: v
         for k, v in os.environ.items()
@@ -126,6 +120,19 @@ def served(
             for child in psutil.Process(process.pid).children(recursive=True):
                 child.kill()
             process.kill()
+
+
+def test_serve_prints_both_uis_and_binds_to_localhost(served: Served) -> None:
+    printed = served.log.read_text()
+    assert f"Prefect UI  {served.api.removesuffix('/api')}" in printed
+    assert f"MLflow UI   {served.mlflow}" in printed
+    listening = {
+        c.laddr.ip
+        for p in psutil.Process(served.process.pid).children(recursive=True)
+        for c in p.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert listening and listening <= {"127.0.0.1"}, listening
 
 
 def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> None:
@@ -202,7 +209,7 @@ def test_run_buttons_with_own_parameters_train_one_at_a_time(
         }  # fmt: skip
         if multi_node:  # each node a flow run of train-node, meeting at one endpoint
             parameters["node_deployment"] = "imageops-train-node/train-node"
-            parameters["rdzv_endpoint"] = f"127.0.0.1:{_free_port()}"
+            parameters["rdzv_endpoint"] = f"127.0.0.1:{free_port()}"
         answer = served.post(
             f"/deployments/{train['id']}/create_flow_run", {"parameters": parameters}
         )
