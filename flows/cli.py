@@ -446,12 +446,14 @@ def tune(
     ] = None,
 ) -> None:
     """Tune hyperparameters with Optuna: each trial a training run; best model -> @challenger."""
+    api_ready = _start_prefect_api(get_settings())
     from flows.tune import tune_flow, tune_spec_file
     from tasks.transform import read_transformation
 
     study_spec = tune_spec_file(
         spec, study_name=study, max_trial_count=max_trials, parallel_trial_count=parallel
     )
+    api_ready()
     result = tune_flow(
         study_spec,
         str(train_data.resolve()),
@@ -684,6 +686,7 @@ def run_pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow and print where to look."""
     settings = get_settings()
+    api_ready = _start_prefect_api(settings)
     from flows.config import PipelineConfig
 
     cfg = PipelineConfig.from_yaml(config) if config else PipelineConfig()
@@ -704,8 +707,17 @@ def run_pipeline(
 
     from flows.pipeline import pipeline
 
+    api_ready()
     result = pipeline(cfg)
     _print_summary(settings, result)
+
+
+def _start_prefect_api(settings: Settings) -> Callable[[], object]:
+    """Start the temporary Prefect API before the flow's imports; ``wait()`` before the flow."""
+    from flows.temporary_api import start_temporary_api
+
+    api = start_temporary_api(settings.home_dir / "prefect" / "temporary-api.log")
+    return api.wait if api else lambda: None
 
 
 def _print_summary(settings: Settings, result) -> None:
