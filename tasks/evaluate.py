@@ -17,9 +17,6 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from models.atomic import atomic_file, write_json
 from tasks.artifacts import png_markdown, publish_markdown
@@ -123,6 +120,9 @@ def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
     true_index = np.array([index.get(t, -1) for t in truth])
     top_k_hits = (top == true_index[:, None]).any(axis=1)
 
+    # Imported here: scikit-learn takes over a second to import, and most flows never evaluate.
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
     precision, recall, f1, support = precision_recall_fscore_support(
         truth, predicted, labels=labels, zero_division=0
     )
@@ -170,6 +170,9 @@ def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Pat
     A bare Figure on the Agg canvas, not pyplot: no global figure state and no display needed,
     so it is safe in worker threads and on headless machines.
     """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     data = np.asarray(matrix)
     side = max(4.0, 0.5 * len(labels) + 2.0)
     figure = Figure(figsize=(side, side), dpi=100, layout="constrained")
