@@ -1,107 +1,104 @@
-"""Score Image Model: images/s of torch eager fp32, ONNX Runtime fp32 and INT8, in one run.
+"""Score Image Model: torch eager fp32 vs ONNX Runtime fp32 and INT8, and scoring at scale.
 
-Usage: ``python bench/score_speed.py [--size 224] [--epochs 1] [--batch-size 64] [--passes 2]``
-(``--help`` lists the rest: ``--learning-rate``, ``--max-top1-drop``, ``--parts``, the memory
-part's ``--memory-images`` and ``--memory-size``).
+Usage: ``python -m bench.score_speed [--full] [--json PATH]``
 
-It writes scikit-learn's 1,797 real handwritten digits at ``--size`` px as an ImageDirectory,
-splits it 80/20 (seeded, stratified), trains resnet18 from scratch on the 80% with the torchrun
-worker's own code (:func:`tasks.train.worker.train_worker`, in-process, one rank, the demo's
-transform at ``--size``, learning rate 0.01), exports it (:func:`tasks.export.export_onnx`,
-parity-checked) and quantizes it (:func:`tasks.quantize.quantize`: static INT8, QDQ, calibrated
-on 256 training images, gated at ``--max-top1-drop`` points). Then, on the same validation
-images and batch size, decoding and the inference transform included, it times
+Engines: scikit-learn's 1,797 real handwritten digits are written as an ImageDirectory and split
+80/20 (seeded, stratified); the validation images are split again in four stratified quarters.
+resnet18 is exported to ONNX (:func:`tasks.export.export_onnx`, parity-checked) and quantized
+(:func:`tasks.quantize.quantize`: static INT8, QDQ, calibrated on training images). Then,
+decoding and the inference transform included, batch 64, it times torch eager fp32 (the
+ModelDirectory's model under ``torch.inference_mode()``, the same reader and transform),
+ONNX Runtime fp32 (:func:`tasks.score.score` as a user runs it, session start-up and the CSV
+included) and ONNX Runtime INT8 (``quantized=True``). After an untimed torch warm-up, each round
+has every engine score one quarter, one right after the other, so each per-round ratio compares
+runs seconds apart; top-1 is counted over all rounds. The engines alone (one decoded batch, no
+decoding, transform or table) are timed in interleaved runs, and their fp32 images/s times the
+forward FLOPs (``torch.utils.flop_counter``) give the FLOP/s the runner sets against the
+matmul peak.
 
-- ``torch eager fp32``: the model from the ModelDirectory in ``eval()`` under
-  ``torch.inference_mode()``, the images read with the same ``load_rgb`` and transform;
-- ``ONNX Runtime fp32``: :func:`tasks.score.score` as a user runs it (session start-up and the
-  scored CSV included);
-- ``ONNX Runtime INT8``: the same with ``quantized=True``.
+Scaling: :func:`tasks.score.score` over 1,000, 5,000 and 20,000 images (the digit scans at 32 px
+linked again and again into one folder), fp32 and INT8, each run in a fresh subprocess that
+reports its images/s, its RSS once imports are done and its peak RSS (``VmHWM``), so no figure
+includes another's.
 
-The validation images are split in four stratified quarters; after an untimed torch warm-up,
-each round has every engine score one quarter, one right after the other, and ``--passes``
-passes go over all four. The table shows each engine's best round in images/s (the one least
-disturbed by anything else on the machine), the ratio to torch eager as the median of the
-per-round ratios (runs seconds apart, so a busy neighbour slows both sides alike) and best
-against best, and each engine's top-1 over all its rounds (every validation image, ``--passes``
-times). A last line times the engines alone on one decoded batch.
-
-Last, the memory part: :func:`tasks.score.score` over ``--memory-images`` images (default 1,000 and
-20,000: the digit scans at ``--memory-size`` px written again and again into one folder), each in a
-fresh subprocess that reports its own peak RSS (``VmHWM``), so no figure includes another's.
-The default run takes about 5 minutes on 2 quiet cores.
+The quick default (about 3.5 minutes on 2 cores) does not train: a seeded, untrained resnet18 at
+128 px scores at the speed of a trained one, but its top-1 is chance, so the INT8 gate is opened
+wide (64 calibration images); 4 rounds, 4 engine-alone runs, each scaling row run once.
+``--full`` trains at 224 px (1 epoch, learning rate 0.01, the torchrun worker's own code
+in-process), calibrates on 256 images and gates INT8 at a 0.5-point top-1 drop; 8 rounds, 8
+engine-alone runs, each scaling row run 5 times. Both print the goals of the issue: ONNX Runtime
+fp32 >= 1.5x torch eager, INT8 >= 3x, an INT8 top-1 drop <= 0.5 points (``--full`` only) and
+peak RSS at 20,000 images within 100 MB of 1,000.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import os
-import platform
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-# `python bench/score_speed.py` puts bench/ on sys.path, not the project root.
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):  # `python bench/score_speed.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GOAL_FP32 = 1.5  # ONNX Runtime fp32 against torch eager, the issue's goals
+from bench.report import (
+    ROOT,
+    Plot,
+    Section,
+    Series,
+    Stat,
+    Table,
+    peak_rss_mb,
+    run_main,
+)
+
+if TYPE_CHECKING:
+    from models.transform_spec import TransformSpec
+
+GOAL_FP32 = 1.5  # ONNX Runtime fp32 against torch eager, end to end: the issue's goals
 GOAL_INT8 = 3.0
 GOAL_DROP = 0.5  # top-1 points INT8 may lose
-GOAL_MEMORY_MB = 100.0
+GOAL_MEMORY_MB = 100.0  # peak RSS growth from the fewest to the most images
 SIDES = ("torch eager fp32", "ONNX Runtime fp32", "ONNX Runtime INT8")
+LABELS = (
+    "torch eager fp32",
+    "ONNX Runtime fp32 (`score`)",
+    "ONNX Runtime INT8 (`score(quantized=True)`)",
+)
 QUARTERS = 4  # the validation images are timed a quarter per round
+BATCH = 64  # score()'s default batch
+COUNTS = (1_000, 5_000, 20_000)  # images in the scaling runs
+SCALING_SIZE = 32  # px: the smallest input resnet18 takes, so decoding and the engine both show
+CHILD = "--memory-child"  # argv[1] of the scaling subprocess: MODEL IMAGES DEST QUANTIZED
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=int, default=224, help="image side, px (224)")
-    parser.add_argument("--epochs", type=int, default=1, help="training epochs (1)")
-    parser.add_argument(
-        "--learning-rate", type=float, default=0.01, help="training learning rate (0.01)"
-    )
-    parser.add_argument("--batch-size", type=int, default=64, help="scoring batch (64)")
-    parser.add_argument(
-        "--passes", type=int, default=2, help="timed passes over the validation images (2)"
-    )
-    parser.add_argument(
-        "--max-top1-drop", type=float, default=GOAL_DROP, help=f"INT8 gate ({GOAL_DROP})"
-    )
-    parser.add_argument(
-        "--memory-images",
-        type=int,
-        nargs="*",
-        default=[1000, 20000],
-        help="image counts of the memory part (1000 20000); none: skip it",
-    )
-    parser.add_argument(
-        "--memory-size", type=int, default=32, help="image side of the memory part, px (32)"
-    )
-    parser.add_argument(
-        "--parts",
-        nargs="+",
-        choices=("speed", "memory"),
-        default=["speed", "memory"],
-        help="which parts to run (both)",
-    )
-    # The memory part's subprocess: MODEL IMAGES DEST QUANTIZED (not for people).
-    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    for name in ("size", "epochs", "batch_size", "passes", "memory_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if min(args.size, args.memory_size) < 32:
-        parser.error("--size and --memory-size must be >= 32 (resnet18 needs 32 px)")
-    return args
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and repeats of one run (quick or ``--full``)."""
+
+    size: int  # px, the engine comparison
+    train: bool  # False: a seeded untrained model, the INT8 gate opened wide
+    passes: int  # timed passes over the validation images (QUARTERS rounds each)
+    engine_runs: int  # interleaved runs of the engines alone
+    repeats: int  # fresh subprocesses per scaling row
+    calibration: int  # INT8 calibration images
+    scaling_models: tuple[str, ...] = ("fp32", "INT8")  # models timed at scale
+    epochs: int = 1
+    learning_rate: float = 0.01
+
+
+QUICK = Plan(
+    size=224, train=False, passes=1, engine_runs=4, repeats=2, calibration=64,
+    scaling_models=("fp32",),
+)  # fmt: skip
+FULL = Plan(size=224, train=True, passes=2, engine_runs=8, repeats=5, calibration=256)
 
 
 def make_digits(root: Path, size: int) -> tuple[Path, Path, list[Path]]:
@@ -115,44 +112,49 @@ def make_digits(root: Path, size: int) -> tuple[Path, Path, list[Path]]:
     from tasks.split import split
 
     convert(write_digits(root / "raw", size=size), root / "images")
+    shutil.rmtree(root / "raw")
     split(root / "images", root / "train", root / "val", fraction=0.8, seed=1)
     split(root / "val", root / "half-0", root / "half-1", fraction=0.5, seed=1)
     for half in (0, 1):
         quarters = (root / f"quarter-{2 * half}", root / f"quarter-{2 * half + 1}")
         split(root / f"half-{half}", *quarters, fraction=0.5, seed=1)
-    shutil.rmtree(root / "raw")
     return root / "train", root / "val", [root / f"quarter-{i}" for i in range(QUARTERS)]
 
 
-def train_model(
-    root: Path, train: Path, val: Path, size: int, epochs: int, learning_rate: float
-) -> Path:
-    """resnet18 trained from scratch by the worker in-process; returns the ModelDirectory.
+def demo_transform(size: int) -> TransformSpec:
+    """The demo's transform with every size set to ``size``: what `imageops train` would use."""
+    from flows.config import DEMO_TRANSFORM
+
+    sizes = ("resize_size", "center_crop_size", "random_resized_crop_size", "random_crop_size")
+    return DEMO_TRANSFORM.model_copy(update=dict.fromkeys(sizes, size))
+
+
+def train_model(root: Path, train: Path, val: Path, plan: Plan) -> Path:
+    """resnet18 trained from scratch by the torchrun worker, in-process; its ModelDirectory.
 
     The learning rate is ten times the seed's default: from scratch at 224 px, one epoch at 0.001
     reached 53% validation top-1 here, one at 0.01 93%; a model that guesses half the time
     would make the INT8 top-1 drop a coin toss.
     """
-    from flows.config import DEMO_TRANSFORM
     from models.zoo import resnet
     from tasks.imagedir import read_manifest
     from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
     from tasks.train.precision import resolve_precision
     from tasks.train.worker import train_worker
 
-    sizes = ("resize_size", "center_crop_size", "random_resized_crop_size", "random_crop_size")
+    params = TrainParams(epochs=plan.epochs, seed=1, device="cpu", learning_rate=plan.learning_rate)
     config = RunConfig(
-        params=TrainParams(epochs=epochs, seed=1, device="cpu", learning_rate=learning_rate),
+        params=params,
         architecture=resnet("resnet18", pretrained=False),
         classes=read_manifest(train).classes,
-        transform=DEMO_TRANSFORM.model_copy(update=dict.fromkeys(sizes, size)),
+        transform=demo_transform(plan.size),
         train_data=train,
         val_data=val,
         data_fingerprint={"train": manifest_fingerprint(train), "val": manifest_fingerprint(val)},
         out=root / "run" / "model",
         run_dir=root / "run",
         device="cpu",
-        precision=resolve_precision("auto", "cpu", size),  # what `imageops train` would pick
+        precision=resolve_precision("auto", "cpu", plan.size),  # what `imageops train` picks
         world_size=1,
     )
     with contextlib.redirect_stdout(io.StringIO()):  # the worker logs to stdout and rank_0.log
@@ -160,7 +162,26 @@ def train_model(
     return config.out
 
 
-def torch_eager(model_dir: Path, images: Path, batch_size: int) -> tuple[float, int, int]:
+def untrained_model(dest: Path, size: int) -> Path:
+    """A seeded, untrained resnet18 (10 classes) at ``size`` px, saved as a ModelDirectory.
+
+    Scoring speed and memory do not depend on the weights, so the runs that measure only those
+    skip the training.
+    """
+    import torch
+
+    from models.directory import ModelInfo, save_model_directory
+    from models.zoo import build_model, resnet
+
+    spec = resnet("resnet18", pretrained=False)
+    torch.manual_seed(0)
+    info = ModelInfo(
+        architecture=spec, classes=[str(i) for i in range(10)], transform=demo_transform(size)
+    )
+    return save_model_directory(dest, build_model(spec, 10), info)
+
+
+def torch_eager(model_dir: Path, images: Path) -> tuple[float, int, int]:
     """Score ``images`` with the PyTorch model: (seconds, correct, images), decoding included.
 
     The same image list, reader and inference transform as :func:`tasks.score.score`; softmax
@@ -181,17 +202,16 @@ def torch_eager(model_dir: Path, images: Path, batch_size: int) -> tuple[float, 
     classes = np.asarray(info.classes, dtype=object)
     correct = 0
     with torch.inference_mode():
-        for first in range(0, len(refs), batch_size):
-            batch = refs[first : first + batch_size]
+        for first in range(0, len(refs), BATCH):
+            batch = refs[first : first + BATCH]
             x = torch.stack([transform(load_rgb(ref.file)) for ref in batch])
-            probs = torch.softmax(model(x), dim=1)
-            labels = classes[probs.argmax(dim=1).numpy()]
+            labels = classes[torch.softmax(model(x), dim=1).argmax(dim=1).numpy()]
             correct += sum(label == ref.category for label, ref in zip(labels, batch, strict=True))
     return time.perf_counter() - start, correct, len(refs)
 
 
 def onnx_runtime(
-    model_dir: Path, images: Path, dest: Path, batch_size: int, quantized: bool
+    model_dir: Path, images: Path, dest: Path, quantized: bool
 ) -> tuple[float, int, int]:
     """:func:`tasks.score.score` as a user calls it: (seconds, correct, images) from its table."""
     import pandas as pd
@@ -199,137 +219,112 @@ def onnx_runtime(
     from tasks.score import LABEL_COLUMN, score
 
     start = time.perf_counter()
-    score(model_dir, images, dest, batch_size=batch_size, quantized=quantized)
+    score(model_dir, images, dest, batch_size=BATCH, quantized=quantized)
     seconds = time.perf_counter() - start
     table = pd.read_csv(dest, dtype={"category": str, LABEL_COLUMN: str})
     return seconds, int((table["category"] == table[LABEL_COLUMN]).sum()), len(table)
 
 
-def speed(args: argparse.Namespace, work: Path) -> dict[str, object]:
-    """Train, export, quantize; time the three sides; print the table. Returns the figures."""
+def prepare(plan: Plan, work: Path) -> tuple[Path, Path, list[Path], list[str]]:
+    """Digits, model, ONNX and INT8: (model dir, val, quarters, what happened, as sentences)."""
     from tasks.errors import QuantizationAccuracyError
     from tasks.export import export_onnx
     from tasks.imagedir import read_manifest
     from tasks.quantize import quantize
 
     began = time.perf_counter()
-    train, val, quarters = make_digits(work / "digits", args.size)
-    count = len(read_manifest(val).images)
-    print(
-        f"digits at {args.size}x{args.size} px: {len(read_manifest(train).images)} training, "
-        f"{count} validation images ({time.perf_counter() - began:.0f} s)"
-    )
+    train, val, quarters = make_digits(work / "digits", plan.size)
+    n_train, n_val = len(read_manifest(train).images), len(read_manifest(val).images)
+    notes = [
+        f"All 1,797 digits at {plan.size}x{plan.size} px, split 80/20 ({n_train:,} training, "
+        f"{n_val} validation images)."
+    ]
+    print(f"digits: {n_train} training, {n_val} validation ({time.perf_counter() - began:.0f} s)")
     began = time.perf_counter()
-    model_dir = train_model(work, train, val, args.size, args.epochs, args.learning_rate)
-    top1 = json.loads((model_dir / "model.json").read_text())["metrics"].get("val/top1", 0.0)
-    print(
-        f"trained resnet18, {args.epochs} epoch(s), lr {args.learning_rate:g}: validation top-1 "
-        f"{100 * top1:.2f}% "
-        f"({time.perf_counter() - began:.0f} s)"
-    )
+    if plan.train:
+        model_dir = train_model(work, train, val, plan)
+        top1 = json.loads((model_dir / "model.json").read_text())["metrics"].get("val/top1", 0.0)
+        notes.append(
+            f"resnet18 trained from scratch for {plural(plan.epochs, 'epoch')} at learning rate "
+            f"{plan.learning_rate:g} by the torchrun worker's code in-process (validation top-1 "
+            f"{100 * top1:.2f}%)."
+        )
+    else:
+        model_dir = untrained_model(work / "model", plan.size)
+        notes.append("resnet18 with seeded weights, 10 classes.")
+    print(f"model ready ({time.perf_counter() - began:.0f} s)", flush=True)
     began = time.perf_counter()
     exported = export_onnx(model_dir, sample=val)
-    print(
-        f"exported: max abs difference {exported.max_abs_diff:.2g} "
-        f"({time.perf_counter() - began:.0f} s)"
-    )
-    began = time.perf_counter()
-    refused = None
+    # Quick: the gate is open and only needs to run, so one quarter is enough to check on.
+    gate, check = (GOAL_DROP, val) if plan.train else (100.0, quarters[0])
+    refused = ""
     try:
-        result = quantize(model_dir, train, val, max_top1_drop=args.max_top1_drop)
+        result = quantize(
+            model_dir, train, check, max_top1_drop=gate, calibration_images=plan.calibration
+        )
     except QuantizationAccuracyError as exc:
-        refused = str(exc)
-        print(f"quantize REFUSED: {exc}")
-        # Still time the INT8 model: how fast is part of the answer even when it is refused.
-        result = quantize(model_dir, train, val, max_top1_drop=100.0)
-    print(
-        f"quantized: top-1 {100 * result.fp32_top1:.2f}% fp32 -> {100 * result.int8_top1:.2f}% "
-        f"int8, drop {result.top1_drop:.2f} points, same class for {100 * result.agreement:.2f}% "
-        f"of the images, {result.calibration_images} calibration "
-        f"images ({time.perf_counter() - began:.0f} s); "
-        f"{(model_dir / 'model.onnx').stat().st_size / 1e6:.1f} MB -> "
-        f"{result.path.stat().st_size / 1e6:.1f} MB"
+        refused = f" The gate REFUSED the INT8 model ({exc}); it is timed all the same."
+        result = quantize(
+            model_dir, train, check, max_top1_drop=100.0, calibration_images=plan.calibration
+        )
+    sizes = f"{(model_dir / 'model.onnx').stat().st_size / 1e6:.1f} MB -> "
+    sizes += f"{result.path.stat().st_size / 1e6:.1f} MB"
+    if plan.train:
+        gated = (
+            f"gate at {GOAL_DROP} points: top-1 {100 * result.fp32_top1:.2f}% fp32, "
+            f"{100 * result.int8_top1:.2f}% INT8 on the validation images, same class for "
+            f"{100 * result.agreement:.2f}% of them)." + refused
+        )
+    else:
+        gated = "gate opened wide)."
+    notes.append(
+        f"Exported (parity max abs difference {exported.max_abs_diff:.2g}) and quantized (static "
+        f"INT8, QDQ, {result.calibration_images} calibration images; {sizes}; {gated}"
     )
+    print(f"exported and quantized ({time.perf_counter() - began:.0f} s)", flush=True)
+    return model_dir, val, quarters, notes
 
+
+def compare(
+    model_dir: Path, val: Path, quarters: list[Path], passes: int, work: Path
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
+    """Time the three engines end to end: (images/s per round, ratio per round, top-1) by side."""
     for path in (p for p in val.rglob("*") if p.is_file()):  # into the page cache for all sides
         path.read_bytes()
 
-    def run(side: str, images: Path) -> tuple[float, int, int]:
+    def one(side: str, images: Path) -> tuple[float, int, int]:
         if side == SIDES[0]:
-            return torch_eager(model_dir, images, args.batch_size)
-        dest = work / f"{side}.csv"
-        return onnx_runtime(model_dir, images, dest, args.batch_size, side == SIDES[2])
+            return torch_eager(model_dir, images)
+        return onnx_runtime(model_dir, images, work / "scores.csv", side == SIDES[2])
 
-    # Untimed: oneDNN builds torch's convolution kernels for each batch shape on first use.
-    run(SIDES[0], quarters[0])
-    # Round r: every engine scores quarter r % 4, one right after the other, so each ratio
-    # compares runs seconds apart (a busy neighbour slows both sides alike). Each pass over the
-    # four quarters scores every validation image once per engine.
+    one(SIDES[0], quarters[0])  # untimed: oneDNN builds its kernels per batch shape on first use
     seconds: dict[str, list[float]] = {side: [] for side in SIDES}
     rates: dict[str, list[float]] = {side: [] for side in SIDES}
-    correct = dict.fromkeys(SIDES, 0)
-    scored = dict.fromkeys(SIDES, 0)
-    for round_ in range(args.passes * QUARTERS):
+    correct, scored = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
+    for round_ in range(passes * QUARTERS):
         for side in SIDES:
-            took, right, images = run(side, quarters[round_ % QUARTERS])
+            took, right, images = one(side, quarters[round_ % QUARTERS])
             seconds[side].append(took)
             rates[side].append(images / took)
             correct[side] += right
             scored[side] += images
-    top1s = {side: correct[side] / scored[side] for side in SIDES}
-    best = {side: max(values) for side, values in rates.items()}
-    ratios = {
-        side: statistics.median(
-            eager / took for eager, took in zip(seconds[SIDES[0]], seconds[side], strict=True)
+        print(
+            f"round {round_ + 1}: "
+            + ", ".join(f"{side} {rates[side][-1]:.1f} images/s" for side in SIDES),
+            flush=True,
         )
+    ratios = {
+        side: [eager / took for eager, took in zip(seconds[SIDES[0]], seconds[side], strict=True)]
         for side in SIDES
     }
-    rounds = args.passes * QUARTERS
-    print(
-        f"\n{count} validation images in {QUARTERS} stratified quarters, batch "
-        f"{args.batch_size}, decoding and transform included; {rounds} rounds, each engine "
-        "scoring one quarter per round; images/s: the best round; vs torch eager: median of "
-        "the per-round ratios (best against best)\n"
-    )
-    print("| engine | images/s | vs torch eager | top-1 |")
-    print("| --- | --- | --- | --- |")
-    for side in SIDES:
-        print(
-            f"| {side} | {best[side]:.1f} | {ratios[side]:.2f}x "
-            f"({best[side] / best[SIDES[0]]:.2f}x) | {100 * top1s[side]:.2f}% |"
-        )
-    print(
-        "\nseconds per round: "
-        + "; ".join(f"{side} " + ", ".join(f"{t:.2f}" for t in seconds[side]) for side in SIDES)
-    )
-    engines = inference_only(model_dir, val, args.batch_size)
-    print(
-        f"inference alone (one batch of {args.batch_size} decoded images, best of 3 runs): "
-        + ", ".join(
-            f"{side} {rate:.1f} images/s ({rate / engines[SIDES[0]]:.2f}x)"
-            for side, rate in engines.items()
-        )
-    )
-    drop = 100 * (top1s[SIDES[1]] - top1s[SIDES[2]])
-    verdicts = [
-        (f"ONNX Runtime fp32 >= {GOAL_FP32}x torch eager", ratios[SIDES[1]] >= GOAL_FP32),
-        (f"ONNX Runtime INT8 >= {GOAL_INT8:g}x torch eager", ratios[SIDES[2]] >= GOAL_INT8),
-        (f"INT8 top-1 drop <= {GOAL_DROP} points (measured {drop:.2f})", drop <= GOAL_DROP),
-    ]
-    print()
-    for goal, met in verdicts:
-        print(f"goal {goal}: {'met' if met else 'NOT MET'}")
-    if refused:
-        print(f"the quantize gate refused the INT8 model: {refused}")
-    return {"best": best, "ratios": ratios, "top1": top1s, "refused": refused}
+    return rates, ratios, {side: correct[side] / scored[side] for side in SIDES}
 
 
-def inference_only(model_dir: Path, images: Path, batch_size: int) -> dict[str, float]:
-    """images/s of each engine on one decoded batch, best of 3 runs after a warm-up run.
+def engines_alone(model_dir: Path, images: Path, runs: int) -> dict[str, list[float]]:
+    """images/s of each engine on one decoded batch: ``runs`` interleaved runs, after a warm-up.
 
-    Without decoding, the transform and the table, this is what the engines themselves add.
+    Without decoding, the transform and the table, this is what the engines themselves cost.
     """
-    import numpy as np
     import torch
 
     from models.directory import ONNX, ONNX_INT8, load_model_directory
@@ -341,7 +336,7 @@ def inference_only(model_dir: Path, images: Path, batch_size: int) -> dict[str, 
     model, info = load_model_directory(model_dir)
     transform = build_transform(info.transform, "inference")
     refs, _ = list_images(images)
-    x = torch.stack([transform(load_rgb(ref.file)) for ref in refs[:batch_size]])
+    x = torch.stack([transform(load_rgb(ref.file)) for ref in refs[:BATCH]])
     feed = {INPUT_NAME: x.numpy()}
     sessions = [inference_session(model_dir / name) for name in (ONNX, ONNX_INT8)]
     engines = {
@@ -349,17 +344,29 @@ def inference_only(model_dir: Path, images: Path, batch_size: int) -> dict[str, 
         SIDES[1]: lambda: sessions[0].run([OUTPUT_NAME], feed),
         SIDES[2]: lambda: sessions[1].run([OUTPUT_NAME], feed),
     }
-    rates = {}
+    rates: dict[str, list[float]] = {side: [] for side in SIDES}
     with torch.inference_mode():
-        for side, run in engines.items():
-            run()
-            times = []
-            for _ in range(3):
+        for call in engines.values():
+            call()
+        for _ in range(runs):
+            for side, call in engines.items():
                 start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            rates[side] = len(x) / float(np.min(times))
+                call()
+                rates[side].append(len(x) / (time.perf_counter() - start))
     return rates
+
+
+def forward_flops(size: int) -> float:
+    """FLOPs of one resnet18 (10 classes) forward pass on one ``size`` px image."""
+    import torch
+    import torchvision
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    counter = FlopCounterMode(display=False)
+    with torch.inference_mode(), counter:
+        model(torch.zeros(1, 3, size, size))
+    return float(counter.get_total_flops())
 
 
 def write_many(dest: Path, scans: list[Path], count: int) -> Path:
@@ -374,146 +381,250 @@ def write_many(dest: Path, scans: list[Path], count: int) -> Path:
     return dest
 
 
-def small_model(work: Path, size: int) -> Path:
-    """resnet18 (seeded weights, 10 classes) at ``size`` px, exported and quantized.
+def small_model(work: Path) -> Path:
+    """The scaling runs' model: untrained resnet18 at 32 px, exported and quantized.
 
-    Only its memory is measured, so it is not trained; the INT8 gate is opened wide and both
-    calibration and validation use 100 labeled digits.
+    Only its speed and memory are measured, so the INT8 gate is opened wide and both calibration
+    and validation use 100 labeled digits.
     """
-    import torch
-
-    from models.directory import ModelInfo, save_model_directory
-    from models.transform_spec import TransformSpec
-    from models.zoo import build_model, resnet
     from tasks.convert import convert
     from tasks.export import export_onnx
     from tasks.quantize import quantize
     from tasks.sample import write_digits
 
     digits = work / "small-digits"
-    convert(write_digits(work / "small-digits-raw", size=size, per_class=10), digits)
-    spec = resnet("resnet18", pretrained=False)
-    torch.manual_seed(0)
-    info = ModelInfo(
-        architecture=spec,
-        classes=[str(i) for i in range(10)],
-        transform=TransformSpec(resize_size=size, center_crop_size=size),
-    )
-    model = save_model_directory(work / "small-model", build_model(spec, 10), info)
+    raw = write_digits(work / "small-digits-raw", size=SCALING_SIZE, per_class=10)
+    convert(raw, digits)
+    model = untrained_model(work / "small-model", SCALING_SIZE)
     export_onnx(model, sample=digits)
     quantize(model, digits, digits, max_top1_drop=100.0)
     return model
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set size, in MB.
-
-    ``VmHWM`` is the high-water mark of this process's own memory map, which ``exec`` starts
-    afresh. ``ru_maxrss`` is not: Linux carries it across ``exec``, so a child of a big parent
-    (this benchmark holds a trained model) would report at least the parent's size.
-    """
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def memory_child(model: str, images: str, dest: str, quantized: str) -> None:
-    """In a fresh process: score, then print JSON with the peak RSS before and after (MB)."""
+def memory_child(model: str, images: str, dest: str, quantized: str) -> int:
+    """In a fresh process: score, then print JSON with RSS after imports, peak RSS (MB), seconds."""
     from tasks.score import score
 
     before = peak_rss_mb()
     start = time.perf_counter()
     score(Path(model), Path(images), Path(dest), quantized=quantized == "1")
     seconds = time.perf_counter() - start
-    peak = peak_rss_mb()
-    print(json.dumps({"before_mb": before, "peak_mb": peak, "seconds": seconds}))
-
-
-def memory(args: argparse.Namespace, work: Path) -> dict[str, float]:
-    """Peak RSS of score() over each of ``args.memory_images`` images, one subprocess each.
-
-    Returns the growth from the fewest to the most images, in MB, per model.
-    """
-    from tasks.sample import write_digits
-
-    counts = sorted(set(args.memory_images))
-    model = small_model(work, args.memory_size)
-    scans = sorted(write_digits(work / "scans", size=args.memory_size).rglob("*.png"))
-    folders = {n: write_many(work / f"images-{n}", scans, n) for n in counts}
-    print(
-        f"\nmemory: score() in a fresh process per row, {args.memory_size}x{args.memory_size} px "
-        "digits (the 1,797 scans again and again), batch 64, CSV; peak RSS (VmHWM) of that "
-        "process, and its RSS once imports were done\n"
-    )
-    print("| model | images | seconds | images/s | RSS after imports, MB | peak RSS, MB |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    growth = {}
-    for name, quantized in (("fp32", "0"), ("INT8", "1")):
-        peaks = {}
-        for count in counts:
-            command = [sys.executable, str(Path(__file__).resolve()), "--memory-child"]
-            command += [str(model), str(folders[count]), str(work / "memory.csv"), quantized]
-            child = subprocess.run(
-                command,
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            figures = json.loads(child.stdout.strip().splitlines()[-1])
-            peaks[count] = figures["peak_mb"]
-            print(
-                f"| {name} | {count:,} | {figures['seconds']:.1f} | "
-                f"{count / figures['seconds']:,.0f} | {figures['before_mb']:.0f} | "
-                f"{figures['peak_mb']:.0f} |"
-            )
-        growth[name] = peaks[counts[-1]] - peaks[counts[0]]
-    print()
-    for name, grew in growth.items():
-        met = "met" if grew <= GOAL_MEMORY_MB else "NOT MET"
-        print(
-            f"goal peak RSS at {counts[-1]:,} images within {GOAL_MEMORY_MB:.0f} MB of "
-            f"{counts[0]:,} ({name}): {grew:+.1f} MB, {met}"
-        )
-    return growth
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {len(os.sched_getaffinity(0))} usable core(s)"
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.memory_child:
-        memory_child(*args.memory_child)
-        return 0
-    import onnxruntime
-    import torch
-
-    began = time.perf_counter()
-    print(
-        f"machine: {machine()}; torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"onnxruntime {onnxruntime.__version__}; load average {load()}"
-    )
-    with tempfile.TemporaryDirectory(prefix="imageops-bench-") as tmp:
-        if "speed" in args.parts:
-            speed(args, Path(tmp))
-        if "memory" in args.parts and args.memory_images:
-            memory(args, Path(tmp))
-    print(f"\nload average {load()}; whole benchmark {time.perf_counter() - began:.0f} s")
+    print(json.dumps({"before_mb": before, "peak_mb": peak_rss_mb(), "seconds": seconds}))
     return 0
 
 
+def scaling(
+    work: Path, repeats: int, models: tuple[str, ...]
+) -> dict[tuple[str, int], list[dict[str, float]]]:
+    """score() over each of COUNTS images per model (fp32, INT8), ``repeats`` fresh processes each.
+
+    The repeats go round all the rows in turn, so a busy spell touches every row alike.
+    """
+    from tasks.sample import write_digits
+
+    began = time.perf_counter()
+    model = small_model(work)
+    scans = sorted(write_digits(work / "scans", size=SCALING_SIZE).rglob("*.png"))
+    folders = {n: write_many(work / f"images-{n}", scans, n) for n in COUNTS}
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for repeat in range(repeats):
+        for count in COUNTS:
+            for name in models:
+                quantized = "1" if name == "INT8" else "0"
+                command = [sys.executable, "-m", "bench.score_speed", CHILD, str(model)]
+                command += [str(folders[count]), str(work / "scaling.csv"), quantized]
+                child = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+                if child.returncode != 0:
+                    raise RuntimeError(f"{' '.join(command)} failed:\n{child.stderr[-3000:]}")
+                figures = json.loads(child.stdout.strip().splitlines()[-1])
+                runs.setdefault((name, count), []).append(figures)
+                print(
+                    f"scaling {repeat + 1}/{repeats}: {name} {count:,} images, "
+                    f"{count / figures['seconds']:,.0f} images/s, "
+                    f"peak RSS {figures['peak_mb']:.0f} MB ({time.perf_counter() - began:.0f} s)",
+                    flush=True,
+                )
+    return runs
+
+
+def verdict(met: bool) -> str:
+    """A goal's verdict; a missed one in bold, so it stands out in the document."""
+    return "met" if met else "**NOT MET**"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith("s") else "s")
+
+
+def run(full: bool, work: Path) -> Section:
+    """The whole benchmark: engines end to end and alone, then scaling; one Section."""
+    import onnxruntime
+    import torch
+
+    plan = FULL if full else QUICK
+    model_dir, val, quarters, notes = prepare(plan, work)
+    rates, ratios, top1 = compare(model_dir, val, quarters, plan.passes, work)
+    began = time.perf_counter()
+    alone = engines_alone(model_dir, val, plan.engine_runs)
+    flops = forward_flops(plan.size)
+    print(f"engines alone ({time.perf_counter() - began:.0f} s)", flush=True)
+    runs = scaling(work, plan.repeats, plan.scaling_models)
+
+    rounds = plan.passes * QUARTERS
+    engine_table = Table(
+        ["engine", "images/s", "vs torch eager (per-round ratios)", "top-1"],
+        [
+            [
+                label,
+                Stat(rates[side], "images/s"),
+                Stat(ratios[side], "x") if side != SIDES[0] else "1.00x",
+                f"{100 * top1[side]:.2f}%",
+            ]
+            for side, label in zip(SIDES, LABELS, strict=True)
+        ],
+        title=f"End to end: decoding, transform and scoring of {plan.size} px images, "
+        f"{rounds} rounds",
+    )
+    alone_ratios = {
+        side: [r / e for e, r in zip(alone[SIDES[0]], alone[side], strict=True)] for side in SIDES
+    }
+    alone_table = Table(
+        ["engine", "images/s", "vs torch eager (per-run ratios)"],
+        [
+            [side, Stat(alone[side], "images/s"), Stat(alone_ratios[side], "x")]
+            if side != SIDES[0]
+            else [side, Stat(alone[side], "images/s"), "1.00x"]
+            for side in SIDES
+        ],
+        title=f"Engines alone: one decoded batch of {BATCH} at {plan.size} px, "
+        f"{plan.engine_runs} interleaved runs",
+    )
+    models = plan.scaling_models
+    speed = {
+        key: Stat([key[1] / s["seconds"] for s in samples], "images/s")
+        for key, samples in runs.items()
+    }
+    before = {key: Stat([s["before_mb"] for s in samples], "MB") for key, samples in runs.items()}
+    peak = {key: Stat([s["peak_mb"] for s in samples], "MB") for key, samples in runs.items()}
+    rows: list[list[str | float | int | Stat]] = [
+        [name, count, speed[name, count], before[name, count], peak[name, count]]
+        for name in models
+        for count in COUNTS
+    ]
+    scaling_table = Table(
+        ["model", "images", "images/s", "RSS after imports", "peak RSS"],
+        rows,
+        title=f"Scaling: `score()` at {SCALING_SIZE} px, batch {BATCH}, CSV, a fresh process "
+        f"per run, n={plan.repeats} per row",
+    )
+    growth = {
+        name: Stat(
+            [
+                b - a
+                for a, b in zip(
+                    peak[name, COUNTS[0]].samples, peak[name, COUNTS[-1]].samples, strict=True
+                )
+            ],
+            "MB",
+        )
+        for name in models
+    }
+    x = [float(count) for count in COUNTS]
+    plot = Plot(
+        file="bench-score.png",
+        title=f"score() at {SCALING_SIZE} px, a fresh process per run (n={plan.repeats})",
+        x_label="images",
+        panels=[
+            (label, [Series(name, x, [stats[name, c] for c in COUNTS]) for name in models])
+            for label, stats in (("images/s", speed), ("peak RSS (MB)", peak))
+        ],
+    )
+    what = f"scoring resnet18 {plan.size}px"
+    figures = {
+        f"flops/fp32/{what} (ONNX Runtime fp32, engine only)": Stat(
+            [r * flops for r in alone[SIDES[1]]], "FLOP/s"
+        ),
+        f"flops/fp32/{what} (ONNX Runtime fp32 score(), decoding included)": Stat(
+            [r * flops for r in rates[SIDES[1]]], "FLOP/s"
+        ),
+        f"flops/fp32/{what} (torch eager fp32, engine only)": Stat(
+            [r * flops for r in alone[SIDES[0]]], "FLOP/s"
+        ),
+    }
+
+    setup = " ".join(notes)
+    if not plan.train:
+        setup = (
+            "Quick mode (the default) skips the accuracy part: resnet18 is not trained (an "
+            "untrained one scores at the same speed, but its top-1 is chance, so top-1 means "
+            "something only with `--full`), the INT8 gate is opened wide, and only the fp32 "
+            "model is timed at scale (`--full`: INT8 too). " + setup
+        )
+    method = (
+        f"{torch.get_num_threads()} torch threads, onnxruntime {onnxruntime.__version__}. "
+        f"End to end, batch {BATCH}: torch eager fp32 (`model.eval()`, `torch.inference_mode()`, "
+        "the same `load_rgb` and transform as `score`), ONNX Runtime fp32 (`tasks.score.score`, "
+        "session start-up and the CSV included) and ONNX Runtime INT8 (`score(..., "
+        f"quantized=True)`). The validation images are split in {QUARTERS} stratified quarters; "
+        f"after an untimed torch warm-up, each of {rounds} rounds "
+        f"({plural(plan.passes, 'pass')} over the quarters) has every engine score one quarter, "
+        "one right after the other: images/s "
+        "of the rounds, the ratio to torch eager of each round, top-1 over all rounds. The "
+        f"engines alone: one decoded batch, {plan.engine_runs} interleaved runs after a warm-up. "
+        f"FLOP/s (the ceiling table): images/s times {flops / 1e9:.2f} GFLOPs, the forward pass "
+        f"of resnet18 (10 classes) on one {plan.size} px image by `torch.utils.flop_counter`; "
+        "INT8 is not set against the fp32 or bf16 peaks."
+    )
+    repeats = (
+        f"{plan.repeats} runs per row, the repeats going round all the rows in turn"
+        if plan.repeats > 1
+        else f"one run per row (`--full`: {FULL.repeats})"
+    )
+    scale = (
+        f"Scaling: `score()` over {', '.join(f'{c:,}' for c in COUNTS)} images (the 1,797 digit "
+        f"scans at {SCALING_SIZE}x{SCALING_SIZE} px linked again and again into one folder), "
+        f"batch {BATCH}, CSV, with an untrained resnet18 at {SCALING_SIZE} px in "
+        f"{' and '.join(models)}; "
+        "each run in a fresh subprocess that reports its images/s, its RSS once imports are done "
+        "and its peak RSS (`VmHWM`, not `ru_maxrss`, which Linux carries over `exec` from the "
+        f"parent); {repeats}."
+    )
+    drop = 100 * (top1[SIDES[1]] - top1[SIDES[2]])
+    median = {side: Stat(ratios[side]).median for side in SIDES}
+    goals = [
+        f"ONNX Runtime fp32 >= {GOAL_FP32}x torch eager end to end: "
+        f"{verdict(median[SIDES[1]] >= GOAL_FP32)} ({median[SIDES[1]]:.2f}x at {plan.size} px)",
+        f"INT8 >= {GOAL_INT8:g}x: {verdict(median[SIDES[2]] >= GOAL_INT8)} "
+        f"({median[SIDES[2]]:.2f}x)",
+    ]
+    if plan.train:
+        goals.append(
+            f"INT8 top-1 drop <= {GOAL_DROP} points: {verdict(drop <= GOAL_DROP)} "
+            f"({drop:.2f} points)"
+        )
+    goals.append(
+        f"peak RSS at {COUNTS[-1]:,} images within {GOAL_MEMORY_MB:.0f} MB of {COUNTS[0]:,}: "
+        + ", ".join(
+            f"{name} {verdict(growth[name].median <= GOAL_MEMORY_MB)} "
+            f"(grew {growth[name].format()})"
+            for name in models
+        )
+    )
+    goal_text = "Goals (medians): " + "; ".join(goals) + "."
+    if not plan.train:
+        goal_text += " The top-1 goal needs `--full`, which trains the model first."
+    return Section(
+        key="score",
+        title="Score Image Model: torch eager vs ONNX Runtime fp32 vs INT8, and at scale",
+        command=f"python -m bench.score_speed{' --full' if full else ''}",
+        text=[setup, method, scale, goal_text],
+        tables=[engine_table, alone_table, scaling_table],
+        plots=[plot],
+        figures=figures,
+    )
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == [CHILD]:
+        sys.exit(memory_child(*sys.argv[2:]))
+    sys.exit(run_main(run, __doc__.split("\n\n")[0]))

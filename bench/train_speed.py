@@ -1,118 +1,110 @@
-"""Train PyTorch Model: images/s of our training step against a plain PyTorch loop, in one process.
+"""Train PyTorch Model: images/s of our training step vs a plain PyTorch loop, and 1 vs 2 processes.
 
-Usage: ``python bench/train_speed.py [--archs resnet18 resnet50] [--batch-size 16] [--iters 5]``
-(``--help`` lists the rest: ``--size``, ``--precision``, the accuracy part's options).
+Usage: ``python -m bench.train_speed [--full] [--json PATH]``
 
-On the same images (scikit-learn's handwritten digits upscaled to 224x224, or ``--size``, as an
-ImageDirectory), the same network, batch size and image size, it times
+1. **Loop comparison**, in one process, at 224 px (scikit-learn's handwritten digits upscaled, as
+   an ImageDirectory), batch 16, the same network and images for both sides:
 
-- ``plain``: the loop every PyTorch tutorial writes: torchvision ImageFolder + ToTensor + Normalize,
-  a DataLoader, the model in NCHW and float32, SGD with momentum;
-- ``imageops``: the code the torchrun worker runs, called in-process as a world of one: the
-  worker's model and optimizer set-up (channels-last), the training loader
-  (:func:`tasks.train.data.training_loader`), the precision ``auto`` resolves to on this machine
-  (or ``--precision``), and :func:`tasks.train.loop.train_one_epoch`, which reports the images/s.
+   - ``plain``: the loop every PyTorch tutorial writes: torchvision ImageFolder + ToTensor +
+     Normalize, a DataLoader, the model in NCHW and float32, SGD with momentum;
+   - ``imageops``: the torchrun worker's own code called in-process as a world of one: its model
+     and optimizer set-up (channels-last, fused SGD), its training loader and
+     :func:`tasks.train.loop.train_one_epoch` under autocast in the precision ``auto`` resolves
+     to on this machine (bf16 on a CPU that computes it natively).
 
-Each side runs ``--warmup`` iterations (oneDNN builds its kernels on the first calls), then
-``--iters`` timed iterations, data loading included; sides alternate over ``--rounds`` rounds and
-the best round of each counts (the one least disturbed by anything else on the machine).
+   After a few untimed warm-up steps (oneDNN builds its kernels on the first calls), each round
+   times a few steps of each loop, data loading included, one right after the other; "vs plain"
+   is the per-round ratio. GFLOP/s counts a training step as 3x the forward FLOPs of
+   :class:`torch.utils.flop_counter.FlopCounterMode` (the backward pass computes gradients for
+   both inputs and weights); the runner sets them against the matmul peak of ``bench.ceiling``.
 
-It also measures the machine's matrix-multiply peak in float32 and bfloat16 (square ``torch.matmul``
-of ``--matmul-size``), counts each network's forward FLOPs with
-:class:`torch.utils.flop_counter.FlopCounterMode` (a training step is about 3x the forward: the
-backward pass computes gradients for both inputs and weights), and prints each loop's FLOP/s as a
-fraction of the peak of the precision it computes in.
+2. **Scaling**: training images/s with 1 and 2 processes, through the real launcher
+   (:func:`tasks.train.launch.train`: ``torchrun --standalone``, DDP over gloo, an MLflow run per
+   launch) on the same small-image data and settings. The figure is the rate the worker reports
+   for its last epoch (``train/images_per_sec``: every rank's images over the slowest rank's
+   time), which leaves out torchrun's start-up, validation and the first epoch's warm-up. Launches
+   alternate between 1 and 2 processes; efficiency is the per-round 2-process rate over twice the
+   1-process rate.
 
-Last, unless ``--accuracy-epochs 0``, it trains the digits demo (resnet18 from scratch at 32x32,
-or ``--accuracy-size``; the seed's default parameters, one process) once in fp32 and once in bf16
-(asked for: ``auto`` keeps inputs under 64 px in fp32), through
-:func:`tasks.train.worker.train_worker`, and prints both validation top-1 values: bf16 must not
-cost accuracy.
+3. **Accuracy** (``--full`` only): the digits demo (resnet18 from scratch at 32 px, 5 epochs, one
+   process, the seed's parameters otherwise) trained in fp32 and in bf16 for a few seeds through
+   :func:`tasks.train.worker.train_worker`: bf16 must not cost validation top-1.
 
-Run it on a quiet machine; it prints the load average before and after. The default run takes
-about 3 to 4 minutes on 2 cores.
+The quick default (resnet18 only, fewer rounds and launches, no accuracy check) takes about 2.5
+minutes on 2 quiet cores; ``--full`` adds resnet50, more rounds, launches and images, and the
+accuracy check. Run it on a quiet machine: a neighbour on one core slows a 2-thread process far
+more than its share.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
+import json
 import logging
 import os
-import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-# `python bench/train_speed.py` puts bench/ on sys.path, not the project root.
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):  # `python bench/train_speed.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torchvision  # noqa: E402
-from torch.utils.data import DataLoader, Subset  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-from torchvision import transforms  # noqa: E402
+from bench.report import Plot, Section, Series, Stat, Table, run_main, usable_cores
 
-from models.transform_spec import TransformSpec  # noqa: E402
-from models.zoo import resnet  # noqa: E402
-from tasks.imagedir import read_manifest  # noqa: E402
-from tasks.train.data import ManifestImageFolder, training_loader  # noqa: E402
-from tasks.train.loop import train_one_epoch  # noqa: E402
-from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision  # noqa: E402
-from tasks.train.schedule import build_scheduler  # noqa: E402
-from tasks.train.worker import build_optimizer, configure_backends, prepare_model  # noqa: E402
-from tasks.transform import build_transform  # noqa: E402
-
-SIZE = 224  # the issue's image size; --size changes it
+SIZE = 224  # the issue's image size for the loop comparison
+BATCH = 16
 CLASSES = 10
 LEARNING_RATE = 0.001
 MOMENTUM = 0.9
+SCALE_SIZE = 64  # small images: a launch's epochs stay short (from 64 px CPU runs use bf16)
+SCALE_PROCESSES = (1, 2)
+ACCURACY_SIZE = 32  # the digits demo's size
+ACCURACY_EPOCHS = 5
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--archs", nargs="*", default=["resnet18", "resnet50"], help="none: accuracy only"
-    )
-    parser.add_argument("--batch-size", type=int, default=16, help="images per step (16)")
-    parser.add_argument("--size", type=int, default=SIZE, help=f"image side, px ({SIZE})")
-    parser.add_argument(
-        "--precision",
-        choices=("auto", "fp32", "bf16"),
-        default="auto",
-        help="imageops loop's precision (auto: what training picks at --size)",
-    )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
-    parser.add_argument("--iters", type=int, default=5, help="timed steps per round (5)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds, best kept (2)")
-    parser.add_argument("--matmul-size", type=int, default=2048, help="side of the matmul (2048)")
-    parser.add_argument(
-        "--accuracy-epochs", type=int, default=5, help="digits demo epochs per precision; 0: skip"
-    )
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[1], help="digits demo random seeds (1)"
-    )
-    parser.add_argument(
-        "--accuracy-size", type=int, default=32, help="digits demo image side, px (32)"
-    )
-    args = parser.parse_args(argv)
-    for name in ("batch_size", "size", "warmup", "iters", "rounds", "matmul_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.accuracy_epochs < 0:
-        parser.error("--accuracy-epochs must be >= 0")
-    if args.accuracy_size < 32:
-        parser.error("--accuracy-size must be >= 32 (bf16 on CPU needs 32 px or more)")
-    return args
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure: the quick default or ``--full``."""
+
+    archs: tuple[str, ...]
+    warmup: int  # untimed steps per loop before the first round
+    rounds: int  # alternating rounds of the loop comparison
+    steps: int  # timed steps per loop and round
+    scale_rounds: int  # launches per world size, alternating
+    # Training images of a scaling launch (plus 1/8 as many to validate); a multiple of 320:
+    # 10 classes x 8/9, and whole batches of 16 for each of 2 processes.
+    scale_images: int
+    scale_epochs: int  # the last one's rate counts
+    accuracy_seeds: tuple[int, ...]  # empty: no accuracy check
+
+
+QUICK = Plan(
+    archs=("resnet18",),
+    warmup=2,
+    rounds=3,
+    steps=4,
+    scale_rounds=2,
+    scale_images=320,
+    scale_epochs=2,
+    accuracy_seeds=(),
+)
+FULL = Plan(
+    archs=("resnet18", "resnet50"),
+    warmup=2,
+    rounds=5,
+    steps=8,
+    scale_rounds=5,
+    scale_images=960,
+    scale_epochs=2,
+    accuracy_seeds=(1, 2, 3),
+)
 
 
 def make_images(root: Path, count: int, size: int) -> Path:
-    """An ImageDirectory of ``count`` real digits (all 10 classes) upscaled to ``size`` px."""
+    """An ImageDirectory of at least ``count`` real digits (all 10 classes) at ``size`` px."""
     from tasks.convert import convert
     from tasks.sample import write_digits
 
@@ -121,23 +113,12 @@ def make_images(root: Path, count: int, size: int) -> Path:
     return root / "images"
 
 
-def matmul_peak(dtype: torch.dtype, n: int, seconds: float = 2.0) -> float:
-    """Best FLOP/s of an n x n x n ``torch.matmul`` in ``dtype`` over about ``seconds``."""
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=generator).to(dtype)
-    b = torch.randn(n, n, generator=generator).to(dtype)
-    for _ in range(2):
-        torch.matmul(a, b)
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
 def forward_flops(arch: str, size: int) -> int:
     """FLOPs of one forward pass of ``arch`` on one ``size`` x ``size`` image."""
+    import torch
+    import torchvision
+    from torch.utils.flop_counter import FlopCounterMode
+
     model = torchvision.models.get_model(arch, num_classes=CLASSES).eval()
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
@@ -145,8 +126,15 @@ def forward_flops(arch: str, size: int) -> int:
     return counter.get_total_flops()
 
 
-def plain_loop(arch: str, root: Path, batch_size: int) -> Callable[[int], float]:
+def plain_loop(arch: str, root: Path) -> Callable[[int], float]:
     """The tutorial loop; returns ``run(steps) -> images/s`` over that many steps."""
+    import torch
+    import torchvision
+    from torch.utils.data import DataLoader, Subset
+    from torchvision import transforms
+
+    from models.transform_spec import TransformSpec
+
     torch.manual_seed(0)
     model = torchvision.models.get_model(arch, num_classes=CLASSES)
     spec = TransformSpec()
@@ -160,9 +148,7 @@ def plain_loop(arch: str, root: Path, batch_size: int) -> Callable[[int], float]
     criterion = torch.nn.CrossEntropyLoss()
 
     def run(steps: int) -> float:
-        loader = DataLoader(
-            Subset(dataset, range(steps * batch_size)), batch_size=batch_size, shuffle=True
-        )
+        loader = DataLoader(Subset(dataset, range(steps * BATCH)), batch_size=BATCH, shuffle=True)
         model.train()
         start = time.perf_counter()
         for images, targets in loader:
@@ -170,21 +156,32 @@ def plain_loop(arch: str, root: Path, batch_size: int) -> Callable[[int], float]
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        return steps * batch_size / (time.perf_counter() - start)
+        return steps * BATCH / (time.perf_counter() - start)
 
     return run
 
 
-def our_loop(
-    arch: str, root: Path, batch_size: int, precision: str, size: int
-) -> Callable[[int], float]:
+def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
     """The worker's training step, in-process; returns ``run(steps) -> images/s``."""
+    import torch
+    from torch.utils.data import Subset
+
+    from models.transform_spec import TransformSpec
+    from models.zoo import resnet
+    from tasks.imagedir import read_manifest
+    from tasks.train.data import ManifestImageFolder, training_loader
+    from tasks.train.loop import train_one_epoch
+    from tasks.train.precision import Amp
+    from tasks.train.schedule import build_scheduler
+    from tasks.train.worker import build_optimizer, configure_backends, prepare_model
+    from tasks.transform import build_transform
+
     device = torch.device("cpu")
     configure_backends(device)
     # Resize and center crop are no-ops on images already this size, as in plain_loop.
-    spec = TransformSpec(resize_size=size, center_crop_size=size, random_horizontal_flip=False)
+    spec = TransformSpec(resize_size=SIZE, center_crop_size=SIZE, random_horizontal_flip=False)
     dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
-    amp = Amp.for_run(device.type, precision, size)  # type: ignore[arg-type]
+    amp = Amp.for_run(device.type, precision, SIZE)  # type: ignore[arg-type]
     model = prepare_model(resnet(arch, pretrained=False), CLASSES, device, seed=1, amp=amp)
     optimizer = build_optimizer(model, LEARNING_RATE)
     scaler = amp.grad_scaler()
@@ -195,8 +192,8 @@ def our_loop(
 
     def run(steps: int) -> float:
         loader, sampler = training_loader(
-            Subset(dataset, range(steps * batch_size)),
-            batch_size=batch_size,
+            Subset(dataset, range(steps * BATCH)),
+            batch_size=BATCH,
             seed=1,
             rank=0,
             world_size=1,
@@ -224,33 +221,232 @@ def our_loop(
     return run
 
 
-def digits_top1(
-    root: Path, precision: str, epochs: int, seed: int, size: int
-) -> tuple[float, list[float], float]:
-    """The digits demo trained by the worker in-process with ``seed``, at ``size`` px.
+def compare_loops(
+    plan: Plan, precision: str, work: Path
+) -> tuple[Table, dict[str, Stat], dict[str, float]]:
+    """Both loops for each architecture, alternating per round.
 
-    Returns (best validation top-1, top-1 of each epoch, seconds).
+    Returns the table, the ``flops/...`` figures and each architecture's forward GFLOPs.
     """
-    from flows.config import DEMO_TRANSFORM
+    images = make_images(work / "loops", max(plan.warmup, plan.steps) * BATCH, SIZE)
+    rows: list[list[str | float | int | Stat]] = []
+    figures: dict[str, Stat] = {}
+    forward: dict[str, float] = {}
+    for arch in plan.archs:
+        flops = forward_flops(arch, SIZE)
+        forward[arch] = flops / 1e9
+        loops = {"plain": plain_loop(arch, images), "imageops": our_loop(arch, images, precision)}
+        for run in loops.values():
+            run(plan.warmup)
+        rates: dict[str, list[float]] = {name: [] for name in loops}
+        for round_ in range(plan.rounds):  # a busy spell slows both sides of a round alike
+            for name, run in loops.items():
+                rates[name].append(run(plan.steps))
+            print(
+                f"{arch} round {round_ + 1}/{plan.rounds}: plain {rates['plain'][-1]:.1f}, "
+                f"imageops {rates['imageops'][-1]:.1f} images/s",
+                flush=True,
+            )
+        ratio = Stat([o / p for p, o in zip(rates["plain"], rates["imageops"], strict=True)], "x")
+        for name, dtype, versus in (
+            ("plain", "fp32", "1.00x"),
+            ("imageops", precision, ratio),
+        ):
+            achieved = [3 * flops * rate for rate in rates[name]]
+            rows.append(
+                [
+                    arch,
+                    name,
+                    dtype,
+                    Stat(rates[name], "images/s"),
+                    Stat([v / 1e9 for v in achieved], "GFLOP/s"),
+                    versus,
+                ]
+            )
+            label = "imageops" if name == "imageops" else "plain loop"
+            figures[f"flops/{dtype}/training {arch} {SIZE}px ({label})"] = Stat(achieved, "FLOP/s")
+    table = Table(["arch", "loop", "precision", "images/s", "GFLOP/s", "vs plain"], rows)
+    return table, figures, forward
+
+
+def threads_per_process(processes: int) -> int:
+    """Threads each training process computes with, by torchrun's rule.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` for every worker when it starts more than one per node
+    and the variable is unset; a single worker keeps torch's default (one per core).
+    """
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return 1 if processes > 1 else torch.get_num_threads()
+
+
+@dataclass
+class Scaling:
+    """What the scaling launches measured, and on what."""
+
+    rates: dict[int, list[float]]  # per world size, in launch order: round r is rates[n][r]
+    precision: str  # what the launcher resolved ``auto`` to
+    train_images: int
+    val_images: int
+
+
+def threads_note() -> str:
+    """The threads each process of the scaling runs computes with, in words."""
+    cores = usable_cores()
+    one, two = threads_per_process(1), threads_per_process(2)
+    if "OMP_NUM_THREADS" in os.environ:
+        why = f"`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}` is set"
+    else:
+        why = f"1 process keeps torch's default ({one}); with 2, torchrun sets `OMP_NUM_THREADS=1`"
+    note = (
+        f"Threads per process: {why}, so it is 1 x {one} against 2 x {two} threads on "
+        f"{cores} usable cores; the efficiency includes DDP's gradient all-reduce."
+    )
+    if one >= cores:  # the second process brings no core of its own
+        note += (
+            " One process already computes on every core, so 2 processes share the same cores: "
+            "about 50% is the expected efficiency here, and the ideal (linear) line is what 2 "
+            "processes with cores of their own would reach."
+        )
+    return note
+
+
+def scaling(plan: Plan, work: Path) -> Scaling:
+    """Launch real torchrun trainings with 1 and 2 processes; each launch's last-epoch images/s."""
+    from models.transform_spec import TransformSpec
+    from models.zoo import resnet, write_untrained
     from tasks.convert import convert
+    from tasks.imagedir import read_manifest
+    from tasks.sample import write_digits
+    from tasks.settings import Settings
+    from tasks.split import split
+    from tasks.train.launch import train
+    from tasks.train.loop import THROUGHPUT
+    from tasks.train.params import TrainParams
+
+    root = work / "scaling"
+    settings = Settings(project_root=root / "project", home=Path(".imageops")).apply()
+    # Per class 8/9 to train, 1/9 to validate: exactly scale_images training images.
+    per_class = plan.scale_images // CLASSES * 9 // 8
+    raw = write_digits(root / "raw", size=SCALE_SIZE, per_class=per_class)
+    convert(raw, root / "images")
+    split(root / "images", root / "train", root / "val", fraction=8 / 9, seed=1)
+    untrained = write_untrained(resnet("resnet18", pretrained=False), root / "untrained")
+    transform = TransformSpec(
+        resize_size=SCALE_SIZE, center_crop_size=SCALE_SIZE, random_horizontal_flip=False
+    )
+    rates: dict[int, list[float]] = {n: [] for n in SCALE_PROCESSES}
+    precision = ""
+    for round_ in range(plan.scale_rounds):
+        # Alternate which world size goes first, so a slow spell does not favour one of them.
+        order = SCALE_PROCESSES if round_ % 2 == 0 else SCALE_PROCESSES[::-1]
+        for processes in order:
+            params = TrainParams(
+                epochs=plan.scale_epochs,
+                batch_size=BATCH,
+                learning_rate=LEARNING_RATE,
+                seed=1,
+                device="cpu",
+                precision="auto",
+                nproc_per_node=processes,
+                print_frequency=10**6,
+            )
+            output = io.StringIO()
+            began = time.perf_counter()
+            try:
+                with contextlib.redirect_stdout(output):  # torchrun's and the workers' lines
+                    result = train(
+                        untrained,
+                        root / "train",
+                        root / "val",
+                        root / f"model-{processes}-{round_}",
+                        params,
+                        transform=transform,
+                        settings=settings,
+                    )
+            except BaseException:
+                print(output.getvalue()[-4000:], flush=True)
+                raise
+            rate = result.history[-1][THROUGHPUT]
+            rates[processes].append(rate)
+            precision = json.loads((result.run_dir / "config.json").read_text())["precision"]
+            print(
+                f"scaling round {round_ + 1}/{plan.scale_rounds}, {processes} process(es): "
+                f"{rate:.1f} images/s (launch {time.perf_counter() - began:.0f} s)",
+                flush=True,
+            )
+    return Scaling(
+        rates,
+        precision,
+        len(read_manifest(root / "train").images),
+        len(read_manifest(root / "val").images),
+    )
+
+
+def scaling_parts(rates: dict[int, list[float]]) -> tuple[Table, Plot]:
+    """The scaling table and plot; efficiency is per round: rate(2) / (2 x rate(1))."""
+    one = rates[1]
+    rows: list[list[str | float | int | Stat]] = []
+    for n in SCALE_PROCESSES:
+        efficiency: str | Stat = (
+            "100% (the reference)"
+            if n == 1
+            else Stat([100 * r / (n * b) for b, r in zip(one, rates[n], strict=True)], "%")
+        )
+        rows.append(
+            [
+                n,
+                Stat(rates[n], "images/s"),
+                Stat([r / n for r in rates[n]], "images/s"),
+                efficiency,
+            ]
+        )
+    table = Table(["processes", "images/s", "per process", "efficiency"], rows)
+    xs = [float(n) for n in SCALE_PROCESSES]
+    plot = Plot(
+        file="bench-train.png",
+        title=f"Training resnet18 at {SCALE_SIZE} px through torchrun (gloo), CPU",
+        x_label="processes",
+        panels=[
+            (
+                "images/s",
+                [
+                    Series("measured", xs, [Stat(rates[n], "images/s") for n in SCALE_PROCESSES]),
+                    Series(
+                        "ideal (linear)",
+                        xs,
+                        [Stat([n * b for b in one], "images/s") for n in SCALE_PROCESSES],
+                    ),
+                ],
+            )
+        ],
+    )
+    return table, plot
+
+
+def digits_top1(root: Path, precision: str, seed: int) -> float:
+    """Best validation top-1 of the digits demo trained by the worker in-process with ``seed``."""
+    from flows.config import DEMO_TRANSFORM
+    from models.zoo import resnet
+    from tasks.convert import convert
+    from tasks.imagedir import read_manifest
     from tasks.sample import write_digits
     from tasks.split import split
     from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
     from tasks.train.worker import train_worker
 
-    data = root / f"digits{size}"
+    data = root / "digits"
     if not (data / "train").is_dir():
-        convert(write_digits(data / "raw", size=size), data / "images")
+        convert(write_digits(data / "raw", size=ACCURACY_SIZE), data / "images")
         split(data / "images", data / "train", data / "val", fraction=0.9, seed=1)
-    run = root / f"run-{size}-{precision}-{seed}"
-    # The demo's transform (resize and center crop, no flip) at this size.
-    sizes = ("resize_size", "center_crop_size", "random_resized_crop_size", "random_crop_size")
-    transform = DEMO_TRANSFORM.model_copy(update=dict.fromkeys(sizes, size))
+    run = root / f"run-{precision}-{seed}"
     config = RunConfig(
-        params=TrainParams(epochs=epochs, seed=seed, device="cpu", precision=precision),
+        params=TrainParams(epochs=ACCURACY_EPOCHS, seed=seed, device="cpu", precision=precision),
         architecture=resnet("resnet18", pretrained=False),
         classes=read_manifest(data / "train").classes,
-        transform=transform,
+        transform=DEMO_TRANSFORM,
         train_data=data / "train",
         val_data=data / "val",
         data_fingerprint={role: manifest_fingerprint(data / role) for role in ("train", "val")},
@@ -260,112 +456,91 @@ def digits_top1(
         precision=precision,
         world_size=1,
     )
-    start = time.perf_counter()
     # The worker logs every 10 iterations to stdout; its rank_0.log keeps them.
     with contextlib.redirect_stdout(io.StringIO()):
         result = train_worker(config)
-    history = [epoch["val/top1"] for epoch in result["history"]]
-    return result["metrics"]["val/top1"], history, time.perf_counter() - start
+    return result["metrics"]["val/top1"]
 
 
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def speed_table(args: argparse.Namespace, precision: str, root: Path) -> None:
-    """Time both loops for each of ``args.archs`` and print the table (Markdown).
-
-    The matmul peak is measured before and after the loops and the higher value kept: a peak
-    taken while something else had a core would make every fraction of it look too good.
-    """
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    peaks = {name: matmul_peak(dtype, args.matmul_size) for name, dtype in dtypes.items()}
-    images = make_images(root, max(args.warmup, args.iters) * args.batch_size, args.size)
-    rows = []
-    for arch in args.archs:
-        flops = 3 * forward_flops(arch, args.size)
-        loops = {
-            "plain": (plain_loop(arch, images, args.batch_size), "fp32"),
-            "imageops": (
-                our_loop(arch, images, args.batch_size, precision, args.size),
-                precision,
-            ),
-        }
-        best = dict.fromkeys(loops, 0.0)
-        for run, _ in loops.values():
-            run(args.warmup)
-        for _ in range(args.rounds):  # alternating: a busy spell slows both sides alike
-            for name, (run, _) in loops.items():
-                best[name] = max(best[name], run(args.iters))
-        for name, (_, dtype) in loops.items():
-            rate = best[name] * flops
-            rows.append((arch, name, dtype, best[name], rate, best["plain"]))
-    for name, dtype in dtypes.items():
-        peaks[name] = max(peaks[name], matmul_peak(dtype, args.matmul_size))
-    print(
-        f"matmul peak ({args.matmul_size}^3, best before/after): fp32 "
-        f"{peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s"
-    )
-    print(
-        f"\ntraining step, batch {args.batch_size}, {args.size}x{args.size}, best of {args.rounds} "
-        f"rounds of {args.iters} steps (after {args.warmup} warm-up steps)"
-    )
-    header = ("arch", "loop", "precision", "images/s", "GFLOP/s", "of peak", "vs plain")
-    print("| " + " | ".join(header) + " |")
-    print("|" + " --- |" * len(header))
-    for arch, name, dtype, images_per_sec, flops_per_sec, plain in rows:
-        print(
-            f"| {arch} | {name} | {dtype} | {images_per_sec:.1f} | {flops_per_sec / 1e9:.0f} | "
-            f"{100 * flops_per_sec / peaks[dtype]:.0f}% of {dtype} | "
-            f"{images_per_sec / plain:.2f}x |"
-        )
-
-
-def accuracy(args: argparse.Namespace, precisions: tuple[str, ...], root: Path) -> None:
-    """Train the digits demo in each precision for each of ``args.seeds``; print top-1."""
-    print(
-        f"\ndigits demo (resnet18, {args.accuracy_size}x{args.accuracy_size}, "
-        f"{args.accuracy_epochs} epochs, the seed's defaults "
-        "otherwise, 1 process): best validation top-1 (each epoch's)"
-    )
-    for seed in args.seeds:
+def accuracy(seeds: tuple[int, ...], precisions: tuple[str, ...], work: Path) -> Table:
+    """The digits demo in each precision for each seed; bf16's cost is a per-seed difference."""
+    top1: dict[str, list[float]] = {p: [] for p in precisions}
+    for seed in seeds:
         for precision in precisions:
-            top1, history, seconds = digits_top1(
-                root, precision, args.accuracy_epochs, seed, args.accuracy_size
-            )
-            epochs = ", ".join(f"{100 * value:.2f}" for value in history)
-            print(f"  seed {seed} {precision}: {100 * top1:.2f}% ({epochs}) in {seconds:.0f} s")
+            top1[precision].append(100 * digits_top1(work / "accuracy", precision, seed))
+            print(f"accuracy seed {seed} {precision}: {top1[precision][-1]:.2f}%", flush=True)
+    rows: list[list[str | float | int | Stat]] = []
+    for precision in precisions:
+        versus: str | Stat = (
+            "0 (the reference)"
+            if precision == "fp32"
+            else Stat([b - f for f, b in zip(top1["fp32"], top1[precision], strict=True)], "pp")
+        )
+        rows.append([precision, Stat(top1[precision], "%"), versus])
+    return Table(["precision", "best validation top-1", "vs fp32 (same seed)"], rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    began = time.perf_counter()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    precision = resolve_precision(args.precision, "cpu", args.size)
+def run(full: bool, work: Path) -> Section:
+    import torch
+
+    from tasks.train.precision import cpu_bf16_speedup, resolve_precision
+
+    plan = FULL if full else QUICK
+    threads = torch.get_num_threads()
+    precision = resolve_precision("auto", "cpu", SIZE)
     speedup = cpu_bf16_speedup()
-    print(
-        f"machine: {cpu_name()}, {cores} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; load average {load()}"
+    probe = "bf16 autocast fails here" if speedup is None else f"bf16 probe {speedup:.2f}x fp32"
+
+    loops, figures, forward = compare_loops(plan, precision, work)
+    scaled = scaling(plan, work)
+    scale_table, plot = scaling_parts(scaled.rates)
+    tables = [loops, scale_table]
+
+    flops = ", ".join(f"{arch} {g:.2f}" for arch, g in forward.items())
+    text = [
+        f"**Training step**, one process with {threads} threads, {SIZE}x{SIZE} px digits, batch "
+        f"{BATCH}: `plain` is the tutorial loop (ImageFolder, NCHW, float32, SGD with momentum); "
+        "`imageops` is the torchrun worker's own step in-process (channels-last, autocast, fused "
+        f"SGD), in the precision `auto` picks here at {SIZE} px: {precision} ({probe}). "
+        f"{plan.warmup} untimed warm-up steps per loop, then {plan.rounds} rounds of "
+        f"{plan.steps} timed steps ({plan.steps * BATCH} images, loading included) per loop, the "
+        "two loops one after the other in each round; vs plain is the per-round ratio. GFLOP/s = "
+        f"images/s x 3 x the forward GFLOPs per image ({flops}).",
+        f"**Scaling**: resnet18 at {SCALE_SIZE}x{SCALE_SIZE} px trained through "
+        "`tasks.train.launch.train` (`torchrun --standalone`, DDP over gloo, an MLflow run per "
+        f"launch), {scaled.train_images} training and {scaled.val_images} validation images, "
+        f"batch {BATCH} per process (the global batch and learning rate grow with the "
+        f"processes), {plan.scale_epochs} epochs, precision auto ({scaled.precision}). images/s "
+        "is the worker's `train/images_per_sec` of the last epoch (every rank's images over the "
+        "slowest rank's time), so torchrun's start-up, validation and the first epoch's warm-up "
+        f"are left out. {plan.scale_rounds} launches per process count, alternating; efficiency "
+        f"= per-round 2-process rate / (2 x 1-process rate). {threads_note()}",
+    ]
+    if plan.accuracy_seeds:
+        precisions = ("fp32", "bf16") if speedup is not None else ("fp32",)
+        tables.append(accuracy(plan.accuracy_seeds, precisions, work))
+        text.append(
+            f"**Accuracy**: the digits demo (resnet18 from scratch at {ACCURACY_SIZE} px, "
+            f"{ACCURACY_EPOCHS} epochs, 1 process, the seed's parameters otherwise) trained in "
+            f"{' and '.join(precisions)} (asked for: `auto` keeps inputs under 64 px in fp32) "
+            f"with seeds {', '.join(map(str, plan.accuracy_seeds))}; pp = percentage points"
+            + ("." if speedup is not None else "; bf16 autocast does not run on this CPU.")
+        )
+    else:
+        text.append(
+            "**Accuracy** (digits demo, fp32 vs bf16): skipped in the quick run; "
+            "`python -m bench.train_speed --full` runs it."
+        )
+    return Section(
+        key="train",
+        title="Train PyTorch Model: training speed",
+        command=f"python -m bench.train_speed{' --full' if full else ''}",
+        text=text,
+        tables=tables,
+        plots=[plot],
+        figures=figures,
     )
-    print(
-        f"precision {args.precision} at {args.size} px -> {precision} (bf16 probe: "
-        f"{'fails' if speedup is None else f'{speedup:.2f}x fp32'})"
-    )
-    with tempfile.TemporaryDirectory(prefix="imageops-bench-") as tmp:
-        if args.archs:
-            speed_table(args, precision, Path(tmp))
-        if args.accuracy_epochs:
-            accuracy(args, ("fp32", "bf16") if speedup is not None else ("fp32",), Path(tmp))
-    print(f"\nload average {load()}; whole benchmark {time.perf_counter() - began:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(run, __doc__.split("\n\n")[0]))

@@ -52,9 +52,9 @@ CUDA_BF16_CAPABILITY = (8, 0)
 MIN_CPU_BF16_INPUT = 32
 # Smallest input side that trains in bf16 (under ``auto``) and channels-last on CPU. Below it a
 # step is mostly per-layer overhead, not arithmetic, and plain NCHW float32 is the fastest:
-# `bench/train_speed.py --archs resnet18 --size S --precision bf16` on 2 cores gave our step in
-# bf16 channels-last at 0.68x the plain loop at 32 px, 1.16x at 64 px, 2.16x at 224 px
-# (docs/benchmarks.md).
+# the training-step benchmark (bench/train_speed.py) at sizes S on 2 cores gave our step in bf16
+# channels-last at 0.68x the plain loop at 32 px, 1.16x at 64 px, 2.16x at 224 px (issue 4's
+# run, docs/benchmarks.md).
 CPU_FAST_PATH_INPUT = 64
 
 
