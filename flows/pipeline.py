@@ -24,7 +24,7 @@ from tasks.promote import CHALLENGER, promote_task
 from tasks.quantize import quantize_task
 from tasks.registry import register_task
 from tasks.score import score_in_shards
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 from tasks.split import split_task
 from tasks.step import name_flow_run
 from tasks.tracking import model_version_url, run_url
@@ -127,7 +127,7 @@ def summary_markdown(result: PipelineResult, settings: Settings) -> str:
     logs_page = f"{run_page}/artifacts" if run_page else None
     version_page = model_version_url(settings, result.registered_model, result.registered_version)
     model = f"{result.registered_model} v{result.registered_version}"
-    ui = f"`mlflow ui --backend-store-uri {settings.tracking_uri}`"
+    ui = f"`mlflow ui --backend-store-uri {redact_uri(settings.tracking_uri)}`"
 
     def link(text: str, url: str | None) -> str:
         return f"[{text}]({url})" if url else f"{text} (in {ui})"

@@ -22,7 +22,7 @@ from tasks.errors import ImageOpsError
 from tasks.model_uri import fetch_registered_model_task, is_registry_uri
 from tasks.promotion_events import CHAMPION, alias_trigger
 from tasks.score import SHARD_IMAGES, score_in_shards
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import name_flow_run
 
 DEPLOYMENT_NAME = "score"
@@ -144,10 +144,13 @@ def serve_scoring(
     api = PREFECT_API_URL.value()
     if not api or (settings.prefect_api_url and api != settings.prefect_api_url):
         wanted = (
-            f" (the settings say {settings.prefect_api_url})" if settings.prefect_api_url else ""
+            f" (the settings say {redact_uri(settings.prefect_api_url)})"
+            if settings.prefect_api_url
+            else ""
         )
         raise ImageOpsError(
-            f"Serving needs a Prefect server; Prefect's API here is {api or 'not set'}{wanted}.",
+            "Serving needs a Prefect server; Prefect's API here is "
+            f"{redact_uri(api) if api else 'not set'}{wanted}.",
             "Export PREFECT_API_URL (e.g. http://127.0.0.1:4200/api) before starting, or use the "
             "imageops CLI, which exports IMAGEOPS_PREFECT_API_URL first. Triggers need a "
             "`prefect server start`; the ephemeral API has none.",

@@ -27,7 +27,7 @@ from models.transform_spec import TransformSpec
 from tasks.export import export_task
 from tasks.promote import CHALLENGER
 from tasks.registry import register_task
-from tasks.settings import get_settings
+from tasks.settings import get_settings, redact_uri
 from tasks.step import name_flow_run
 from tasks.tune.report import StudyResult, report_study
 from tasks.tune.spec import MAX_PARALLEL_TRIALS, TuningSpec
@@ -129,7 +129,7 @@ def _error(future: PrefectFuture) -> str | None:
     try:
         future.result()
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return redact_uri(f"{type(exc).__name__}: {exc}")
     return None
 
 

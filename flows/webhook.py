@@ -58,7 +58,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tasks.errors import ImageOpsError, RegistryError
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 
 # MLflow's header names and signature version (mlflow.webhooks.constants).
 SIGNATURE_HEADER = "X-MLflow-Signature"
@@ -286,7 +286,7 @@ def register_webhook(
     url = mlflow_url or settings.tracking_uri
     if not url.startswith(("http://", "https://")):
         raise RegistryError(
-            f"{url} is not an MLflow server: only `mlflow server` sends webhooks.",
+            f"{redact_uri(url)} is not an MLflow server: only `mlflow server` sends webhooks.",
             "Set IMAGEOPS_MLFLOW_TRACKING_URI to the server (http://...), or, in embedded mode, "
             "let the promote step emit the event itself.",
         )
@@ -310,11 +310,12 @@ def register_webhook(
             )
     except MlflowException as exc:
         raise RegistryError(
-            f"MLflow at {url} refused the webhook to {receiver_url}: {exc.message}",
+            f"MLflow at {redact_uri(url)} refused the webhook to {receiver_url}: "
+            f"{redact_uri(exc.message)}",
             "For an http:// or private-address receiver, start the MLflow server with "
             "MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https and MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true; "
             "webhooks also need a SQL backend store.",
-        ) from exc
+        ) from None  # MLflow's error echoes the URL, password included
     if test:
         result = client.test_webhook(webhook.webhook_id)
         if not result.success:
@@ -327,8 +328,7 @@ def register_webhook(
     return webhook.webhook_id
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m flows.webhook serve|register``: the receiver and its webhook, without the CLI."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flows.webhook", description=__doc__.split("\n")[0]
     )
@@ -340,7 +340,12 @@ def main(argv: list[str] | None = None) -> None:
     register_cmd.add_argument("receiver_url", help=f"e.g. http://127.0.0.1:{DEFAULT_PORT}{PATH}")
     register_cmd.add_argument("--mlflow-url", default=None, help="default: the tracking URI")
     register_cmd.add_argument("--no-test", action="store_true", help="skip the test delivery")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flows.webhook serve|register``: the receiver and its webhook, without the CLI."""
+    args = _parser().parse_args(argv)
     get_settings().apply()  # before anything imports Prefect
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -354,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"webhook {webhook_id}: model_version_alias.created -> {args.receiver_url}")
     except ImageOpsError as exc:
-        raise SystemExit(f"error: {exc.message}\nwhat to do: {exc.hint}") from None
+        raise SystemExit(
+            f"error: {redact_uri(exc.message)}\nwhat to do: {redact_uri(exc.hint)}"
+        ) from None
 
 
 if __name__ == "__main__":

@@ -100,6 +100,12 @@ class RegistryError(ImageOpsError):
     """A registered model, version or alias is missing or cannot be written."""
 
 
+class RegistryUnreachableError(RegistryError):
+    """The MLflow registry did not answer or failed; a later attempt may get through."""
+
+    retryable = True
+
+
 class VersioningError(ImageOpsError):
     """DVC could not version a data set."""
 

@@ -32,10 +32,10 @@ from mlflow.tracking import MlflowClient
 from models.atomic import atomic_directory, write_json
 from models.directory import ONNX
 from models.zoo import MODEL_JSON
-from tasks.errors import RegistryError
+from tasks.errors import RegistryError, RegistryUnreachableError
 from tasks.export import sha256_file
 from tasks.registry import DIRECTORY_ARTIFACTS
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 
 MODELS_SCHEME = "models:/"
@@ -105,6 +105,7 @@ def _not_found(
     client: MlflowClient, uri: str, name: str, alias: str | None, version: int | None, registry: str
 ) -> RegistryError:
     """The error for a name, alias or version the registry does not have, with what it has."""
+    registry = redact_uri(registry)
     try:
         registered = client.get_registered_model(name)
     except MlflowException:
@@ -188,7 +189,7 @@ def _download(
         _check_classes(tmp, mlmodel, cached)
         write_json(
             tmp / ORIGIN,
-            {**asdict(cached), "path": None, "registry_uri": settings.registry_uri},
+            {**asdict(cached), "path": None, "registry_uri": redact_uri(settings.registry_uri)},
         )
 
 
@@ -225,7 +226,13 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
     except MlflowException as exc:
         if exc.error_code in _NOT_FOUND:
             raise _not_found(client, uri, name, alias, number, settings.registry_uri) from exc
-        raise  # the registry is unreachable or failing: an exception worth a retry
+        # Unreachable or failing: worth a retry. MLflow's message echoes the URL, password too.
+        raise RegistryUnreachableError(
+            f"{uri}: the MLflow registry at {redact_uri(settings.registry_uri)} failed: "
+            f"{redact_uri(exc.message)}",
+            "Check that the server runs and is reachable, and IMAGEOPS_MLFLOW_TRACKING_URI / "
+            "IMAGEOPS_MLFLOW_REGISTRY_URI.",
+        ) from None
     cached = CachedModel(
         uri=uri,
         name=name,

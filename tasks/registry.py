@@ -26,7 +26,7 @@ from models.directory import ONNX, WEIGHTS, ModelInfo, read_model_info
 from models.zoo import MODEL_JSON
 from tasks.errors import InvalidParameterError, RegistryError
 from tasks.export import META_WEIGHTS_SHA256, sha256_file
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 from tasks.tracking import mlflow_run
 from tasks.transform import build_transform, input_size
@@ -158,9 +158,9 @@ def register(
         except mlflow.exceptions.MlflowException as exc:
             raise RegistryError(
                 f"Could not register {settings.registered_model_name!r} in "
-                f"{settings.registry_uri}: {exc.message}",
+                f"{redact_uri(settings.registry_uri)}: {redact_uri(exc.message)}",
                 "Check the registry URI and that it is writable.",
-            ) from exc
+            ) from None  # MLflow's error may hold the URI with its password
     if alias is not None:
         MlflowClient().set_registered_model_alias(
             settings.registered_model_name, alias, version.version

@@ -9,7 +9,9 @@ at an S3 bucket, ``IMAGEOPS_TUNING_STORAGE`` at a database for Optuna. The code 
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -23,6 +25,29 @@ _QUIET_ENVIRONMENT = {
     "DVC_NO_ANALYTICS": "1",
     "DO_NOT_TRACK": "1",
 }
+
+# scheme://user:password@host: the userinfo ends at the last "@" of the authority (which ends at
+# the first "/", "?", "#" or space), so a password with a raw "@" is masked whole.
+_CREDENTIALS = re.compile(
+    r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:@/?#]*):[^\s/?#]*@(?=[^\s@/?#]*(?:[/?#\s]|$))"
+)
+
+
+def redact_uri(text: str) -> str:
+    """Mask the password of every ``scheme://user:password@host`` in ``text`` as ``user:***@``.
+
+    Settings URIs (tracking, registry, tuning storage, DVC remote, Prefect API) may carry a
+    password, and messages, logs and reports outlive the shell they were typed in. The host
+    stays, so a message still says which server failed; text without credentials is unchanged.
+    """
+    return _CREDENTIALS.sub(r"\g<head>:***@", text)
+
+
+class RedactingFormatter(logging.Formatter):
+    """A log formatter whose lines (tracebacks included) never carry a URI's password."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_uri(super().format(record))
 
 
 class Settings(BaseSettings):

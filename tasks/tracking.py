@@ -9,7 +9,7 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from models.errors import ImageOpsError
-from tasks.settings import Settings
+from tasks.settings import Settings, redact_uri
 
 
 def configure_mlflow(settings: Settings) -> str:
@@ -62,7 +62,7 @@ def mlflow_run(
             status = client.get_run(run_id).info.status
         except mlflow.exceptions.MlflowException as exc:
             raise ImageOpsError(
-                f"MLflow run {run_id} does not exist in {settings.tracking_uri}.",
+                f"MLflow run {run_id} does not exist in {redact_uri(settings.tracking_uri)}.",
                 "Pass the id of a run in this tracking store, or none to start a new run.",
             ) from exc
     with mlflow.start_run(
@@ -80,8 +80,9 @@ def ui_url(settings: Settings, path: str) -> str | None:
     """A link into the MLflow UI (``path`` after ``#/``) when tracking goes to an MLflow server.
 
     A local SQLite store has no UI until someone runs ``mlflow ui``, so there is no link to give.
+    Links land in logs and Prefect artifacts, so a password in the URI is masked.
     """
-    uri = settings.tracking_uri
+    uri = redact_uri(settings.tracking_uri)
     if not uri.startswith(("http://", "https://")):
         return None
     return f"{uri.rstrip('/')}/#/{path.lstrip('/')}"

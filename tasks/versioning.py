@@ -21,7 +21,7 @@ import yaml
 from filelock import FileLock, Timeout
 
 from tasks.errors import VersioningError
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 
 if TYPE_CHECKING:  # importing DVC takes half a second; only the functions below need it
@@ -92,7 +92,8 @@ def _dvc_error(exc: Exception, action: str, hint: str) -> VersioningError:
             "Check that the DVC remote (IMAGEOPS_DVC_REMOTE_URL) exists, is reachable and is "
             "writable, then retry."
         )
-    return VersioningError(f"DVC could not {action}: {exc}", hint)
+    # A remote's URL in DVC's message may carry a password (https://user:pass@host).
+    return VersioningError(redact_uri(f"DVC could not {action}: {exc}"), hint)
 
 
 def _configure_remote(repo: Repo, settings: Settings) -> None:

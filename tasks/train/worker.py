@@ -39,6 +39,7 @@ from models.directory import ModelInfo, save_model_directory
 from models.zoo import ModelSpec, build_model
 from tasks.errors import InvalidDatasetError, TrainingFailedError
 from tasks.imagedir import read_manifest
+from tasks.settings import RedactingFormatter
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from tasks.train.curves import plot_curves
@@ -98,7 +99,7 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
         handler.close()
     log.setLevel(logging.INFO)
     log.propagate = False
-    formatter = logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    formatter = RedactingFormatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s")
     run_dir.mkdir(parents=True, exist_ok=True)
     # Append: a restarted attempt adds to the same file, so the history of the run stays whole.
     handlers: list[logging.Handler] = [

@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from optuna.trial import TrialState
 
 from tasks.build_model import build_model
-from tasks.settings import get_settings
+from tasks.settings import get_settings, redact_uri
 from tasks.step import step, step_logger
 from tasks.train.launch import open_run, train
 from tasks.train.params import TrialHook
@@ -98,7 +98,7 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
         )
         result = train(**request, run_id=run_id, tuning=hook)
     except Exception as exc:  # the trial's failure, counted by the study; never the flow's
-        error = f"{type(exc).__name__}: {exc}"
+        error = redact_uri(f"{type(exc).__name__}: {exc}")
         log.warning("trial %d failed after %.0f s: %s", asked.number, _since(started), error)
         storage.set_trial_user_attr(trial_id, ERROR, error[:4000])
         study.tell(asked.number, state=TrialState.FAIL, skip_if_finished=True)
