@@ -15,10 +15,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from models.errors import ImageOpsError
 from models.transform_spec import TransformSpec
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 
 app = typer.Typer(
     name="imageops",
@@ -81,9 +82,12 @@ def convert(
 
     manifest = run(source, dest)
     kind = f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled"
-    out.print(f"{dest}: {len(manifest.images)} images, {kind}, {len(manifest.skipped)} skipped")
+    # Names are the user's (a file may be called "[red].png"): printed as they are, not as markup.
+    out.print(
+        escape(f"{dest}: {len(manifest.images)} images, {kind}, {len(manifest.skipped)} skipped")
+    )
     for item in manifest.skipped[:20]:
-        out.print(f"  skipped {item.path}: {item.reason}")
+        out.print(escape(f"  skipped {item.path}: {item.reason}"))
 
 
 @app.command()
@@ -238,9 +242,11 @@ def transform_apply(
     manifest = apply_transformation(transform, images, dest, mode=mode, seed=seed)  # type: ignore[arg-type]
     sizes = sorted({(e.width, e.height) for e in manifest.images})
     shown = ", ".join(f"{w}x{h}" for w, h in sizes[:5]) + (" ..." if len(sizes) > 5 else "")
-    out.print(f"{dest}: {len(manifest.images)} images ({shown}), {len(manifest.skipped)} skipped")
+    out.print(
+        escape(f"{dest}: {len(manifest.images)} images ({shown}), {len(manifest.skipped)} skipped")
+    )
     for item in manifest.skipped[:20]:
-        out.print(f"  skipped {item.path}: {item.reason}")
+        out.print(escape(f"  skipped {item.path}: {item.reason}"))
 
 
 @app.command()
@@ -734,7 +740,7 @@ def _print_summary(settings: Settings, result) -> None:
     out.print(f"  data versions (DVC md5)  {result.data_version}")
     mlflow_bin = Path(sys.executable).parent / "mlflow"
     out.print(
-        f"  look at it: {mlflow_bin} ui --backend-store-uri {settings.tracking_uri} "
+        f"  look at it: {mlflow_bin} ui --backend-store-uri {redact_uri(settings.tracking_uri)} "
         f"--default-artifact-root {settings.artifact_location}"
     )
 
@@ -744,9 +750,10 @@ def main() -> None:
     try:
         app()
     except ImageOpsError as exc:
-        err.print(f"[bold red]error:[/] {exc.message}")
+        # Messages may quote a settings URI or a library's error that echoes one: no passwords.
+        err.print(f"[bold red]error:[/] {escape(redact_uri(exc.message))}")
         if exc.hint:
-            err.print(f"[yellow]what to do:[/] {exc.hint}")
+            err.print(f"[yellow]what to do:[/] {escape(redact_uri(exc.hint))}")
         sys.exit(2)
 
 

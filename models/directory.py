@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -81,5 +82,13 @@ def load_model_directory(path: Path) -> tuple[nn.Module, ModelInfo]:
     # The trained weights replace any pretrained ones, so never fetch those here.
     spec = info.architecture.model_copy(update={"pretrained": False})
     model = build_model(spec, num_classes=len(info.classes))
-    model.load_state_dict(load_file(str(path / WEIGHTS)))
+    try:
+        model.load_state_dict(load_file(str(path / WEIGHTS)))
+    except (SafetensorError, RuntimeError) as exc:  # not safetensors (a pickle?), or another net
+        raise InvalidModelDirectoryError(
+            f"{path / WEIGHTS} does not hold the weights model.json describes: "
+            f"{str(exc).splitlines()[0]}",
+            "Pass the folder `imageops train` wrote, unchanged; weights are only read as "
+            "safetensors, never unpickled.",
+        ) from exc
     return model.eval(), info

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -123,7 +124,17 @@ def check_image(data: bytes, suffix: str, *, max_pixels: int) -> tuple[int, int]
     except ImageRefused:
         raise
     except Image.DecompressionBombError as exc:
-        raise ImageRefused(SkipReason.IMAGE_EXCEEDS_LIMIT.because(str(exc))) from exc
+        # Pillow's hard limit struck first (while reading the header): report it as ours, the
+        # limit the user can change, unless max_pixels is above Pillow's.
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        if found is None or int(found[1]) <= max_pixels:
+            raise ImageRefused(SkipReason.IMAGE_EXCEEDS_LIMIT.because(str(exc))) from exc
+        raise ImageRefused(
+            SkipReason.IMAGE_EXCEEDS_LIMIT.because(
+                f"{int(found[1]):,} pixels is over the limit of {max_pixels:,} (raise max_pixels "
+                "if this image is genuine)"
+            )
+        ) from exc
     except UnidentifiedImageError as exc:
         if data.startswith(_MAGIC):
             raise ImageRefused(

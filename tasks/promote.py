@@ -59,10 +59,18 @@ def _version(client: MlflowClient, name: str, candidate: str | int) -> int:
             return int(client.get_model_version(name, str(candidate)).version)
         return int(client.get_model_version_by_alias(name, str(candidate)).version)
     except MlflowException as exc:
-        raise RegistryError(
-            f"Registered model {name!r} has no version {candidate!r}: {exc.message}",
+        hint = (
             f"Register a model first (imageops register, or run the pipeline), with alias "
-            f"{CHALLENGER!r} for the one to promote, or pass its version number.",
+            f"{CHALLENGER!r} for the one to promote, or pass its version number."
+        )
+        try:  # the model exists, only the alias or version is wrong: say what there is
+            aliases = client.get_registered_model(name).aliases
+            known = ", ".join(f"@{a} -> v{v}" for a, v in sorted(aliases.items())) or "none"
+            hint = f"Its aliases: {known}. Pass one of them or a version number."
+        except MlflowException:
+            pass
+        raise RegistryError(
+            f"Registered model {name!r} has no version {candidate!r}: {exc.message}", hint
         ) from exc
 
 

@@ -155,7 +155,10 @@ def build_transform(spec: TransformSpec, mode: Mode, *, normalize: bool = True) 
     a uint8 image tensor that can be saved as a picture.
     """
     if mode not in MODES:
-        raise InvalidParameterError(f"mode = {mode!r}, expected one of {', '.join(MODES)}.")
+        raise InvalidParameterError(
+            f"mode = {mode!r}, expected one of {', '.join(MODES)}.",
+            "Use inference (deterministic steps only) or training (the random steps too).",
+        )
     training = mode == "training"
     steps: list[v2.Transform] = [v2.ToImage()]
     if training and spec.random_resized_crop:

@@ -52,7 +52,7 @@ def _describe_one(cls: type[BaseModel], err: Any) -> str:
     default = field.get_default(call_default_factory=True)
     if len(err["loc"]) > 1 or err["type"] == "model_type":  # an item of a list, a nested model
         where = "".join(f"[{part}]" for part in err["loc"][1:])
-        return f"{name}{where} = {value!r}: {err['msg'].lower()} (default {default!r})"
+        return f"{name}{where} = {value!r}: {err['msg'].lower()}"  # the list's default: noise
     return f"{name} = {value!r}, expected {expected(field)} (default {default!r})"
 
 

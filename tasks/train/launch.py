@@ -55,7 +55,7 @@ from tasks.errors import (
 )
 from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
 from tasks.log_tail import tail
-from tasks.settings import Settings, get_settings
+from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 from tasks.tracking import configure_mlflow, run_url
 from tasks.train.checkpoint import CHECKPOINT
@@ -417,6 +417,12 @@ def _check_datasets(train_data: Path, val_data: Path) -> tuple[Manifest, Manifes
     val_manifest = read_manifest(val_data)
     require_labeled(val_manifest, "validation", val_data)
     require_same_classes(train_manifest, val_manifest)
+    if len(train_manifest.classes) < 2:  # one class: nothing to learn, top-1 is 1.0 from the start
+        raise InvalidDatasetError(
+            f"The training dataset {train_data} has only the classes {train_manifest.classes}; "
+            "a classifier needs two or more.",
+            "Add a class folder for each other category, then convert and split again.",
+        )
     if not val_manifest.images:
         raise InvalidDatasetError(
             f"The validation dataset {val_data} has no images.",
@@ -775,13 +781,27 @@ def _torchrun_command(
 
 
 def _pump(stream: IO[str], path: Path) -> None:
-    """Copy torchrun's output to the console and to its log in the run folder, line by line."""
+    """Copy torchrun's output to the console and to its log in the run folder, line by line.
+
+    A worker's traceback may quote a settings URI (MLflow's errors do): passwords are masked.
+    Tracebacks go to the log only: the console keeps the error line and says where the rest is,
+    as the CLI does for every error (the named error that ends the run says what to do).
+    """
+    in_traceback = False
     with open(path, "a", encoding="utf-8") as sink:
-        for line in stream:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+        for raw in stream:
+            line = redact_uri(raw)
             sink.write(line)
             sink.flush()
+            at = line.find("Traceback (most recent call last):")  # torchrun's report indents it
+            if at >= 0:
+                in_traceback, line = True, f"{line[:at]}(traceback in {path})\n"
+            elif in_traceback and (line[:1] in (" ", "\t") or not line.strip()):
+                continue  # a frame of the traceback
+            else:
+                in_traceback = False  # the exception's own line ends it, and is shown
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
 
 def _run_torchrun(

@@ -109,7 +109,10 @@ class ParameterSpec(BaseModel):
             return list(range(int(self.min), int(self.max) + 1))
         if self.type in ("categorical", "discrete"):
             return list(self.values or [])
-        raise InvalidTuningSpecError(f"Parameter {self.name!r} is a double: it has no grid.")
+        raise InvalidTuningSpecError(
+            f"Parameter {self.name!r} is a double: it has no grid.",
+            "Use algorithm bayesian or random, or make it discrete (a list of values).",
+        )
 
 
 def _default_parameters() -> list[ParameterSpec]:
@@ -216,9 +219,16 @@ class TuningSpec(BaseModel):
         try:
             data = yaml.load(Path(path).read_text(), Loader=_Loader) or {}
         except (OSError, yaml.YAMLError) as exc:
-            raise InvalidTuningSpecError(f"Cannot read {path}: {exc}.") from exc
+            raise InvalidTuningSpecError(
+                f"Cannot read {path}: {exc}.",
+                "Check the path, and that the file is plain YAML in the shape of tuning.yaml "
+                "(no !!python tags).",
+            ) from exc
         if not isinstance(data, dict):
-            raise InvalidTuningSpecError(f"{path} is not a mapping of spec fields.")
+            raise InvalidTuningSpecError(
+                f"{path} is not a mapping of spec fields.",
+                "Start from tuning.yaml: study_name, metric, parameters, ... at the top level.",
+            )
         try:
             return cls.checked(**data)
         except InvalidTuningSpecError as exc:
@@ -404,17 +414,21 @@ def _check_parameter(param: ParameterSpec) -> None:
         if kind == "integer" and not (param.min.is_integer() and param.max.is_integer()):
             raise InvalidTuningSpecError(
                 f"{where} is an integer range: min = {param.min:g} and max = {param.max:g} must "
-                "be whole numbers."
+                "be whole numbers.",
+                "Round min and max, or make the parameter a double.",
             )
         if param.min >= param.max:
             raise InvalidTuningSpecError(
-                f"{where}: min = {param.min:g} must be below max = {param.max:g}."
+                f"{where}: min = {param.min:g} must be below max = {param.max:g}.",
+                "Swap min and max, or make the range wider.",
             )
         candidates: list[Value] = [param.min, param.max]
     else:
         candidates = list(param.values or [])
         if len(set(map(repr, candidates))) != len(candidates):
-            raise InvalidTuningSpecError(f"{where} lists a value twice: {candidates}.")
+            raise InvalidTuningSpecError(
+                f"{where} lists a value twice: {candidates}.", "List each value once."
+            )
         if any(isinstance(v, str) for v in candidates):
             raise InvalidTuningSpecError(
                 f"{where} takes numbers; got {[v for v in candidates if isinstance(v, str)]}.",
@@ -451,10 +465,15 @@ def _check_parent(param: ParameterSpec, seen: Mapping[str, ParameterSpec]) -> No
     where = f"Parameter {param.name!r}"
     if param.parent is None:
         if param.parent_values is not None:
-            raise InvalidTuningSpecError(f"{where} has parent_values but no parent.")
+            raise InvalidTuningSpecError(
+                f"{where} has parent_values but no parent.",
+                "Name the parent parameter, or leave parent_values out.",
+            )
         return
     if param.parent == param.name:
-        raise InvalidTuningSpecError(f"{where} names itself as its parent.")
+        raise InvalidTuningSpecError(
+            f"{where} names itself as its parent.", "Name another parameter, declared above it."
+        )
     parent = seen.get(param.parent)
     if parent is None:
         raise InvalidTuningSpecError(

@@ -1,0 +1,737 @@
+"""The hostile-input corpus: inputs a careless or malicious user may hand imageops, built in code.
+
+Each :class:`Case` writes its input under a throw-away folder (no binary test files in git), names
+the command a user would type and the outcome it must end in: ``ok: <what the report says>``, or
+the name of the error class whose message (and "what to do" hint) the CLI prints. The test
+(``tests/test_hostile_inputs.py``) runs every case through the CLI; ``python -m
+tests.hostile_inputs --write docs/reliability.md`` writes the table of cases for the docs, so the
+two never drift apart.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import struct
+import sys
+import tarfile
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STEPS = ("convert", "split", "transform", "train", "export", "score", "tune", "promote", "cli")
+PICKLE_MARKER = "unpickled-a-user-file"  # what the pickle payloads create if anyone loads them
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a case builds from: its own folder and the shared (read-only) sample data."""
+
+    root: Path  # the case's folder: inputs under root/in, outputs under root/out
+    digits: Path  # raw digits: class folders 0, 1, 2 of 16x16 RGB PNGs
+    train: Path  # labeled ImageDirectories split from the digits
+    val: Path
+    model: Path  # an exported ModelDirectory (model.json, safetensors, model.onnx): copy it first
+
+    @property
+    def src(self) -> Path:
+        return self.root / "in"
+
+    @property
+    def out(self) -> Path:
+        return self.root / "out"
+
+
+@dataclass(frozen=True)
+class Run:
+    """The command to run (``imageops`` arguments) and where its output goes."""
+
+    argv: list[str]
+    dest: Path  # nothing may appear outside it; after a failure it holds nothing new
+    made: str = ""  # after success, this file exists under dest ("" : dest itself is the file)
+    forbidden: tuple[Path, ...] = ()  # paths an escape would write (../../x, absolute names)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    step: str
+    description: str
+    build: Callable[[Inputs], Run]
+    expect: str  # "ok: <report text>" or the error class name
+    says: str = ""  # text the error message must contain (errors only)
+    slow: bool = False  # runs torchrun
+
+
+# --- building blocks ----------------------------------------------------------------------------
+
+
+def _digits(io_: Inputs, dest: Path, per_class: int = 3, classes: tuple[str, ...] = ("0", "1")):
+    """Copy a few real digit PNGs into class folders under ``dest``."""
+    for label in classes:
+        (dest / label).mkdir(parents=True, exist_ok=True)
+        for png in sorted((io_.digits / label).glob("*.png"))[:per_class]:
+            shutil.copy(png, dest / label / png.name)
+    return dest
+
+
+def _jpeg_bytes(io_: Inputs, mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    image = Image.open(next((io_.digits / "0").glob("*.png"))).convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_bomb(side: int = 30_000) -> bytes:
+    """A valid side x side 1-bit PNG of one colour: a few hundred KB that decode to 900 Mpixels."""
+    row = b"\x00" + b"\x00" * ((side + 7) // 8)
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0))
+        + _png_chunk(b"IDAT", idat)
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def _png16(width: int = 16, height: int = 16) -> bytes:
+    """A 48-bit RGB PNG (16 bits per channel), written by hand: Pillow cannot write one."""
+    row = b"\x00" + struct.pack(">HHH", 65535, 32768, 0) * width
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0))
+        + _png_chunk(b"IDAT", zlib.compress(row * height))
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+class _Payload:
+    """Unpickling this creates PICKLE_MARKER in the working folder: proof that a load ran code."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = str(where / PICKLE_MARKER)
+
+    def __reduce__(self):
+        return (open, (self.where, "w"))
+
+
+def pickle_payload(where: Path) -> bytes:
+    import pickle
+
+    return pickle.dumps(_Payload(where))
+
+
+def _convert(io_: Inputs, source: Path, **kwargs: object) -> Run:
+    return Run(["convert", str(source), str(io_.out / "images")], io_.out / "images", **kwargs)
+
+
+def _tar_of(io_: Inputs, members: Callable[[tarfile.TarFile], None], name: str = "a.tar") -> Path:
+    """A tar of two digit classes plus what ``members`` adds."""
+    good = _digits(io_, io_.root / "staging")
+    archive = io_.src / name
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w") as tar:
+        tar.add(good, arcname="digits")
+        members(tar)
+    shutil.rmtree(good)
+    return archive
+
+
+def _tar_entry(tar: tarfile.TarFile, name: str, kind: bytes, link: str) -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = link
+    tar.addfile(info)
+
+
+def _zip_of(io_: Inputs, extra: dict[str, bytes], name: str = "a.zip") -> Path:
+    """A zip of two digit classes plus the members in ``extra`` (name -> bytes)."""
+    good = _digits(io_, io_.root / "staging")
+    archive = io_.src / name
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(archive, "w") as zf:
+        for path in sorted(good.rglob("*.png")):
+            zf.write(path, f"digits/{path.relative_to(good).as_posix()}")
+        for member, data in extra.items():
+            zf.writestr(member, data)
+    shutil.rmtree(good)
+    return archive
+
+
+def _untrained(io_: Inputs, arch: str = "resnet18") -> Path:
+    from models.zoo import resnet, write_untrained
+
+    folder = write_untrained(resnet("resnet18", pretrained=False), io_.src / "untrained")
+    if arch != "resnet18":  # an architecture imageops does not know, as a hand-edited file says
+        spec = json.loads((folder / "model.json").read_text())
+        (folder / "model.json").write_text(json.dumps({**spec, "arch": arch}))
+    return folder
+
+
+def _imagedir(io_: Inputs, name: str, classes: tuple[str, ...], labeled: bool = True) -> Path:
+    """A small ImageDirectory converted from the digits (unlabeled: a flat folder)."""
+    from tasks.convert import convert
+
+    raw = _digits(io_, io_.root / f"raw-{name}", per_class=4, classes=classes)
+    if not labeled:
+        for png in list(raw.rglob("*.png")):
+            png.rename(raw / f"{png.parent.name}-{png.name}")
+        for folder in [p for p in raw.iterdir() if p.is_dir()]:
+            folder.rmdir()
+    convert(raw, io_.src / name)
+    shutil.rmtree(raw)
+    return io_.src / name
+
+
+def _train(io_: Inputs, model: Path, train: Path, val: Path, *options: str) -> Run:
+    dest = io_.out / "model"
+    argv = ["train", str(model), str(train), str(val), str(dest), "--epochs", "1"]
+    return Run([*argv, "--batch-size", "4", "--device", "cpu", *options], dest, made="model.json")
+
+
+def _model_copy(io_: Inputs) -> Path:
+    return Path(shutil.copytree(io_.model, io_.src / "model"))
+
+
+def _score(io_: Inputs, model: str, images: Path, name: str = "scores.csv") -> Run:
+    return Run(["score", model, str(images), str(io_.out / name)], io_.out / name)
+
+
+def _tuning_spec(io_: Inputs, parameter: str) -> Run:
+    spec = io_.src / "tuning.yaml"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(
+        "study_name: hostile\nmetric: val/top1\ngoal: maximize\nmax_trial_count: 1\n"
+        f"parameters:\n{parameter}"
+    )
+    return _tune(io_, spec)
+
+
+def _tune(io_: Inputs, spec: Path) -> Run:
+    # A configured (unreachable) Prefect API: the spec is refused before anything calls it, and no
+    # temporary server is started for a command that cannot run.
+    argv = ["tune", str(spec), "--train-data", str(io_.train), "--val-data", str(io_.val)]
+    return Run(argv, io_.out, env={"PREFECT_API_URL": "http://127.0.0.1:9/api"})
+
+
+# --- the cases ----------------------------------------------------------------------------------
+
+
+def _truncated_jpeg(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    whole = _jpeg_bytes(io_)
+    (io_.src / "0" / "cut.jpg").write_bytes(whole[: len(whole) // 2])
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _zero_byte(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    (io_.src / "1" / "empty.png").write_bytes(b"")
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _text_as_png(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    (io_.src / "1" / "notes.png").write_text("this is not a picture\n")
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _deep_and_cmyk(io_: Inputs) -> Run:
+    from PIL import Image
+
+    _digits(io_, io_.src)
+    (io_.src / "0" / "rgb48.png").write_bytes(_png16())
+    Image.new("I;16", (16, 16), 40000).save(io_.src / "0" / "gray16.png")
+    (io_.src / "1" / "cmyk.jpg").write_bytes(_jpeg_bytes(io_, "CMYK"))
+    Image.new("CMYK", (16, 16), (0, 255, 255, 0)).save(io_.src / "1" / "cmyk.tif")
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _bomb(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    (io_.src / "0" / "bomb.png").write_bytes(png_bomb())
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _zip_traversal(io_: Inputs) -> Run:
+    archive = _zip_of(io_, {"../../x": b"escaped", "digits/0/../../../x.png": b"escaped"})
+    out = io_.out / ".images.extract-anything"  # where members land: two levels up is root
+    forbidden = (out.parent.parent / "x", io_.root.parent / "x", io_.root.parent / "x.png")
+    return _convert(io_, archive, made="manifest.json", forbidden=forbidden)
+
+
+def _zip_absolute(io_: Inputs) -> Run:
+    target = io_.root.parent / f"{io_.root.name}-absolute.png"
+    archive = _zip_of(io_, {str(target): b"escaped"})
+    return _convert(io_, archive, made="manifest.json", forbidden=(target,))
+
+
+def _tar_symlink(io_: Inputs) -> Run:
+    target = io_.root.parent / f"{io_.root.name}-via-link"
+
+    def links(tar: tarfile.TarFile) -> None:
+        _tar_entry(tar, "digits/0/passwd.png", tarfile.SYMTYPE, "/etc/passwd")
+        _tar_entry(tar, "digits/up", tarfile.SYMTYPE, "../../..")
+        info = tarfile.TarInfo(f"digits/up/{target.name}")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"bad"))
+
+    return _convert(io_, _tar_of(io_, links), made="manifest.json", forbidden=(target,))
+
+
+def _tar_hardlink(io_: Inputs) -> Run:
+    def links(tar: tarfile.TarFile) -> None:
+        _tar_entry(tar, "digits/1/shadow.png", tarfile.LNKTYPE, "/etc/shadow")
+        _tar_entry(tar, "digits/1/again.png", tarfile.LNKTYPE, "digits/1/missing.png")
+
+    return _convert(io_, _tar_of(io_, links, "a.tar.gz"), made="manifest.json")
+
+
+def _nested_archive(io_: Inputs) -> Run:
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as zf:
+        zf.writestr("../../inner-escape.png", b"escaped")
+    archive = _zip_of(io_, {"digits/0/inner.zip": inner.getvalue()})
+    return _convert(io_, archive, made="manifest.json", forbidden=(io_.root / "inner-escape.png",))
+
+
+def _unicode_names(io_: Inputs) -> Run:
+    src = io_.src
+    for label, name in (("café crème", "naïve one.png"), ("数字 2", "画像 01.png")):
+        (src / label).mkdir(parents=True)
+        for i, png in enumerate(sorted((io_.digits / "0").glob("*.png"))[:3]):
+            shutil.copy(png, src / label / f"{i} {name}")
+    return _convert(io_, src, made="manifest.json")
+
+
+def _markup_names(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    (io_.src / "[bold]").mkdir()
+    shutil.copy(next((io_.digits / "2").glob("*.png")), io_.src / "[bold]" / "[i]2.png")
+    (io_.src / "0" / "[red]broken.png").write_bytes(b"no image")
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _empty_class(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    (io_.src / "9").mkdir()
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _single_class(io_: Inputs) -> Run:
+    _digits(io_, io_.src, classes=("0",))
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _markup_missing(io_: Inputs) -> Run:
+    (io_.src / "[").mkdir(parents=True)
+    return _convert(io_, io_.src / "[" / "]nowhere")
+
+
+def _only_junk(io_: Inputs) -> Run:
+    (io_.src / "0").mkdir(parents=True)
+    (io_.src / "0" / "a.png").write_bytes(b"")
+    (io_.src / "0" / "b.jpg").write_text("text")
+    return _convert(io_, io_.src)
+
+
+def _missing_source(io_: Inputs) -> Run:
+    return _convert(io_, io_.src / "nowhere")
+
+
+def _dest_in_source(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    return Run(["convert", str(io_.src), str(io_.src / "images")], io_.src / "images")
+
+
+def _cut_archive(io_: Inputs) -> Run:
+    archive = _tar_of(io_, lambda tar: None, "a.tar.gz")
+    data = archive.read_bytes()
+    archive.write_bytes(data[: len(data) // 2])
+    return _convert(io_, archive)
+
+
+def _csv_escape(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "photos")
+    rows = [f"photos/{p.relative_to(io_.src / 'photos').as_posix()},{p.parent.name}"
+            for p in sorted((io_.src / "photos").rglob("*.png"))]  # fmt: skip
+    rows += ["../../../etc/passwd,0", "/etc/hostname,1"]
+    (io_.src / "labels.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
+    return _convert(io_, io_.src / "labels.csv", made="manifest.json")
+
+
+def _split_raw(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    dest = io_.out / "split"
+    return Run(["split", str(io_.src), str(dest / "a"), str(dest / "b")], dest)
+
+
+def _split_bad_manifest(io_: Inputs) -> Run:
+    images = Path(shutil.copytree(io_.train, io_.src / "train"))
+    (images / "manifest.json").write_text('{"images": [{"path": "../../etc/passwd"')
+    dest = io_.out / "split"
+    return Run(["split", str(images), str(dest / "a"), str(dest / "b")], dest)
+
+
+def _split_fraction(io_: Inputs) -> Run:
+    dest = io_.out / "split"
+    argv = ["split", str(io_.train), str(dest / "a"), str(dest / "b"), "--fraction", "1.5"]
+    return Run(argv, dest)
+
+
+def _split_single_class(io_: Inputs) -> Run:
+    images = _imagedir(io_, "one", ("0",))
+    dest = io_.out / "split"
+    argv = ["split", str(images), str(dest / "a"), str(dest / "b"), "--fraction", "0.5"]
+    return Run(argv, dest, made="a/manifest.json")
+
+
+def _transform_missing_spec(io_: Inputs) -> Run:
+    (io_.src / "transform").mkdir(parents=True)
+    dest = io_.out / "images"
+    return Run(["transform", "apply", str(io_.src / "transform"), str(io_.val), str(dest)], dest)
+
+
+def _transform_bad_value(io_: Inputs) -> Run:
+    dest = io_.out / "transform"
+    return Run(["transform", "init", str(dest), "--resize-size", "-5"], dest)
+
+
+def _transform_unknown_mode(io_: Inputs) -> Run:
+    from tasks.transform import init_transformation
+
+    spec = init_transformation(io_.src / "transform", {"resize_size": 16})
+    dest = io_.out / "images"
+    return Run(["transform", "apply", str(spec), str(io_.val), str(dest), "--mode", "x"], dest)
+
+
+def _train_unlabeled(io_: Inputs) -> Run:
+    data = _imagedir(io_, "flat", ("0", "1"), labeled=False)
+    return _train(io_, _untrained(io_), data, io_.val)
+
+
+def _train_other_classes(io_: Inputs) -> Run:
+    val = _imagedir(io_, "val", ("0", "1"))
+    return _train(io_, _untrained(io_), io_.train, val)
+
+
+def _train_single_class(io_: Inputs) -> Run:
+    one = _imagedir(io_, "one", ("0",))
+    return _train(io_, _untrained(io_), one, one)
+
+
+def _train_big_batch(io_: Inputs) -> Run:
+    run = _train(io_, _untrained(io_), io_.train, io_.val)
+    return Run([*run.argv, "--batch-size", "100000"], run.dest)
+
+
+def _train_unknown_arch(io_: Inputs) -> Run:
+    return _train(io_, _untrained(io_, arch="resnet9000"), io_.train, io_.val)
+
+
+def _train_pickled_model(io_: Inputs) -> Run:
+    folder = io_.src / "untrained"
+    folder.mkdir(parents=True)
+    (folder / "model.pt").write_bytes(pickle_payload(io_.src))
+    return _train(io_, folder, io_.train, io_.val)
+
+
+def _train_nan(io_: Inputs) -> Run:
+    run = _train(io_, _untrained(io_), io_.train, io_.val)
+    return Run([*run.argv, "--learning-rate", "1e12", "--print-frequency", "1"], run.dest)
+
+
+def _export_not_a_model(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    return Run(["export", str(io_.src)], io_.src)
+
+
+def _export_pickle_weights(io_: Inputs) -> Run:
+    model = _model_copy(io_)
+    (model / "model.onnx").unlink()
+    (model / "model.safetensors").write_bytes(pickle_payload(io_.src))
+    return Run(["export", str(model)], model)
+
+
+def _score_pickle_beside(io_: Inputs) -> Run:
+    model = _model_copy(io_)
+    (model / "model.pkl").write_bytes(pickle_payload(io_.src))
+    (model / "model.pt").write_bytes(pickle_payload(io_.src))
+    return _score(io_, str(model), io_.val)
+
+
+def _score_bad_images(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "images", per_class=2)
+    (io_.src / "images" / "0" / "cut.jpg").write_bytes(_jpeg_bytes(io_)[:200])
+    (io_.src / "images" / "1" / "empty.png").write_bytes(b"")
+    return _score(io_, str(io_.model), io_.src / "images")
+
+
+def _score_missing_model(io_: Inputs) -> Run:
+    return _score(io_, "models:/no-such-model@champion", io_.val)
+
+
+def _score_bad_uri(io_: Inputs) -> Run:
+    return _score(io_, "models:/../../etc@", io_.val)
+
+
+def _score_bad_table(io_: Inputs) -> Run:
+    return _score(io_, str(io_.model), io_.val, name="scores.txt")
+
+
+def _score_no_images(io_: Inputs) -> Run:
+    (io_.src / "images").mkdir(parents=True)
+    (io_.src / "images" / "readme.txt").write_text("nothing to see")
+    return _score(io_, str(io_.model), io_.src / "images")
+
+
+def _tune_bad_scale(io_: Inputs) -> Run:
+    return _tuning_spec(
+        io_, "  - {name: learning_rate, type: double, min: 0.001, max: 0.1, scale: cubic}\n"
+    )
+
+
+def _tune_log_zero(io_: Inputs) -> Run:
+    return _tuning_spec(
+        io_, "  - {name: learning_rate, type: double, min: 0, max: 0.1, scale: log}\n"
+    )
+
+
+def _tune_unknown_parameter(io_: Inputs) -> Run:
+    return _tuning_spec(io_, "  - {name: rm_rf, type: categorical, values: [a, b]}\n")
+
+
+def _tune_self_parent(io_: Inputs) -> Run:
+    return _tuning_spec(
+        io_, "  - {name: momentum, type: double, min: 0.8, max: 0.9, parent: momentum}\n"
+    )
+
+
+def _tune_grid_double(io_: Inputs) -> Run:
+    spec = _tuning_spec(io_, "  - {name: learning_rate, type: double, min: 0.001, max: 0.1}\n")
+    text = spec.argv[1]
+    Path(text).write_text(Path(text).read_text().replace("goal:", "algorithm: grid\ngoal:"))
+    return spec
+
+
+def _tune_missing_spec(io_: Inputs) -> Run:
+    return _tune(io_, io_.src / "missing.yaml")
+
+
+def _tune_not_yaml(io_: Inputs) -> Run:
+    spec = io_.src / "tuning.yaml"
+    spec.parent.mkdir(parents=True)
+    spec.write_text("!!python/object/apply:os.system ['touch pwned']\n")
+    return _tune(io_, spec)
+
+
+def _promote_no_model(io_: Inputs) -> Run:
+    return Run(["promote", str(io_.val)], io_.out)
+
+
+def _registered(io_: Inputs, name: str) -> str:
+    """Register a copy of the model under ``name`` (its own, so other cases see no model)."""
+    from tasks.registry import register
+    from tasks.settings import Settings
+
+    register(_model_copy(io_), settings=Settings(registered_model_name=name), alias="champion")
+    shutil.rmtree(io_.src / "model")
+    return name
+
+
+def _promote_missing_alias(io_: Inputs) -> Run:
+    name = _registered(io_, "hostile-promote")
+    argv = ["promote", str(io_.val), "--candidate", "no-such-alias"]
+    return Run(argv, io_.out, env={"IMAGEOPS_REGISTERED_MODEL_NAME": name})
+
+
+def _score_missing_alias(io_: Inputs) -> Run:
+    return _score(io_, f"models:/{_registered(io_, 'hostile-score')}@no-such-alias", io_.val)
+
+
+def _promote_unlabeled(io_: Inputs) -> Run:
+    data = _imagedir(io_, "flat", ("0", "1"), labeled=False)
+    return Run(["promote", str(data)], io_.out)
+
+
+def _cli_unknown_command(io_: Inputs) -> Run:
+    return Run(["frobnicate", str(io_.src)], io_.out)
+
+
+def _cli_bad_number(io_: Inputs) -> Run:
+    run = _train(io_, io_.src, io_.train, io_.val)
+    return Run([*run.argv, "--epochs", "many"], run.dest)
+
+
+def _cli_missing_argument(io_: Inputs) -> Run:
+    return Run(["split", str(io_.train)], io_.out)
+
+
+CASES: list[Case] = [
+    Case("convert-truncated-jpeg", "convert", "a JPEG cut in half among good PNGs",
+         _truncated_jpeg, "ok: 6 images, 2 classes, 1 skipped; skipped 0/cut.jpg: UnreadableImage"),
+    Case("convert-zero-byte", "convert", "a zero-byte .png", _zero_byte,
+         "ok: 1 skipped; skipped 1/empty.png: EmptyFile"),
+    Case("convert-text-as-png", "convert", "a text file named .png", _text_as_png,
+         "ok: 1 skipped; skipped 1/notes.png: NotAnImage"),
+    Case("convert-16bit-cmyk", "convert", "16-bit gray and RGB PNGs, CMYK JPEG and TIFF",
+         _deep_and_cmyk, "ok: 10 images, 2 classes, 0 skipped"),
+    Case("convert-png-bomb", "convert", "a 30000x30000 PNG (a few hundred KB on disk)", _bomb,
+         "ok: 1 skipped; skipped 0/bomb.png: ImageExceedsLimit: 900,000,000 pixels is over "
+         "the limit of 40,000,000"),
+    Case("convert-zip-traversal", "convert", "zip members `../../x` and `digits/0/../../../x.png`",
+         _zip_traversal, "ok: 6 images; UnsafeArchiveMember: '..' in the path"),
+    Case("convert-zip-absolute", "convert", "a zip member with an absolute path", _zip_absolute,
+         "ok: 6 images; UnsafeArchiveMember: absolute path"),
+    Case("convert-tar-symlink", "convert",
+         "tar symlinks to /etc/passwd and to ../../.., and a file written through the link",
+         _tar_symlink, "ok: 6 images; UnsafeArchiveMember"),
+    Case("convert-tar-hardlink", "convert", "tar.gz hard links to /etc/shadow and to a member",
+         _tar_hardlink, "ok: 6 images; UnsafeArchiveMember"),
+    Case("convert-nested-archive", "convert", "a zip inside the zip (itself holding ../../x)",
+         _nested_archive, "ok: 6 images, 2 classes, 1 skipped; skipped 0/inner.zip"),
+    Case("convert-unicode-names", "convert", "unicode and spaces in class and file names",
+         _unicode_names, "ok: 6 images, 2 classes, 0 skipped"),
+    Case("convert-markup-names", "convert", "rich markup in names: `[bold]/[/].png`",
+         _markup_names, "ok: 7 images, 3 classes, 1 skipped; skipped 0/[red]broken.png"),
+    Case("convert-markup-path", "convert", "a missing source named `[/]nowhere`",
+         _markup_missing, "NoUsableImagesError", "[/]nowhere"),
+    Case("convert-empty-class", "convert", "an empty class folder", _empty_class,
+         "ok: 6 images, 2 classes, 1 skipped; skipped 9/: EmptyClass"),
+    Case("convert-single-class", "convert", "one class folder only", _single_class,
+         "ok: 3 images, 1 classes, 0 skipped"),
+    Case("convert-only-junk", "convert", "a folder of broken files only", _only_junk,
+         "NoUsableImagesError", "no usable image"),
+    Case("convert-missing-source", "convert", "a source that does not exist", _missing_source,
+         "NoUsableImagesError", "does not exist"),
+    Case("convert-dest-in-source", "convert", "the destination inside the source",
+         _dest_in_source, "InvalidParameterError", "overlap"),
+    Case("convert-cut-archive", "convert", "a .tar.gz cut in half", _cut_archive,
+         "NoUsableImagesError", "a.tar.gz"),
+    Case("convert-csv-escape", "convert", "a CSV manifest naming ../../../etc/passwd and /etc",
+         _csv_escape, "ok: 6 images, 2 classes, 2 skipped; UnsafePath"),
+    Case("split-raw-folder", "split", "a raw image folder, not an ImageDirectory", _split_raw,
+         "InvalidImageDirectoryError", "is not an ImageDirectory"),
+    Case("split-bad-manifest", "split", "a manifest.json cut short", _split_bad_manifest,
+         "InvalidImageDirectoryError", "manifest.json"),
+    Case("split-bad-fraction", "split", "--fraction 1.5", _split_fraction,
+         "InvalidParameterError", "fraction"),
+    Case("split-single-class", "split", "one class of 4 images, half and half",
+         _split_single_class, "ok: 2 images; 2 images"),
+    Case("transform-missing-spec", "transform", "a TransformationDirectory without transform.json",
+         _transform_missing_spec, "InvalidTransformationDirectoryError", "transform.json"),
+    Case("transform-bad-value", "transform", "transform init --resize-size -5",
+         _transform_bad_value, "InvalidParameterError", "resize_size = -5"),
+    Case("transform-unknown-mode", "transform", "transform apply --mode x",
+         _transform_unknown_mode, "InvalidParameterError", "mode"),
+    Case("train-unlabeled", "train", "unlabeled training data", _train_unlabeled,
+         "NotLabeledDatasetError", "labeled"),
+    Case("train-other-classes", "train", "validation classes that differ from training",
+         _train_other_classes, "InvalidDatasetError", "only in training: ['2']"),
+    Case("train-single-class", "train", "training and validation data with one class",
+         _train_single_class, "InvalidDatasetError", "needs two or more"),
+    Case("train-big-batch", "train", "--batch-size 100000, larger than the data",
+         _train_big_batch, "InvalidParameterError", "larger than the training set"),
+    Case("train-unknown-arch", "train", "model.json naming architecture resnet9000",
+         _train_unknown_arch, "InvalidModelDirectoryError", "resnet9000"),
+    Case("train-pickled-model", "train", "a model folder holding only a pickle (model.pt)",
+         _train_pickled_model, "InvalidModelDirectoryError", "no model.json"),
+    Case("train-nan-loss", "train", "--learning-rate 1e12: the loss becomes NaN", _train_nan,
+         "TrainingDivergedError", "training loss became", slow=True),
+    Case("export-not-a-model", "export", "an image folder given as the model",
+         _export_not_a_model, "InvalidModelDirectoryError", "no model.json"),
+    Case("export-pickle-weights", "export", "model.safetensors replaced by a pickle",
+         _export_pickle_weights, "InvalidModelDirectoryError", "model.safetensors"),
+    Case("score-pickle-beside", "score", "a model directory with pickles (model.pkl, model.pt)",
+         _score_pickle_beside, "ok: wrote"),
+    Case("score-bad-images", "score", "a truncated JPEG and an empty PNG among the images",
+         _score_bad_images, "ok: wrote"),
+    Case("score-missing-model", "score", "models:/no-such-model@champion", _score_missing_model,
+         "RegistryError", "no-such-model"),
+    Case("score-missing-alias", "score", "models:/<a registered model>@no-such-alias",
+         _score_missing_alias, "RegistryError", "no-such-alias"),
+    Case("score-bad-uri", "score", "models:/../../etc@", _score_bad_uri,
+         "RegistryError", "models:/"),
+    Case("score-bad-table", "score", "a scored table named .txt", _score_bad_table,
+         "InvalidParameterError", ".txt"),
+    Case("score-no-images", "score", "a folder with no image in it", _score_no_images,
+         "NoUsableImagesError", "image"),
+    Case("tune-bad-scale", "tune", "a parameter with scale: cubic", _tune_bad_scale,
+         "InvalidTuningSpecError", "[scale] = 'cubic'"),
+    Case("tune-log-scale-zero", "tune", "a log scale from min 0", _tune_log_zero,
+         "InvalidTuningSpecError", "min"),
+    Case("tune-unknown-parameter", "tune", "a parameter training does not have",
+         _tune_unknown_parameter, "InvalidTuningSpecError", "rm_rf"),
+    Case("tune-self-parent", "tune", "a parameter that is its own parent", _tune_self_parent,
+         "InvalidTuningSpecError", "its parent"),
+    Case("tune-grid-double", "tune", "a grid search over a double", _tune_grid_double,
+         "InvalidTuningSpecError", "grid search cannot"),
+    Case("tune-missing-spec", "tune", "a spec file that does not exist", _tune_missing_spec,
+         "InvalidTuningSpecError", "missing.yaml"),
+    Case("tune-python-tag", "tune", "YAML with a !!python/object tag", _tune_not_yaml,
+         "InvalidTuningSpecError", "tuning.yaml"),
+    Case("promote-no-model", "promote", "no registered model at all", _promote_no_model,
+         "RegistryError", "registered model"),
+    Case("promote-missing-alias", "promote", "--candidate no-such-alias of a registered model",
+         _promote_missing_alias, "RegistryError", "its aliases: @champion -> v1"),
+    Case("promote-unlabeled-holdout", "promote", "an unlabeled holdout", _promote_unlabeled,
+         "InvalidParameterError", "unlabeled"),
+    Case("cli-unknown-command", "cli", "imageops frobnicate", _cli_unknown_command,
+         "UsageError", "No such command"),
+    Case("cli-bad-number", "cli", "train --epochs many", _cli_bad_number,
+         "BadParameter", "--epochs"),
+    Case("cli-missing-argument", "cli", "split with one of its three folders",
+         _cli_missing_argument, "MissingParameter", "Missing argument"),
+]  # fmt: skip
+
+
+OTHER_PARTS = "## Injected faults, concurrent runs, security"
+
+
+def markdown() -> str:
+    """The corpus part of docs/reliability.md: every case and what the user sees."""
+    lines = [
+        "# Reliability: hostile inputs",
+        "",
+        "Generated from `tests/hostile_inputs.py` by `python -m tests.hostile_inputs --write "
+        "docs/reliability.md` (it keeps the last section as it is);",
+        "`tests/test_hostile_inputs.py` runs every case through the CLI.",
+        "",
+        "Each case ends in success with a report, or in a named error: the CLI prints",
+        '"error: <what was wrong>" and "what to do: <hint>" and exits with status 2 (usage errors',
+        "come from the command-line parser: its message and `--help`). Never a traceback, never a",
+        "file outside the destination, never a half output that looks whole.",
+        "",
+        "| id | step | input | outcome |",
+        "| --- | --- | --- | --- |",
+    ]
+    for case in CASES:
+        outcome = case.expect if case.expect.startswith("ok") else f"{case.expect}: {case.says}"
+        cells = [f"`{case.id}`", case.step, case.description, outcome]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n\n"
+
+
+def write_doc(path: Path) -> None:
+    """Rewrite the corpus part of ``path``; the section the rest of issue 9 fills is kept."""
+    old = path.read_text() if path.exists() else ""
+    rest = old[old.index(OTHER_PARTS) :] if OTHER_PARTS in old else ""
+    rest = rest or f"{OTHER_PARTS}\n\nTracked in the rest of issue 9.\n"
+    path.write_text(markdown() + rest)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--write":
+        sys.exit("usage: python -m tests.hostile_inputs --write docs/reliability.md")
+    write_doc(Path(sys.argv[2]))
