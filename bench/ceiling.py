@@ -41,6 +41,22 @@ def matmul_peak(precision: str, n: int, seconds: float) -> float:
     return 2 * n**3 / best
 
 
+def forward_flops(arch: str, size: int, classes: int = 10) -> int:
+    """FLOPs of one forward pass of torchvision's ``arch`` on one ``size`` x ``size`` image.
+
+    What the other benchmarks multiply their images/s by to set them against the matmul peak.
+    """
+    import torch
+    import torchvision
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torchvision.models.get_model(arch, num_classes=classes).eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.zeros(1, 3, size, size))
+    return counter.get_total_flops()
+
+
 def run(full: bool, work: Path) -> Section:
     import torch
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 if __package__ in (None, ""):  # `python bench/score_speed.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.ceiling import forward_flops
 from bench.report import (
     ROOT,
     Plot,
@@ -356,19 +357,6 @@ def engines_alone(model_dir: Path, images: Path, runs: int) -> dict[str, list[fl
     return rates
 
 
-def forward_flops(size: int) -> float:
-    """FLOPs of one resnet18 (10 classes) forward pass on one ``size`` px image."""
-    import torch
-    import torchvision
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = torchvision.models.resnet18(num_classes=10).eval()
-    counter = FlopCounterMode(display=False)
-    with torch.inference_mode(), counter:
-        model(torch.zeros(1, 3, size, size))
-    return float(counter.get_total_flops())
-
-
 def write_many(dest: Path, scans: list[Path], count: int) -> Path:
     """A plain folder of ``count`` digit images: the scans, linked again and again."""
     for i in range(count):
@@ -466,7 +454,7 @@ def run(full: bool, work: Path) -> Section:
     rates, ratios, top1 = compare(model_dir, val, quarters, plan.passes, work)
     began = time.perf_counter()
     alone = engines_alone(model_dir, val, plan.engine_runs)
-    flops = forward_flops(plan.size)
+    flops = float(forward_flops("resnet18", plan.size))
     print(f"engines alone ({time.perf_counter() - began:.0f} s)", flush=True)
     runs = scaling(work, plan.repeats, plan.scaling_models)
 

@@ -52,6 +52,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/train_speed.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.ceiling import forward_flops
 from bench.report import Plot, Section, Series, Stat, Table, run_main, usable_cores
 
 SIZE = 224  # the issue's image size for the loop comparison
@@ -111,19 +112,6 @@ def make_images(root: Path, count: int, size: int) -> Path:
     raw = write_digits(root / "raw", size=size, per_class=-(-count // CLASSES))
     convert(raw, root / "images")
     return root / "images"
-
-
-def forward_flops(arch: str, size: int) -> int:
-    """FLOPs of one forward pass of ``arch`` on one ``size`` x ``size`` image."""
-    import torch
-    import torchvision
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = torchvision.models.get_model(arch, num_classes=CLASSES).eval()
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        model(torch.zeros(1, 3, size, size))
-    return counter.get_total_flops()
 
 
 def plain_loop(arch: str, root: Path) -> Callable[[int], float]:
@@ -233,7 +221,7 @@ def compare_loops(
     figures: dict[str, Stat] = {}
     forward: dict[str, float] = {}
     for arch in plan.archs:
-        flops = forward_flops(arch, SIZE)
+        flops = forward_flops(arch, SIZE, CLASSES)
         forward[arch] = flops / 1e9
         loops = {"plain": plain_loop(arch, images), "imageops": our_loop(arch, images, precision)}
         for run in loops.values():

@@ -26,6 +26,8 @@ os.environ.update(
 for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
     os.environ.pop(_var, None)
 
+from projects import use_project  # noqa: E402
+
 from tasks.settings import Settings  # noqa: E402
 
 
@@ -41,19 +43,7 @@ def prefect_api() -> Iterator[None]:
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     """Settings for a fresh project folder under ``tmp_path`` (applied to the environment)."""
-    root = tmp_path / "project"
-    root.mkdir()
-    monkeypatch.setenv("IMAGEOPS_PROJECT_ROOT", str(root))
-    monkeypatch.setenv("IMAGEOPS_HOME", str(root / ".imageops"))
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_HOME", "TORCH_HOME"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.chdir(root)
-    settings = Settings()
-    # apply() writes os.environ directly; monkeypatch.setenv first so the values are restored.
-    for key, value in settings.environment().items():
-        monkeypatch.setenv(key, value)
-    settings.home_dir.mkdir(parents=True, exist_ok=True)
-    return settings
+    return use_project(tmp_path / "project", monkeypatch)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from hostile_inputs import CASES, OTHER_PARTS, PICKLE_MARKER, STEPS, Case, Inputs, markdown
+from projects import use_project
 
 from tasks.settings import Settings
 
@@ -25,19 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def shared_project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """One project (MLflow store, run folders) for every case: setting one up costs seconds."""
-    root = tmp_path_factory.mktemp("hostile") / "project"
-    root.mkdir()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("IMAGEOPS_PROJECT_ROOT", str(root))
-        patch.setenv("IMAGEOPS_HOME", str(root / ".imageops"))
-        for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_HOME", "TORCH_HOME"):
-            patch.delenv(var, raising=False)
-        patch.chdir(root)
-        settings = Settings()
-        for key, value in settings.environment().items():
-            patch.setenv(key, value)
-        settings.home_dir.mkdir(parents=True, exist_ok=True)
-        yield settings
+        yield use_project(tmp_path_factory.mktemp("hostile") / "project", patch)
 
 
 def _tree(folder: Path) -> dict[str, tuple[int, int]]:

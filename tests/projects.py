@@ -1,0 +1,29 @@
+"""A throw-away project folder for tests: its settings applied, every change undone afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.settings import Settings
+
+
+def use_project(root: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """Make ``root`` (created here) the current project, its settings applied to the environment.
+
+    Every variable goes through ``monkeypatch``, so all of it is undone when the test (or the
+    fixture's scope) ends.
+    """
+    root.mkdir()
+    monkeypatch.setenv("IMAGEOPS_PROJECT_ROOT", str(root))
+    monkeypatch.setenv("IMAGEOPS_HOME", str(root / ".imageops"))
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_HOME", "TORCH_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(root)
+    settings = Settings()
+    # apply() writes os.environ directly; monkeypatch.setenv first so the values are restored.
+    for key, value in settings.environment().items():
+        monkeypatch.setenv(key, value)
+    settings.home_dir.mkdir(parents=True, exist_ok=True)
+    return settings
