@@ -50,7 +50,7 @@ def score_flow(
     ] = None,
     images: Annotated[
         str, Field(title="Images", description="ImageDirectory or image folder to score.")
-    ] = "data/val",
+    ] = "data/digits/val",
     dest: Annotated[
         str | None,
         Field(
@@ -64,7 +64,9 @@ def score_flow(
         Field(
             gt=0,
             title="Images per shard",
-            description="A larger input is cut into shards scored by parallel tasks.",
+            description="A larger input is cut into shards scored by parallel tasks; "
+            "finished shards are kept until the table is written, so a rerun after a crash "
+            "scores only the missing ones.",
         ),
     ] = SHARD_IMAGES,
     threads: Annotated[
@@ -168,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_cmd = commands.add_parser("serve", help="serve the scoring deployment with its trigger")
     serve_cmd.add_argument("--alias", default=CHAMPION)
-    serve_cmd.add_argument("--images", default=None, help="default parameter (flow: data/val)")
+    serve_cmd.add_argument(
+        "--images", default=None, help="default parameter (flow: data/digits/val)"
+    )
     serve_cmd.add_argument("--dest", default=None, help="default parameter (flow: <home>/scores)")
     serve_cmd.add_argument("--limit", type=int, default=None, help="concurrent runs at most")
     args = parser.parse_args(argv)

@@ -7,7 +7,9 @@ folder, and the table grows on disk in a temporary file that replaces ``dest`` o
 batch is done. An image that does not load becomes a row with empty scores and the reason in
 ``Scoring Error`` (and a log line); it never fails the batch. A large input is cut into shards
 that parallel Prefect tasks score and :func:`merge_tables` joins in order
-(:func:`score_in_shards`).
+(:func:`score_in_shards`). The shard is the unit of resumption: finished shard tables are kept
+beside ``dest`` until the merge, so a run killed mid-way and started again scores only the shards
+it had not finished; a smaller input (one shard, ``SHARD_IMAGES``) is scored again from the start.
 
 The output is the Score Image Model table: ``id`` (the image's place in the listing), ``path``,
 ``category`` (the true class, only when the input is labeled), ``Scoring Error``, one
@@ -17,6 +19,9 @@ The output is the Score Image Model table: ``id`` (the image's place in the list
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -33,8 +38,14 @@ import pyarrow.parquet as pq
 
 from models.atomic import atomic_file
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
-from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
-from tasks.export import INPUT_NAME, OUTPUT_NAME
+from models.zoo import MODEL_JSON
+from tasks.errors import (
+    ImageOpsError,
+    InvalidModelDirectoryError,
+    InvalidParameterError,
+    NoUsableImagesError,
+)
+from tasks.export import INPUT_NAME, OUTPUT_NAME, sha256_file
 from tasks.imagedir import IMAGE_EXTENSIONS, MANIFEST, is_image_file, load_rgb, read_manifest
 from tasks.step import step, step_logger
 from tasks.transform import build_transform, input_size
@@ -340,6 +351,8 @@ def score(
 
 score_task = step(score, name="score")
 SHARD_IMAGES = 20_000  # a shard per this many images: big enough that start-up is noise
+CHECKPOINTS = ".imageops-shards"  # beside the scored table: finished shards of unmerged runs
+CHECKPOINT_FORMAT = 1  # part of the checkpoint key: raise it when a shard table changes shape
 
 
 def merge_tables(parts: Sequence[Path], dest: Path) -> int:
@@ -392,6 +405,72 @@ def merge_tables(parts: Sequence[Path], dest: Path) -> int:
     return scored
 
 
+def checkpoint_dir(
+    model: Path,
+    refs: Sequence[ImageRef],
+    labeled: bool,
+    dest: Path,
+    *,
+    shard_images: int,
+    batch_size: int,
+    quantized: bool,
+) -> Path:
+    """Where :func:`score_in_shards` keeps the finished shard tables of this exact scoring.
+
+    The folder (under ``CHECKPOINTS`` beside ``dest``) is named by a digest of everything that
+    decides the tables: the model files used, the image listing (path, size, mtime of each file,
+    class), the shard and batch sizes and the format; never ``dest``'s name, so a rerun under a
+    new name resumes too. A change to any of them is another folder: nothing stale is reused.
+    """
+    model = Path(model)
+    onnx_path = model / (ONNX_INT8 if quantized else ONNX)
+    digest = hashlib.sha256()
+    for path in (onnx_path, model / MODEL_JSON):  # model.json holds the classes and transform
+        digest.update(sha256_file(path).encode() if path.is_file() else b"-")
+    settings = [CHECKPOINT_FORMAT, quantized, labeled, shard_images, batch_size]
+    digest.update(json.dumps([*settings, Path(dest).suffix.lower()]).encode())
+    for ref in refs:
+        try:
+            stat = ref.file.stat()
+            seen = [stat.st_size, stat.st_mtime_ns]
+        except OSError:  # scored as an error row; a file that appears later changes the key
+            seen = None
+        digest.update(json.dumps([ref.path, ref.category, seen]).encode())
+    return Path(dest).parent / CHECKPOINTS / digest.hexdigest()[:20]
+
+
+def _claim(folder: Path) -> int | None:
+    """Lock ``folder`` for this process: the locked descriptor, or None if another holds it.
+
+    Two scorings of the same model on the same images into one folder would share the shard
+    tables and remove them under each other. ``flock`` is released by the kernel however its
+    holder ends, so the checkpoint of a killed run is free at once.
+    """
+    while True:
+        with contextlib.suppress(FileNotFoundError):  # a finished run removed it meanwhile: again
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # Locked: but the run we waited for may have removed the folder before it let go.
+                if os.path.samestat(os.fstat(fd), os.stat(folder)):
+                    return fd
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+
+
+def _discard(folder: Path) -> None:
+    """Remove a checkpoint folder, and the checkpoints' folder once no other run's is left."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()
+
+
 def score_in_shards(
     model: Path,
     images: Path,
@@ -409,6 +488,10 @@ def score_in_shards(
     between them; outside a flow the shards run one after another. The shard tables are merged
     in shard order, so the result is the same table :func:`score` writes, whatever finished
     first. An input of one shard is scored directly.
+
+    Each shard table is written atomically into :func:`checkpoint_dir` and kept until the merge
+    succeeds: a run that was killed, or failed, and is started again with the same model, images
+    and settings scores only the missing shards (it logs how many it reused).
     """
     from prefect.futures import wait
 
@@ -417,32 +500,58 @@ def score_in_shards(
     if shard_images < 1:
         raise InvalidParameterError(f"shard_images must be >= 1, got {shard_images}.")
     dest = Path(dest)
-    total = len(list_images(images)[0])
+    refs, labeled = list_images(images)
+    total = len(refs)
     count = max(1, -(-total // shard_images))
     kwargs = {"batch_size": batch_size, "quantized": quantized}
     if count == 1:
         run = score_task if in_prefect_run() else score
         return run(model, images, dest, threads=threads, **kwargs)
-    parallel = in_prefect_run()
-    per_shard = max(1, (threads or default_threads()) // count) if parallel else threads
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.shards-", dir=dest.parent) as tmp:
-        parts = [Path(tmp) / f"{i:05d}{dest.suffix}" for i in range(count)]
-        if parallel:
+    log = step_logger(__name__)
+    folder = checkpoint_dir(model, refs, labeled, dest, shard_images=shard_images, **kwargs)
+    lock = _claim(folder)
+    if lock is None:
+        folder = Path(tempfile.mkdtemp(prefix=f".{dest.name}.shards-", dir=dest.parent))
+        log.info("Another run is scoring the same images beside %s; not sharing its shards", dest)
+    parts = [folder / f"{i:05d}{dest.suffix}" for i in range(count)]
+    resumable = True
+    try:
+        for stale in folder.glob(".*.tmp"):  # a killed run's half-written shard
+            stale.unlink(missing_ok=True)
+        missing = [i for i, part in enumerate(parts) if not part.is_file()]
+        if len(missing) < count:
+            log.warning(
+                "Reusing %d of %d finished shards from an interrupted run in %s",
+                count - len(missing),
+                count,
+                folder,
+            )
+        if in_prefect_run():
+            per_shard = max(1, (threads or default_threads()) // max(1, len(missing)))
             futures = [
                 score_task.submit(
-                    model, images, part, shard=(i, count), threads=per_shard, **kwargs
+                    model, images, parts[i], shard=(i, count), threads=per_shard, **kwargs
                 )
-                for i, part in enumerate(parts)
+                for i in missing
             ]
             wait(futures)
             for future in futures:
                 future.result()  # raises the first shard's error, if any
         else:
-            for i, part in enumerate(parts):
-                score(model, images, part, shard=(i, count), threads=per_shard, **kwargs)
-        scored = merge_tables(parts, dest)
-    step_logger(__name__).info(
-        "Scored %d of %d image(s) in %d shards into %s", scored, total, count, dest
-    )
+            for i in missing:
+                score(model, images, parts[i], shard=(i, count), threads=threads, **kwargs)
+        try:
+            scored = merge_tables(parts, dest)
+        except ImageOpsError:
+            resumable = False  # a verdict on the finished shards: a rerun would only repeat it
+            raise
+        resumable = False
+    finally:
+        if lock is None:
+            shutil.rmtree(folder, ignore_errors=True)  # a private folder is never resumed
+        else:
+            if not (resumable and any(part.is_file() for part in parts)):
+                _discard(folder)
+            os.close(lock)  # only now: no other run may claim a folder that is being removed
+    log.info("Scored %d of %d image(s) in %d shards into %s", scored, total, count, dest)
     return dest
