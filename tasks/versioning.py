@@ -5,10 +5,17 @@ a model can always be traced to the exact images it learned from, and ``dvc pull
 back. DVC runs through its Python API in this process. Two DVC commands at once in one repository
 fail on DVC's own lock, so every DVC operation imageops makes holds a file lock in the project's
 working folder first: parallel flows wait their turn instead of failing.
+
+A versioning killed mid-way (``kill -9``, a lost machine) is finished by the next one: DVC writes
+cache and remote objects through a temporary file and a rename, so an object is whole or absent,
+the next ``dvc add`` copies only the missing ones and ``dvc push`` sends only what the remote
+lacks; DVC drops a dead process's entry from its lock record itself. The two states a kill leaves
+that DVC does not get past on its own are repaired here: an init cut short and an emptied record.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -120,6 +127,54 @@ def _configure_remote(repo: Repo, settings: Settings) -> None:
         conf["core"]["analytics"] = False
 
 
+# What `dvc init` puts in .dvc/ before imageops writes config.local; a cache or anything else
+# means the repository was in use.
+_INIT_FILES = {"config", ".gitignore", "tmp"}
+
+
+def _init_cut_short(dvc_dir: Path) -> bool:
+    """Whether ``dvc_dir`` is what a process killed inside ``dvc init`` leaves.
+
+    ``Repo.init`` makes ``.dvc/``, then an empty ``config``, then (outside git) writes ``no_scm``
+    into it; imageops writes ``config.local`` right after. Cut short, the folder has no config,
+    or outside git an empty one with which DVC refuses to open ("not a git repository"). It then
+    holds nothing of value, so running the init again (``force``) loses nothing.
+    """
+    if not dvc_dir.is_dir() or not {p.name for p in dvc_dir.iterdir()} <= _INIT_FILES:
+        return False
+    config = dvc_dir / "config"
+    if not config.is_file():
+        return True
+    return config.stat().st_size == 0 and _git_root(dvc_dir.parent) is None
+
+
+def _repair_rwlock(repo: Repo) -> None:
+    """Remove DVC's record of held locks when a killed DVC left it unreadable.
+
+    DVC rewrites ``.dvc/tmp/rwlock`` in place (truncate, then write), under its guard
+    ``rwlock.lock``; a process killed between the two leaves it empty, and every later DVC
+    command fails with "JSON structure is corrupted". Holding the same guard, no one is writing
+    it, so a file that does not parse is a dead writer's: its entries are lost either way, and
+    DVC starts a missing record afresh.
+    """
+    from dvc.lock import make_lock
+    from dvc.rwlock import RWLOCK_FILE, RWLOCK_LOCK
+
+    tmp_dir = Path(repo.tmp_dir)
+    record = tmp_dir / RWLOCK_FILE
+    if not record.is_file():
+        return
+    hardlink = bool(repo.config["core"].get("hardlink_lock", False))
+    with make_lock(str(tmp_dir / RWLOCK_LOCK), tmp_dir=str(tmp_dir), hardlink_lock=hardlink):
+        try:
+            json.loads(record.read_bytes())
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+            step_logger(__name__).warning(
+                "removed %s: a DVC process was killed while writing it", record
+            )
+            record.unlink()
+
+
 def _ensure(settings: Settings) -> Repo:
     """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
     from dvc.exceptions import DvcException
@@ -135,17 +190,20 @@ def _ensure(settings: Settings) -> Repo:
             f"The project root {root} is not a folder.",
             "Set IMAGEOPS_PROJECT_ROOT to the project folder (or run imageops from it).",
         )
+    dvc_dir = root / ".dvc"
     try:
-        if not (root / ".dvc").is_dir():
+        if dvc_dir.is_dir() and not _init_cut_short(dvc_dir):
+            repo = Repo(str(root))
+        else:
             git_root = _git_root(root)
+            force = dvc_dir.is_dir()  # an init cut short: start it again
             if git_root is None:
-                repo = Repo.init(str(root), no_scm=True)
+                repo = Repo.init(str(root), no_scm=True, force=force)
             else:
                 # In git, DVC stages its own files and writes .gitignore entries for the data.
-                repo = Repo.init(str(root), subdir=git_root != root)
-        else:
-            repo = Repo(str(root))
+                repo = Repo.init(str(root), subdir=git_root != root, force=force)
         try:
+            _repair_rwlock(repo)
             _configure_remote(repo, settings)
         except BaseException:
             repo.close()
