@@ -82,6 +82,15 @@ class Processes:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
 
+    def crash(self, proc: subprocess.Popen) -> None:
+        """SIGKILL ``proc``'s whole process group, as a crash would; it is not waited for again.
+
+        Its log stays in the folder; start its replacement under another name.
+        """
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self.started = [(name, p) for name, p in self.started if p is not proc]
+
     def wait(self, what: str, ready: Callable[[], Any], timeout_s: float = 120.0) -> Any:
         """Poll ``ready`` until it returns something truthy; fail with every log if never."""
         deadline = time.monotonic() + timeout_s

@@ -15,6 +15,13 @@ Which MLflow run a request trains in is decided here too (:func:`open_run`): an 
 the very same request is continued from its last per-epoch checkpoint (a Prefect retry, or the
 request run again after a crash), never a FINISHED one. A multi-node job opens its run once and
 runs :func:`train` once per node against it; the torchruns meet by c10d rendezvous.
+
+An MLflow server that goes down loses no record. Before training, the run is created (or found)
+and its parameters logged: if the server does not answer within the client's retries, the
+request fails with nothing trained, and a retry starts it again. During training, rank 0 never
+waits long on MLflow (:mod:`tasks.train.tracker`); once training ends, the launcher writes what
+the run lacks and its status, waiting up to TRACKING_PATIENCE_S (10 minutes) for the server
+(:func:`_complete_run`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -60,8 +67,10 @@ from tasks.step import step, step_logger
 from tasks.tracking import configure_mlflow, run_url
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.failure import clear_failures, read_failures
+from tasks.train.loop import TOP1
 from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
 from tasks.train.precision import resolve_precision
+from tasks.train.tracker import log_missing, transient
 from tasks.train.worker import CURVES, RESULT, rank_log
 from tasks.transform import input_size, read_transformation, transform_spec
 from tasks.versioning import git_revision
@@ -81,6 +90,10 @@ RESUME_KEY_TAG = "imageops.resume_key"
 UNFINISHED = ("RUNNING", "FAILED", "KILLED")
 LAUNCH_LOCK = "launch.lock"
 NODES = "nodes"  # in the run folder: when each node's torchrun ran
+# Once training has ended, how long the launcher keeps trying to write the run's last records
+# while MLflow does not answer, and how long it pauses between tries (see _complete_run).
+TRACKING_PATIENCE_S = 600.0
+TRACKING_PAUSE_S = 2.0
 
 
 class TrainResult(BaseModel):
@@ -193,6 +206,7 @@ def train(
         if lead:
             client.update_run(run_id, status="RUNNING")
         status = "FAILED"
+        result: dict[str, Any] | None = None
         try:
             config_path = _write_config(run_dir, config)
             command = _torchrun_command(
@@ -238,8 +252,7 @@ def train(
             raise
         finally:
             if lead:
-                _attach_logs(client, run_id, run_dir)
-                client.set_terminated(run_id, status)
+                _complete_run(client, run_id, run_dir, result, status)
     log.info("training finished: %s", result["metrics"])
     if lead:
         _publish_report(run_id, run_dir, result, settings)
@@ -527,6 +540,8 @@ def _require_run(client: MlflowClient, run_id: str) -> None:
     try:
         client.get_run(run_id)
     except MlflowException as exc:
+        if transient(exc):  # MLflow is down, not the run: a retry may get through
+            raise
         raise InvalidParameterError(
             f"run_id = {run_id!r}: no such MLflow run.",
             "Leave run_id empty to start a new run.",
@@ -939,17 +954,87 @@ def _publish_report(run_id: str, run_dir: Path, result: dict[str, Any], settings
     publish_markdown("training-report", markdown, f"Training curves of MLflow run {run_id}")
 
 
-def _attach_logs(client: MlflowClient, run_id: str, run_dir: Path) -> None:
-    """Every rank's log (and torchrun's) to the run's ``logs`` artifacts, even after a failure."""
+def _complete_run(
+    client: MlflowClient,
+    run_id: str,
+    run_dir: Path,
+    result: dict[str, Any] | None,
+    status: str,
+) -> None:
+    """Write the run's last records to MLflow and end it with ``status``, outlasting an outage.
+
+    Rank 0 gives up on a record quickly when MLflow does not answer (the training must not wait
+    on it; :mod:`tasks.train.tracker`); here the training is over and the launcher can wait. A
+    trained run gets every epoch's metrics it still lacks (from the result's history, each step
+    once), the best epoch's, the curves and every rank's log, then FINISHED. Each call that fails
+    for a reason that may pass (server down, restarting, 5xx) is tried again every
+    TRACKING_PAUSE_S for TRACKING_PATIENCE_S (10 minutes, on top of the MLflow client's own
+    retries, MLFLOW_HTTP_REQUEST_*): an MLflow server that is down for up to 10 minutes when
+    training ends loses nothing. If it is down longer, the run, still RUNNING, is an error worth
+    a retry: the retry resumes this run, finds every epoch trained and completes the record.
+
+    A run that failed or was stopped gets one try of each: its own error is what counts, and a
+    retry attaches the logs again.
+    """
+    patience = TRACKING_PATIENCE_S if status == "FINISHED" else 0.0
+    deadline = time.monotonic() + patience
+    if result is not None:
+        best = {
+            "epoch": float(result["epochs_trained"]),
+            "best/val/top1": result["metrics"][TOP1],
+            "best/epoch": float(result["best_epoch"]),
+        }
+        history = [*result["history"], best]
+        _patiently(lambda: log_missing(client, run_id, history), "the metrics", deadline)
+        if (run_dir / CURVES).is_file():
+            curves = str(run_dir / CURVES)
+            _patiently(lambda: client.log_artifact(run_id, curves), CURVES, deadline)
     # One torchrun log per node agent (torchrun.log, or torchrun_node_<k>.log on many nodes).
-    paths = [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
-    paths.append(run_dir / CONFIG)
-    for path in paths:
-        if not path.is_file():
-            continue
-        try:
-            client.log_artifact(run_id, str(path), artifact_path=LOG_ARTIFACTS)
-        except Exception as exc:  # never hide the training's own outcome behind this
-            step_logger(__name__).warning(
-                "could not attach %s to MLflow run %s: %s", path, run_id, exc
+    logs = [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
+    for path in [*logs, run_dir / CONFIG]:
+        if path.is_file():
+            _patiently(
+                lambda p=str(path): client.log_artifact(run_id, p, artifact_path=LOG_ARTIFACTS),
+                path.name,
+                deadline,
             )
+    ended = _patiently(lambda: client.set_terminated(run_id, status), "the status", deadline)
+    if not ended and status == "FINISHED":
+        raise TrainingFailedError(
+            f"Training finished and wrote its model, but MLflow did not take the end of run "
+            f"{run_id} within {patience:.0f} s; the run stays RUNNING.",
+            "Check the MLflow server, then run the same request again: it resumes this run, "
+            "trains nothing more and completes its record.",
+        )
+
+
+def _patiently(call: Callable[[], object], what: str, deadline: float) -> bool:
+    """Call ``call`` until it succeeds, a failure is not transient, or ``deadline`` passes.
+
+    True when it succeeded. A failure is never raised, whatever it is (a record must never hide
+    the training's own outcome): it is a warning, and the caller decides what it means.
+    """
+    log = step_logger(__name__)
+    waited_since = None
+    while True:
+        try:
+            call()
+        except Exception as exc:
+            reason = redact_uri(str(exc))  # MLflow's errors quote the tracking URI
+            if not transient(exc) or time.monotonic() >= deadline:
+                log.warning("MLflow did not take %s; giving up: %s", what, reason)
+                return False
+            if waited_since is None:
+                waited_since = time.monotonic()
+                log.warning(
+                    "MLflow did not take %s; trying again every %g s for up to %.0f s: %s",
+                    what,
+                    TRACKING_PAUSE_S,
+                    deadline - waited_since,
+                    reason,
+                )
+            time.sleep(TRACKING_PAUSE_S)
+            continue
+        if waited_since is not None:
+            log.info("MLflow took %s after %.0f s", what, time.monotonic() - waited_since)
+        return True

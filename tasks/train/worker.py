@@ -1,7 +1,8 @@
 """The torchrun entry: ``python -m tasks.train.worker --config <run folder>/config.json``.
 
 The same entry runs under torchrun (one process per rank) or as a plain process (a world of one).
-Every rank trains; rank 0 alone does the side effects: MLflow metrics, checkpoints, the best
+Every rank trains; rank 0 alone does the side effects: MLflow metrics (which an MLflow outage
+delays but never stops the training over: :mod:`tasks.train.tracker`), checkpoints, the best
 weights and the final ModelDirectory. Each rank logs to ``rank_<rank>.log`` in the run folder
 (rank 0, the master, also to the console).
 
@@ -23,7 +24,6 @@ import logging
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,6 +72,7 @@ from tasks.train.schedule import build_scheduler
 from tasks.transform import build_transform, input_size
 
 if TYPE_CHECKING:
+    from tasks.train.tracker import Tracker
     from tasks.tune.pruning import TrialReporter
 
 RESULT = "result.json"
@@ -124,57 +125,6 @@ class Progress:
     bad_epochs: int = 0
     stopped_early: bool = False
     pruned: bool = False  # a tuning trial stopped for being worse than the median (tasks.tune)
-
-
-class Tracker:
-    """Rank 0's MLflow writer, on the run the launcher created (never a run of its own).
-
-    A client call per record rather than ``mlflow.start_run``: the launcher owns the run's
-    status, and an active-run context here would mark it FINISHED before the logs are attached.
-    """
-
-    def __init__(self, run_id: str | None) -> None:
-        self.run_id = run_id
-        if run_id:
-            from mlflow import MlflowClient  # rank 0 only: the other ranks never import mlflow
-
-            self.client = MlflowClient()  # MLFLOW_TRACKING_URI comes from the launcher
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if not self.run_id:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        records = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=records)
-
-    def log_artifact(self, path: Path) -> None:
-        if self.run_id:
-            self.client.log_artifact(self.run_id, str(path))
-
-    def log_missing(self, history: list[dict[str, float]]) -> None:
-        """Log the checkpointed epochs whose metrics the run lacks; each epoch once.
-
-        Metrics go out after the checkpoint: a kill between the two leaves an epoch that is
-        trained and saved but not in MLflow, and a resumed run will not train it again.
-        """
-        if not self.run_id:
-            return
-        logged: dict[str, set[int]] = {}
-        for entry in history:
-            step = int(entry["epoch"])
-            missing = {}
-            for name, value in entry.items():
-                if name == "epoch":
-                    continue
-                if name not in logged:
-                    records = self.client.get_metric_history(self.run_id, name)
-                    logged[name] = {m.step for m in records}
-                if step not in logged[name]:
-                    missing[name] = value
-            if missing:
-                self.log_metrics(missing, step)
 
 
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -344,9 +294,13 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             model, device_ids=[dist.local_rank] if device.type == "cuda" else None
         )
     criterion = nn.CrossEntropyLoss()
-    tracker = Tracker(config.mlflow_run_id) if dist.is_primary else None
-    if tracker is not None and checkpoint is not None:
-        tracker.log_missing(progress.history)
+    tracker: Tracker | None = None
+    if dist.is_primary:
+        from tasks.train.tracker import Tracker  # mlflow on rank 0 only
+
+        # A resumed run may lack the epochs trained before the crash: the first record backfills.
+        tracker = Tracker(config.mlflow_run_id, behind=checkpoint is not None)
+        tracker.record(progress.history)
     reporter = None
     if config.tuning is not None and dist.is_primary:
         from tasks.tune.pruning import TrialReporter  # optuna only where a study listens
@@ -441,8 +395,10 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
                 },
             )
         distributed.barrier()
+        # After the checkpoint: a kill between the two leaves an epoch trained and saved but not
+        # in MLflow, which the next record (or the launcher) backfills from the history.
         if tracker is not None:
-            tracker.log_metrics(metrics, step=epoch)
+            tracker.record(progress.history)
         log.info(
             "epoch %d/%d: train loss %.4f, val loss %.4f, top-1 %.4f, top-%d %.4f, %.1f img/s "
             "(%.1f per process) (best top-1 %.4f at epoch %d)",
@@ -474,7 +430,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
 
     result = _summary(progress)
     if dist.is_primary:
-        _finish(config, model, best_state, progress, result, tracker)
+        _finish(config, model, best_state, progress, result)
     distributed.barrier()  # nobody leaves (and tears the group down) before rank 0 is done
     return result
 
@@ -511,9 +467,9 @@ def _finish(
     best_state: dict[str, torch.Tensor] | None,
     progress: Progress,
     result: dict[str, Any],
-    tracker: Tracker | None,
 ) -> None:
-    """Rank 0: the best weights become the ModelDirectory; curves and summary go to MLflow."""
+    """Rank 0: the best weights become the ModelDirectory; the curves and the summary are written
+    to the run folder, for the launcher to send to MLflow (it outlasts a tracking outage)."""
     if best_state is None:
         raise TrainingFailedError(
             f"No best weights in {config.run_dir} to write the model from.",
@@ -538,13 +494,7 @@ def _finish(
     )
     save_model_directory(config.out, model, info)
     log.info("wrote the model of epoch %d to %s", progress.best_epoch, config.out)
-    curves = plot_curves(progress.history, config.run_dir / CURVES)
-    if tracker is not None:
-        tracker.log_metrics(
-            {"best/val/top1": progress.best_top1, "best/epoch": float(progress.best_epoch)},
-            step=progress.epoch,
-        )
-        tracker.log_artifact(curves)
+    plot_curves(progress.history, config.run_dir / CURVES)
     write_json(config.run_dir / RESULT, result)
 
 

@@ -1,0 +1,177 @@
+"""Fault injection: the MLflow tracking server crashes during training and stays down for 30 s.
+
+A real ``mlflow server`` (SQLite store, artifacts proxied to a folder) is killed, its whole process
+group with SIGKILL, once the first epoch's metrics are in it, and started again on the same port
+with the same store 30 s later. MLflow's own client retries are turned off in the launcher
+(MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so the run survives by the training's design, not by the
+client's retry budget: rank 0 warns and trains on, the launcher waits for the server, then writes
+the epochs it missed and ends the run. The undisturbed reference trains while the server is down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from safetensors.torch import load_file
+from server_processes import Processes, base_env, free_port, healthy
+
+from models.transform_spec import TransformSpec
+from models.zoo import resnet, write_untrained
+from tasks.settings import Settings
+from tasks.train.launch import TrainResult, train
+from tasks.train.loop import LOSS
+from tasks.train.params import TrainParams
+
+OUTAGE_S = 30.0  # the issue's figure
+PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
+PARAMS = TrainParams.checked(epochs=2, batch_size=8, learning_rate=0.01, seed=7, device="cpu")
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path / "logs")
+    try:
+        yield procs
+    finally:
+        procs.stop()
+        print(procs.report())  # shown by pytest only when the test failed
+
+
+def run_train(
+    settings: Settings, untrained: Path, data: tuple[Path, Path], out: Path
+) -> TrainResult:
+    return train(untrained, *data, out, PARAMS, transform=PRE, settings=settings)
+
+
+def worker_of(run_dir: Path) -> psutil.Process | None:
+    """The torchrun worker (not torchrun itself) training in ``run_dir``."""
+    config = str(run_dir / "config.json")
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "tasks.train.worker" in cmd and "torch.distributed.run" not in cmd and config in cmd:
+            return proc
+    return None
+
+
+def first_epoch_logged(
+    client: MlflowClient, runs_dir: Path, training: threading.Thread
+) -> str | None:
+    """The id of the run in ``runs_dir`` once its first epoch's metrics are in MLflow; None if
+    the training ended first.
+
+    Polled every 10 ms: the crash must come before the next epoch's metrics.
+    """
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and training.is_alive():
+        for run_dir in runs_dir.glob("*"):
+            with contextlib.suppress(MlflowException):  # a busy SQLite store: ask again
+                if client.get_metric_history(run_dir.name, LOSS):
+                    return run_dir.name
+        time.sleep(0.01)
+    return None
+
+
+@pytest.mark.slow
+def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
+    project: Settings,
+    digits_split: tuple[Path, Path],
+    processes: Processes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    caplog.set_level(logging.INFO, logger="tasks.train.launch")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = [
+        str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+        "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--artifacts-destination", str(tmp_path / "mlflow-artifacts"),
+    ]  # fmt: skip
+    server_env = base_env() | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    tracked = Settings(
+        project_root=project.project_root, home=tmp_path / "tracked", mlflow_tracking_uri=url
+    )
+    untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
+    outcome: dict[str, Any] = {}
+
+    def disturbed() -> None:
+        try:
+            outcome["result"] = run_train(tracked, untrained, digits_split, tmp_path / "disturbed")
+        except BaseException as exc:  # re-raised by the test
+            outcome["error"] = exc
+
+    training = threading.Thread(target=disturbed, daemon=True)
+    first = processes.start("mlflow-server", server, server_env)
+    processes.wait("the MLflow server", lambda: healthy(f"{url}/health"))
+    client = MlflowClient(url)
+    training.start()
+    run_id = first_epoch_logged(client, tracked.runs_dir, training)
+    assert run_id is not None, f"no first epoch in MLflow: {outcome}"
+    # Stopped while the server dies, so we know exactly which epochs got in before.
+    worker = worker_of(tracked.runs_dir / run_id)
+    assert worker is not None, "the training ended before the crash"
+    worker.suspend()
+    try:
+        logged = sorted(m.step for m in client.get_metric_history(run_id, LOSS))
+        processes.crash(first)
+        crashed = time.monotonic()
+    finally:
+        worker.resume()
+    reference = run_train(project, untrained, digits_split, tmp_path / "reference")
+    time.sleep(max(0.0, crashed + OUTAGE_S - time.monotonic()))
+    processes.start("mlflow-server-again", server, server_env)
+    processes.wait("the restarted MLflow server", lambda: healthy(f"{url}/health"))
+    training.join(timeout=300)
+    assert not training.is_alive(), "the training did not end after the server came back"
+    if "error" in outcome:
+        raise outcome["error"]
+    result: TrainResult = outcome["result"]
+
+    # The outage hit the training: rank 0 trained on without the server, the launcher waited.
+    assert logged and logged[-1] < PARAMS.epochs, f"epochs logged before the crash: {logged}"
+    rank0 = (result.run_dir / "rank_0.log").read_text()
+    assert f"MLflow did not take the metrics of epoch {logged[-1] + 1}" in rank0
+    assert "MLflow did not take the metrics; trying again" in caplog.text
+    assert "MLflow took the metrics after" in caplog.text
+
+    # The record is whole: FINISHED, every epoch's metrics once, the parameters, the artifacts.
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    epochs = list(range(1, PARAMS.epochs + 1))
+    for name in set(result.history[0]) - {"epoch"}:
+        history = client.get_metric_history(run_id, name)
+        assert sorted(m.step for m in history) == epochs, name
+        assert {m.step: m.value for m in history} == {
+            int(h["epoch"]): h[name] for h in result.history
+        }, name
+    for name in ("best/val/top1", "best/epoch"):
+        assert [m.step for m in client.get_metric_history(run_id, name)] == [PARAMS.epochs]
+    assert run.data.params["epochs"] == str(PARAMS.epochs)
+    assert run.data.params["seed"] == str(PARAMS.seed)
+    assert "training_curves.png" in {a.path for a in client.list_artifacts(run_id)}
+    logs = {Path(a.path).name for a in client.list_artifacts(run_id, "logs")}
+    assert {"rank_0.log", "torchrun.log", "config.json"} <= logs
+    copy = Path(client.download_artifacts(run_id, "logs/rank_0.log", str(tmp_path / "dl")))
+    assert "MLflow did not take the metrics" in copy.read_text()  # the log of the whole run
+
+    # And it trained what an undisturbed run trains.
+    same = [k for k in reference.metrics if "images_per_sec" not in k]
+    assert {k: result.metrics[k] for k in same} == {k: reference.metrics[k] for k in same}
+    a = load_file(str(result.model_dir / "model.safetensors"))
+    b = load_file(str(reference.model_dir / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
