@@ -49,4 +49,4 @@ bench: install
 	$(BIN)/python -m bench $(if $(FULL),--full)
 
 clean:
-	rm -rf .imageops data/images data/train data/val data/sample data/repro
+	rm -rf .imageops data/raw data/digits data/repro

@@ -68,7 +68,8 @@ def plain_steps(epochs: int) -> dict[str, float]:
     times["imports"] = time.perf_counter() - began
     config = PipelineConfig()
     params = config.train.model_copy(update={"epochs": epochs})
-    data, outputs = settings.data_path, settings.home_dir / "outputs" / f"plain-{time.time_ns()}"
+    data = settings.data_path / config.dataset_name  # the pipeline's folders: data/digits/...
+    outputs = settings.home_dir / "outputs" / f"plain-{time.time_ns()}"
 
     def step(name: str, call, *args, **kwargs):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
@@ -113,8 +114,8 @@ def _child_env(cache: Path | None = None) -> dict[str, str]:
 
 
 def _new_project(path: Path, sample: Path) -> Path:
-    """A project folder holding only ``data/sample`` (hard links to the one written copy)."""
-    shutil.copytree(sample, path / "data" / "sample", copy_function=os.link)
+    """A project folder holding only ``data/raw/digits`` (hard links to the one written copy)."""
+    shutil.copytree(sample, path / "data" / "raw" / "digits", copy_function=os.link)
     return path
 
 
@@ -179,7 +180,7 @@ def _mlflow_store(db: Path) -> str:
 def _dvc_first(project: Path) -> str:
     return (
         "import time; s = time.perf_counter(); from tasks.versioning import version; "
-        f"version({str(project / 'data' / 'sample')!r}); print(time.perf_counter() - s)"
+        f"version({str(project / 'data' / 'raw' / 'digits')!r}); print(time.perf_counter() - s)"
     )
 
 

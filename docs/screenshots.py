@@ -2,7 +2,7 @@
 
 What it does, end to end, in a fresh temporary project folder (or ``--project DIR``):
 
-1. writes the digits sample (``imageops sample digits data/sample``) and starts
+1. writes the digits sample (``imageops sample digits data/raw/digits``) and starts
    ``imageops serve`` (Prefect server with UI, MLflow server, promotion receiver, worker) on
    free ports;
 2. starts one ``pipeline`` deployment run through the Prefect REST API with a small
@@ -140,8 +140,8 @@ class Stack:
 
 
 def _write_sample(project: Path) -> None:
-    """The digits demo data where the pipeline's default ``source`` looks (data/sample)."""
-    sample = project / "data" / "sample"
+    """The digits demo data where the pipeline's default ``source`` looks (data/raw/digits)."""
+    sample = project / "data" / "raw" / "digits"
     if sample.is_dir() and any(sample.iterdir()):
         return
     subprocess.run(

@@ -420,12 +420,12 @@ def register(
 def tune(
     spec: Annotated[Path, typer.Argument(help="Tuning spec (YAML, the shape of tuning.yaml).")],
     train_data: Annotated[Path, typer.Option(help="Labeled training ImageDirectory.")] = Path(
-        "data/train"
+        "data/digits/train"
     ),
     val_data: Annotated[
         Path,
         typer.Option(help="Labeled validation ImageDirectory (the metric is measured on it)."),
-    ] = Path("data/val"),
+    ] = Path("data/digits/val"),
     study: Annotated[
         str | None,
         typer.Option(
@@ -500,7 +500,13 @@ def score(
         bool, typer.Option(help="Score with the INT8 model (model.int8.onnx, `imageops quantize`).")
     ] = False,
     shard_images: Annotated[
-        int, typer.Option(help="Images per shard; a larger input is scored shard by shard.")
+        int,
+        typer.Option(
+            help="Images per shard; a larger input is scored shard by shard. Finished shards are "
+            "kept (in .imageops-shards beside DEST) until the table is written, so the same "
+            "command run again after a crash scores only the missing ones: smaller shards lose "
+            "less work to a crash, larger ones start ONNX Runtime fewer times.",
+        ),
     ] = 20_000,
 ) -> None:
     """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
@@ -550,7 +556,9 @@ def evaluate(
 def promote(
     holdout: Annotated[
         Path,
-        typer.Argument(help="Labeled ImageDirectory neither model trained on (e.g. data/val)."),
+        typer.Argument(
+            help="Labeled ImageDirectory neither model trained on (e.g. data/digits/val)."
+        ),
     ],
     candidate: Annotated[
         str, typer.Option(help="Alias or version number of the model to promote.")
@@ -634,7 +642,7 @@ def serve_scoring(
         str, typer.Option(help="The alias whose promotion starts a scoring run.")
     ] = "champion",
     images: Annotated[
-        str | None, typer.Option(help="Images each run scores (default: data/val).")
+        str | None, typer.Option(help="Images each run scores (default: data/digits/val).")
     ] = None,
     dest: Annotated[
         str | None, typer.Option(help="Table each run writes (default: <home>/scores/...).")
@@ -680,10 +688,20 @@ def register_webhook(
 def run_pipeline(
     source: Annotated[
         Path | None,
-        typer.Argument(help="Raw images (folder or archive). Default: data/sample (the digits)."),
+        typer.Argument(
+            help="Raw images (folder or archive). Default: data/raw/digits (the digits)."
+        ),
     ] = None,
     config: Annotated[
         Path | None, typer.Option(help="params.yaml-shaped file with the pipeline parameters.")
+    ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            help="Data set name: the prepared data goes to data/NAME/images, train and val "
+            "(default: the source's folder or archive name). Runs on different data sets run at "
+            "once; runs on the same one take turns."
+        ),
     ] = None,
     epochs: Annotated[int | None, typer.Option(help="Override the training epochs.")] = None,
     nproc_per_node: Annotated[
@@ -704,12 +722,18 @@ def run_pipeline(
     updates: dict = {}
     if source is not None:
         updates["source"] = str(source.resolve())
+    if dataset is not None:
+        updates["dataset"] = dataset
     train_updates = {
         k: v for k, v in {"epochs": epochs, "nproc_per_node": nproc_per_node}.items() if v
     }
     if train_updates:
         updates["train"] = cfg.train.model_copy(update=train_updates)
-    cfg = PipelineConfig.model_validate({**cfg.model_dump(), **updates})
+    cfg = PipelineConfig.checked(
+        {**cfg.model_dump(), **updates},
+        "imageops run",
+        "Fix the option; `imageops run --help` lists every one.",
+    )
 
     from flows.pipeline import pipeline
 
@@ -727,7 +751,7 @@ def _start_prefect_api(settings: Settings) -> Callable[[], object]:
 
 
 def _print_summary(settings: Settings, result) -> None:
-    out.rule("imageops run finished")
+    out.rule(f"imageops run finished: data set {result.dataset}")
     for key, value in sorted(result.metrics.items()):
         shown = f"{value:.0f}" if key.endswith("images") else f"{value:.4f}"
         out.print(f"  {key:<24} {shown}")

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models.transform_spec import TransformSpec
+from tasks.datasets import NAME_PATTERN, name_problem, source_name
 from tasks.errors import InvalidParameterError, InvalidTransformationDirectoryError
 from tasks.train.params import TrainParams
 from tasks.transform import input_size
@@ -78,10 +79,20 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: str = Field(
-        default="data/sample",
+        default="data/raw/digits",
         title="Raw images",
         description="Folder (class sub-folders = labels) or .zip/.tar archive, relative to the "
         "project root.",
+    )
+    dataset: str = Field(
+        default="",
+        # In the form's schema too, so a server refuses a bad name before any worker starts.
+        pattern=f"^$|{NAME_PATTERN}",
+        title="Data set name",
+        description="The prepared folders are data/<dataset>/images, train and val. Empty: the "
+        "source's name (its folder name, or its archive name without .zip/.tar/.tar.gz/.tgz/"
+        ".tar.bz2). Runs on different data sets can run at once; on the same one, they take "
+        "turns.",
     )
     split: SplitChoice = Field(default_factory=SplitChoice)
     transform: TransformSpec = Field(
@@ -107,6 +118,32 @@ class PipelineConfig(BaseModel):
         default=True, title="Version data with DVC", description="dvc add + push every data set."
     )
 
+    @field_validator("dataset", mode="before")  # before the pattern: this says what to pass
+    @classmethod
+    def _usable_name(cls, name: object) -> object:
+        """A name becomes a folder under data/: one safe path component, checked up front."""
+        problem = isinstance(name, str) and name and name_problem(name)
+        if problem:
+            raise ValueError(f"not a usable data set name ({problem}), e.g. --dataset digits")
+        return name
+
+    @model_validator(mode="after")
+    def _usable_source_name(self) -> PipelineConfig:
+        """A name taken from the source must make a folder too, or the user must give one."""
+        problem = not self.dataset and name_problem(self.dataset_name)
+        if problem:
+            raise ValueError(
+                f"the source {self.source!r} gives the data set name {self.dataset_name!r}, which "
+                f"is not usable ({problem}): name the data set with --dataset NAME (dataset: in "
+                "params.yaml)"
+            )
+        return self
+
+    @property
+    def dataset_name(self) -> str:
+        """The data set this run prepares: ``dataset``, else the source's name."""
+        return self.dataset or source_name(self.source)
+
     @field_validator("transform")
     @classmethod
     def _one_input_size(cls, spec: TransformSpec) -> TransformSpec:
@@ -122,13 +159,20 @@ class PipelineConfig(BaseModel):
         """Read a ``params.yaml``-shaped file; unknown keys and bad values are refused."""
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
-            return cls.model_validate(data)
         except (OSError, yaml.YAMLError) as exc:
             raise InvalidParameterError(f"Cannot read {path}: {exc}.") from exc
+        return cls.checked(
+            data, str(path), "Fix the value in the file; `imageops run --help` lists every option."
+        )
+
+    @classmethod
+    def checked(cls, data: dict, origin: str, hint: str) -> PipelineConfig:
+        """Validate ``data``; a bad value is an InvalidParameterError naming it and its origin."""
+        try:
+            return cls.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise InvalidParameterError(
-                f"{path}: {where}: {first['msg']} (got {first.get('input')!r}).",
-                "Fix the value in the file; `imageops run --help` lists every option.",
-            ) from exc
+            field = ".".join(str(p) for p in first["loc"])
+            # A whole-model check (no field) would echo every value: name none.
+            where, got = (f"{field}: ", f" (got {first.get('input')!r})") if field else ("", "")
+            raise InvalidParameterError(f"{origin}: {where}{first['msg']}{got}.", hint) from exc

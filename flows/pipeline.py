@@ -6,11 +6,13 @@ own; this flow says which, in what order, with what.
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 from prefect import flow
+from prefect.context import FlowRunContext
 from pydantic import BaseModel, Field
 
 from flows.config import PipelineConfig
@@ -18,6 +20,8 @@ from flows.train import train_flow
 from tasks.artifacts import markdown_table, publish_markdown
 from tasks.build_model import build_model_task
 from tasks.convert import convert_task
+from tasks.datasets import dataset_lock
+from tasks.errors import InvalidParameterError
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
 from tasks.promote import CHALLENGER, promote_task
@@ -34,6 +38,7 @@ from tasks.versioning import version_task
 class PipelineResult(BaseModel):
     """What a run produced and where to look."""
 
+    dataset: str  # the data set's name: its prepared folders are data/<dataset>/
     outputs: Path
     model_dir: Path
     scored: Path
@@ -60,49 +65,57 @@ def pipeline(
     ] = DEFAULT_CONFIG,
 ) -> PipelineResult:
     """Raw images in, a registered, exported, evaluated model out; champion if it beats the last."""
-    name_flow_run(f"pipeline-{config.model.name}")
     settings = get_settings()
-    data = settings.data_path
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    outputs = settings.home_dir / "outputs" / stamp
+    name = config.dataset_name
+    run_name = f"pipeline-{config.model.name}-{name}"
+    name_flow_run(run_name)
     source = settings.project_root / config.source
+    data = settings.data_path / name
+    _check_apart(source, data, name)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    outputs = settings.home_dir / "outputs" / f"{stamp}-{name}-{_run_id()}"
 
-    convert_task(source, data / "images")
-    split_task(
-        data / "images", data / "train", data / "val",
-        fraction=config.split.fraction, seed=config.split.seed,
-    )  # fmt: skip
-    data_version: dict[str, str] = {}
-    if config.version_data:
-        for name in ("images", "train", "val"):
-            data_version[name] = version_task(data / name)
-        name_flow_run(f"pipeline-{config.model.name}-data-{data_version['images'][:8]}")
+    # From convert to the end: another run on this data set would replace the split mid-training.
+    with dataset_lock(settings, name):
+        convert_task(source, data / "images")
+        split_task(
+            data / "images", data / "train", data / "val",
+            fraction=config.split.fraction, seed=config.split.seed,
+        )  # fmt: skip
+        data_version: dict[str, str] = {}
+        if config.version_data:
+            for part in ("images", "train", "val"):
+                data_version[part] = version_task(data / part)
+            name_flow_run(f"{run_name}-data-{data_version['images'][:8]}")
 
-    build_model_task(config.model.name, outputs / "untrained", pretrained=config.model.pretrained)
-    # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
-    trained = train_flow(
-        outputs / "untrained", data / "train", data / "val", outputs / "model", config.train,
-        transform=config.transform,
-        data_version=data_version,
-    )  # fmt: skip
-    export_task(trained.model_dir, sample=data / "val")
-    if config.quantize:
-        quantize_task(
-            trained.model_dir, data / "train", data / "val", max_top1_drop=config.max_top1_drop
+        build_model_task(
+            config.model.name, outputs / "untrained", pretrained=config.model.pretrained
         )
-    registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
-    promotion = promote_task(
-        data / "val", candidate=registered.version,
-        metric=config.promotion.metric, margin=config.promotion.margin,
-    )  # fmt: skip
-    # One score task, or parallel ones over shards for a large input.
-    scored = score_in_shards(
-        trained.model_dir, data / "val", outputs / "scored.csv",
-        batch_size=config.score_batch_size,
-    )  # fmt: skip
-    evaluation = evaluate_task(scored, run_id=trained.run_id)
+        # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
+        trained = train_flow(
+            outputs / "untrained", data / "train", data / "val", outputs / "model", config.train,
+            transform=config.transform,
+            data_version=data_version,
+        )  # fmt: skip
+        export_task(trained.model_dir, sample=data / "val")
+        if config.quantize:
+            quantize_task(
+                trained.model_dir, data / "train", data / "val", max_top1_drop=config.max_top1_drop
+            )
+        registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
+        promotion = promote_task(
+            data / "val", candidate=registered.version,
+            metric=config.promotion.metric, margin=config.promotion.margin,
+        )  # fmt: skip
+        # One score task, or parallel ones over shards for a large input.
+        scored = score_in_shards(
+            trained.model_dir, data / "val", outputs / "scored.csv",
+            batch_size=config.score_batch_size,
+        )  # fmt: skip
+        evaluation = evaluate_task(scored, run_id=trained.run_id)
 
     result = PipelineResult(
+        dataset=name,
         outputs=outputs,
         model_dir=trained.model_dir,
         scored=scored,
@@ -119,6 +132,26 @@ def pipeline(
         f"{result.registered_model} v{result.registered_version}: metrics and links",
     )
     return result
+
+
+def _check_apart(source: Path, data: Path, name: str) -> None:
+    """Refuse a source the run would overwrite, or one holding the folders the run writes."""
+    source, data = source.resolve(), data.resolve()
+    if source.is_relative_to(data) or data.is_relative_to(source):
+        raise InvalidParameterError(
+            f"The source {source} and the data set folder {data} overlap: preparing data set "
+            f"{name!r} would write into its own source.",
+            "Name the data set with --dataset NAME (dataset: in params.yaml) so its folder "
+            "data/NAME lies apart from the source, or move the raw images out of data/NAME.",
+        )
+
+
+def _run_id() -> str:
+    """This run's short id (its Prefect flow run's): outputs of runs in the same second differ."""
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None:
+        return str(context.flow_run.id)[:8]
+    return uuid.uuid4().hex[:8]
 
 
 def summary_markdown(result: PipelineResult, settings: Settings) -> str:
@@ -138,6 +171,7 @@ def summary_markdown(result: PipelineResult, settings: Settings) -> str:
         part
         for part in (
             f"### {model}{' is now @champion' if result.champion else ' (@challenger)'}",
+            f"- Data set: `{result.dataset}` (`{settings.data_path / result.dataset}`)",
             f"- MLflow run: {link(result.mlflow_run_id, run_page)}",
             f"- Registered version: {link(model, version_page)}",
             f"- Per-rank training logs: {link('logs/ in the run artifacts', logs_page)}",

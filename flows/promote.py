@@ -24,7 +24,7 @@ def promote_flow(
         Field(
             title="Holdout images",
             description="Labeled ImageDirectory neither model trained on, relative to the "
-            "project root. Empty: the pipeline's validation set (data/val).",
+            "project root. Empty: the demo pipeline's validation set (data/digits/val).",
         ),
     ] = None,
     candidate: Annotated[
@@ -56,5 +56,5 @@ def promote_flow(
     """Promote ``candidate`` (alias or version) to champion if it beats it by ``margin``."""
     name_flow_run(f"promote-{candidate}")
     settings = get_settings()
-    data = settings.project_root / holdout if holdout else settings.data_path / "val"
+    data = settings.project_root / holdout if holdout else settings.data_path / "digits" / "val"
     return promote_task(data, candidate=candidate, metric=metric, margin=margin)

@@ -15,6 +15,12 @@ when the command exits, as Prefect's would.
 A new project's database is not migrated again on every machine's every new project: the first
 start saves a copy of the freshly migrated database (``~/.cache/imageops``, one per Prefect
 version, written with SQLite's backup API) and later new projects start from that copy.
+
+Two commands at once in one project run two servers on the project's one database (SQLite in WAL
+mode, with Prefect's 60 s busy timeout: both see every flow run, and either may exit first). Only
+creating that database must happen once: a file lock beside it (``prefect.db.lock``) makes the
+second command wait while the first copies the template in, or, with no template yet, until the
+first's server has migrated it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from models.errors import ImageOpsError
 from tasks.log_tail import tail
@@ -113,9 +121,12 @@ def _launch(port: int, log: Path) -> subprocess.Popen[bytes]:
 class TemporaryAPI:
     """The server process, the URL it serves and its log; :meth:`wait` before the flow runs."""
 
-    def __init__(self, log: Path, save_template_to: Path | None = None) -> None:
+    def __init__(
+        self, log: Path, save_template_to: Path | None = None, creating: FileLock | None = None
+    ) -> None:
         self.log = log
         self.save_template_to = save_template_to  # a new database: keep a copy once migrated
+        self.creating = creating  # held while this server migrates a new database
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.process = _launch(self.port, log)
@@ -130,6 +141,7 @@ class TemporaryAPI:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
                         self._save_template()
+                        self._created()
                         return self.url
             except (urllib.error.URLError, OSError):
                 pass
@@ -151,7 +163,14 @@ class TemporaryAPI:
         with contextlib.suppress(OSError, sqlite3.Error):
             _copy_atomically(lambda tmp: _backup(database, tmp), template)
 
+    def _created(self) -> None:
+        """The new database is migrated: other commands waiting to start on it may go on."""
+        if self.creating is not None:
+            self.creating.release()
+            self.creating = None
+
     def stop(self) -> None:
+        self._created()
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -159,6 +178,21 @@ class TemporaryAPI:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _creation_lock(database: Path) -> FileLock:
+    """The lock on creating ``database``, acquired; another command may hold it while migrating."""
+    database.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(database.with_name(f"{database.name}.lock"))
+    try:
+        lock.acquire(timeout=STARTUP_TIMEOUT_S)
+    except Timeout as exc:
+        raise ImageOpsError(
+            f"Waited {STARTUP_TIMEOUT_S:.0f} s for another imageops command to create Prefect's "
+            f"database {database} (it holds {lock.lock_file}).",
+            "Check for a stuck `imageops` command in this project and stop it, then run again.",
+        ) from exc
+    return lock
 
 
 def start_temporary_api(log: Path) -> TemporaryAPI | None:
@@ -171,13 +205,18 @@ def start_temporary_api(log: Path) -> TemporaryAPI | None:
     if os.environ.get("PREFECT_API_URL"):
         return None
     log.parent.mkdir(parents=True, exist_ok=True)
-    database, template, save_to = _database(), _template(), None
-    if database is not None and not database.exists():
-        if template.is_file():  # migrated once on this machine: start from that copy
+    database, template, save_to, creating = _database(), _template(), None, None
+    if database is not None:
+        # Even when the file is there: another command's server may be migrating it right now.
+        lock = _creation_lock(database)
+        if database.exists():
+            lock.release()
+        elif template.is_file():  # migrated once on this machine: start from that copy
             _copy_atomically(lambda tmp: shutil.copyfile(template, tmp), database)
-        else:
-            save_to = template
-    api = TemporaryAPI(log, save_template_to=save_to)
+            lock.release()
+        else:  # held until our server has migrated it (TemporaryAPI.wait)
+            save_to, creating = template, lock
+    api = TemporaryAPI(log, save_template_to=save_to, creating=creating)
     atexit.register(api.stop)
     os.environ["PREFECT_API_URL"] = api.url
     return api

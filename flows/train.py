@@ -121,7 +121,7 @@ def train_model_flow(
             description="Labeled ImageDirectory, relative to the project root.",
             min_length=1,
         ),
-    ] = "data/train",
+    ] = "data/digits/train",
     val_data: Annotated[
         str,
         Field(
@@ -129,7 +129,7 @@ def train_model_flow(
             description="Labeled ImageDirectory scored after every epoch (the best epoch wins).",
             min_length=1,
         ),
-    ] = "data/val",
+    ] = "data/digits/val",
     params: Annotated[TrainParams, Field(title="Training parameters")] = DEFAULT_TRAIN_PARAMS,
     transform: Annotated[
         TransformSpec,

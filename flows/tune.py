@@ -53,11 +53,11 @@ def tune_flow(
     ] = None,
     train_data: Annotated[
         str, Field(title="Training data", description="Labeled ImageDirectory.")
-    ] = "data/train",
+    ] = "data/digits/train",
     val_data: Annotated[
         str,
         Field(title="Validation data", description="Labeled ImageDirectory the metric is on."),
-    ] = "data/val",
+    ] = "data/digits/val",
     transform: Annotated[
         TransformSpec | None,
         Field(title="Image transformation", description="Default: the demo's (32x32 digits)."),

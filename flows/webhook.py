@@ -27,7 +27,7 @@ webhook)::
     # 4. The webhook in MLflow (answers MLflow's test delivery before it returns)
     python -m flows.webhook register http://127.0.0.1:8765/mlflow/webhook
     # 5. The scoring deployment with its trigger, served from this process ...
-    python -m flows.score serve --images data/val
+    python -m flows.score serve --images data/digits/val
     #    ... or deployed to a work pool and run by a worker
     prefect work-pool create local --type process
     prefect deploy --prefect-file deployments/prefect.yaml --name score

@@ -9,6 +9,7 @@ from __future__ import annotations
 from models.errors import ImageOpsError, InvalidModelDirectoryError
 
 __all__ = [
+    "DatasetBusyError",
     "ExportParityError",
     "ImageOpsError",
     "InvalidDatasetError",
@@ -108,6 +109,10 @@ class RegistryUnreachableError(RegistryError):
 
 class VersioningError(ImageOpsError):
     """DVC could not version a data set."""
+
+
+class DatasetBusyError(ImageOpsError):
+    """Another pipeline run has been preparing the same data set for longer than the wait allows."""
 
 
 class InvalidTuningSpecError(InvalidParameterError):

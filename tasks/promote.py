@@ -14,14 +14,18 @@ webhook) this step emits the same Prefect event itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from models.atomic import write_json
+from models.directory import read_model_info
 from tasks.errors import InvalidParameterError, RegistryError
 from tasks.evaluate import SUMMARY_ROWS, compute_metrics, read_scored
 from tasks.imagedir import MANIFEST, read_manifest
@@ -34,6 +38,7 @@ CHAMPION = "champion"
 CHALLENGER = "challenger"
 TAG_PREFIX = "promotion."
 METRICS = tuple(SUMMARY_ROWS)  # all "higher is better"
+LOCK_TIMEOUT_S = 1800.0  # other promotions scoring a large holdout first
 
 
 @dataclass(frozen=True)
@@ -80,15 +85,16 @@ def _champion(client: MlflowClient, name: str) -> int | None:
     return None if version is None else int(version)
 
 
-def _score_version(
-    name: str, version: int, holdout: Path, work: Path, metric: str, settings: Settings
-) -> float:
-    """``metric`` of registered version ``version`` on ``holdout``, scored through ONNX Runtime."""
+def _version_dir(name: str, version: int, settings: Settings) -> Path:
+    """The registered version's ModelDirectory (fetched into the registry cache once)."""
     from tasks.model_uri import resolve_model
 
-    model_dir = resolve_model(f"models:/{name}/{version}", settings)
-    scored = score(model_dir, holdout, work / f"v{version}.csv")
-    return compute_metrics(read_scored(scored))[metric]
+    return resolve_model(f"models:/{name}/{version}", settings)
+
+
+def _score_version(model_dir: Path, holdout: Path, dest: Path, metric: str) -> float:
+    """``metric`` of the model in ``model_dir`` on ``holdout``, scored through ONNX Runtime."""
+    return compute_metrics(read_scored(score(model_dir, holdout, dest)))[metric]
 
 
 def _check(holdout: Path, metric: str, margin: float) -> None:
@@ -136,24 +142,73 @@ def promote(
     _check(holdout, metric, margin)
     if isinstance(candidate, str) and not candidate.isdigit():
         check_alias(candidate)
-    log = step_logger(__name__)
     name = settings.registered_model_name
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     challenger = _version(client, name, candidate)
+    with _one_decision_at_a_time(settings):
+        return _decide(client, settings, holdout, name, challenger, metric, margin)
+
+
+@contextmanager
+def _one_decision_at_a_time(settings: Settings) -> Iterator[None]:
+    """Two runs promoting at once would both find no champion (or both beat the old one) and
+    the last to write would win: each decision starts from the champion the previous one left."""
+    folder = settings.home_dir / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / "promote.lock")
+    try:
+        lock.acquire(timeout=LOCK_TIMEOUT_S)
+    except Timeout as exc:
+        raise RegistryError(
+            f"Waited {LOCK_TIMEOUT_S:.0f} s for {lock.lock_file}: another promotion in this "
+            "project has been deciding all that time.",
+            "Check for a stuck `imageops` process (it holds the lock) and stop it, then promote "
+            "again.",
+        ) from exc
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _decide(
+    client: MlflowClient,
+    settings: Settings,
+    holdout: Path,
+    name: str,
+    challenger: int,
+    metric: str,
+    margin: float,
+) -> Promotion:
+    """Score, compare and move the alias: the part of :func:`promote` that runs alone."""
+    log = step_logger(__name__)
     champion = _champion(client, name)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
     work = settings.home_dir / "promotions" / f"{stamp}-v{challenger}"
     work.mkdir(parents=True, exist_ok=True)
 
-    challenger_score = _score_version(name, challenger, holdout, work, metric, settings)
+    challenger_dir = _version_dir(name, challenger, settings)
+    challenger_score = _score_version(challenger_dir, holdout, work / f"v{challenger}.csv", metric)
+    champion_dir = _version_dir(name, champion, settings) if champion else None
     champion_score = None
     if champion is None:
         promoted, reason = True, "first model: there was no champion"
     elif champion == challenger:
         promoted, reason = False, f"version {challenger} is already the champion"
         champion_score = challenger_score
+    elif (theirs := read_model_info(champion_dir).classes) != (
+        ours := read_model_info(challenger_dir).classes
+    ):
+        # A model of another data set would score nothing on this holdout and always lose (or,
+        # as champion, always be replaced): the two are not rivals.
+        promoted = False
+        reason = (
+            f"champion v{champion} classifies other classes ({', '.join(theirs)}) than "
+            f"v{challenger} ({', '.join(ours)}): not comparable; give each data set its own "
+            "registered model (IMAGEOPS_REGISTERED_MODEL_NAME)"
+        )
     else:
-        champion_score = _score_version(name, champion, holdout, work, metric, settings)
+        champion_score = _score_version(champion_dir, holdout, work / f"v{champion}.csv", metric)
         gain = challenger_score - champion_score
         promoted = gain > margin
         reason = (

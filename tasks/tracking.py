@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import mlflow
+from filelock import FileLock
 from mlflow.tracking import MlflowClient
 
 from models.errors import ImageOpsError
 from tasks.settings import Settings, redact_uri
+
+LOCK_TIMEOUT_S = 600.0  # another process migrating a new MLflow database on a slow machine
 
 
 def configure_mlflow(settings: Settings) -> str:
@@ -23,7 +27,8 @@ def configure_mlflow(settings: Settings) -> str:
     settings.home_dir.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(settings.tracking_uri)
     mlflow.set_registry_uri(settings.registry_uri)
-    client = MlflowClient()
+    with _store_creation(settings.tracking_uri):
+        client = MlflowClient()  # opens the store: creates and migrates a new database
     experiment = client.get_experiment_by_name(settings.mlflow_experiment)
     if experiment is not None:
         return experiment.experiment_id
@@ -36,6 +41,19 @@ def configure_mlflow(settings: Settings) -> str:
     except mlflow.exceptions.MlflowException:
         # Another process created it between our look-up and our create.
         return client.get_experiment_by_name(settings.mlflow_experiment).experiment_id
+
+
+def _store_creation(uri: str) -> FileLock | nullcontext[None]:
+    """A lock for the first use of a SQLite store, which creates and migrates its tables.
+
+    Two processes doing that at once on one new file fail (alembic: "expected to match one
+    row"); two pipeline runs started together in a new project would. A server migrates alone.
+    """
+    if not uri.startswith("sqlite:///"):
+        return nullcontext()
+    database = Path(uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(database.with_name(f"{database.name}.lock"), timeout=LOCK_TIMEOUT_S)
 
 
 @contextmanager

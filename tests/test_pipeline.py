@@ -43,8 +43,10 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     started = datetime.now(UTC)
     result = pipeline(config)
 
-    # data: converted, split and versioned in DVC, pushed to the local remote
-    data = project.data_path
+    # data: converted, split and versioned in DVC, pushed to the local remote, in the data set's
+    # folder (named after the source folder, "digits")
+    assert result.dataset == "digits"
+    data = project.data_path / "digits"
     for name in ("images", "train", "val"):
         assert (data / f"{name}.dvc").is_file()
         assert result.data_version[name].endswith(".dir")
@@ -112,5 +114,9 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     )
     assert result.mlflow_run_id in reports["pipeline-summary"]
     assert f"| accuracy | {result.metrics['accuracy']:.4f} |" in reports["pipeline-summary"]
-    # the run is named after what it ran on: model and data version
-    assert flow_run["name"] == f"pipeline-resnet18-data-{result.data_version['images'][:8]}"
+    assert "Data set: `digits`" in reports["pipeline-summary"]
+    # the run is named after what it ran on: model, data set and data version; its outputs
+    # folder after the data set and the run, so runs in the same second never share one
+    images_md5 = result.data_version["images"][:8]
+    assert flow_run["name"] == f"pipeline-resnet18-digits-data-{images_md5}"
+    assert result.outputs.name.endswith(f"-digits-{summary['flow_run_id'][:8]}")

@@ -292,6 +292,7 @@ def test_reports_and_links_mask_the_tracking_password(
     from tasks.tracking import ui_url
 
     result = PipelineResult(
+        dataset="digits",
         outputs=tmp_path,
         model_dir=tmp_path / "model",
         scored=tmp_path / "scored.csv",

@@ -147,7 +147,7 @@ def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> Non
     assert params["epochs"]["exclusiveMinimum"] == 0
     assert params["momentum"]["exclusiveMaximum"] == 1
     assert params["learning_rate"]["description"].startswith("Initial SGD learning rate")
-    assert schema["properties"]["train_data"]["default"] == "data/train"
+    assert schema["properties"]["train_data"]["default"] == "data/digits/train"
 
     # Everything that trains shares the pool's `training` queue, which runs one at a time.
     for name in ("pipeline", "train", "tune"):

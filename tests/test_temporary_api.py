@@ -53,18 +53,34 @@ def _env(home: Path, cache: Path) -> dict[str, str]:
     return env
 
 
-def _run_probe(project: Path, cache: Path) -> dict:
+def _run_probes(project: Path, cache: Path, count: int = 1) -> list[dict]:
+    """``count`` commands started at once in ``project``, each with its flow run's result."""
     project.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(project / "api.log")],
-        env=_env(project / "prefect", cache),
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    probes = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, str(project / f"api-{i}.log")],
+            env=_env(project / "prefect", cache),
+            cwd=project,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(count)
+    ]
+    results = []
+    for probe in probes:
+        try:
+            out, err = probe.communicate(timeout=300)
+        finally:
+            probe.kill()
+        assert probe.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _flow_runs(database: Path) -> list[str]:
+    with sqlite3.connect(database) as db:
+        return sorted(row[0].replace("-", "") for row in db.execute("SELECT id FROM flow_run"))
 
 
 def _listening(port: int) -> bool:
@@ -75,14 +91,19 @@ def _listening(port: int) -> bool:
 @pytest.mark.slow
 def test_the_flow_runs_on_the_temporary_api_which_stops_with_the_process(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    result = _run_probe(tmp_path / "first", cache)
+    # Two commands at once in a new project, on a machine with no migrated copy yet: one server
+    # creates and migrates the database while the other waits, then both serve it (migrating
+    # it twice at once fails: "duplicate column name").
+    result, other = _run_probes(tmp_path / "first", cache, count=2)
     assert result["url"] == f"http://127.0.0.1:{result['port']}/api"
-    assert result["state"] == "COMPLETED"
+    assert result["state"] == other["state"] == "COMPLETED"
+    assert result["port"] != other["port"]
     # The server's code ran in the server, not in the flow's process.
     assert result["server_code_here"] is False
-    # Its database is the project's (PREFECT_HOME), and it is gone with the command.
-    assert (tmp_path / "first" / "prefect" / "prefect.db").is_file()
-    assert not _listening(result["port"])
+    # Their database is the project's (PREFECT_HOME), with both runs; gone with the commands.
+    ids = sorted(r["run_id"].replace("-", "") for r in (result, other))
+    assert _flow_runs(tmp_path / "first" / "prefect" / "prefect.db") == ids
+    assert not _listening(result["port"]) and not _listening(other["port"])
     # The first new project on this machine kept its freshly migrated database as a template...
     templates = list((cache / "imageops").glob("prefect-*-empty.db"))
     assert len(templates) == 1
@@ -90,11 +111,11 @@ def test_the_flow_runs_on_the_temporary_api_which_stops_with_the_process(tmp_pat
         assert db.execute("SELECT version_num FROM alembic_version").fetchone()
         assert db.execute("SELECT count(*) FROM flow_run").fetchone() == (0,)  # empty
     # ...from which the next new project starts, with its own database and its own runs.
-    second = _run_probe(tmp_path / "second", cache)
+    (second,) = _run_probes(tmp_path / "second", cache)
     assert second["state"] == "COMPLETED" and second["run_id"] != result["run_id"]
-    with sqlite3.connect(tmp_path / "second" / "prefect" / "prefect.db") as db:
-        runs = [row[0] for row in db.execute("SELECT id FROM flow_run")]
-    assert [run.replace("-", "") for run in runs] == [second["run_id"].replace("-", "")]
+    assert _flow_runs(tmp_path / "second" / "prefect" / "prefect.db") == [
+        second["run_id"].replace("-", "")
+    ]
 
 
 def test_a_configured_server_is_used_instead(
