@@ -3,6 +3,7 @@ tracked in a real MLflow (SQLite), reproducibility, and the pieces a resumed run
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import sys
@@ -366,7 +367,7 @@ def test_two_process_gloo_run(
 
 @pytest.mark.slow
 def kill_worker_after_first_checkpoint(runs_dir: Path, skip: Path, done: threading.Event) -> None:
-    """SIGKILL the worker of the new run once its first checkpoint exists, as an OOM kill would."""
+    """SIGKILL rank 1 of the new run once its first checkpoint exists, as an OOM kill would."""
     deadline = time.monotonic() + 120
     while not done.is_set() and time.monotonic() < deadline:
         for run_dir in runs_dir.glob("*"):
@@ -377,9 +378,12 @@ def kill_worker_after_first_checkpoint(runs_dir: Path, skip: Path, done: threadi
                 cmd = proc.info["cmdline"] or []
                 # The worker, not torchrun (whose command line names the worker too).
                 is_worker = "tasks.train.worker" in cmd and "torch.distributed.run" not in cmd
-                if is_worker and config in cmd:
-                    proc.kill()
-                    return
+                if not (is_worker and config in cmd):
+                    continue
+                with contextlib.suppress(psutil.Error):  # it may be gone between the two looks
+                    if proc.environ().get("RANK") == "1":
+                        proc.kill()  # mid-epoch 2: rank 0 is left waiting in a collective
+                        return
         time.sleep(0.02)
 
 
@@ -387,16 +391,17 @@ def kill_worker_after_first_checkpoint(runs_dir: Path, skip: Path, done: threadi
 def test_same_seed_gives_the_same_model_even_across_a_crash(
     project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    first = run_train(project, untrained, digits_split, tmp_path / "a", seed=7, epochs=3)
-    # The second run's worker is killed after epoch 1: torchrun restarts it, and it resumes from
-    # the checkpoint; reseeding per epoch makes the rest of the run draw what it would have.
+    ddp = {"seed": 7, "epochs": 3, "nproc_per_node": 2}
+    first = run_train(project, untrained, digits_split, tmp_path / "a", **ddp)
+    # The second run's rank 1 is killed in epoch 2: torchrun restarts both workers, and they resume
+    # from epoch 1's checkpoint; reseeding per epoch makes the rest draw what it would have.
     done = threading.Event()
     killer = threading.Thread(
         target=kill_worker_after_first_checkpoint, args=(project.runs_dir, first.run_dir, done)
     )
     killer.start()
     try:
-        second = run_train(project, untrained, digits_split, tmp_path / "b", seed=7, epochs=3)
+        second = run_train(project, untrained, digits_split, tmp_path / "b", **ddp)
     finally:
         done.set()
         killer.join()

@@ -217,6 +217,10 @@ def train(
                 **settings.environment(),
                 "MLFLOW_RUN_ID": run_id,
                 "PYTHONUNBUFFERED": "1",  # stream the workers' lines as they come
+                # By default the workers share the agent's store across restarts, and a
+                # restarted rank 0 can read the killed rank's stale gloo address from it and
+                # fail to connect ("Connection refused"); a store per attempt has no stale keys.
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                 # Workers import `tasks` by module name, whatever the working folder.
                 "PYTHONPATH": os.pathsep.join(
                     p for p in (_source_root(), os.environ.get("PYTHONPATH", "")) if p
