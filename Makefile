@@ -31,8 +31,9 @@ run: install
 serve: install
 	$(BIN)/imageops serve
 
+# One pytest worker per core: the slow tests mostly wait on processes and servers.
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto
 
 lint: install
 	$(BIN)/ruff check .
