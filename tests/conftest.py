@@ -27,6 +27,7 @@ for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
     os.environ.pop(_var, None)
 
 from projects import use_project  # noqa: E402
+from server_processes import Processes  # noqa: E402
 
 from tasks.settings import Settings  # noqa: E402
 
@@ -66,3 +67,14 @@ def digits_split(tmp_path_factory: pytest.TempPathFactory, digits_raw: Path) -> 
     convert(digits_raw, root / "images")
     split(root / "images", root / "train", root / "val", fraction=0.8, seed=1)
     return root / "train", root / "val"
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    """Processes a test starts: all stopped at the end, their logs shown when it failed."""
+    procs = Processes(tmp_path / "logs")
+    try:
+        yield procs
+    finally:
+        procs.stop()
+        print(procs.report())  # shown by pytest only when the test failed

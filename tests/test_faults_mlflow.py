@@ -15,7 +15,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +36,6 @@ from tasks.train.params import TrainParams
 OUTAGE_S = 30.0  # the figure
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
 PARAMS = TrainParams.checked(epochs=2, batch_size=8, learning_rate=0.01, seed=7, device="cpu")
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.stop()
-        print(procs.report())  # shown by pytest only when the test failed
 
 
 def run_train(

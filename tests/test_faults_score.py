@@ -15,6 +15,7 @@ import onnx
 import pandas as pd
 import pytest
 from model_helpers import copy_model
+from prefect_runs import task_runs_of
 
 from models.directory import ONNX
 from tasks.sample import write_digits
@@ -185,7 +186,6 @@ def test_in_a_flow_only_the_missing_shards_become_tasks(
     prefect_api: None, exported_model: Path, digits_raw: Path, tmp_path: Path
 ) -> None:
     from prefect import flow
-    from prefect.client.orchestration import get_client
 
     images = _photos(digits_raw, tmp_path / "photos")
     dest = tmp_path / "out" / "scores.csv"
@@ -199,15 +199,5 @@ def test_in_a_flow_only_the_missing_shards_become_tasks(
     table = pd.read_csv(state.result(), dtype=str, keep_default_na=False)
     listing = [ref.path for ref in list_images(images)[0]]
     assert table["path"].tolist() == ["planted.png", *listing[1:]]  # the planted shard
-    with get_client(sync_client=True) as client:
-        # Prefect 3.8's read_task_runs sends null limit/sort, which its server rejects (422).
-        response = client.request(
-            "POST",
-            "/task_runs/filter",
-            json={
-                "flow_runs": {"id": {"any_": [str(state.state_details.flow_run_id)]}},
-                "sort": "EXPECTED_START_TIME_ASC",
-                "limit": 50,
-            },
-        )
-    assert [r["name"].split("-")[0] for r in response.json()] == ["score"]  # shard 1 only
+    task_runs = task_runs_of(state.state_details.flow_run_id)
+    assert [r["name"].split("-")[0] for r in task_runs] == ["score"]  # shard 1 only

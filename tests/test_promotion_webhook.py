@@ -12,7 +12,6 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,15 +211,6 @@ def test_the_prefect_yaml_trigger_is_the_python_trigger() -> None:
 
 
 # --- the whole chain, with real servers -------------------------------------------------------
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.stop()
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 from model_helpers import copy_model
+from prefect_runs import task_runs_of
 
 from models.atomic import write_json
 from models.directory import ONNX, read_model_info
@@ -177,7 +178,6 @@ def test_in_a_flow_the_shards_are_parallel_prefect_tasks(
     prefect_api: None, exported_model: Path, digits_raw: Path, tmp_path: Path
 ) -> None:
     from prefect import flow
-    from prefect.client.orchestration import get_client
 
     folder = tmp_path / "photos"
     _plain_folder(digits_raw, folder, count=9)
@@ -189,18 +189,8 @@ def test_in_a_flow_the_shards_are_parallel_prefect_tasks(
 
     state = sharded_flow(return_state=True)
     pd.testing.assert_frame_equal(_read_csv(state.result()), _read_csv(whole), atol=1e-9)
-    with get_client(sync_client=True) as client:
-        # Prefect 3.8's read_task_runs sends null limit/sort, which its server rejects (422).
-        response = client.request(
-            "POST",
-            "/task_runs/filter",
-            json={
-                "flow_runs": {"id": {"any_": [str(state.state_details.flow_run_id)]}},
-                "sort": "EXPECTED_START_TIME_ASC",
-                "limit": 50,
-            },
-        )
-    shards = [r for r in response.json() if r["name"].startswith("score")]
+    task_runs = task_runs_of(state.state_details.flow_run_id)
+    shards = [r for r in task_runs if r["name"].startswith("score")]
     assert len(shards) == 3
     assert all(r["state"]["type"] == "COMPLETED" for r in shards)
     # Submitted together to the flow's thread pool: at least two shards ran at the same time.
