@@ -9,14 +9,12 @@ for the first to end. The kernel releases the lock whatever way its holder dies.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
-
-from filelock import FileLock, Timeout
 
 from tasks.archive import ARCHIVE_SUFFIXES
 from tasks.errors import DatasetBusyError
+from tasks.project_lock import taking_turns
 from tasks.settings import Settings
 
 # One path component that every file system and DVC take as it is.
@@ -47,32 +45,16 @@ def name_problem(name: str) -> str | None:
     return None
 
 
-@contextmanager
 def dataset_lock(
     settings: Settings, name: str, timeout_s: float = LOCK_TIMEOUT_S
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """Hold data set ``name`` for one run; say so when another run has it, and wait for it."""
-    folder = settings.home_dir / "locks"
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(folder / f"data-{name}.lock")
-    try:
-        lock.acquire(blocking=False)
-    except Timeout:
-        from tasks.step import step_logger  # Prefect: only once a flow runs, not for the config
-
-        step_logger(__name__).info(
-            "waiting for another run using data set %s (it holds %s)", name, lock.lock_file
-        )
-        try:
-            lock.acquire(timeout=timeout_s)
-        except Timeout as exc:
-            raise DatasetBusyError(
-                f"Waited {timeout_s:.0f} s for data set {name!r}: another imageops run has been "
-                f"using data/{name} all that time (it holds {lock.lock_file}).",
-                "Check for a stuck `imageops run` and stop it, or run on another data set "
-                "(--dataset NAME).",
-            ) from exc
-    try:
-        yield
-    finally:
-        lock.release()
+    return taking_turns(
+        settings.home_dir / "locks" / f"data-{name}.lock",
+        timeout_s,
+        DatasetBusyError,
+        f"another imageops run using data/{name}",
+        "Check for a stuck `imageops run` and stop it, or run on another data set "
+        "(--dataset NAME).",
+        waiting=f"waiting for another run using data set {name}",
+    )

@@ -14,13 +14,11 @@ webhook) this step emits the same Prefect event itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from filelock import FileLock, Timeout
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -29,6 +27,7 @@ from models.directory import read_model_info
 from tasks.errors import InvalidParameterError, RegistryError
 from tasks.evaluate import SUMMARY_ROWS, compute_metrics, read_scored
 from tasks.imagedir import MANIFEST, read_manifest
+from tasks.project_lock import taking_turns
 from tasks.registry import check_alias
 from tasks.score import score
 from tasks.settings import Settings, get_settings
@@ -149,26 +148,16 @@ def promote(
         return _decide(client, settings, holdout, name, challenger, metric, margin)
 
 
-@contextmanager
-def _one_decision_at_a_time(settings: Settings) -> Iterator[None]:
+def _one_decision_at_a_time(settings: Settings) -> AbstractContextManager[None]:
     """Two runs promoting at once would both find no champion (or both beat the old one) and
     the last to write would win: each decision starts from the champion the previous one left."""
-    folder = settings.home_dir / "locks"
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(folder / "promote.lock")
-    try:
-        lock.acquire(timeout=LOCK_TIMEOUT_S)
-    except Timeout as exc:
-        raise RegistryError(
-            f"Waited {LOCK_TIMEOUT_S:.0f} s for {lock.lock_file}: another promotion in this "
-            "project has been deciding all that time.",
-            "Check for a stuck `imageops` process (it holds the lock) and stop it, then promote "
-            "again.",
-        ) from exc
-    try:
-        yield
-    finally:
-        lock.release()
+    return taking_turns(
+        settings.home_dir / "locks" / "promote.lock",
+        LOCK_TIMEOUT_S,
+        RegistryError,
+        "another promotion in this project",
+        "Check for a stuck `imageops` process (it holds the lock) and stop it, then promote again.",
+    )
 
 
 def _decide(

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import mlflow
-from filelock import FileLock
 from mlflow.tracking import MlflowClient
 
 from models.errors import ImageOpsError
+from tasks.errors import RegistryError
+from tasks.project_lock import taking_turns
 from tasks.settings import Settings, redact_uri
 
 LOCK_TIMEOUT_S = 600.0  # another process migrating a new MLflow database on a slow machine
@@ -43,7 +44,7 @@ def configure_mlflow(settings: Settings) -> str:
         return client.get_experiment_by_name(settings.mlflow_experiment).experiment_id
 
 
-def _store_creation(uri: str) -> FileLock | nullcontext[None]:
+def _store_creation(uri: str) -> AbstractContextManager[None]:
     """A lock for the first use of a SQLite store, which creates and migrates its tables.
 
     Two processes doing that at once on one new file fail (alembic: "expected to match one
@@ -52,8 +53,13 @@ def _store_creation(uri: str) -> FileLock | nullcontext[None]:
     if not uri.startswith("sqlite:///"):
         return nullcontext()
     database = Path(uri.removeprefix("sqlite:///"))
-    database.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(database.with_name(f"{database.name}.lock"), timeout=LOCK_TIMEOUT_S)
+    return taking_turns(
+        database.with_name(f"{database.name}.lock"),
+        LOCK_TIMEOUT_S,
+        RegistryError,
+        "another process creating this MLflow database",
+        "Check for a stuck `imageops` or `mlflow` process using it and stop it, then retry.",
+    )
 
 
 @contextmanager

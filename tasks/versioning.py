@@ -19,15 +19,14 @@ import json
 import logging
 import re
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
-from filelock import FileLock, Timeout
 
 from tasks.errors import VersioningError
+from tasks.project_lock import taking_turns
 from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 
@@ -41,20 +40,15 @@ LOCK_TIMEOUT_SECONDS = 3600.0
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-@contextmanager
-def _serialised(settings: Settings) -> Iterator[None]:
+def _serialised(settings: Settings) -> AbstractContextManager[None]:
     """Hold the project's DVC lock (one DVC operation at a time, across processes)."""
-    settings.home_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(settings.home_dir / LOCK_FILE, timeout=LOCK_TIMEOUT_SECONDS)
-    try:
-        with lock:
-            yield
-    except Timeout as exc:
-        raise VersioningError(
-            f"Waited {LOCK_TIMEOUT_SECONDS:.0f} s for the DVC lock {lock.lock_file}: another "
-            "imageops step has been versioning data in this project all that time.",
-            "Check for a stuck `imageops` process (it holds the lock) and stop it, then retry.",
-        ) from exc
+    return taking_turns(
+        settings.home_dir / LOCK_FILE,
+        LOCK_TIMEOUT_SECONDS,
+        VersioningError,
+        "another imageops step versioning data in this project",
+        "Check for a stuck `imageops` process (it holds the lock) and stop it, then retry.",
+    )
 
 
 def _git_root(path: Path) -> Path | None:
