@@ -81,7 +81,7 @@ def test_a_second_run_on_the_same_data_set_waits_for_the_first(
         with dataset_lock(project, "digits"):
             entered.set()
 
-    caplog.set_level(logging.INFO, logger="tasks.datasets")
+    caplog.set_level(logging.INFO, logger="tasks.project_lock")
     with dataset_lock(project, "digits"):
         other = threading.Thread(target=second)
         other.start()
