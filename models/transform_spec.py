@@ -8,13 +8,16 @@ this one definition. The torchvision pipelines built from it are in ``tasks/tran
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MAX_DEGREES = 180
+# The seed's two modes of Apply Image Transformation: training adds the random steps.
+Mode = Literal["training", "inference"]
+MODES: tuple[str, ...] = get_args(Mode)
 
 
 def _size(default: int, title: str, description: str) -> Any:
@@ -29,8 +32,9 @@ class TransformSpec(BaseModel):
     """The seed's Init Image Transformation options, and the normalisation.
 
     Random transforms (the ``random_*`` options and color jitter) run in training mode only;
-    inference mode drops them, so scoring is deterministic. The network's input is the center
-    crop (plus padding); see :func:`tasks.transform.input_size`.
+    inference mode drops them, so scoring is deterministic. Training decides the network's input
+    size: its last crop (random crop, else random resized crop, else center crop), plus padding;
+    inference resizes and center-crops to that same size (see :func:`tasks.transform.input_size`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -45,8 +49,9 @@ class TransformSpec(BaseModel):
     center_crop: bool = Field(
         True,
         title="Center crop",
-        description="Crop the square of `center_crop_size` at the image center. Its size is the "
-        "network's input size, so training and scoring need it on.",
+        description="Crop the square of `center_crop_size` at the image center (after the "
+        "resize). With a random crop or random resized crop in training, inference keeps this "
+        "crop's share of the resized image and crops at the training crop's size.",
     )
     center_crop_size: int = _size(224, "Crop size", "Side of the center crop, in pixels (> 0).")
     pad: bool = Field(
@@ -149,3 +154,20 @@ class TransformSpec(BaseModel):
         description="Per-channel (R, G, B) standard deviation divided by, each > 0; ImageNet's "
         "by default.",
     )
+
+
+class AppliedTransform(BaseModel):
+    """What Apply Image Transformation did to an ImageDirectory, kept in its manifest.
+
+    Train and Score read it: they use this spec (a different one is refused, never silently
+    resized) and skip the steps already applied to the images.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: TransformSpec
+    mode: Mode = Field(
+        description="inference: deterministic steps only; training: one draw of "
+        "the random steps too."
+    )
+    seed: int = Field(description="Random seed of the training mode's draw.")

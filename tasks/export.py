@@ -31,7 +31,7 @@ from models.directory import INT8_REPORT, ONNX, ONNX_INT8, WEIGHTS, ModelInfo, l
 from tasks.errors import ExportParityError, InvalidModelDirectoryError, NoUsableImagesError
 from tasks.imagedir import load_rgb, read_manifest
 from tasks.step import step, step_logger
-from tasks.transform import build_transform, input_size
+from tasks.transform import input_size, transform_for
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
@@ -73,7 +73,7 @@ def parity_batch(info: ModelInfo, sample: Path | None, size: int = PARITY_BATCH)
         generator = torch.Generator().manual_seed(SEED)
         return torch.randn(size, 3, side, side, generator=generator)
     manifest = read_manifest(Path(sample))
-    transform = build_transform(info.transform, "inference")
+    transform = transform_for(info.transform, "inference", Path(sample), manifest.transform)
     count = len(manifest.images)
     picks = np.linspace(0, count - 1, num=min(size, count)).round().astype(int)
     tensors = []

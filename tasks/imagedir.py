@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from models.atomic import write_json
+from models.transform_spec import AppliedTransform
 from tasks.errors import InvalidDatasetError, InvalidImageDirectoryError, NotLabeledDatasetError
 
 # Part of this contract, kept in a module without pydantic so that convert's worker processes
@@ -81,6 +82,12 @@ class Manifest(BaseModel):
         "timestamps) and the parameters. Converting the same source with the same fingerprint "
         "into a directory that is still intact returns this manifest without any work. Steps "
         "that derive a directory from another (split) leave it empty.",
+    )
+    transform: AppliedTransform | None = Field(
+        default=None,
+        description="Set by Apply Image Transformation (and kept by split): the transform spec "
+        "and mode the images went through. Train and score use this spec and skip what was "
+        "already applied.",
     )
 
     def labels(self) -> list[int]:

@@ -49,7 +49,7 @@ from tasks.export import INPUT_NAME, OUTPUT_NAME
 from tasks.imagedir import ImageEntry, Manifest, load_rgb, read_manifest, require_labeled
 from tasks.score import inference_session
 from tasks.step import step, step_logger
-from tasks.transform import build_transform
+from tasks.transform import applied_to, transform_for
 
 REPORT_FORMAT = "imageops.Int8Report"
 META_QUANTIZATION = "imageops.quantization"
@@ -98,7 +98,7 @@ class _CalibrationReader(CalibrationDataReader):
     def _read(
         self, root: Path, entries: list[ImageEntry], info: ModelInfo, batch_size: int
     ) -> Iterator[dict[str, np.ndarray]]:
-        transform = build_transform(info.transform, "inference")
+        transform = transform_for(info.transform, "inference", root, applied_to(root))
         log = step_logger(__name__)
         for start in range(0, len(entries), batch_size):
             tensors = []
@@ -147,7 +147,7 @@ def measure_top1(
     manifest = read_manifest(validation)
     labels = _validation_labels(validation, manifest, info)
     sessions = [inference_session(path, threads) for path in model_paths]
-    transform = build_transform(info.transform, "inference")
+    transform = transform_for(info.transform, "inference", validation, manifest.transform)
     log = step_logger(__name__)
     predictions: list[list[np.ndarray]] = [[] for _ in sessions]
     truth: list[int] = []

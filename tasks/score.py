@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from models.atomic import atomic_file
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
-from models.zoo import MODEL_JSON
+from models.untrained import MODEL_JSON
 from tasks.errors import (
     ImageOpsError,
     InvalidModelDirectoryError,
@@ -48,7 +48,7 @@ from tasks.errors import (
 from tasks.export import INPUT_NAME, OUTPUT_NAME, sha256_file
 from tasks.imagedir import IMAGE_EXTENSIONS, MANIFEST, is_image_file, load_rgb, read_manifest
 from tasks.step import step, step_logger
-from tasks.transform import build_transform, input_size
+from tasks.transform import applied_to, input_size, transform_for
 
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
@@ -300,7 +300,7 @@ def score(
         if unknown:
             log.warning("Classes the model does not know (always scored wrong): %s", unknown)
 
-    transform = build_transform(info.transform, "inference")
+    transform = transform_for(info.transform, "inference", images, applied_to(images))
     prob_columns = [f"{PROBABILITY_PREFIX}{c}" for c in info.classes]
     columns = table_columns(info.classes, labeled)
     classes = np.asarray(info.classes, dtype=object)

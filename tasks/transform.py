@@ -21,20 +21,21 @@ import io
 import json
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from pydantic import ValidationError
 from torchvision.transforms import v2
 
 from models.atomic import atomic_directory, write_json
-from models.transform_spec import TransformSpec
+from models.transform_spec import MODES, AppliedTransform, Mode, TransformSpec
 from tasks.errors import (
     InvalidParameterError,
     InvalidTransformationDirectoryError,
     NoUsableImagesError,
 )
 from tasks.imagedir import (
+    MANIFEST,
     ImageEntry,
     Manifest,
     SkippedFile,
@@ -49,8 +50,6 @@ from tasks.validation import checked, describe
 TRANSFORM_JSON = "transform.json"
 FORMAT = "imageops.TransformationDirectory"
 FORMAT_VERSION = 1
-Mode = Literal["training", "inference"]
-MODES: tuple[str, ...] = get_args(Mode)
 # Strengths of the random steps the seed only switches on or off (torchvision's usual values).
 COLOR_JITTER = 0.4
 RANDOM_GRAYSCALE_P = 0.1
@@ -117,64 +116,94 @@ def read_transformation(path: Path) -> TransformSpec:
         ) from exc
 
 
+def crop_size(spec: TransformSpec) -> int:
+    """The side of the crop training ends with: it decides the network's input size.
+
+    The random crop, else the random resized crop, else the center crop, else (resize only) the
+    centered square of the resized image. Raises InvalidTransformationDirectoryError when
+    resize and every crop are off: images of different sizes would reach the network.
+    """
+    crop = _crop(spec)
+    if crop is None:
+        raise InvalidTransformationDirectoryError(
+            "resize, center crop, random crop and random resized crop are all off: images of "
+            "different sizes would reach the network, which needs one input size.",
+            "Turn center crop on (its size becomes the network's input size), or resize.",
+        )
+    return crop
+
+
+def _crop(spec: TransformSpec) -> int | None:
+    for on, size in (
+        (spec.random_crop, spec.random_crop_size),
+        (spec.random_resized_crop, spec.random_resized_crop_size),
+        (spec.center_crop, spec.center_crop_size),
+        (spec.resize, spec.resize_size),
+    ):
+        if on:
+            return size
+    return None
+
+
 def input_size(spec: TransformSpec) -> int:
     """The side of the square image the network sees, the same in training and inference.
 
-    Inference makes it: the center crop, plus twice the padding when pad is on. In training a
-    random crop (or, without one, a random resized crop) replaces the center crop, so its size
-    must equal the center crop's. Raises InvalidTransformationDirectoryError when center crop is
-    off (images of other shapes would reach the network at other sizes) or the sizes disagree.
+    Training decides it (:func:`crop_size`), plus twice the padding when pad is on; inference
+    resizes and center-crops to the same size (:func:`inference_resize`).
     """
-    if not spec.center_crop:
-        raise InvalidTransformationDirectoryError(
-            "center_crop is off: without it, images of different shapes reach the network at "
-            "different sizes, and the network needs one input size.",
-            "Turn center crop on; its size is the network's input size.",
-        )
-    crop = spec.center_crop_size
-    if spec.random_crop:
-        option, train_crop = "random_crop_size", spec.random_crop_size
-    elif spec.random_resized_crop:
-        option, train_crop = "random_resized_crop_size", spec.random_resized_crop_size
-    else:
-        option, train_crop = "center_crop_size", crop
-    if train_crop != crop:
-        raise InvalidTransformationDirectoryError(
-            f"{option} = {train_crop} but center_crop_size = {crop}: training would feed the "
-            f"network {train_crop}x{train_crop} images and scoring {crop}x{crop}.",
-            f"Set {option} to {crop} (or center_crop_size to {train_crop}).",
-        )
+    crop = crop_size(spec)
     return crop + 2 * spec.padding if spec.pad else crop
 
 
-def build_transform(spec: TransformSpec, mode: Mode, *, normalize: bool = True) -> v2.Compose:
+def inference_resize(spec: TransformSpec) -> int | None:
+    """The shorter side inference resizes to before its center crop (None: resize is off).
+
+    When training crops at another size than the center crop (the Azure defaults: random resized
+    crop 256, center crop 224 of a 256 resize), inference keeps the center crop's share of the
+    resized image, as torchvision's recipes (224 of 256) and timm's ``crop_pct`` do, and crops
+    at the training size: 256 of a 293 resize.
+    """
+    if not spec.resize:
+        return None
+    crop = _crop(spec)
+    if spec.center_crop and crop is not None and spec.center_crop_size != crop:
+        return max(1, round(spec.resize_size * crop / spec.center_crop_size))
+    return spec.resize_size
+
+
+def build_transform(
+    spec: TransformSpec,
+    mode: Mode,
+    *,
+    normalize: bool = True,
+    prepared: Mode | None = None,
+) -> v2.Compose:
     """The torchvision v2 pipeline of ``spec`` in ``mode``: PIL image in, tensor out.
 
     ``normalize`` (for the network): a float tensor scaled to [0, 1] and normalised by the spec's
     mean and std, random erasing (training) after that. Without it (Apply Image Transformation):
     a uint8 image tensor that can be saved as a picture.
+
+    ``prepared``: the mode Apply Image Transformation already ran on the images (their
+    manifest's ``transform``), whose steps are not run again. After ``inference``, the images
+    are finished inputs: training adds only its random steps (a random resized crop at the input
+    size, flips, rotations, color jitter, ...). After ``training`` they carry one draw of every
+    step, and go to the network as they are.
     """
     if mode not in MODES:
         raise InvalidParameterError(
             f"mode = {mode!r}, expected one of {', '.join(MODES)}.",
             "Use inference (deterministic steps only) or training (the random steps too).",
         )
-    training = mode == "training"
+    training = mode == "training" and prepared != "training"
     steps: list[v2.Transform] = [v2.ToImage()]
-    if training and spec.random_resized_crop:
-        # It picks its area from the whole image: resizing first would only lose detail.
-        steps.append(v2.RandomResizedCrop(spec.random_resized_crop_size, antialias=True))
-    elif spec.resize:
-        steps.append(v2.Resize(spec.resize_size, antialias=True))
-    if training and spec.random_crop:
-        steps.append(v2.RandomCrop(spec.random_crop_size, pad_if_needed=True))
-    elif spec.center_crop and not (training and spec.random_resized_crop):
-        steps.append(v2.CenterCrop(spec.center_crop_size))
-    if spec.pad and spec.padding:
-        steps.append(v2.Pad(spec.padding, fill=0))
+    if prepared is None:
+        steps += _geometry(spec, training)
+    elif training and spec.random_resized_crop:
+        steps.append(v2.RandomResizedCrop(input_size(spec), antialias=True))
     if training and spec.color_jitter:
         steps.append(v2.ColorJitter(COLOR_JITTER, COLOR_JITTER, COLOR_JITTER))
-    if spec.grayscale:
+    if spec.grayscale and prepared is None:
         steps.append(v2.Grayscale(num_output_channels=3))  # the network takes 3 channels
     if training:
         steps += _random_steps(spec)
@@ -186,6 +215,90 @@ def build_transform(spec: TransformSpec, mode: Mode, *, normalize: bool = True) 
     if training and spec.random_erasing:
         steps.append(v2.RandomErasing())  # on the tensor: erased pixels become 0 (the mean)
     return v2.Compose(steps)
+
+
+def _geometry(spec: TransformSpec, training: bool) -> list[v2.Transform]:
+    """Resize, crop and pad: every image leaves as an ``input_size`` square (when it has one)."""
+    crop = _crop(spec)
+    steps: list[v2.Transform] = []
+    if training and spec.random_resized_crop:
+        # It picks its area from the whole image: resizing first would only lose detail.
+        steps.append(v2.RandomResizedCrop(spec.random_resized_crop_size, antialias=True))
+    elif training and spec.resize:
+        steps.append(v2.Resize(spec.resize_size, antialias=True))
+    elif not training and (size := inference_resize(spec)) is not None:
+        steps.append(v2.Resize(size, antialias=True))
+    if training and spec.random_crop:
+        steps.append(v2.RandomCrop(spec.random_crop_size, pad_if_needed=True))
+    elif crop is not None and not (training and spec.random_resized_crop):
+        steps.append(v2.CenterCrop(crop))  # pads an image smaller than the crop
+    if spec.pad and spec.padding:
+        steps.append(v2.Pad(spec.padding, fill=0))
+    return steps
+
+
+def check_applied(
+    spec: TransformSpec, applied: AppliedTransform | None, root: Path, mode: Mode
+) -> Mode | None:
+    """Refuse images prepared for another transform; return the mode they were prepared in.
+
+    ``applied`` is the ImageDirectory's record of Apply Image Transformation (None: raw
+    images). Its spec must be ``spec``: running a second transform over finished images would
+    resize them twice, silently. Images that carry a training draw cannot be validated or
+    scored (``mode`` inference) as they are.
+    """
+    if applied is None:
+        return None
+    if applied.spec != spec:
+        ours, theirs = spec.model_dump(), applied.spec.model_dump()
+        differ = [f"{k} {theirs[k]} vs {ours[k]}" for k in ours if ours[k] != theirs[k]]
+        raise InvalidTransformationDirectoryError(
+            f"{root} was prepared by Apply Image Transformation with another transform than "
+            f"this run's (the data's vs the run's: {'; '.join(differ[:6])}"
+            f"{' ...' if len(differ) > 6 else ''}).",
+            "Leave out the transform to use the data's own, or apply the run's transform to the "
+            "untransformed images with `imageops transform apply`.",
+        )
+    if mode == "inference" and applied.mode == "training":
+        raise InvalidTransformationDirectoryError(
+            f"{root} was prepared in training mode: its images carry one draw of the random "
+            "steps, and validation and scoring need the deterministic ones.",
+            "Apply the transform to it with `imageops transform apply --mode inference`.",
+        )
+    return applied.mode
+
+
+def transform_for(
+    spec: TransformSpec, mode: Mode, root: Path, applied: AppliedTransform | None
+) -> v2.Compose:
+    """The pipeline that takes the images of ``root`` to the network in ``mode``.
+
+    Raw images get all of ``spec``; images Apply Image Transformation prepared with ``spec`` get
+    what it has not done yet. Raises InvalidTransformationDirectoryError (:func:`check_applied`).
+    """
+    return build_transform(spec, mode, prepared=check_applied(spec, applied, root, mode))
+
+
+def applied_to(root: Path) -> AppliedTransform | None:
+    """What Apply Image Transformation did to ``root`` (None: raw images, or no ImageDirectory)."""
+    return read_manifest(root).transform if (Path(root) / MANIFEST).is_file() else None
+
+
+def data_transform(
+    roots: Mapping[str, tuple[Path, AppliedTransform | None]],
+) -> TransformSpec | None:
+    """The spec the data sets were prepared with (None: all raw); prepared ones must agree.
+
+    Raw data sets beside prepared ones are fine: they go through the whole spec.
+    """
+    prepared = [(role, root, a.spec) for role, (root, a) in roots.items() if a is not None]
+    if any(spec != prepared[0][2] for _, _, spec in prepared):
+        named = ", ".join(f"{role} ({root})" for role, root, _ in prepared)
+        raise InvalidTransformationDirectoryError(
+            f"The data sets were prepared with different transforms: {named}.",
+            "Apply one transform (`imageops transform apply`) to every data set of the run.",
+        )
+    return prepared[0][2] if prepared else None
 
 
 def _random_steps(spec: TransformSpec) -> list[v2.Transform]:
@@ -217,6 +330,12 @@ def apply_transformation(
     spec = read_transformation(transform)
     pipeline = build_transform(spec, mode, normalize=False)
     manifest = read_manifest(images)
+    if manifest.transform is not None:
+        raise InvalidTransformationDirectoryError(
+            f"{images} already went through Apply Image Transformation ({manifest.transform.mode} "
+            "mode): a second transform would resize and crop finished images again.",
+            f"Apply the transform to the ImageDirectory it came from ({manifest.source}).",
+        )
     _check_dest(dest, images, transform)
     entries: list[ImageEntry] = []
     skipped: list[SkippedFile] = []
@@ -262,6 +381,7 @@ def apply_transformation(
             source=str(images.resolve()),
             skipped=skipped,
             duplicates=find_duplicates(entries),
+            transform=AppliedTransform(spec=spec, mode=mode, seed=seed),
         )
         write_manifest(tmp, result)
     return result

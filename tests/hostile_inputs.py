@@ -170,7 +170,7 @@ def _zip_of(io_: Inputs, extra: dict[str, bytes], name: str = "a.zip") -> Path:
 
 
 def _untrained(io_: Inputs, arch: str = "resnet18") -> Path:
-    from models.zoo import resnet, write_untrained
+    from models.untrained import resnet, write_untrained
 
     folder = write_untrained(resnet("resnet18", pretrained=False), io_.src / "untrained")
     if arch != "resnet18":  # an architecture imageops does not know, as a hand-edited file says
@@ -195,8 +195,13 @@ def _imagedir(io_: Inputs, name: str, classes: tuple[str, ...], labeled: bool = 
 
 
 def _train(io_: Inputs, model: Path, train: Path, val: Path, *options: str) -> Run:
+    from flows.config import DEMO_TRANSFORM
+    from tasks.transform import init_transformation
+
     dest = io_.out / "model"
+    transform = init_transformation(io_.root / "transform-32", DEMO_TRANSFORM)  # the digits' size
     argv = ["train", str(model), str(train), str(val), str(dest), "--epochs", "1"]
+    argv += ["--transform", str(transform)]
     return Run([*argv, "--batch-size", "4", "--device", "cpu", *options], dest, made="model.json")
 
 

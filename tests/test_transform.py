@@ -21,7 +21,7 @@ from torchvision.transforms import v2
 
 from models.directory import ONNX, read_model_info
 from models.transform_spec import TransformSpec
-from models.zoo import resnet, write_untrained
+from models.untrained import resnet, write_untrained
 from tasks.errors import (
     InvalidParameterError,
     InvalidTransformationDirectoryError,
@@ -36,6 +36,7 @@ from tasks.transform import (
     TRANSFORM_JSON,
     apply_transformation,
     build_transform,
+    inference_resize,
     init_transformation,
     input_size,
     read_transformation,
@@ -251,31 +252,66 @@ def test_training_flips_differ_across_seeds_and_repeat_with_the_same_seed(
     assert torch.equal(_outputs(training, image, range(3, 4))[0], outputs[3])
 
 
-def test_the_network_input_size_is_one_size_in_both_modes() -> None:
+def test_training_crops_and_decides_the_input_size() -> None:
     assert input_size(TransformSpec()) == 224
     assert input_size(transform_spec(pad=True, padding=4)) == 232
-    assert input_size(transform_spec(random_crop=True)) == 224  # the seed's crops agree
-    # the seed's random resized crop (256) then random crop (224): 224 again
+    assert input_size(transform_spec(random_crop=True)) == 224
+    # random resized crop (256) then random crop (224): the last crop, 224
     assert input_size(transform_spec(random_resized_crop=True, random_crop=True)) == 224
-    with pytest.raises(InvalidTransformationDirectoryError, match="random_resized_crop_size = 256"):
-        input_size(transform_spec(random_resized_crop=True))
-    with pytest.raises(InvalidTransformationDirectoryError, match="random_crop_size = 28"):
-        input_size(transform_spec(random_crop=True, random_crop_size=28))
-    with pytest.raises(InvalidTransformationDirectoryError, match="center_crop is off"):
-        input_size(transform_spec(center_crop=False))
+    assert input_size(transform_spec(random_resized_crop=True)) == 256
+    assert input_size(transform_spec(random_crop=True, random_crop_size=28)) == 28
+    assert input_size(transform_spec(center_crop=False)) == 256  # the resize's centered square
+    with pytest.raises(InvalidTransformationDirectoryError, match="all off"):
+        input_size(transform_spec(resize=False, center_crop=False))
 
 
-def test_training_refuses_a_spec_that_would_score_at_another_size(
+@pytest.mark.parametrize("option", [None, *SWITCHES, "all"])
+def test_the_azure_defaults_are_valid_with_any_switch_on(
+    option: str | None, digits_split: tuple[Path, Path]
+) -> None:
+    """Each switch of Init Image Transformation on, every size at its Azure default: both modes
+    give the same, training-decided input size on a non-square image."""
+    switches = (
+        dict.fromkeys(SWITCHES, True) if option == "all" else {option: True} if option else {}
+    )
+    spec = transform_spec(**{**SEED_DEFAULTS, **switches})
+    side = input_size(spec)
+    assert side == (256 if option == "random_resized_crop" else 224)
+    image = _image(digits_split[0]).resize((40, 30))
+    for mode in ("training", "inference"):
+        torch.manual_seed(0)
+        assert build_transform(spec, mode)(image).shape == (3, side, side), mode
+
+
+def test_inference_keeps_the_center_crops_share_at_the_training_size() -> None:
+    spec = transform_spec(random_resized_crop=True)  # crops 256 in training; 224 of 256 before
+    assert inference_resize(spec) == round(256 * 256 / 224) == 293
+    steps = build_transform(spec, "inference").transforms
+    assert [type(t) for t in steps[1:3]] == [v2.Resize, v2.CenterCrop]
+    assert (steps[1].size, steps[2].size) == ([293], (256, 256))
+    # sizes that agree keep the spec's own resize
+    assert inference_resize(TransformSpec()) == 256
+
+
+def test_training_with_a_crop_of_another_size_scores_at_that_size(
     project: Settings, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    """Random crop 12 with center crop 16: accepted; the model, its ONNX export and scoring all
+    take 12x12 inputs."""
     untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
-    bad = init_transformation(
-        tmp_path / "t", {**SMALL, "random_crop": True, "random_crop_size": 12}
+    spec = init_transformation(
+        tmp_path / "t", {**SMALL, "pad": False, "random_crop": True, "random_crop_size": 12}
     )
-    with pytest.raises(InvalidTransformationDirectoryError, match="random_crop_size = 12"):
-        train(untrained, *digits_split, tmp_path / "model", {"epochs": 1}, transform=bad,
-              settings=project)  # fmt: skip
-    assert not project.runs_dir.exists()  # refused before any run or process
+    result = train(untrained, *digits_split, tmp_path / "model", {"epochs": 1, "batch_size": 8},
+                   transform=spec, settings=project)  # fmt: skip
+    assert input_size(read_model_info(result.model_dir).transform) == 12
+    export_onnx(result.model_dir, sample=digits_split[1])
+    session = ort.InferenceSession(str(result.model_dir / ONNX), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[1:] == [3, 12, 12]
+    table = pd.read_csv(score(result.model_dir, digits_split[1], tmp_path / "s.csv", threads=1))
+    assert table["Scoring Error"].isna().all() and len(table) == len(
+        read_manifest(digits_split[1]).images
+    )
 
 
 # --- Apply Image Transformation ---------------------------------------------------------------
@@ -358,8 +394,10 @@ def test_a_model_scores_images_of_another_size_through_its_stored_spec(
     export_onnx(model_dir, sample=val)  # its parity batch goes through the same spec
 
     # 40x40 versions of the validation digits: scoring must bring them to 16x16 by the spec.
-    big = init_transformation(tmp_path / "big", {"resize_size": 40, "center_crop_size": 40})
-    apply_transformation(big, val, tmp_path / "val40")
+    for png in val.rglob("*.png"):
+        target = tmp_path / "val40" / png.relative_to(val)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        load_rgb(png).resize((40, 40)).save(target)
     table = pd.read_csv(score(model_dir, tmp_path / "val40", tmp_path / "s.csv", threads=1))
     probs = [f"Scored Probabilities_{c}" for c in model_classes]
 

@@ -50,7 +50,7 @@ from pydantic import BaseModel
 
 import tasks
 from models.atomic import write_json
-from models.transform_spec import TransformSpec
+from models.transform_spec import AppliedTransform, TransformSpec
 from models.zoo import ModelSpec, build_model, pretrained_weights_path, read_untrained
 from tasks.artifacts import markdown_table, png_markdown, publish_markdown
 from tasks.errors import (
@@ -72,7 +72,13 @@ from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_finge
 from tasks.train.precision import resolve_precision
 from tasks.train.tracker import log_missing, transient
 from tasks.train.worker import CURVES, RESULT, rank_log
-from tasks.transform import input_size, read_transformation, transform_spec
+from tasks.transform import (
+    check_applied,
+    data_transform,
+    input_size,
+    read_transformation,
+    transform_spec,
+)
 from tasks.versioning import git_revision
 
 CONFIG = "config.json"
@@ -134,7 +140,7 @@ def train(
     out: Path,
     params: TrainParams | Mapping[str, Any],
     *,
-    transform: TransformSpec | Mapping[str, Any] | Path,
+    transform: TransformSpec | Mapping[str, Any] | Path | None = None,
     settings: Settings | None = None,
     data_version: dict[str, str] | None = None,
     run_name: str | None = None,
@@ -151,9 +157,10 @@ def train(
     ``out`` receives the ModelDirectory of the epoch with the best validation top-1. The MLflow run
     gets the parameters, per-epoch metrics, the training curves and every rank's log; its folder
     ``settings.runs_dir/<run id>`` keeps config, checkpoint and logs. ``transform``: the image
-    transformation spec (or the TransformationDirectory holding it); the training set goes through
-    its training mode, the validation set through its inference mode, and the ModelDirectory
-    stores it for scoring.
+    transformation spec (or the TransformationDirectory holding it); None: the one the data was
+    prepared with by Apply Image Transformation, else Init Image Transformation's defaults. The
+    training set goes through its training mode, the validation set through its inference mode,
+    and the ModelDirectory stores it for scoring.
 
     Which run: ``run_id`` when given (resume after a crash from its last checkpoint, or one node
     of a multi-node job). Otherwise (one node only) :func:`open_run` picks it: an unfinished run
@@ -301,7 +308,7 @@ def open_run(
     out: Path,
     params: TrainParams | Mapping[str, Any],
     *,
-    transform: TransformSpec | Mapping[str, Any] | Path,
+    transform: TransformSpec | Mapping[str, Any] | Path | None = None,
     settings: Settings | None = None,
     data_version: dict[str, str] | None = None,
     run_name: str | None = None,
@@ -392,14 +399,20 @@ def _check_request(
     val_data: Path,
     out: Path,
     params: TrainParams,
-    transform: TransformSpec | Mapping[str, Any] | Path,
+    transform: TransformSpec | Mapping[str, Any] | Path | None,
     settings: Settings,
     data_version: dict[str, str] | None,
 ) -> _Request:
     """Everything the seed refuses, refused; the run configuration resolved (not yet bound)."""
-    spec_transform = _check_transform(transform)
     spec = read_untrained(Path(model))
     train_manifest, val_manifest = _check_datasets(Path(train_data), Path(val_data))
+    spec_transform = _check_transform(
+        transform,
+        {
+            "train": (Path(train_data), train_manifest.transform),
+            "val": (Path(val_data), val_manifest.transform),
+        },
+    )
     _check_sizes(params, train_manifest)
     device = _resolve_device(params)
     # Refused here, before a run exists: fp16 on CPU, bf16 where the device cannot train in it.
@@ -448,14 +461,26 @@ def _check_datasets(train_data: Path, val_data: Path) -> tuple[Manifest, Manifes
     return train_manifest, val_manifest
 
 
-def _check_transform(transform: TransformSpec | Mapping[str, Any] | Path) -> TransformSpec:
-    """The spec (read from a TransformationDirectory when a path is given), checked in full."""
-    if isinstance(transform, str | Path):
+def _check_transform(
+    transform: TransformSpec | Mapping[str, Any] | Path | None,
+    data: Mapping[str, tuple[Path, AppliedTransform | None]],
+) -> TransformSpec:
+    """The run's spec, checked in full against what the data was prepared with.
+
+    The one given (read from a TransformationDirectory when a path is given); else the one Apply
+    Image Transformation prepared the data with; else Init Image Transformation's defaults.
+    Data prepared with another spec is refused, never resized again.
+    """
+    if transform is None:
+        spec = data_transform(data) or TransformSpec()
+    elif isinstance(transform, str | Path):
         spec = read_transformation(Path(transform))
     else:
         values = transform.model_dump() if isinstance(transform, TransformSpec) else transform
         spec = transform_spec(**values)
-    input_size(spec)  # training and scoring must feed the network the same size
+    input_size(spec)  # training and scoring must feed the network one size
+    for role, (root, applied) in data.items():
+        check_applied(spec, applied, root, "training" if role == "train" else "inference")
     return spec
 
 
@@ -743,6 +768,8 @@ def _log_params(
         **config.params.model_dump(),
         "architecture": config.architecture.arch,
         "pretrained": config.architecture.pretrained,
+        "memory_efficient": config.architecture.memory_efficient,
+        "zero_init_residual": config.architecture.zero_init_residual,
         "world_size": config.world_size,
         "effective_learning_rate": config.params.learning_rate * config.world_size,
         "device": config.device,

@@ -69,7 +69,7 @@ from tasks.train.loop import (
 from tasks.train.params import RunConfig, manifest_fingerprint
 from tasks.train.precision import Amp
 from tasks.train.schedule import build_scheduler
-from tasks.transform import build_transform, input_size
+from tasks.transform import input_size, transform_for
 
 if TYPE_CHECKING:
     from tasks.train.tracker import Tracker
@@ -241,9 +241,8 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         manifest = read_manifest(root)
         # Validation sees exactly what scoring will: the inference mode of the same spec.
         mode = "training" if role == "train" else "inference"
-        datasets[role] = ManifestImageFolder(
-            root, manifest, build_transform(config.transform, mode)
-        )
+        transform = transform_for(config.transform, mode, root, manifest.transform)
+        datasets[role] = ManifestImageFolder(root, manifest, transform)
     num_classes = len(config.classes)
 
     workers = loader_workers(device, params.num_workers)
