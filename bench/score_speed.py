@@ -137,7 +137,7 @@ def train_model(root: Path, train: Path, val: Path, plan: Plan) -> Path:
     reached 53% validation top-1 here, one at 0.01 93%; a model that guesses half the time
     would make the INT8 top-1 drop a coin toss.
     """
-    from models.zoo import resnet
+    from models.untrained import resnet
     from tasks.imagedir import read_manifest
     from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
     from tasks.train.precision import resolve_precision

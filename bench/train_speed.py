@@ -155,7 +155,7 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
     from torch.utils.data import Subset
 
     from models.transform_spec import TransformSpec
-    from models.zoo import resnet
+    from models.untrained import resnet
     from tasks.imagedir import read_manifest
     from tasks.train.data import ManifestImageFolder, training_loader
     from tasks.train.loop import train_one_epoch
@@ -304,7 +304,7 @@ def threads_note() -> str:
 def scaling(plan: Plan, work: Path) -> Scaling:
     """Launch real torchrun trainings with 1 and 2 processes; each launch's last-epoch images/s."""
     from models.transform_spec import TransformSpec
-    from models.zoo import resnet, write_untrained
+    from models.untrained import resnet, write_untrained
     from tasks.convert import convert
     from tasks.imagedir import read_manifest
     from tasks.sample import write_digits
@@ -417,7 +417,7 @@ def scaling_parts(rates: dict[int, list[float]]) -> tuple[Table, Plot]:
 def digits_top1(root: Path, precision: str, seed: int) -> float:
     """Best validation top-1 of the digits demo trained by the worker in-process with ``seed``."""
     from flows.config import DEMO_TRANSFORM
-    from models.zoo import resnet
+    from models.untrained import resnet
     from tasks.convert import convert
     from tasks.imagedir import read_manifest
     from tasks.sample import write_digits

@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
 from models.errors import ImageOpsError
 from models.transform_spec import TransformSpec
+from models.untrained import ModelChoice
+from tasks.train.params import TrainParams
+
+if TYPE_CHECKING:
+    from flows.config import PipelineConfig
 from tasks.settings import Settings, get_settings, redact_uri
 
 app = typer.Typer(
@@ -49,6 +57,48 @@ app.add_typer(transform_app, name="transform")
 # soft_wrap: paths and URIs stay on one line, so they can be copied even from a narrow log.
 err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
+
+
+def _options_from(model: type[BaseModel]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command one ``--option`` per field of ``model``, its help read from the field.
+
+    The CLI, the Prefect forms, params.yaml and tuning then share one definition: a field added
+    to the model is an option here too. Every option defaults to None (not given), so only the
+    options a person types replace the values the command starts from.
+    """
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        params = [
+            p
+            for p in inspect.signature(command, eval_str=True).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        for name, field in model.model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            kind: Any = field.annotation
+            if isinstance(default, list):  # mean, std: three numbers after the option
+                kind = tuple[float, float, float]
+                default = " ".join(str(v) for v in default)
+            elif typing.get_origin(kind) is types.UnionType:  # int | None: None is the default
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            help_text = f"{field.title}: {field.description} Default: {default}."
+            params.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[kind | None, typer.Option(help=help_text)],
+                )
+            )
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    """The options a person typed (None: not given), tuples as the lists the models take."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items() if v is not None}
 
 
 @app.callback()
@@ -133,7 +183,9 @@ def model_resnet(
     """ResNet component (seed defaults: resnext101_32x8d, pretrained)."""
     from tasks.build_model import build_model
 
-    build_model(name, dest, pretrained=pretrained, zero_init_residual=zero_init_residual)
+    build_model(
+        {"name": name, "pretrained": pretrained, "zero_init_residual": zero_init_residual}, dest
+    )
     out.print(f"wrote {name} to {dest}")
 
 
@@ -151,43 +203,42 @@ def model_densenet(
     """DenseNet component (seed defaults: densenet201, pretrained)."""
     from tasks.build_model import build_model
 
-    build_model(name, dest, pretrained=pretrained, memory_efficient=memory_efficient)
+    build_model(
+        {"name": name, "pretrained": pretrained, "memory_efficient": memory_efficient}, dest
+    )
     out.print(f"wrote {name} to {dest}")
 
 
-def _with_spec_options(command: Callable[..., None]) -> Callable[..., None]:
-    """Give ``command`` one ``--option`` per TransformSpec field, its help read from the field.
+@model_app.command("build")
+@_options_from(ModelChoice)
+def model_build(
+    dest: Annotated[Path, typer.Argument(help="UntrainedModelDirectory to write.")],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="params.yaml-shaped file: start from its `model` section (the options given "
+            "replace its values)."
+        ),
+    ] = None,
+    **options: Any,
+) -> None:
+    """Any DenseNet or ResNet by name, from params.yaml's `model` section and the options."""
+    from tasks.build_model import build_model
 
-    The CLI, the Prefect form and params.yaml then share one definition. Every option defaults to
-    None (not given), so only the options a person types replace the starting spec.
-    """
-    params = [
-        p
-        for p in inspect.signature(command, eval_str=True).parameters.values()
-        if p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    for name, field in TransformSpec.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, list):  # mean, std: three numbers after the option
-            kind: Any = tuple[float, float, float]
-            default = " ".join(str(v) for v in default)
-        else:
-            kind = field.annotation
-        help_text = f"{field.title}: {field.description} Seed default: {default}."
-        params.append(
-            inspect.Parameter(
-                name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=None,
-                annotation=Annotated[kind | None, typer.Option(help=help_text)],
-            )
-        )
-    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    return command
+    base = _config(config).model.model_dump() if config is not None else {}
+    spec = build_model({**base, **_given(options)}, dest)
+    out.print(f"wrote {spec.arch} to {dest}")
+
+
+def _config(path: Path) -> PipelineConfig:
+    """The params.yaml-shaped file at ``path``, checked in full (imported late: it is heavy)."""
+    from flows.config import PipelineConfig
+
+    return PipelineConfig.from_yaml(path)
 
 
 @transform_app.command("init")
-@_with_spec_options
+@_options_from(TransformSpec)
 def transform_init(
     dest: Annotated[
         Path, typer.Argument(help="TransformationDirectory to write (transform.json).")
@@ -206,13 +257,8 @@ def transform_init(
     from tasks.errors import InvalidTransformationDirectoryError
     from tasks.transform import init_transformation, input_size, read_transformation
 
-    base: dict[str, Any] = {}
-    if config is not None:
-        from flows.config import PipelineConfig
-
-        base = PipelineConfig.from_yaml(config).transform.model_dump()
-    given = {k: list(v) if isinstance(v, tuple) else v for k, v in options.items() if v is not None}
-    init_transformation(dest, {**base, **given})
+    base = _config(config).transform.model_dump() if config is not None else {}
+    init_transformation(dest, {**base, **_given(options)})
     try:
         size = input_size(read_transformation(dest))
         out.print(f"wrote {dest} (the network sees {size}x{size} images)")
@@ -250,32 +296,26 @@ def transform_apply(
 
 
 @app.command()
+@_options_from(TrainParams)
 def train(
     model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
     train_data: Annotated[Path, typer.Argument(help="Labeled training ImageDirectory.")],
     val_data: Annotated[Path, typer.Argument(help="Labeled validation ImageDirectory.")],
     dest: Annotated[Path, typer.Argument(help="ModelDirectory to write (the best epoch).")],
-    epochs: Annotated[int, typer.Option(help="Passes over the training set (>0).")] = 5,
-    batch_size: Annotated[int, typer.Option(help="Images per batch per process (>0).")] = 16,
-    warmup_epochs: Annotated[int, typer.Option(help="Linear warm-up epochs (>=0).")] = 0,
-    learning_rate: Annotated[
-        float, typer.Option(help="Initial SGD rate (>0); x world size when distributed.")
-    ] = 0.001,
-    seed: Annotated[int, typer.Option(help="Random seed for reproducible runs.")] = 1,
-    patience: Annotated[
-        int, typer.Option(help="Stop after this many epochs without a lower validation loss.")
-    ] = 3,
-    print_frequency: Annotated[int, typer.Option(help="Log every N iterations (>0).")] = 10,
-    nodes: Annotated[int, typer.Option(help="Machines taking part (torchrun --nnodes).")] = 1,
-    nproc_per_node: Annotated[
-        int, typer.Option(help="Processes per machine (torchrun --nproc-per-node).")
-    ] = 1,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="params.yaml-shaped file: start from its `train` section (the options given "
+            "replace its values). Without it: the Azure component's defaults."
+        ),
+    ] = None,
     transform: Annotated[
         Path | None,
         typer.Option(
-            help="TransformationDirectory (imageops transform init). Default: the demo's, "
-            "params.yaml's `transform` (resize + center crop to 32, no augmentation)."
+            help="TransformationDirectory (imageops transform init). Default: the transform the "
+            "data was prepared with (imageops transform apply), else Init Image "
+            "Transformation's defaults (resize 256, center crop 224, horizontal flip). Data "
+            "prepared with another transform is refused."
         ),
     ] = None,
     node_rank: Annotated[
@@ -307,33 +347,22 @@ def train(
             "print the run id and exit: the id every --node-rank agent needs.",
         ),
     ] = False,
+    **options: Any,
 ) -> None:
     """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow.
 
     One node trains here. --nodes N alone runs the train flow with N node agents on this
     machine; on N machines, run --open-run once, then one --node-rank agent on each machine.
     """
-    from flows.config import DEMO_TRANSFORM
     from tasks.train import launch
-    from tasks.train.params import TrainParams
 
-    params = TrainParams.checked(
-        epochs=epochs,
-        batch_size=batch_size,
-        warmup_epochs=warmup_epochs,
-        learning_rate=learning_rate,
-        seed=seed,
-        patience=patience,
-        print_frequency=print_frequency,
-        nodes=nodes,
-        nproc_per_node=nproc_per_node,
-        device=device,
-    )
-    spec = transform if transform is not None else DEMO_TRANSFORM
+    base = _config(config).train.model_dump() if config is not None else {}
+    params = TrainParams.checked(**{**base, **_given(options)})
+    out.print(_transform_note(transform, train_data, val_data))
     if open_run:
-        out.print(launch.open_run(model, train_data, val_data, dest, params, transform=spec))
+        out.print(launch.open_run(model, train_data, val_data, dest, params, transform=transform))
         return
-    if nodes > 1 and node_rank is None:
+    if params.nodes > 1 and node_rank is None:
         if run_id is not None:
             from tasks.errors import InvalidParameterError
 
@@ -345,16 +374,34 @@ def train(
         from flows.train import train_flow
 
         result = train_flow(
-            model, train_data, val_data, dest, params, spec,
+            model, train_data, val_data, dest, params, transform,
             rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
         )  # fmt: skip
     else:
         result = launch.train(
             model, train_data, val_data, dest, params,
-            transform=spec, run_id=run_id, node_rank=node_rank or 0,
+            transform=transform, run_id=run_id, node_rank=node_rank or 0,
             rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
         )  # fmt: skip
     out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
+
+
+def _transform_note(transform: Path | None, *data: Path) -> str:
+    """Which transform the run takes, in words: a user must never train at a size by surprise."""
+    from tasks.transform import applied_to, input_size, read_transformation
+
+    if transform is not None:
+        side = input_size(read_transformation(transform))
+        return escape(f"transform: {transform} (the network sees {side}x{side} images)")
+    applied = next((a for a in map(applied_to, data) if a is not None), None)
+    if applied is not None:
+        side = input_size(applied.spec)
+        return f"transform: the one the data was prepared with ({side}x{side} images)"
+    side = input_size(TransformSpec())
+    return (
+        f"transform: Init Image Transformation's defaults ({side}x{side} images); give "
+        "--transform for another"
+    )
 
 
 @app.command()
@@ -408,12 +455,25 @@ def quantize(
 def register(
     model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory.")],
     alias: Annotated[str | None, typer.Option(help="Alias to point at the new version.")] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Registered model name. Default: IMAGEOPS_REGISTERED_MODEL_NAME, else "
+            "imageops-classifier."
+        ),
+    ] = None,
 ) -> None:
     """Register the model's ONNX export as a new MLflow model version."""
     from tasks.registry import register as run
 
-    registered = run(model_dir, alias=alias)
+    registered = run(model_dir, alias=alias, settings=_with_model_name(name))
     out.print(f"registered {registered.name} version {registered.version}")
+
+
+def _with_model_name(name: str | None) -> Settings:
+    """The settings, with the registered model name a command was given."""
+    settings = get_settings()
+    return settings.model_copy(update={"registered_model_name": name}) if name else settings
 
 
 @app.command()
@@ -574,11 +634,20 @@ def promote(
         float,
         typer.Option(help="How much the candidate must beat the champion by (0.01 = 1 point)."),
     ] = 0.0,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Registered model name. Default: IMAGEOPS_REGISTERED_MODEL_NAME, else "
+            "imageops-classifier."
+        ),
+    ] = None,
 ) -> None:
     """Give the candidate the champion alias if it beats the champion on the holdout (via ONNX)."""
     from tasks.promote import promote as run
 
-    decision = run(holdout, candidate=candidate, metric=metric, margin=margin)
+    decision = run(
+        holdout, candidate=candidate, metric=metric, margin=margin, settings=_with_model_name(name)
+    )
     verdict = "is now @champion" if decision.promoted else "stays where it is"
     out.print(f"{decision.name} v{decision.challenger_version} {verdict}: {decision.reason}")
 

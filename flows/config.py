@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models.transform_spec import TransformSpec
+from models.untrained import ModelChoice
 from tasks.datasets import NAME_PATTERN, name_problem, source_name
 from tasks.errors import InvalidParameterError, InvalidTransformationDirectoryError
 from tasks.train.params import TrainParams
@@ -27,23 +28,11 @@ DEMO_TRANSFORM = TransformSpec(
     random_crop_size=32,
     random_horizontal_flip=False,
 )
-
-
-class ModelChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(
-        default="resnet18",
-        title="Architecture",
-        description="densenet121/161/169/201, resnet18/34/50/101/152, resnext50_32x4d, "
-        "resnext101_32x8d, wide_resnet50_2, wide_resnet101_2.",
-    )
-    pretrained: bool = Field(
-        default=False,
-        title="Pretrained",
-        description="Start from ImageNet weights (from the weights cache; needs the file there "
-        "or network access).",
-    )
+# resnet18 from scratch: the digits are too small and too unlike ImageNet for its weights to help,
+# and the demo must not need a weights download.
+DEMO_MODEL = ModelChoice(name="resnet18", pretrained=False)
+# Two training processes: the demo shows DDP on a 2-core machine.
+DEMO_TRAIN = TrainParams(nproc_per_node=2)
 
 
 class SplitChoice(BaseModel):
@@ -101,8 +90,8 @@ class PipelineConfig(BaseModel):
         description="Init Image Transformation: how images become the network's input. "
         "Training uses its training mode; validation, export and scoring its inference mode.",
     )
-    model: ModelChoice = Field(default_factory=ModelChoice)
-    train: TrainParams = Field(default_factory=lambda: TrainParams(nproc_per_node=2))
+    model: ModelChoice = Field(default=DEMO_MODEL, title="Model")
+    train: TrainParams = Field(default=DEMO_TRAIN, title="Training parameters")
     quantize: bool = Field(
         default=False,
         title="Quantize to INT8",

@@ -88,9 +88,7 @@ def pipeline(
                 data_version[part] = version_task(data / part)
             name_flow_run(f"{run_name}-data-{data_version['images'][:8]}")
 
-        build_model_task(
-            config.model.name, outputs / "untrained", pretrained=config.model.pretrained
-        )
+        build_model_task(config.model, outputs / "untrained")
         # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
         trained = train_flow(
             outputs / "untrained", data / "train", data / "val", outputs / "model", config.train,

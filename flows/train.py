@@ -18,8 +18,9 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from flows.config import DEMO_TRANSFORM, ModelChoice
+from flows.config import DEMO_MODEL, DEMO_TRAIN, DEMO_TRANSFORM
 from models.transform_spec import TransformSpec
+from models.untrained import ModelChoice
 from tasks.build_model import build_model_task
 from tasks.export import export_task
 from tasks.promote import CHALLENGER
@@ -53,7 +54,7 @@ def train_flow(
     val_data: Path,
     out: Path,
     params: TrainParams,
-    transform: TransformSpec | Path,
+    transform: TransformSpec | Path | None = None,
     data_version: dict[str, str] | None = None,
     run_name: str | None = None,
     rdzv_endpoint: str | None = None,
@@ -106,14 +107,9 @@ class TrainedModel(BaseModel):
     registered_version: str | None  # None when not registered
 
 
-# The train deployment's form defaults: the pipeline's (two processes on the digits demo).
-DEFAULT_MODEL = ModelChoice()
-DEFAULT_TRAIN_PARAMS = TrainParams(nproc_per_node=2)
-
-
 @flow(name="imageops-train-model", log_prints=True)
 def train_model_flow(
-    model: Annotated[ModelChoice, Field(title="Model")] = DEFAULT_MODEL,
+    model: Annotated[ModelChoice, Field(title="Model")] = DEMO_MODEL,
     train_data: Annotated[
         str,
         Field(
@@ -130,12 +126,15 @@ def train_model_flow(
             min_length=1,
         ),
     ] = "data/digits/val",
-    params: Annotated[TrainParams, Field(title="Training parameters")] = DEFAULT_TRAIN_PARAMS,
+    params: Annotated[TrainParams, Field(title="Training parameters")] = DEMO_TRAIN,
     transform: Annotated[
-        TransformSpec,
+        TransformSpec | None,
         Field(
             title="Image transformation",
-            description="Init Image Transformation; the default fits the 32x32 digits demo.",
+            description="Init Image Transformation; the default fits the 32x32 digits demo. "
+            "Empty (null): the transform the data was prepared with (Apply Image "
+            "Transformation), else Init Image Transformation's defaults (224 px). Data prepared "
+            "with another transform is refused.",
         ),
     ] = DEMO_TRANSFORM,
     version_data: Annotated[
@@ -177,7 +176,7 @@ def train_model_flow(
                         (("train", train_data), ("val", val_data))}  # fmt: skip
         name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
     out = settings.home_dir / "outputs" / datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
-    build_model_task(model.name, out / "untrained", pretrained=model.pretrained)
+    build_model_task(model, out / "untrained")
     trained = train_flow(
         out / "untrained", root / train_data, root / val_data, out / "model", params,
         transform=transform, data_version=data_version, rdzv_endpoint=rdzv_endpoint,
@@ -204,7 +203,7 @@ def _run_node_deployments(
     val_data: Path,
     out: Path,
     params: TrainParams,
-    transform: TransformSpec | Path,
+    transform: TransformSpec | Path | None,
     data_version: dict[str, str] | None,
     run_id: str,
     endpoint: str,
@@ -220,8 +219,8 @@ def _run_node_deployments(
     shared = {
         "model": str(model), "train_data": str(train_data), "val_data": str(val_data),
         "out": str(out), "params": params.model_dump(mode="json"),
-        "transform": transform.model_dump(mode="json")
-        if isinstance(transform, TransformSpec) else str(transform),
+        "transform": transform.model_dump(mode="json") if isinstance(transform, TransformSpec)
+        else None if transform is None else str(transform),
         "data_version": data_version, "run_id": run_id, "rdzv_endpoint": endpoint,
         "rdzv_timeout_s": rdzv_timeout_s,
     }  # fmt: skip
@@ -254,7 +253,7 @@ def train_node_flow(
     val_data: str,
     out: str,
     params: TrainParams,
-    transform: TransformSpec | str,
+    transform: TransformSpec | str | None,
     run_id: Annotated[str, Field(title="MLflow run", description="The job's run (open-run).")],
     node_rank: Annotated[int, Field(ge=0, title="Node rank", description="0 to nodes - 1.")],
     rdzv_endpoint: Annotated[
@@ -277,7 +276,7 @@ def train_node_flow(
     root = get_settings().project_root
     return train_task(
         root / model, root / train_data, root / val_data, root / out, params,
-        transform=transform if isinstance(transform, TransformSpec) else root / transform,
+        transform=root / transform if isinstance(transform, str) else transform,
         data_version=data_version, run_id=run_id, node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout_s,
     )  # fmt: skip

@@ -2,33 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from models.zoo import ModelSpec, spec_for, write_untrained
+from models.untrained import ModelChoice, ModelSpec, write_untrained
 from tasks.step import step
+from tasks.validation import checked
 
 
-def build_model(
-    model_name: str,
-    dest: Path,
-    *,
-    pretrained: bool = False,
-    memory_efficient: bool = False,
-    zero_init_residual: bool = False,
-) -> ModelSpec:
-    """Write the UntrainedModelDirectory for ``model_name`` (any DenseNet or ResNet) to ``dest``.
+def build_model(choice: ModelChoice | Mapping[str, Any], dest: Path) -> ModelSpec:
+    """Write the UntrainedModelDirectory of ``choice`` (any DenseNet or ResNet) to ``dest``.
 
-    ``memory_efficient`` is a DenseNet switch, ``zero_init_residual`` a ResNet one. An unknown
-    name is the seed's InvalidModelDirectoryError.
+    An unknown name or a switch of the other family is the seed's InvalidModelDirectoryError.
     """
-    spec = spec_for(
-        model_name,
-        pretrained,
-        memory_efficient=memory_efficient,
-        zero_init_residual=zero_init_residual,
-    )
+    if not isinstance(choice, ModelChoice):
+        choice = model_choice(**dict(choice))
+    spec = choice.spec()
     write_untrained(spec, Path(dest))
     return spec
+
+
+def model_choice(**values: Any) -> ModelChoice:
+    """A ModelChoice from option values: an unknown name is InvalidModelDirectoryError (as the
+    Azure component says), a value of the wrong type InvalidParameterError."""
+    return checked(ModelChoice, values, "model option")
 
 
 build_model_task = step(build_model, name="build-model")

@@ -31,7 +31,7 @@ from mlflow.tracking import MlflowClient
 
 from models.atomic import atomic_directory, write_json
 from models.directory import ONNX
-from models.zoo import MODEL_JSON
+from models.untrained import MODEL_JSON
 from tasks.errors import RegistryError, RegistryUnreachableError
 from tasks.export import sha256_file
 from tasks.registry import DIRECTORY_ARTIFACTS

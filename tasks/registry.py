@@ -23,7 +23,7 @@ from mlflow.types import Schema, TensorSpec
 from PIL import Image
 
 from models.directory import ONNX, WEIGHTS, ModelInfo, read_model_info
-from models.zoo import MODEL_JSON
+from models.untrained import MODEL_JSON
 from tasks.errors import InvalidParameterError, RegistryError
 from tasks.export import META_WEIGHTS_SHA256, sha256_file
 from tasks.settings import Settings, get_settings, redact_uri

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from server_processes import Processes, base_env, free_port, healthy
 
 from models.transform_spec import TransformSpec
-from models.zoo import resnet, write_untrained
+from models.untrained import resnet, write_untrained
 from tasks.settings import Settings
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import LOSS

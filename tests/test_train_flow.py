@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from flows.train import train_flow
 from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
-from models.zoo import resnet, write_untrained
+from models.untrained import resnet, write_untrained
 from tasks.errors import InvalidParameterError, RendezvousTimeoutError
 from tasks.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT

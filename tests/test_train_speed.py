@@ -13,7 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from models.transform_spec import TransformSpec
-from models.zoo import resnet, write_untrained
+from models.untrained import resnet, write_untrained
 from tasks.errors import InvalidParameterError, TrainingDivergedError
 from tasks.imagedir import read_manifest
 from tasks.settings import Settings

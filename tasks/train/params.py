@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from models.atomic import write_json
 from models.transform_spec import TransformSpec
-from models.zoo import ModelSpec
-from tasks.train.precision import Precision, Resolved
+from models.untrained import ModelSpec
 from tasks.validation import checked
+
+# The float formats of the forward pass (tasks.train.precision decides "auto").
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Resolved = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 class TrainParams(BaseModel):
@@ -33,7 +37,9 @@ class TrainParams(BaseModel):
         16,
         gt=0,
         title="Batch size",
-        description="Images per batch in each process; the global batch is this x all processes.",
+        description="Images per batch in each process, as the Azure component means it. The "
+        "global batch (what Vertex AI's batch size means) is this x nodes x processes per node: "
+        "for a global batch of 64 on 4 processes, give 16.",
     )
     warmup_epochs: int = Field(
         0,
@@ -48,7 +54,9 @@ class TrainParams(BaseModel):
         allow_inf_nan=False,
         title="Learning rate",
         description="Initial SGD learning rate of one process; distributed runs use it x the "
-        "number of processes, decayed polynomially to 0. Lower it if the loss becomes NaN.",
+        "number of processes, decayed polynomially to 0. Lower it if the loss becomes NaN. "
+        "Azure's page says 0.001 in its text and 0.1 in its table: imageops takes the text's "
+        "0.001; give 0.1 for the table's.",
     )
     momentum: float = Field(
         0.9,

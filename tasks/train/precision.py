@@ -30,16 +30,13 @@ import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 from tasks.errors import InvalidParameterError
+from tasks.train.params import PRECISIONS, Resolved
 
-Precision = Literal["auto", "fp32", "bf16", "fp16"]
-Resolved = Literal["fp32", "bf16", "fp16"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # bf16 tensor cores arrived with Ampere (compute capability 8.0).
 CUDA_BF16_CAPABILITY = (8, 0)

@@ -1,0 +1,134 @@
+"""One definition of the training request: every parameter reaches every entry point.
+
+TrainParams (Train PyTorch Model) and ModelChoice (DenseNet / ResNet) are the definitions; the
+CLI options, the Prefect forms, params.yaml and the DVC stages are read from them, so a new
+parameter is added once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+from flows.config import PipelineConfig
+from models.untrained import ModelChoice, resnet, write_untrained
+from tasks.settings import Settings
+from tasks.train.params import TrainParams
+
+pytest_plugins = ["model_fixtures"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},  # one option a line in --help
+    )
+
+
+def _option(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+@pytest.mark.parametrize(
+    ("command", "model"), [(("train",), TrainParams), (("model", "build"), ModelChoice)]
+)
+def test_every_field_is_an_option_of_the_cli(tmp_path: Path, command: tuple, model: type) -> None:
+    result = imageops(*command, "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for name, field in model.model_fields.items():
+        assert _option(name) in result.stdout, name
+        assert field.title in result.stdout, name  # its help is the field's
+
+
+def test_every_field_is_in_the_prefect_forms() -> None:
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import pipeline
+    from flows.train import train_model_flow
+
+    for flow, train_key, model_key in (
+        (train_model_flow, "params", "model"),
+        (pipeline, "config", "config"),
+    ):
+        schema = parameter_schema(flow).model_dump()
+        definitions = schema["definitions"]
+        assert set(TrainParams.model_fields) <= set(definitions["TrainParams"]["properties"])
+        assert set(ModelChoice.model_fields) <= set(definitions["ModelChoice"]["properties"])
+        assert {train_key, model_key} <= set(schema["properties"])
+
+
+def test_params_yaml_and_the_dvc_stages_take_every_field() -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert set(params["train"]) == set(TrainParams.model_fields)
+    assert set(params["model"]) == set(ModelChoice.model_fields)
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    # the stages read whole sections (--config), not a hand-kept list of ${train.x}
+    assert "--config params.yaml" in stages["train"]["cmd"] and "${" not in stages["train"]["cmd"]
+    assert stages["train"]["params"] == ["train"]
+    assert "--config params.yaml" in stages["model"]["cmd"]
+    assert stages["model"]["params"] == ["model"]
+
+
+def test_cli_options_override_the_config_and_reach_the_run(
+    project: Settings, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """momentum, weight decay, precision and loader workers from the command line; the rest from
+    params.yaml; all of them in the MLflow run."""
+    config = PipelineConfig().model_dump(mode="json")
+    config["train"].update(weight_decay=0.003, patience=2)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(config))
+    untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
+    result = imageops(
+        "train", str(untrained), *map(str, digits_split), str(tmp_path / "model"),
+        "--config", "params.yaml", "--momentum", "0.5", "--precision", "fp32",
+        "--num-workers", "0", "--device", "cpu", "--open-run", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_id = result.stdout.strip().splitlines()[-1]
+    params = mlflow.MlflowClient(project.tracking_uri).get_run(run_id).data.params
+    assert (params["momentum"], params["precision"], params["num_workers"]) == ("0.5", "fp32", "0")
+    assert (params["weight_decay"], params["patience"]) == ("0.003", "2")  # from the file
+    assert params["nproc_per_node"] == "2"  # the file's (the demo), not the Azure default
+
+
+def test_model_build_takes_every_model_option(tmp_path: Path) -> None:
+    result = imageops(
+        "model", "build", "m", "--name", "densenet121", "--no-pretrained", "--memory-efficient",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    spec = yaml.safe_load((tmp_path / "m" / "model.json").read_text())
+    assert (spec["arch"], spec["memory_efficient"], spec["pretrained"]) == (
+        "densenet121",
+        True,
+        False,
+    )
+    refused = imageops("model", "build", "r", "--name", "resnet18", "--memory-efficient",
+                       cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2 and "memory_efficient applies to DenseNets" in refused.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_register_takes_a_model_name(
+    project: Settings, exported_model: Path, tmp_path: Path
+) -> None:
+    model = shutil.copytree(exported_model, tmp_path / "model")
+    result = imageops("register", str(model), "--name", "digits-net", "--alias", "challenger",
+                      cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "registered digits-net version 1" in result.stdout
+    client = mlflow.MlflowClient(project.tracking_uri, project.registry_uri)
+    assert str(client.get_model_version_by_alias("digits-net", "challenger").version) == "1"
