@@ -5,10 +5,11 @@ TransformationDirectory (``transform.json``). Apply Image Transformation runs it
 ImageDirectory and writes a new one. Training, export and scoring build their transforms here too,
 from the spec the ModelDirectory stores, so scoring cannot drift from training.
 
-Two modes, as in the seed. **inference** keeps the deterministic steps (resize, center crop, pad,
-grayscale) and drops every random one. **training** adds the random steps that are on; a random
-crop or random resized crop takes the place of the center crop, so the network's input size
-(:func:`input_size`) is the same in both modes.
+Two modes, as in the Azure component. **inference** keeps the deterministic steps (resize, center
+crop, pad, grayscale) and drops every random one. **training** adds the random steps that are on;
+its crop decides the network's input size (:func:`input_size`), which inference crops to as well.
+Apply's output records the spec and mode in its manifest, so training and scoring run only the
+steps not yet applied (:func:`transform_for`).
 
 Torchrun workers import this module for :func:`build_transform`, so it does not import Prefect;
 ``init_transformation_task`` and ``apply_transformation_task`` are made on first use.

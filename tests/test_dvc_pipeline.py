@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -72,3 +73,11 @@ def test_dvc_repro_runs_the_data_stages(project) -> None:
     rerun = dvc("repro", "split", cwd=root)
     assert rerun.returncode == 0, rerun.stderr
     assert "Running stage 'split'" in rerun.stdout and "Running stage 'convert'" not in rerun.stdout
+
+    # The model stage reads the whole `model` section: an option added there reaches the stage.
+    params["model"].update(name="densenet121", memory_efficient=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    built = dvc("repro", "model", cwd=root)
+    assert built.returncode == 0, built.stdout + built.stderr
+    spec = json.loads((root / "data/repro/untrained/model.json").read_text())
+    assert (spec["arch"], spec["memory_efficient"]) == ("densenet121", True)
