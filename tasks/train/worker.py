@@ -52,16 +52,13 @@ from tasks.train.data import (
 )
 from tasks.train.failure import read_failures, record_failure
 from tasks.train.loop import (
-    LOSS,
-    LR,
     METRICS,
-    THROUGHPUT,
-    THROUGHPUT_PER_PROCESS,
     TOP1,
     TOP5,
     VAL_LOSS,
     check_weights,
     derive_seed,
+    epoch_metrics,
     evaluate,
     seed_everything,
     train_one_epoch,
@@ -354,13 +351,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             num_classes=num_classes,
             memory_format=amp.memory_format,
         )
-        metrics = {
-            LOSS: stats.loss,
-            **val,
-            THROUGHPUT: stats.images_per_sec,
-            THROUGHPUT_PER_PROCESS: stats.images_per_sec_per_process,
-            LR: stats.lr,
-        }
+        metrics = epoch_metrics(stats, val)
         progress.history.append({"epoch": float(epoch), **metrics})
         progress.epoch = epoch
         # The values compared here are all-reduced, hence identical on every rank: every rank
