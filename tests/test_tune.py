@@ -86,6 +86,7 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
 ) -> None:
     # 3 points: batch 8 with warm-up 0 or 1 (a child of batch size 8), and batch 100, which the
     # training refuses (72 training images): a failed trial, counted and tolerated (1 allowed).
+    # print_frequency, once refused as "where a trial runs", is tuned like any training parameter.
     spec = make_spec(
         study_name="grid",
         algorithm="grid",
@@ -102,6 +103,7 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
                 "parent": "batch_size",
                 "parent_values": [8],
             },
+            {"name": "print_frequency", "type": "categorical", "values": [2]},
         ],
     )
     result = tune(spec, digits_split)
@@ -109,8 +111,9 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
     trials = trials_of(project, "grid")
     assert sorted(json.dumps(t.params, sort_keys=True) for t in trials) == sorted(
         json.dumps(p, sort_keys=True)
-        for p in [{"batch_size": 8, "warmup_epochs": 0}, {"batch_size": 8, "warmup_epochs": 1},
-                  {"batch_size": 100}]
+        for p in [{"batch_size": 8, "warmup_epochs": 0, "print_frequency": 2},
+                  {"batch_size": 8, "warmup_epochs": 1, "print_frequency": 2},
+                  {"batch_size": 100, "print_frequency": 2}]
     )  # fmt: skip
     assert {t.state for t in trials if t.params["batch_size"] == 100} == {TrialState.FAIL}
     failed = next(t for t in result.trials if t.state == "FAIL")
@@ -139,6 +142,7 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
         assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
         assert run.data.tags["imageops.trial"] == str(trial.number)
         assert run.data.params["warmup_epochs"] == str(trial.values["warmup_epochs"])
+        assert run.data.params["print_frequency"] == "2"
         assert run.data.metrics["tuning/value"] == pytest.approx(trial.value)
         assert [m.step for m in client.get_metric_history(trial.run_id, "val/top1")] == [1]
     logged = {Path(a.path).name for a in client.list_artifacts(result.parent_run_id, "tuning")}

@@ -1,11 +1,12 @@
 """One trial: a real training run with the trial's values, nested under the study's MLflow run.
 
-The trial writes its UntrainedModelDirectory (the architecture may be tuned), opens its training
-run (:func:`tasks.train.launch.open_run`: an interrupted trial's unfinished run is continued from
-its checkpoint) and trains through torchrun with a :class:`~tasks.train.params.TrialHook`, so rank
-0 reports the metric after every epoch and the run stops early when the study prunes it. The
-trial then tells the study itself (COMPLETE with its value, PRUNED, or FAIL with the error), so it
-can run anywhere: a task of the tune flow, or a flow run on a work pool.
+The trial writes its UntrainedModelDirectory (the architecture and its options may be tuned),
+opens its training run (:func:`tasks.train.launch.open_run`: an interrupted trial's unfinished
+run is continued from its checkpoint) and trains through torchrun with a
+:class:`~tasks.train.params.TrialHook`, so rank 0 reports the metric after every epoch and the
+run stops early when the study prunes it. The trial then tells the study itself (COMPLETE with
+its value, PRUNED, or FAIL with the error), so it can run anywhere: a task of the tune flow, or a
+flow run on a work pool.
 
 A pruned trial's model is still written (its best epoch so far): it is never the study's best,
 since only completed trials are compared, but it can be looked at.
@@ -73,7 +74,8 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
     try:
         params = spec.trial_params(asked.values)
         untrained = folder / UNTRAINED
-        build_model(spec.trial_architecture(asked.values), untrained, pretrained=spec.pretrained)
+        architecture = spec.trial_architecture(asked.values)
+        build_model(architecture, untrained, **spec.trial_model_options(asked.values))
         request = {
             "model": untrained,
             "train_data": job.train_data,
