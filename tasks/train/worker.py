@@ -218,12 +218,14 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             f"for {config.world_size}.",
             "Start it through `tasks.train.launch.train`, which sets up torchrun to match.",
         )
+    lent = os.environ.get("CUDA_VISIBLE_DEVICES") if device.type == "cuda" else None
     log.info(
-        "attempt %d: rank %d of %d on %s, run folder %s",
+        "attempt %d: rank %d of %d on %s%s, run folder %s",
         _attempt(),
         dist.rank,
         dist.world_size,
         device,
+        f" (CUDA_VISIBLE_DEVICES={lent})" if lent else "",  # a tuning trial's GPUs
         config.run_dir,
     )
 
