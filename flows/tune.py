@@ -29,6 +29,7 @@ from tasks.promote import CHALLENGER
 from tasks.registry import register_task
 from tasks.settings import get_settings, redact_uri
 from tasks.step import name_flow_run
+from tasks.tune.gpus import check_study_gpus, local_gpus
 from tasks.tune.report import StudyResult, report_study
 from tasks.tune.spec import MAX_PARALLEL_TRIALS, TuningSpec
 from tasks.tune.study import AskedTrial, TrialJob, TrialOutcome, open_study
@@ -77,14 +78,21 @@ def tune_flow(
 ) -> StudyResult:
     """Run (or continue) the study ``spec`` and register its best model as @challenger.
 
-    Raises InvalidTuningSpecError before any trial for a spec that cannot make a study, and
+    Trials that run here (no ``trial_deployment``) share this machine's GPUs: a CUDA trial takes
+    ``nproc_per_node`` of them, waiting while too few are free (tasks.tune.gpus).
+
+    Raises InvalidTuningSpecError before any trial for a spec that cannot make a study (or
+    whose trials need more GPUs than this machine has, when they run here), and
     TuningFailedError when more than ``max_failed_trial_count`` trials failed or none completed
     (the trials table is published either way).
     """
     settings = get_settings()
     root = settings.project_root
+    spec = (spec or TuningSpec()).check()
+    if trial_deployment is None:  # the trials train here, sharing this machine's GPUs
+        check_study_gpus(spec, local_gpus())
     study = open_study(
-        spec or TuningSpec(), root / train_data, root / val_data,
+        spec, root / train_data, root / val_data,
         transform=transform or DEMO_TRANSFORM, settings=settings, data_version=data_version,
     )  # fmt: skip
     name_flow_run(f"tune-{study.job.study_name}")

@@ -7,6 +7,7 @@ parameter is for, read from the same fields the Prefect form shows (one source o
 
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
@@ -59,9 +60,16 @@ def _describe_one(cls: type[BaseModel], err: Any) -> str:
 def expected(field: Any) -> str:
     """The field's range in words, read from its type and constraints."""
     annotation = field.annotation
+    others = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) and len(others) == 1:  # int | None: may be empty
+        return f"{_expected(others[0], field.metadata)}, or empty"
+    return _expected(annotation, field.metadata)
+
+
+def _expected(annotation: Any, metadata: list[Any]) -> str:
     if typing.get_origin(annotation) is Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(annotation))
-    bounds = {type(meta): meta for meta in field.metadata}
+    bounds = {type(meta): meta for meta in metadata}
     if typing.get_origin(annotation) is list:
         length = bounds.get(annotated_types.MinLen)
         return f"a list of {length.min_length} numbers" if length else "a list of numbers"

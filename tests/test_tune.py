@@ -17,6 +17,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 from prefect.client.orchestration import get_client
@@ -24,8 +25,9 @@ from prefect.client.orchestration import get_client
 from flows.tune import tune_flow
 from models.directory import read_model_info
 from models.transform_spec import TransformSpec
-from tasks.errors import TuningFailedError
+from tasks.errors import InvalidTuningSpecError, TuningFailedError
 from tasks.settings import Settings
+from tasks.tune.gpus import local_gpus
 from tasks.tune.spec import TuningSpec
 from tasks.tune.storage import open_storage, storage_ref
 
@@ -86,6 +88,7 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
 ) -> None:
     # 3 points: batch 8 with warm-up 0 or 1 (a child of batch size 8), and batch 100, which the
     # training refuses (72 training images): a failed trial, counted and tolerated (1 allowed).
+    # print_frequency, once refused as "where a trial runs", is tuned like any training parameter.
     spec = make_spec(
         study_name="grid",
         algorithm="grid",
@@ -102,6 +105,7 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
                 "parent": "batch_size",
                 "parent_values": [8],
             },
+            {"name": "print_frequency", "type": "categorical", "values": [2]},
         ],
     )
     result = tune(spec, digits_split)
@@ -109,8 +113,9 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
     trials = trials_of(project, "grid")
     assert sorted(json.dumps(t.params, sort_keys=True) for t in trials) == sorted(
         json.dumps(p, sort_keys=True)
-        for p in [{"batch_size": 8, "warmup_epochs": 0}, {"batch_size": 8, "warmup_epochs": 1},
-                  {"batch_size": 100}]
+        for p in [{"batch_size": 8, "warmup_epochs": 0, "print_frequency": 2},
+                  {"batch_size": 8, "warmup_epochs": 1, "print_frequency": 2},
+                  {"batch_size": 100, "print_frequency": 2}]
     )  # fmt: skip
     assert {t.state for t in trials if t.params["batch_size"] == 100} == {TrialState.FAIL}
     failed = next(t for t in result.trials if t.state == "FAIL")
@@ -139,6 +144,8 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
         assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
         assert run.data.tags["imageops.trial"] == str(trial.number)
         assert run.data.params["warmup_epochs"] == str(trial.values["warmup_epochs"])
+        assert run.data.params["print_frequency"] == "2"
+        assert "imageops.gpus" not in run.data.tags  # a CPU trial takes no GPU
         assert run.data.metrics["tuning/value"] == pytest.approx(trial.value)
         assert [m.step for m in client.get_metric_history(trial.run_id, "val/top1")] == [1]
     logged = {Path(a.path).name for a in client.list_artifacts(result.parent_run_id, "tuning")}
@@ -331,3 +338,54 @@ def test_trials_run_as_flow_runs_of_the_trial_deployment(
         )  # fmt: skip
     (flow_run,) = response.json()
     assert flow_run["state_type"] == "COMPLETED"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_parallel_cuda_trials_train_on_gpus_of_their_own(
+    prefect_api: None, project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    # Two trials at a time on CUDA, each on GPUs of its own (one GPU: they take turns).
+    spec = make_spec(
+        study_name="on-gpus",
+        algorithm="grid",
+        max_trial_count=2,
+        parallel_trial_count=2,
+        parameters=[{"name": "print_frequency", "type": "categorical", "values": [1, 3]}],
+        train={**TRAIN, "device": "cuda"},
+    )
+    result = tune(spec, digits_split, register_best=False)
+
+    client = MlflowClient(project.tracking_uri)
+    runs, lent = [], []
+    for trial in result.trials:
+        assert trial.state == "COMPLETE", trial.error
+        run = client.get_run(trial.run_id)
+        runs.append(run)
+        lent.append(set(run.data.tags["imageops.gpus"].split(",")))
+        assert len(lent[-1]) == 1 and lent[-1] <= set(local_gpus().devices)
+        # The workers saw exactly the GPU lent to the trial.
+        log = (project.runs_dir / run.info.run_id / "rank_0.log").read_text()
+        assert f"on cuda:0 (CUDA_VISIBLE_DEVICES={run.data.tags['imageops.gpus']})" in log
+    first, second = runs
+    together = (
+        first.info.start_time < second.info.end_time
+        and second.info.start_time < first.info.end_time
+    )
+    assert not (together and lent[0] & lent[1])  # a GPU is never lent to two trials at once
+    assert together or len(local_gpus()) < 2  # with 2 GPUs, both trials ran at once
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_local_cuda_trials_on_a_machine_without_gpus_are_refused_before_any_trial(
+    prefect_api: None, project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    devices = {"name": "device", "type": "categorical", "values": ["cpu", "cuda"]}
+    spec = make_spec(study_name="no-gpus", parameters=[devices])
+    with pytest.raises(InvalidTuningSpecError) as err:
+        tune(spec, digits_split)
+    assert "device = 'cuda' and nproc_per_node = 1: 1 GPU each, and this machine has 0" in str(
+        err.value
+    )
+    assert not (project.home_dir / "tuning").exists()  # no study, no trial

@@ -15,12 +15,15 @@ from typing import Any
 import optuna
 import psutil
 import pytest
+from pydantic import Field
 
-from tasks.errors import InvalidParameterError, InvalidTuningSpecError
+import tasks.tune.spec as spec_module
+from tasks.errors import InvalidParameterError, InvalidTuningSpecError, TuningFailedError
 from tasks.settings import Settings
+from tasks.train.loop import EPOCH_METRICS
 from tasks.train.params import TrainParams
 from tasks.tune.search import make_sampler, suggest
-from tasks.tune.spec import TuningSpec
+from tasks.tune.spec import TuningSpec, tunable
 from tasks.tune.study import OWNER, open_study
 from tasks.tune.trial import measure
 
@@ -95,11 +98,61 @@ def test_the_spec_is_the_flow_form_with_a_title_for_every_field() -> None:
             "parent_values [64] are not values of 'batch_size'",
         ),
         ([{**LR, "name": "lr"}], {}, "'lr' is not a training parameter that can be tuned"),
-        ([{**BATCH, "name": "nproc_per_node"}], {}, "says where a trial runs"),
+        ([{**BATCH, "name": "nodes"}], {}, "'nodes' cannot vary between trials: a trial trains"),
         ([{**LR, "name": "batch_size"}], {}, "integer training parameter: it cannot be a double"),
         ([{**LR, "type": "integer", "min": 1, "max": 3}], {}, "takes fractions"),
         ([{**BATCH, "values": [16, 8]}], {}, "its values must increase"),
-        ([{**BATCH, "values": [0, 8]}], {}, "0 is not a value it can train with"),
+        ([{**BATCH, "values": [0, 8]}], {}, "value = 0 is out of range; batch_size takes an integ"),
+        # A range is checked against its field's limits (pydantic's gt/ge/lt/le), named.
+        (
+            [{**LR, "min": 0, "scale": "linear"}],
+            {},
+            "'learning_rate': min = 0.0 is out of range; learning_rate takes a finite number > 0",
+        ),
+        (
+            [{"name": "momentum", "type": "double", "min": 0.5, "max": 1}],
+            {},
+            "'momentum': max = 1.0 is out of range; momentum takes a finite number >= 0 < 1",
+        ),
+        (
+            [{"name": "patience", "type": "integer", "min": 0, "max": 3}],
+            {},
+            "'patience': min = 0 is out of range; patience takes an integer > 0",
+        ),
+        (
+            [{"name": "num_workers", "type": "discrete", "values": [-1, 2]}],
+            {},
+            "value = -1 is out of range; num_workers takes an integer >= 0, or empty",
+        ),
+        ([{**LR, "name": "print_frequency"}], {}, "integer training parameter: it cannot be a"),
+        (
+            [{"name": "precision", "type": "categorical", "values": ["fp32", "fp8"]}],
+            {},
+            "value = 'fp8' is out of range; precision takes one of 'auto', 'fp32', 'bf16', 'fp16'",
+        ),
+        (
+            [{"name": "device", "type": "discrete", "values": [1, 2]}],
+            {},
+            "'device' takes one of 'auto', 'cpu', 'cuda': it must be categorical",
+        ),
+        (
+            [{"name": "pretrained", "type": "categorical", "values": ["yes", False]}],
+            {},
+            "'pretrained' is true or false; got 'yes'",
+        ),
+        (
+            [
+                {
+                    "name": "architecture",
+                    "type": "categorical",
+                    "values": ["resnet18", "densenet121"],
+                },
+                {"name": "zero_init_residual", "type": "categorical", "values": [True, False]},
+            ],
+            {},
+            "zero_init_residual applies to ResNets only, and trials may train ['densenet121']",
+        ),
+        ([LR], {"memory_efficient": True}, "memory_efficient applies to DenseNets only"),
         ([{**LR, "min": 0.1, "max": 0.01}], {}, "min = 0.1 must be below max = 0.01"),
         ([{**BATCH, "type": "categorical", "scale": "log"}], {}, "its values have no scale"),
         ([{"name": "architecture", "type": "discrete", "values": [1, 2]}], {}, "categorical"),
@@ -291,3 +344,99 @@ def test_at_scale_the_study_lives_in_a_database_the_workers_report_to(
     assert TrialReporter(hook(poor.number)).report({"val/top1": 0.2}, 1) is True  # below median
     stored = optuna.load_study(study_name="db", storage=url).trials
     assert [t.intermediate_values for t in stored] == [{1: 0.9}, {1: 0.2}]
+
+
+# --- what may be tuned: every training parameter, every reported metric ------------------------
+
+
+def test_every_training_parameter_but_nodes_is_tunable_read_from_train_params() -> None:
+    model = {"architecture", "pretrained", "memory_efficient", "zero_init_residual"}
+    assert set(tunable()) == (set(TrainParams.model_fields) - {"nodes"}) | model
+
+
+def test_a_field_added_to_the_training_parameters_is_tunable_within_its_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Extended(TrainParams):  # a field the tuning code has never heard of
+        label_smoothing: float = Field(0.0, ge=0, lt=1, title="Label smoothing")
+
+    monkeypatch.setattr(spec_module, "TrainParams", Extended)
+    spec = spec_with({"name": "label_smoothing", "type": "double", "min": 0.0, "max": 0.2})
+    assert spec.trial_params({"label_smoothing": 0.1}) == Extended(label_smoothing=0.1)
+    with pytest.raises(InvalidTuningSpecError) as err:
+        spec_with({"name": "label_smoothing", "type": "double", "min": 0.1, "max": 1.0})
+    assert "max = 1.0 is out of range; label_smoothing takes a finite number >= 0 < 1" in str(
+        err.value
+    )
+
+
+def test_parameters_once_refused_are_tuned_and_reach_the_trial(tmp_path: Path) -> None:
+    from tasks.build_model import build_model
+
+    spec = spec_with(
+        {"name": "print_frequency", "type": "integer", "min": 1, "max": 5},
+        {"name": "patience", "type": "discrete", "values": [1, 2]},
+        {"name": "precision", "type": "categorical", "values": ["fp32", "bf16"]},
+        {"name": "device", "type": "categorical", "values": ["cpu", "auto"]},
+        {"name": "num_workers", "type": "categorical", "values": [0, 1]},
+        {"name": "nproc_per_node", "type": "integer", "min": 1, "max": 2},
+        {"name": "architecture", "type": "categorical", "values": ["resnet18", "densenet121"]},
+        {"name": "memory_efficient", "type": "categorical", "values": [True, False],
+         "parent": "architecture", "parent_values": ["densenet121"]},
+        {"name": "pretrained", "type": "categorical", "values": [False]},
+        algorithm="random",
+    )  # fmt: skip
+    study = optuna.create_study(sampler=make_sampler(spec, 0))
+    seen: dict[str, set] = {}
+    for number in range(30):
+        trial = study.ask()
+        values = spec.training_values(suggest(trial, spec))
+        study.tell(trial, 0.0)
+        params = spec.trial_params(values)
+        for name, value in values.items():
+            if name in TrainParams.model_fields:
+                assert getattr(params, name) == value, name
+            seen.setdefault(name, set()).add(value)
+        options = spec.trial_model_options(values)
+        assert options["memory_efficient"] is values.get("memory_efficient", False)
+        # Every trial's network can be built: the DenseNet option only on DenseNets.
+        model = build_model(spec.trial_architecture(values), tmp_path / str(number), **options)
+        assert model.memory_efficient is options["memory_efficient"]
+    assert seen["precision"] == {"fp32", "bf16"} and seen["memory_efficient"] == {True, False}
+    assert all(isinstance(v, bool) for v in seen["memory_efficient"])  # not 0 and 1
+
+
+@pytest.mark.parametrize("metric", EPOCH_METRICS)
+def test_every_metric_the_training_reports_can_be_optimised(metric: str) -> None:
+    assert spec_with(LR, metric=metric).metric == metric
+
+
+def test_the_metrics_are_what_an_epoch_reports_and_others_are_refused_listing_them() -> None:
+    from tasks.train.loop import TOP1, TOP5, VAL_LOSS, TrainStats, epoch_metrics
+
+    stats = TrainStats(
+        loss=1.0, images=8, images_per_sec=2.0, lr=0.1, images_per_sec_per_process=1.0
+    )
+    reported = epoch_metrics(stats, {VAL_LOSS: 1.0, TOP1: 0.5, TOP5: 1.0})
+    assert tuple(reported) == EPOCH_METRICS
+    with pytest.raises(InvalidTuningSpecError) as err:
+        spec_with(LR, metric="val/accuracy")
+    assert "'val/accuracy' is not a metric the training run reports" in err.value.message
+    assert all(name in err.value.hint for name in EPOCH_METRICS)
+
+
+def test_max_failed_trial_count_0_lets_no_trial_fail(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    from flows.config import DEMO_TRANSFORM
+
+    spec = spec_with(LR, study_name="strict", max_failed_trial_count=0, max_trial_count=5)
+    study = open_study(spec, *digits_split, transform=DEMO_TRANSFORM, settings=project)
+    assert study.can_ask(running=0)
+    failed = study.ask()
+    study.settle(failed.number, "TrainingDivergedError: the loss became nan")
+    assert not study.can_ask(running=0)  # the first failure ends the study: no new trial
+    with pytest.raises(
+        TuningFailedError, match="1 trials failed, more than max_failed_trial_count = 0"
+    ):
+        study.raise_if_failed()

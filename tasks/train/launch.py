@@ -151,6 +151,7 @@ def train(
     max_restarts: int = 1,
     timeout_s: float | None = None,
     tuning: TrialHook | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> TrainResult:
     """Train the untrained ``model`` on ``train_data``, validating on ``val_data``; write ``out``.
 
@@ -178,7 +179,8 @@ def train(
     torchrun restarts crashed workers up to ``max_restarts`` times, resuming from the checkpoint;
     ``timeout_s`` bounds the whole run. ``tuning``: set for a trial of a tuning study
     (:mod:`tasks.tune`): rank 0 reports the metric to the study after every epoch and the run
-    ends early, with ``pruned`` set, when the study's pruner says so.
+    ends early, with ``pruned`` set, when the study's pruner says so. ``env``: more environment
+    for torchrun and its workers (a trial's ``CUDA_VISIBLE_DEVICES``: the GPUs lent to it).
 
     Raises the seed's InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError,
     InvalidTransformationDirectoryError, InvalidParameterError before anything starts;
@@ -232,6 +234,7 @@ def train(
                 "PYTHONPATH": os.pathsep.join(
                     p for p in (_source_root(), os.environ.get("PYTHONPATH", "")) if p
                 ),
+                **(env or {}),
             }
             offset = torchrun_log.stat().st_size if torchrun_log.is_file() else 0
             started = time.time()

@@ -19,6 +19,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,11 @@ THROUGHPUT = "train/images_per_sec"
 # Per process, i.e. per GPU on GPU: what to compare across machines and world sizes.
 THROUGHPUT_PER_PROCESS = "train/images_per_sec_per_process"
 LR = "train/lr"
+# What a run reports after every epoch: logged to MLflow per epoch, kept in the run's history,
+# and what a tuning study may optimise (tasks.tune.spec). :func:`epoch_metrics` reports exactly
+# these: a metric added here is reported and tunable.
+EPOCH_METRICS = (LOSS, VAL_LOSS, TOP1, TOP5, THROUGHPUT, THROUGHPUT_PER_PROCESS, LR)
+# A run's summary: these at its best epoch and at its last.
 METRICS = (LOSS, VAL_LOSS, TOP1, TOP5, THROUGHPUT)
 
 
@@ -68,6 +74,18 @@ class TrainStats:
     lr: float
     # The job's images/s divided by the number of processes (one per GPU on GPU).
     images_per_sec_per_process: float
+
+
+def epoch_metrics(stats: TrainStats, val: Mapping[str, float]) -> dict[str, float]:
+    """One epoch's report, every name of :data:`EPOCH_METRICS` (``val``: :func:`evaluate`'s)."""
+    measured = {
+        LOSS: stats.loss,
+        **val,
+        THROUGHPUT: stats.images_per_sec,
+        THROUGHPUT_PER_PROCESS: stats.images_per_sec_per_process,
+        LR: stats.lr,
+    }
+    return {name: measured[name] for name in EPOCH_METRICS}
 
 
 def to_device(

@@ -52,16 +52,13 @@ from tasks.train.data import (
 )
 from tasks.train.failure import read_failures, record_failure
 from tasks.train.loop import (
-    LOSS,
-    LR,
     METRICS,
-    THROUGHPUT,
-    THROUGHPUT_PER_PROCESS,
     TOP1,
     TOP5,
     VAL_LOSS,
     check_weights,
     derive_seed,
+    epoch_metrics,
     evaluate,
     seed_everything,
     train_one_epoch,
@@ -221,12 +218,14 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             f"for {config.world_size}.",
             "Start it through `tasks.train.launch.train`, which sets up torchrun to match.",
         )
+    lent = os.environ.get("CUDA_VISIBLE_DEVICES") if device.type == "cuda" else None
     log.info(
-        "attempt %d: rank %d of %d on %s, run folder %s",
+        "attempt %d: rank %d of %d on %s%s, run folder %s",
         _attempt(),
         dist.rank,
         dist.world_size,
         device,
+        f" (CUDA_VISIBLE_DEVICES={lent})" if lent else "",  # a tuning trial's GPUs
         config.run_dir,
     )
 
@@ -353,13 +352,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             num_classes=num_classes,
             memory_format=amp.memory_format,
         )
-        metrics = {
-            LOSS: stats.loss,
-            **val,
-            THROUGHPUT: stats.images_per_sec,
-            THROUGHPUT_PER_PROCESS: stats.images_per_sec_per_process,
-            LR: stats.lr,
-        }
+        metrics = epoch_metrics(stats, val)
         progress.history.append({"epoch": float(epoch), **metrics})
         progress.epoch = epoch
         # The values compared here are all-reduced, hence identical on every rank: every rank

@@ -6,6 +6,7 @@
 - ``search``: the spec in Optuna's terms: samplers, the pruner, one trial's parameters.
 - ``study``: open or continue a study, recover trials a killed flow left running, ask and count.
 - ``trial``: one trial: train with its parameters (tasks.train), report, tell the study.
+- ``gpus``: this machine's GPUs, lent to the trials running on it, each to one at a time.
 - ``pruning``: what a training worker uses to report each epoch and hear whether to stop.
 - ``report``: the trials table and plot, to Prefect and MLflow.
 

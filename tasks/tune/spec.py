@@ -2,14 +2,21 @@
 
 The shape of Vertex AI's StudySpec, flattened so a YAML file and the Prefect form read alike:
 
-- ``parameters``: one entry per training parameter to tune, of type ``double`` or ``integer``
+- ``parameters``: one entry per parameter to tune: any field of ``train`` (TrainParams) but
+  ``nodes``, the ``architecture``, or a network option (``pretrained``; ``memory_efficient`` for
+  DenseNets, ``zero_init_residual`` for ResNets). Each is checked against its field: an int
+  field takes ``integer``, ``discrete`` or ``categorical`` ints, a float ``double``, ``discrete``
+  or ``categorical``, a bool or a choice (``device``, ``precision``) ``categorical`` values it
+  allows; every bound and value must be one the field accepts. Of type ``double`` or ``integer``
   (``min``, ``max``, ``scale``: linear, log or reverse_log), ``categorical`` (``values``) or
   ``discrete`` (increasing numeric ``values``, ``scale``). A conditional child names its
   ``parent`` (an integer, categorical or discrete parameter declared before it) and the
   ``parent_values`` under which it is tuned; otherwise it keeps its value from ``train``.
-- ``metric`` (a per-epoch metric of the training run, e.g. ``val/top1``) and ``goal``;
+- ``metric`` (any per-epoch metric of the training run, tasks.train.loop.EPOCH_METRICS, e.g.
+  ``val/top1``) and ``goal``;
   ``measurement``: a trial's value is its ``best`` epoch's metric or its ``last``.
-- ``max_trial_count``, ``parallel_trial_count``, ``max_failed_trial_count``; ``algorithm``:
+- ``max_trial_count``, ``parallel_trial_count``, ``max_failed_trial_count`` (0: no trial may
+  fail; Vertex AI's 0 lets the service decide, ours does not guess); ``algorithm``:
   ``bayesian`` (default), ``random`` or ``grid``; ``early_stopping`` of poor trials.
 - ``train``: the training parameters every trial starts from; ``model``: the architecture (a
   tuned ``architecture`` overrides it).
@@ -29,28 +36,48 @@ import hashlib
 import itertools
 import json
 import re
+import types
+import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from models.zoo import DENSENETS, RESNETS
 from tasks.errors import InvalidParameterError, InvalidTuningSpecError
-from tasks.train.loop import LOSS, THROUGHPUT, THROUGHPUT_PER_PROCESS, TOP1, TOP5, VAL_LOSS
+from tasks.train.loop import EPOCH_METRICS, TOP1
 from tasks.train.params import TrainParams
-from tasks.validation import describe
+from tasks.validation import describe, expected
 
-Value = int | float | str
+# bool first: pydantic's smart union keeps True a bool (int would take it too).
+Value = bool | int | float | str
 ARCHITECTURE = "architecture"
-# Training parameters a study may tune: what a run learns, not where it runs.
-NUMERIC = ("learning_rate", "momentum", "weight_decay")
-INTEGER = ("batch_size", "epochs", "warmup_epochs", "patience", "seed")
-TUNABLE = (*NUMERIC, *INTEGER, ARCHITECTURE)
-PLACEMENT = ("nodes", "nproc_per_node", "device", "precision", "num_workers", "print_frequency")
-# What a training run reports after every epoch (tasks.train.loop).
-METRICS = (TOP1, TOP5, VAL_LOSS, LOSS, THROUGHPUT, THROUGHPUT_PER_PROCESS)
+# The network's options (TuningSpec fields, for build_model), each for the family that has it.
+MODEL_OPTIONS = ("pretrained", "memory_efficient", "zero_init_residual")
+FAMILY_OPTIONS = {"memory_efficient": DENSENETS, "zero_init_residual": RESNETS}
+# Training parameters no trial can vary, and why.
+FIXED = {
+    "nodes": "a trial trains on one node (torchrun --standalone); several trials use several "
+    "machines",
+}
+
+
+def tunable() -> tuple[str, ...]:
+    """What a study may tune: TrainParams' fields but FIXED, the architecture, network options.
+
+    Read from TrainParams when asked, so a field added there is tunable; each parameter spec is
+    checked against its field's type and range (:func:`_check_parameter`).
+    """
+    fields = (name for name in TrainParams.model_fields if name not in FIXED)
+    return (*fields, ARCHITECTURE, *MODEL_OPTIONS)
+
+
+TUNABLE = tunable()
+# What a training run reports after every epoch (tasks.train.loop): any of it may be the metric.
+METRICS = EPOCH_METRICS
 MAX_GRID = 10_000
 MAX_PARALLEL_TRIALS = 64  # the tune flow's thread pool: one thread waits on each running trial
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -63,8 +90,8 @@ class ParameterSpec(BaseModel):
 
     name: str = Field(
         title="Training parameter",
-        description="learning_rate, momentum, weight_decay, batch_size, epochs, warmup_epochs, "
-        "patience, seed, or architecture.",
+        description="Any training parameter but nodes, the architecture, or a network option: "
+        f"{', '.join(TUNABLE)}.",
     )
     type: Literal["double", "integer", "categorical", "discrete"] = Field(
         title="Type",
@@ -136,8 +163,7 @@ class TuningSpec(BaseModel):
     metric: str = Field(
         TOP1,
         title="Metric",
-        description="Per-epoch metric of the training run: val/top1, val/top5, val/loss, "
-        "train/loss, train/images_per_sec, train/images_per_sec_per_process.",
+        description=f"Per-epoch metric of the training run: {', '.join(METRICS)}.",
     )
     goal: Literal["maximize", "minimize"] = Field("maximize", title="Goal")
     parameters: list[ParameterSpec] = Field(
@@ -161,8 +187,9 @@ class TuningSpec(BaseModel):
         0,
         ge=0,
         title="Max failed trials",
-        description="How many trials may fail (e.g. diverge) before the study fails; 0: the "
-        "first failure fails it.",
+        description="How many trials may fail (e.g. diverge) before the study fails. 0 (the "
+        "default): none may, the first failed trial fails the study (unlike Vertex AI, where 0 "
+        "leaves the count to the service). Interrupted trials do not count.",
     )
     algorithm: Literal["bayesian", "random", "grid"] = Field(
         "bayesian",
@@ -197,6 +224,17 @@ class TuningSpec(BaseModel):
         "wide_resnet101_2.",
     )
     pretrained: bool = Field(False, title="Pretrained", description="Start from ImageNet weights.")
+    memory_efficient: bool = Field(
+        False,
+        title="Memory-efficient DenseNet",
+        description="DenseNets only: recompute the concatenations in the backward pass (less "
+        "memory, slower).",
+    )
+    zero_init_residual: bool = Field(
+        False,
+        title="Zero-init residual (ResNet)",
+        description="ResNets only: start each residual branch's last BatchNorm at zero.",
+    )
     train: TrainParams = Field(
         default_factory=TrainParams,
         title="Training parameters",
@@ -265,6 +303,7 @@ class TuningSpec(BaseModel):
             _check_parameter(param)
             _check_parent(param, seen)
             seen[param.name] = param
+        self._check_model_options()
         if self.algorithm == "grid":
             doubles = [p.name for p in self.parameters if p.type == "double"]
             if doubles:
@@ -283,6 +322,30 @@ class TuningSpec(BaseModel):
                     "or bayesian.",
                 )
         return self
+
+    def _check_model_options(self) -> None:
+        """A network option is on only for architectures of the family that has it."""
+        tuned = self.by_name()
+        for option, family in FAMILY_OPTIONS.items():
+            param = tuned.get(option)
+            # The spec's own value holds wherever the option is not tuned.
+            if getattr(self, option) and (param is None or param.parent is not None):
+                _check_family(
+                    option, self.architectures(None), family, f"{option} = true", tuned=False
+                )
+            if param is not None and True in (param.values or []):
+                where = f"Parameter {option!r} (true among its values)"
+                _check_family(option, self.architectures(param), family, where, tuned=True)
+
+    def architectures(self, param: ParameterSpec | None) -> list[str]:
+        """The architectures a trial may train while ``param`` is tuned (None: in any trial)."""
+        if param is not None and param.parent == ARCHITECTURE:
+            return [str(v) for v in param.parent_values or []]
+        arch = self.by_name().get(ARCHITECTURE)
+        if arch is None:
+            return [self.model]
+        values = [str(v) for v in arch.values or []]
+        return values if arch.parent is None else [*values, self.model]
 
     def by_name(self) -> dict[str, ParameterSpec]:
         return {p.name: p for p in self.parameters}
@@ -337,11 +400,15 @@ class TuningSpec(BaseModel):
 
     def trial_params(self, values: Mapping[str, Value]) -> TrainParams:
         """``train`` with a trial's tuned values; refused like any training parameter."""
-        tuned = {k: v for k, v in values.items() if k != ARCHITECTURE}
+        tuned = {k: v for k, v in values.items() if k in TrainParams.model_fields}
         return TrainParams.checked(**{**self.train.model_dump(), **tuned})
 
     def trial_architecture(self, values: Mapping[str, Value]) -> str:
         return str(values.get(ARCHITECTURE, self.model))
+
+    def trial_model_options(self, values: Mapping[str, Value]) -> dict[str, bool]:
+        """The network's options for a trial (build_model's keywords): tuned, or the spec's."""
+        return {name: bool(values.get(name, getattr(self, name))) for name in MODEL_OPTIONS}
 
     def identity(self) -> dict[str, Any]:
         """What makes trials comparable: a study continues only with the same.
@@ -349,10 +416,23 @@ class TuningSpec(BaseModel):
         The counts, the algorithm, early stopping and the seed may change between runs of a
         study; the search space, the metric and what each trial trains may not.
         """
-        return self.model_dump(
+        identity = self.model_dump(
             mode="json",
-            include={"metric", "goal", "measurement", "parameters", "model", "pretrained", "train"},
+            include={
+                "metric",
+                "goal",
+                "measurement",
+                "parameters",
+                "model",
+                "train",
+                *MODEL_OPTIONS,
+            },
         )
+        # Options that came later count only when on: a study started before them continues.
+        for option in FAMILY_OPTIONS:
+            if not identity[option]:
+                del identity[option]
+        return identity
 
 
 def identity_digest(identity: Mapping[str, Any]) -> str:
@@ -367,18 +447,43 @@ def _check_model_name(name: object, where: str) -> None:
         )
 
 
+def _field(name: str) -> FieldInfo:
+    """The field a tuned parameter sets: a training parameter, or the spec's own (model options)."""
+    return TrainParams.model_fields.get(name) or TuningSpec.model_fields[name]
+
+
+def _kind(name: str) -> Literal["int", "float", "bool", "choice"]:
+    """What values a parameter takes, from its field's type (``int | None``: an int)."""
+    if name == ARCHITECTURE:
+        return "choice"
+    annotation = _field(name).annotation
+    others = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) and len(others) == 1:
+        annotation = others[0]
+    kinds: dict[Any, Literal["int", "float", "bool"]] = {int: "int", float: "float", bool: "bool"}
+    return kinds.get(annotation, "choice")  # a Literal, a string, ...: a list of values
+
+
+def _allowed(name: str) -> str:
+    """What a parameter takes, in words (its field's type and range)."""
+    if name == ARCHITECTURE:
+        return "one of " + ", ".join(DENSENETS + RESNETS)
+    return expected(_field(name))
+
+
 def _check_parameter(param: ParameterSpec) -> None:
+    """The parameter against its field: a type that fits, values and bounds within its range."""
     name, kind = param.name, param.type
     where = f"Parameter {name!r}"
-    if name in PLACEMENT:
+    if name in FIXED:
         raise InvalidTuningSpecError(
-            f"{where} says where a trial runs, not what it learns: it cannot be tuned.",
-            f"Set it in the spec's train section. Tunable: {', '.join(TUNABLE)}.",
+            f"{where} cannot vary between trials: {FIXED[name]}.",
+            f"Set it in the spec's train section. Tunable: {', '.join(tunable())}.",
         )
-    if name not in TUNABLE:
+    if name not in tunable():
         raise InvalidTuningSpecError(
             f"{where} is not a training parameter that can be tuned.",
-            f"Tunable: {', '.join(TUNABLE)}.",
+            f"Tunable: {', '.join(tunable())}.",
         )
     ranged = kind in ("double", "integer")
     if ranged and (param.min is None or param.max is None or param.values is not None):
@@ -391,21 +496,21 @@ def _check_parameter(param: ParameterSpec) -> None:
             f"{where} ({kind}) needs a non-empty list of values, and no min or max.",
             "Give values: [...]; use type double or integer for a range.",
         )
-    if name == ARCHITECTURE:
-        if kind != "categorical":
-            raise InvalidTuningSpecError(
-                f"{where} names networks: it must be categorical.",
-                "type: categorical, values: [resnet18, resnet34, ...].",
-            )
-        for value in param.values or []:
-            _check_model_name(value, where)
+    if kind == "categorical" and param.scale != "linear":
+        raise InvalidTuningSpecError(
+            f"{where} is categorical: its values have no scale.",
+            "Leave scale out, or make it discrete (increasing numbers) to give one.",
+        )
+    field_kind = _kind(name)
+    if field_kind in ("bool", "choice"):
+        _check_choices(param, field_kind)
         return
-    if kind == "double" and name in INTEGER:
+    if kind == "double" and field_kind == "int":
         raise InvalidTuningSpecError(
             f"{where} is an integer training parameter: it cannot be a double.",
             "Use type integer, discrete or categorical.",
         )
-    if kind == "integer" and name in NUMERIC:
+    if kind == "integer" and field_kind == "float":
         raise InvalidTuningSpecError(
             f"{where} takes fractions: use type double (or discrete) rather than integer."
         )
@@ -422,43 +527,89 @@ def _check_parameter(param: ParameterSpec) -> None:
                 f"{where}: min = {param.min:g} must be below max = {param.max:g}.",
                 "Swap min and max, or make the range wider.",
             )
-        candidates: list[Value] = [param.min, param.max]
+        candidates: list[tuple[str, Value]] = [("min", param.min), ("max", param.max)]
     else:
-        candidates = list(param.values or [])
-        if len(set(map(repr, candidates))) != len(candidates):
+        values = list(param.values or [])
+        _check_distinct(param, values)
+        words = [v for v in values if isinstance(v, str | bool)]
+        if words:
             raise InvalidTuningSpecError(
-                f"{where} lists a value twice: {candidates}.", "List each value once."
-            )
-        if any(isinstance(v, str) for v in candidates):
-            raise InvalidTuningSpecError(
-                f"{where} takes numbers; got {[v for v in candidates if isinstance(v, str)]}.",
+                f"{where} takes numbers; got {words}.",
                 "Write numbers without quotes (1e-4 and 0.0001 both read as numbers).",
             )
-    if kind == "categorical" and param.scale != "linear":
+        candidates = [("value", v) for v in values]
+    numbers = [float(v) for _, v in candidates]
+    if kind == "discrete" and any(b <= a for a, b in itertools.pairwise(numbers)):
         raise InvalidTuningSpecError(
-            f"{where} is categorical: its values have no scale.",
-            "Leave scale out, or make it discrete (increasing numbers) to give one.",
-        )
-    if kind == "discrete" and any(b <= a for a, b in itertools.pairwise(candidates)):
-        raise InvalidTuningSpecError(
-            f"{where} is discrete: its values must increase; got {candidates}.",
+            f"{where} is discrete: its values must increase; got {param.values}.",
             "Sort the values and drop duplicates.",
         )
-    if param.scale != "linear" and min(candidates) <= 0:  # type: ignore[type-var]
+    if param.scale != "linear" and min(numbers) <= 0:
         raise InvalidTuningSpecError(
             f"{where} has a {param.scale} scale, which needs values > 0; its minimum is "
-            f"{min(candidates):g}.",  # type: ignore[type-var]
+            f"{min(numbers):g}.",
             "Raise min above 0, or use scale linear.",
         )
-    for value in candidates:
-        if name in INTEGER and isinstance(value, float) and value.is_integer():
+    for label, value in candidates:
+        if field_kind == "int" and isinstance(value, float) and value.is_integer():
             value = int(value)
-        try:
-            TrainParams.checked(**{name: value})
-        except InvalidParameterError as exc:
+        _check_in_range(name, label, value)
+
+
+def _check_choices(param: ParameterSpec, field_kind: str) -> None:
+    """A bool, Literal or other non-numeric parameter: categorical, each value one it takes."""
+    name, where = param.name, f"Parameter {param.name!r}"
+    if param.type != "categorical":
+        raise InvalidTuningSpecError(
+            f"{where} takes {_allowed(name)}: it must be categorical.",
+            f"type: categorical, values: [...] ({_allowed(name)}).",
+        )
+    values = list(param.values or [])
+    _check_distinct(param, values)
+    for value in values:
+        if name == ARCHITECTURE:
+            _check_model_name(value, where)
+        elif field_kind == "bool" and not isinstance(value, bool):
             raise InvalidTuningSpecError(
-                f"{where}: {value!r} is not a value it can train with ({exc.message})", exc.hint
-            ) from exc
+                f"{where} is true or false; got {value!r}.",
+                "values: [true, false], without quotes.",
+            )
+        elif name in TrainParams.model_fields:
+            _check_in_range(name, "value", value)
+
+
+def _check_distinct(param: ParameterSpec, values: list[Value]) -> None:
+    if len({(type(v), v) for v in values}) != len(values):
+        raise InvalidTuningSpecError(
+            f"Parameter {param.name!r} lists a value twice: {values}.", "List each value once."
+        )
+
+
+def _check_in_range(name: str, label: str, value: Value) -> None:
+    """``value`` is one the training takes for ``name`` (validated by TrainParams itself)."""
+    try:
+        TrainParams.checked(**{name: value})
+    except InvalidParameterError as exc:
+        raise InvalidTuningSpecError(
+            f"Parameter {name!r}: {label} = {value!r} is out of range; {name} takes "
+            f"{_allowed(name)}.",
+            exc.hint,
+        ) from exc
+
+
+def _check_family(
+    option: str, architectures: list[str], family: tuple[str, ...], where: str, tuned: bool
+) -> None:
+    outside = [a for a in architectures if a not in family]
+    if outside:
+        kind = "DenseNets" if family == DENSENETS else "ResNets"
+        raise InvalidTuningSpecError(
+            f"{where}: {option} applies to {kind} only, and trials may train {outside}.",
+            f"Make {option} a child of architecture (parent: architecture, parent_values: "
+            f"[the {kind}]), or tune only {kind}."
+            if tuned
+            else f"Set {option} to false, or train only {kind} (model, architecture's values).",
+        )
 
 
 def _check_parent(param: ParameterSpec, seen: Mapping[str, ParameterSpec]) -> None:

@@ -482,6 +482,8 @@ def _parent_run(study: optuna.Study, spec: TuningSpec, settings: Settings) -> st
         "measurement": spec.measurement,
         "model": spec.model,
         "pretrained": spec.pretrained,
+        "memory_efficient": spec.memory_efficient,
+        "zero_init_residual": spec.zero_init_residual,
         "parameters": json.dumps([p.model_dump(exclude_none=True) for p in spec.parameters]),
         **{f"train.{k}": v for k, v in spec.train.model_dump().items()},
     }

@@ -1,11 +1,12 @@
 """One trial: a real training run with the trial's values, nested under the study's MLflow run.
 
-The trial writes its UntrainedModelDirectory (the architecture may be tuned), opens its training
-run (:func:`tasks.train.launch.open_run`: an interrupted trial's unfinished run is continued from
-its checkpoint) and trains through torchrun with a :class:`~tasks.train.params.TrialHook`, so rank
-0 reports the metric after every epoch and the run stops early when the study prunes it. The
-trial then tells the study itself (COMPLETE with its value, PRUNED, or FAIL with the error), so it
-can run anywhere: a task of the tune flow, or a flow run on a work pool.
+The trial writes its UntrainedModelDirectory (the architecture and its options may be tuned),
+takes the GPUs it trains on when it trains on CUDA (:mod:`tasks.tune.gpus`), opens its training
+run (:func:`tasks.train.launch.open_run`: an interrupted trial's unfinished run is continued
+from its checkpoint) and trains through torchrun with a :class:`~tasks.train.params.TrialHook`,
+so rank 0 reports the metric after every epoch and the run stops early when the study prunes
+it. The trial then tells the study itself (COMPLETE with its value, PRUNED, or FAIL with the
+error), so it can run anywhere: a task of the tune flow, or a flow run on a work pool.
 
 A pruned trial's model is still written (its best epoch so far): it is never the study's best,
 since only completed trials are compared, but it can be looked at.
@@ -25,6 +26,7 @@ from tasks.settings import get_settings, redact_uri
 from tasks.step import step, step_logger
 from tasks.train.launch import open_run, train
 from tasks.train.params import TrialHook
+from tasks.tune.gpus import gpu_environment, gpus_for, local_gpus
 from tasks.tune.spec import TuningSpec
 from tasks.tune.storage import open_storage, quiet_optuna
 from tasks.tune.study import (
@@ -40,6 +42,7 @@ from tasks.tune.study import (
 UNTRAINED = "untrained"
 MODEL = "model"
 VALUE_METRIC = "tuning/value"
+GPUS_TAG = "imageops.gpus"  # the GPUs a trial trained on (CUDA_VISIBLE_DEVICES of its torchrun)
 
 
 def measure(history: list[dict[str, float]], spec: TuningSpec) -> float:
@@ -73,7 +76,8 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
     try:
         params = spec.trial_params(asked.values)
         untrained = folder / UNTRAINED
-        build_model(spec.trial_architecture(asked.values), untrained, pretrained=spec.pretrained)
+        architecture = spec.trial_architecture(asked.values)
+        build_model(architecture, untrained, **spec.trial_model_options(asked.values))
         request = {
             "model": untrained,
             "train_data": job.train_data,
@@ -84,19 +88,25 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
             "settings": settings,
             "data_version": job.data_version,
         }
-        run_id = open_run(**request, run_name=f"{job.study_name} trial {asked.number}")
-        storage.set_trial_user_attr(trial_id, RUN_ID, run_id)
-        _tag_run(client, run_id, job, asked)
-        hook = TrialHook(
-            storage=job.storage,
-            study_name=job.study_name,
-            trial_number=asked.number,
-            metric=spec.metric,
-            early_stopping=spec.early_stopping,
-            min_trials=spec.early_stopping_min_trials,
-            min_epochs=spec.early_stopping_min_epochs,
-        )
-        result = train(**request, run_id=run_id, tuning=hook)
+        slots = local_gpus()
+        need = gpus_for(params, len(slots))
+        if need > slots.free:
+            log.info("trial %d waits for %d GPUs (%d free)", asked.number, need, slots.free)
+        # Released however the trial ends: completed, pruned, failed.
+        with slots.take(need, f"Trial {asked.number} (nproc_per_node {need} on CUDA)") as gpus:
+            run_id = open_run(**request, run_name=f"{job.study_name} trial {asked.number}")
+            storage.set_trial_user_attr(trial_id, RUN_ID, run_id)
+            _tag_run(client, run_id, job, asked, gpus)
+            hook = TrialHook(
+                storage=job.storage,
+                study_name=job.study_name,
+                trial_number=asked.number,
+                metric=spec.metric,
+                early_stopping=spec.early_stopping,
+                min_trials=spec.early_stopping_min_trials,
+                min_epochs=spec.early_stopping_min_epochs,
+            )
+            result = train(**request, run_id=run_id, tuning=hook, env=gpu_environment(gpus))
     except Exception as exc:  # the trial's failure, counted by the study; never the flow's
         error = redact_uri(f"{type(exc).__name__}: {exc}")
         log.warning("trial %d failed after %.0f s: %s", asked.number, _since(started), error)
@@ -131,14 +141,22 @@ def _since(started: float) -> float:
     return time.monotonic() - started
 
 
-def _tag_run(client: MlflowClient, run_id: str, job: TrialJob, asked: AskedTrial) -> None:
-    """Nest the training run under the study's run, and say which trial it is."""
+def _tag_run(
+    client: MlflowClient, run_id: str, job: TrialJob, asked: AskedTrial, gpus: tuple[str, ...]
+) -> None:
+    """Nest the training run under the study's run, say which trial it is and on which GPUs.
+
+    The GPUs are a tag, not a parameter: a re-run of an interrupted trial continues the same
+    run, maybe on other GPUs, and MLflow parameters cannot change.
+    """
     tags = {
         "mlflow.parentRunId": job.parent_run_id,  # what the MLflow UI nests runs by
         "imageops.study": job.study_name,
         "imageops.trial": str(asked.number),
         "imageops.tuned": json.dumps(asked.values, sort_keys=True),
     }
+    if gpus:
+        tags[GPUS_TAG] = ",".join(gpus)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
 
