@@ -497,7 +497,9 @@ def tune(
     transform: Annotated[
         Path | None,
         typer.Option(
-            help="TransformationDirectory (imageops transform init). Default: the demo's."
+            help="TransformationDirectory (imageops transform init). Default: the transform the "
+            "data was prepared with (imageops transform apply), else the demo's (32x32 digits, "
+            "as tuning.yaml's example study expects)."
         ),
     ] = None,
     register: Annotated[
@@ -513,18 +515,24 @@ def tune(
 ) -> None:
     """Tune hyperparameters with Optuna: each trial a training run; best model -> @challenger."""
     api_ready = _start_prefect_api(get_settings())
-    from flows.tune import tune_flow, tune_spec_file
-    from tasks.transform import read_transformation
+    from flows.config import DEMO_TRANSFORM
+    from flows.tune import study_transform, tune_flow, tune_spec_file
+    from tasks.transform import input_size, read_transformation
 
     study_spec = tune_spec_file(
         spec, study_name=study, max_trial_count=max_trials, parallel_trial_count=parallel
     )
+    given = read_transformation(transform) if transform is not None else None
+    chosen = study_transform(given, train_data, val_data)
+    side = input_size(chosen)
+    source = transform or ("the data's" if chosen != DEMO_TRANSFORM else "the demo's")
+    out.print(escape(f"transform: {source} (the network sees {side}x{side} images)"))
     api_ready()
     result = tune_flow(
         study_spec,
         str(train_data.resolve()),
         str(val_data.resolve()),
-        transform=read_transformation(transform) if transform is not None else None,
+        transform=chosen,
         register_best=register,
         trial_deployment=trial_deployment,
     )

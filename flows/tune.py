@@ -29,6 +29,7 @@ from tasks.promote import CHALLENGER
 from tasks.registry import register_task
 from tasks.settings import get_settings, redact_uri
 from tasks.step import name_flow_run
+from tasks.transform import applied_to, data_transform
 from tasks.tune.gpus import check_study_gpus, local_gpus
 from tasks.tune.report import StudyResult, report_study
 from tasks.tune.spec import MAX_PARALLEL_TRIALS, TuningSpec
@@ -38,6 +39,12 @@ from tasks.tune.trial import run_trial, trial_task
 
 # The pool bounds nothing here (the flow keeps parallel_trial_count running); it only must not
 # be the smaller limit.
+def study_transform(transform: TransformSpec | None, train: Path, val: Path) -> TransformSpec:
+    """The given transform, else the one the data was prepared with, else the demo's."""
+    prepared = data_transform({"train": (train, applied_to(train)), "val": (val, applied_to(val))})
+    return transform or prepared or DEMO_TRANSFORM
+
+
 @flow(
     name="imageops-tune",
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_TRIALS),
@@ -61,7 +68,11 @@ def tune_flow(
     ] = "data/digits/val",
     transform: Annotated[
         TransformSpec | None,
-        Field(title="Image transformation", description="Default: the demo's (32x32 digits)."),
+        Field(
+            title="Image transformation",
+            description="Default: the transform the data was prepared with (Apply Image "
+            "Transformation), else the demo's (32x32 digits, as the example study expects).",
+        ),
     ] = None,
     data_version: dict[str, str] | None = None,
     register_best: Annotated[
@@ -93,7 +104,8 @@ def tune_flow(
         check_study_gpus(spec, local_gpus())
     study = open_study(
         spec, root / train_data, root / val_data,
-        transform=transform or DEMO_TRANSFORM, settings=settings, data_version=data_version,
+        transform=study_transform(transform, root / train_data, root / val_data),
+        settings=settings, data_version=data_version,
     )  # fmt: skip
     name_flow_run(f"tune-{study.job.study_name}")
     with study.tracking():

@@ -159,3 +159,16 @@ def test_raw_data_without_a_transform_gets_the_azure_defaults(
     params = mlflow.MlflowClient(project.tracking_uri).get_run(run_id).data.params
     assert params["input_size"] == "224"
     assert params["transform.resize_size"] == "256"
+
+
+def test_tuning_takes_the_prepared_datas_transform(
+    prepared: tuple[Path, Path, Path], digits_split: tuple[Path, Path]
+) -> None:
+    from flows.config import DEMO_TRANSFORM
+    from flows.tune import study_transform
+
+    transform, train_dir, val_dir = prepared
+    spec = read_transformation(transform)
+    assert study_transform(None, train_dir, val_dir) == spec
+    assert study_transform(None, *digits_split) == DEMO_TRANSFORM  # the example study's digits
+    assert study_transform(spec, *digits_split) == spec
