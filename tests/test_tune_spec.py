@@ -397,11 +397,11 @@ def test_parameters_once_refused_are_tuned_and_reach_the_trial(tmp_path: Path) -
             if name in TrainParams.model_fields:
                 assert getattr(params, name) == value, name
             seen.setdefault(name, set()).add(value)
-        options = spec.trial_model_options(values)
-        assert options["memory_efficient"] is values.get("memory_efficient", False)
+        choice = spec.trial_model(values)
+        assert choice.memory_efficient is values.get("memory_efficient", False)
         # Every trial's network can be built: the DenseNet option only on DenseNets.
-        model = build_model(spec.trial_architecture(values), tmp_path / str(number), **options)
-        assert model.memory_efficient is options["memory_efficient"]
+        model = build_model(choice, tmp_path / str(number))
+        assert model.memory_efficient is choice.memory_efficient
     assert seen["precision"] == {"fp32", "bf16"} and seen["memory_efficient"] == {True, False}
     assert all(isinstance(v, bool) for v in seen["memory_efficient"])  # not 0 and 1
 

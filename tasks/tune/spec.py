@@ -46,7 +46,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from models.zoo import DENSENETS, RESNETS
+from models.untrained import DENSENETS, RESNETS, ModelChoice
 from tasks.errors import InvalidParameterError, InvalidTuningSpecError
 from tasks.train.loop import EPOCH_METRICS, TOP1
 from tasks.train.params import TrainParams
@@ -403,12 +403,10 @@ class TuningSpec(BaseModel):
         tuned = {k: v for k, v in values.items() if k in TrainParams.model_fields}
         return TrainParams.checked(**{**self.train.model_dump(), **tuned})
 
-    def trial_architecture(self, values: Mapping[str, Value]) -> str:
-        return str(values.get(ARCHITECTURE, self.model))
-
-    def trial_model_options(self, values: Mapping[str, Value]) -> dict[str, bool]:
-        """The network's options for a trial (build_model's keywords): tuned, or the spec's."""
-        return {name: bool(values.get(name, getattr(self, name))) for name in MODEL_OPTIONS}
+    def trial_model(self, values: Mapping[str, Value]) -> ModelChoice:
+        """The network of a trial: its architecture and options, tuned or the spec's."""
+        options = {name: bool(values.get(name, getattr(self, name))) for name in MODEL_OPTIONS}
+        return ModelChoice(name=str(values.get(ARCHITECTURE, self.model)), **options)
 
     def identity(self) -> dict[str, Any]:
         """What makes trials comparable: a study continues only with the same.

@@ -76,8 +76,7 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
     try:
         params = spec.trial_params(asked.values)
         untrained = folder / UNTRAINED
-        architecture = spec.trial_architecture(asked.values)
-        build_model(architecture, untrained, **spec.trial_model_options(asked.values))
+        build_model(spec.trial_model(asked.values), untrained)
         request = {
             "model": untrained,
             "train_data": job.train_data,
