@@ -91,7 +91,7 @@ def runner_deployment(entry: dict[str, Any], pull: list[dict[str, Any]]) -> Any:
     if unknown:
         raise ImageOpsError(
             f"Deployment {entry.get('name')!r}: options {sorted(unknown)} are not registered.",
-            f"Use only {sorted(_KNOWN_KEYS)}, or teach flows/deployments.py the new option.",
+            f"Use only {sorted(_KNOWN_KEYS)}.",
         )
     pool = entry.get("work_pool") or {}
     triggers = TypeAdapter(list[DeploymentTriggerTypes]).validate_python(

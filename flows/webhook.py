@@ -322,7 +322,7 @@ def register_webhook(
             raise RegistryError(
                 f"MLflow's test delivery to {receiver_url} failed: "
                 f"{result.error_message or f'{result.response_status} {result.response_body}'}",
-                "Check the receiver runs (`python -m flows.webhook serve`), that MLflow can reach "
+                "Check the receiver runs (`imageops serve webhook`), that MLflow can reach "
                 "it, and that both use the same IMAGEOPS_WEBHOOK_SECRET.",
             )
     return webhook.webhook_id

@@ -381,8 +381,8 @@ def _check_launch(
     if run_id is None:
         raise InvalidParameterError(
             f"nodes = {params.nodes}: every node agent needs the id of the job's MLflow run.",
-            "Open the run once with open_run (the train flow and `imageops train --open-run` "
-            "do) and pass its id to every node.",
+            "Open the run once with `imageops train ... --open-run` (the train flow does it "
+            "itself) and pass its id to every node agent with --run-id.",
         )
 
 

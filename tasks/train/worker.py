@@ -219,7 +219,8 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         raise TrainingFailedError(
             f"This worker runs in a world of {dist.world_size} processes; the run was configured "
             f"for {config.world_size}.",
-            "Start it through `tasks.train.launch.train`, which sets up torchrun to match.",
+            "Start training with `imageops train` (or the train flow), which sets up torchrun "
+            "to match.",
         )
     log.info(
         "attempt %d: rank %d of %d on %s, run folder %s",
