@@ -18,7 +18,7 @@ from uuid import UUID
 
 import yaml
 
-from tasks.errors import ImageOpsError
+from tasks.errors import ImageOpsError, error_text
 
 DEPLOYMENTS_FILE = Path(__file__).resolve().parents[1] / "deployments" / "prefect.yaml"
 TRAINING_QUEUE = "training"  # one training at a time per pool: this queue's limit is 1
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ids = register_deployments(args.file, work_pool=args.work_pool)
     except ImageOpsError as exc:
-        raise SystemExit(f"error: {exc.message}\nwhat to do: {exc.hint}") from None
+        raise SystemExit(error_text(exc)) from None
     for name, deployment_id in ids.items():
         print(f"{name}: {deployment_id}")
 

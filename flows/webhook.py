@@ -57,7 +57,7 @@ from uuid import UUID
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tasks.errors import ImageOpsError, RegistryError
+from tasks.errors import ImageOpsError, RegistryError, error_text
 from tasks.settings import Settings, get_settings, redact_uri
 
 # MLflow's header names and signature version (mlflow.webhooks.constants).
@@ -359,9 +359,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"webhook {webhook_id}: model_version_alias.created -> {args.receiver_url}")
     except ImageOpsError as exc:
-        raise SystemExit(
-            f"error: {redact_uri(exc.message)}\nwhat to do: {redact_uri(exc.hint)}"
-        ) from None
+        raise SystemExit(error_text(exc)) from None
 
 
 if __name__ == "__main__":
