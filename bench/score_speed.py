@@ -172,7 +172,8 @@ def untrained_model(dest: Path, size: int) -> Path:
     import torch
 
     from models.directory import ModelInfo, save_model_directory
-    from models.zoo import build_model, resnet
+    from models.untrained import resnet
+    from models.zoo import build_model
 
     spec = resnet("resnet18", pretrained=False)
     torch.manual_seed(0)

@@ -23,11 +23,12 @@ from rich.markup import escape
 from models.errors import ImageOpsError
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
+from tasks.errors import error_summary
+from tasks.settings import Settings, get_settings, redact_uri
 from tasks.train.params import TrainParams
 
 if TYPE_CHECKING:
     from flows.config import PipelineConfig
-from tasks.settings import Settings, get_settings, redact_uri
 
 app = typer.Typer(
     name="imageops",
@@ -851,10 +852,12 @@ def main() -> None:
     try:
         app()
     except ImageOpsError as exc:
-        # Messages may quote a settings URI or a library's error that echoes one: no passwords.
-        err.print(f"[bold red]error:[/] {escape(redact_uri(exc.message))}")
-        if exc.hint:
-            err.print(f"[yellow]what to do:[/] {escape(redact_uri(exc.hint))}")
+        # The error's name first (the seed's docs know errors by it); messages may quote a
+        # settings URI or a library's error that echoes one: passwords masked, markup escaped.
+        problem, hint = error_summary(exc)
+        err.print(f"[bold red]error:[/] {escape(problem)}")
+        if hint:
+            err.print(f"[yellow]what to do:[/] {escape(hint)}")
         sys.exit(2)
 
 

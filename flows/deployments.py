@@ -18,7 +18,7 @@ from uuid import UUID
 
 import yaml
 
-from tasks.errors import ImageOpsError
+from tasks.errors import ImageOpsError, error_text
 
 DEPLOYMENTS_FILE = Path(__file__).resolve().parents[1] / "deployments" / "prefect.yaml"
 TRAINING_QUEUE = "training"  # one training at a time per pool: this queue's limit is 1
@@ -91,7 +91,7 @@ def runner_deployment(entry: dict[str, Any], pull: list[dict[str, Any]]) -> Any:
     if unknown:
         raise ImageOpsError(
             f"Deployment {entry.get('name')!r}: options {sorted(unknown)} are not registered.",
-            f"Use only {sorted(_KNOWN_KEYS)}, or teach flows/deployments.py the new option.",
+            f"Use only {sorted(_KNOWN_KEYS)}.",
         )
     pool = entry.get("work_pool") or {}
     triggers = TypeAdapter(list[DeploymentTriggerTypes]).validate_python(
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ids = register_deployments(args.file, work_pool=args.work_pool)
     except ImageOpsError as exc:
-        raise SystemExit(f"error: {exc.message}\nwhat to do: {exc.hint}") from None
+        raise SystemExit(error_text(exc)) from None
     for name, deployment_id in ids.items():
         print(f"{name}: {deployment_id}")
 

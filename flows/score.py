@@ -18,7 +18,7 @@ from prefect import flow, serve
 from prefect.deployments.runner import RunnerDeployment
 from pydantic import BaseModel, Field
 
-from tasks.errors import ImageOpsError
+from tasks.errors import ImageOpsError, error_text
 from tasks.model_uri import fetch_registered_model_task, is_registry_uri
 from tasks.promotion_events import CHAMPION, alias_trigger
 from tasks.score import SHARD_IMAGES, score_in_shards
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve_scoring(alias=args.alias, images=args.images, dest=args.dest, limit=args.limit)
     except ImageOpsError as exc:
-        raise SystemExit(f"error: {exc.message}\nwhat to do: {exc.hint}") from None
+        raise SystemExit(error_text(exc)) from None
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from uuid import UUID
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tasks.errors import ImageOpsError, RegistryError
+from tasks.errors import ImageOpsError, RegistryError, error_text
 from tasks.settings import Settings, get_settings, redact_uri
 
 # MLflow's header names and signature version (mlflow.webhooks.constants).
@@ -322,7 +322,7 @@ def register_webhook(
             raise RegistryError(
                 f"MLflow's test delivery to {receiver_url} failed: "
                 f"{result.error_message or f'{result.response_status} {result.response_body}'}",
-                "Check the receiver runs (`python -m flows.webhook serve`), that MLflow can reach "
+                "Check the receiver runs (`imageops serve webhook`), that MLflow can reach "
                 "it, and that both use the same IMAGEOPS_WEBHOOK_SECRET.",
             )
     return webhook.webhook_id
@@ -359,9 +359,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"webhook {webhook_id}: model_version_alias.created -> {args.receiver_url}")
     except ImageOpsError as exc:
-        raise SystemExit(
-            f"error: {redact_uri(exc.message)}\nwhat to do: {redact_uri(exc.hint)}"
-        ) from None
+        raise SystemExit(error_text(exc)) from None
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from torch import nn
 from models.atomic import atomic_directory, write_json
 from models.errors import InvalidModelDirectoryError
 from models.transform_spec import TransformSpec
-from models.zoo import MODEL_JSON, ModelSpec, build_model
+from models.untrained import MODEL_JSON, ModelSpec
+from models.zoo import build_model
 
 WEIGHTS = "model.safetensors"
 ONNX = "model.onnx"

@@ -8,26 +8,16 @@ The components' options and the UntrainedModelDirectory they write are in
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from pathlib import Path
 
 import torch
 import torchvision
 from torch import nn
 
-from models.errors import ImageOpsError
-from models.untrained import (  # noqa: F401 - the zoo's public names, for its callers
-    DENSENETS,
-    MODEL_JSON,
-    RESNETS,
-    UNTRAINED_FORMAT,
-    ModelChoice,
-    ModelSpec,
-    densenet,
-    read_untrained,
-    resnet,
-    spec_for,
-    write_untrained,
-)
+from models.errors import ImageOpsError, InvalidModelDirectoryError
+from models.untrained import ModelSpec
 
 
 class PretrainedWeightsMissingError(ImageOpsError):
@@ -37,9 +27,9 @@ class PretrainedWeightsMissingError(ImageOpsError):
 def build_model(spec: ModelSpec, num_classes: int) -> nn.Module:
     """Build the torchvision network for ``spec`` with a ``num_classes``-way head.
 
-    Pretrained weights come through torchvision's weights API from the cache under ``TORCH_HOME``
-    (``<TORCH_HOME>/hub/checkpoints/<file>``), downloaded there when the network allows; the
-    ImageNet head is then replaced by a fresh one for our classes.
+    Pretrained weights are torchvision's published files, read from the cache under
+    ``TORCH_HOME`` (``<TORCH_HOME>/hub/checkpoints/<file>``) and downloaded there when the
+    network allows; the ImageNet head is then replaced by a fresh one for our classes.
     """
     options: dict[str, bool] = {}
     if spec.family == "densenet":
@@ -52,7 +42,11 @@ def build_model(spec: ModelSpec, num_classes: int) -> nn.Module:
         )
     weights = torchvision.models.get_model_weights(spec.arch).DEFAULT
     model = torchvision.models.get_model(spec.arch, weights=None, **options)
-    model.load_state_dict(_load_pretrained_state(weights))
+    path = _cached_weights_file(weights, spec)
+    state = _load_pretrained_state(path, spec)
+    if spec.family == "densenet":
+        _rename_densenet_keys(state)
+    _load_into(model, state, path, spec)
     _replace_head(model, num_classes)
     return model
 
@@ -63,7 +57,8 @@ def pretrained_weights_path(arch: str) -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
 
 
-def _load_pretrained_state(weights: torchvision.models.WeightsEnum) -> dict[str, torch.Tensor]:
+def _cached_weights_file(weights: torchvision.models.WeightsEnum, spec: ModelSpec) -> Path:
+    """The weights file in the cache, downloaded there first when it is not yet."""
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,13 +69,83 @@ def _load_pretrained_state(weights: torchvision.models.WeightsEnum) -> dict[str,
                 f"Pretrained weights {path.name} are not in the cache and could not be "
                 f"downloaded ({type(exc).__name__}).",
                 f"Copy the file from {weights.url} to {path} (set IMAGEOPS_WEIGHTS_CACHE to "
-                "change the cache folder), or train with pretrained=false.",
+                f"change the cache folder), or {_without_pretrained(spec)}",
             ) from exc
-    # weights_only: a weights file is data, never code.
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    return path
+
+
+def _load_pretrained_state(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The tensors in a weights file, read as data (weights_only): such a file never runs code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as exc:
+        # A truncated download, another format, or a pickle that wants to run code.
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise _unexpected_weights(
+            path, spec, f"it cannot be read as PyTorch weights ({first_line})"
+        ) from exc
     if isinstance(state, dict) and "state_dict" in state:
         state = state["state_dict"]
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise _unexpected_weights(path, spec, "it holds no mapping of parameter names to tensors")
     return state
+
+
+# torchvision's DenseNet files predate '.'-free module names: their dense layers have keys
+# 'norm.1', 'conv.1', 'norm.2', 'conv.2' where the network has 'norm1', 'conv1', ... This is the
+# pattern (and renaming) of torchvision.models.densenet._load_state_dict, which we cannot call:
+# it loads with check_hash and without weights_only.
+_OLD_DENSENET_KEY = re.compile(
+    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$"
+)
+
+
+def _rename_densenet_keys(state: dict[str, torch.Tensor]) -> None:
+    """Rename the old DenseNet keys in place, as torchvision does when it loads these files."""
+    for key in list(state):
+        match = _OLD_DENSENET_KEY.match(key)
+        if match:
+            state[match.group(1) + match.group(2)] = state.pop(key)
+
+
+def _load_into(
+    model: nn.Module, state: dict[str, torch.Tensor], path: Path, spec: ModelSpec
+) -> None:
+    """Load every tensor of the file, or refuse the file naming what does not fit."""
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a tensor of another shape: the first such line says which
+        problems = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+        raise _unexpected_weights(
+            path, spec, f"a tensor has another shape ({problems[0] if problems else exc})"
+        ) from exc
+    problems = []
+    if result.missing_keys:
+        problems.append(f"{len(result.missing_keys)} missing, e.g. {result.missing_keys[0]!r}")
+    if result.unexpected_keys:
+        problems.append(
+            f"{len(result.unexpected_keys)} unexpected, e.g. {result.unexpected_keys[0]!r}"
+        )
+    if problems:
+        raise _unexpected_weights(path, spec, f"its parameter names differ: {'; '.join(problems)}")
+
+
+def _unexpected_weights(path: Path, spec: ModelSpec, why: str) -> InvalidModelDirectoryError:
+    return InvalidModelDirectoryError(
+        f"{path} is not the pretrained weights file torchvision publishes for {spec.arch}: {why}.",
+        f"Delete {path}: the next run downloads it again (or copy the published file there), "
+        f"or {_without_pretrained(spec)}",
+    )
+
+
+def _without_pretrained(spec: ModelSpec) -> str:
+    return (
+        "start without pretrained weights: "
+        f"`imageops model {spec.family} DEST --name {spec.arch} --no-pretrained` "
+        "(in params.yaml: `pretrained: false` under `model`)."
+    )
 
 
 def _replace_head(model: nn.Module, num_classes: int) -> None:

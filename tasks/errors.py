@@ -7,6 +7,7 @@ PyTorch Model, Apply Image Transformation); the others name the step that refuse
 from __future__ import annotations
 
 from models.errors import ImageOpsError, InvalidModelDirectoryError
+from tasks.settings import redact_uri
 
 __all__ = [
     "DatasetBusyError",
@@ -29,7 +30,24 @@ __all__ = [
     "TuningFailedError",
     "UnsafeArchiveError",
     "VersioningError",
+    "error_summary",
+    "error_text",
 ]
+
+
+def error_summary(exc: ImageOpsError) -> tuple[str, str]:
+    """What a command prints for a user error: ``(problem, what to do)``, passwords masked.
+
+    The problem starts with the error's class name: the seed's docs (and a search) know an error
+    by that name, e.g. ``InvalidModelDirectoryError: data/x is not a model directory: ...``.
+    """
+    return f"{type(exc).__name__}: {redact_uri(exc.message)}", redact_uri(exc.hint)
+
+
+def error_text(exc: ImageOpsError) -> str:
+    """The ``error:`` and ``what to do:`` lines as plain text, for the ``python -m`` entries."""
+    problem, hint = error_summary(exc)
+    return f"error: {problem}" + (f"\nwhat to do: {hint}" if hint else "")
 
 
 class NotLabeledDatasetError(ImageOpsError):

@@ -192,7 +192,7 @@ def verify_onnx(model_dir: Path, *, sample: Path | None = None) -> ExportResult:
     path = model_dir / ONNX
     if not path.is_file():
         raise InvalidModelDirectoryError(
-            f"{model_dir} has no {ONNX}.", "Export it first with the export step."
+            f"{model_dir} has no {ONNX}.", f"Export it first: `imageops export {model_dir}`."
         )
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)

@@ -229,7 +229,7 @@ def quantize(
     fp32 = model_dir / ONNX
     if not fp32.is_file():
         raise InvalidModelDirectoryError(
-            f"{model_dir} has no {ONNX} to quantize.", "Run the export step first."
+            f"{model_dir} has no {ONNX} to quantize.", f"Run `imageops export {model_dir}` first."
         )
     # Read both manifests before the minutes of work, so a bad directory fails at once.
     calib_manifest = read_manifest(calibration)

@@ -118,15 +118,15 @@ def register(
     if not onnx_path.is_file():
         raise RegistryError(
             f"{model_dir} has no {ONNX}: there is nothing to register.",
-            "Run the export step first (tasks.export.export_onnx) so the registry gets a "
-            "parity-checked ONNX model.",
+            f"Run `imageops export {model_dir}` first, so the registry gets a parity-checked "
+            "ONNX model.",
         )
     onnx_model = onnx.load(str(onnx_path))
     exported_from = {p.key: p.value for p in onnx_model.metadata_props}.get(META_WEIGHTS_SHA256)
     if exported_from is not None and exported_from != sha256_file(model_dir / WEIGHTS):
         raise RegistryError(
             f"{onnx_path} was exported from other weights than {model_dir / WEIGHTS}.",
-            "Run the export step again; registering would publish a stale model.",
+            f"Run `imageops export {model_dir}` again; registering would publish a stale model.",
         )
     data_version = dict(info.data_version if data_version is None else data_version)
     tags = _version_tags(

@@ -278,9 +278,9 @@ def score(
     if not onnx_path.is_file():
         raise InvalidModelDirectoryError(
             f"{model} has no {onnx_path.name}.",
-            "Run the quantize step first (tasks.quantize.quantize)."
+            f"Run `imageops quantize {model} TRAIN VAL` first."
             if quantized
-            else "Run the export step first (tasks.export.export_onnx).",
+            else f"Run `imageops export {model}` first.",
         )
     refs, labeled = list_images(images)
     if not refs:

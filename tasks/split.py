@@ -104,7 +104,7 @@ def split(
     if third is None and third_fraction:
         raise InvalidParameterError(
             f"third_fraction = {third_fraction} needs a third output folder.",
-            "Pass third=<folder> (CLI: --third), or leave third_fraction at 0.",
+            "Name a third output folder, or leave third_fraction at 0.",
         )
     if fraction + third_fraction > 1.0 + 1e-9:
         raise InvalidParameterError(

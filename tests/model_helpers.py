@@ -13,7 +13,8 @@ import torch
 
 from models.directory import ModelInfo, save_model_directory
 from models.transform_spec import TransformSpec
-from models.zoo import build_model, resnet
+from models.untrained import resnet
+from models.zoo import build_model
 
 SIZE = 16
 

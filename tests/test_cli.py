@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from models.untrained import resnet, write_untrained
+from tasks.convert import convert
 from tasks.imagedir import read_manifest
 
 COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "tune",
@@ -68,7 +71,8 @@ def test_bad_input_gets_a_message_not_a_traceback(tmp_path: Path) -> None:
     result = imageops("train", "nowhere", "t", "v", "out", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "error:" in result.stderr and "what to do:" in result.stderr
+    assert "error: InvalidModelDirectoryError: nowhere " in result.stderr  # the seed's name
+    assert "what to do:" in result.stderr
     result = imageops("split", "nowhere", "a", "b", "--fraction", "1.5", cwd=tmp_path)
     assert result.returncode == 2
     assert "fraction" in result.stderr and "Traceback" not in result.stderr
@@ -100,3 +104,73 @@ def test_transform_init_then_apply(tmp_path: Path, digits_split: tuple[Path, Pat
     result = imageops("transform", "init", "bad", "--random-affine-degrees", "200", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "random_affine_degrees = 200, expected an integer from 0 to 180" in result.stderr
+
+
+def _seed_error_inputs(
+    error: str, tmp_path: Path, digits_raw: Path, digits_split: tuple[Path, Path]
+) -> list[str]:
+    """The command that meets ``error``, one of the seed's errors, and its inputs."""
+    train, val = (str(p) for p in digits_split)
+    untrained = str(write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained"))
+    if error == "InvalidModelDirectoryError":  # a folder that is not a model directory
+        (tmp_path / "x").mkdir()
+        return ["train", "x", train, val, "out", "--epochs", "1"]
+    if error == "NotLabeledDatasetError":  # one class folder alone converts to a flat folder
+        convert(digits_raw / "0", tmp_path / "unlabeled")
+        return ["train", untrained, "unlabeled", val, "out", "--epochs", "1"]
+    if error == "InvalidDatasetError":  # validation without the training set's class 2
+        for digit in ("0", "1"):
+            shutil.copytree(digits_raw / digit, tmp_path / "raw01" / digit)
+        convert(tmp_path / "raw01", tmp_path / "val01")
+        return ["train", untrained, train, "val01", "out", "--epochs", "1"]
+    assert error == "InvalidTransformationDirectoryError"  # a folder without transform.json
+    (tmp_path / "transform").mkdir()
+    return ["transform", "apply", "transform", val, "out"]
+
+
+def _main(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """Run ``imageops argv`` through the console script's entry, in this process (the imports
+    of torch and MLflow are then paid once, not per command); its exit status."""
+    from flows.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["imageops", *argv])
+    try:
+        main()
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "InvalidModelDirectoryError",
+        "NotLabeledDatasetError",
+        "InvalidDatasetError",
+        "InvalidTransformationDirectoryError",
+    ],
+)
+def test_the_seed_errors_are_named_on_the_error_line(
+    error: str,
+    tmp_path: Path,
+    project,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    digits_raw: Path,
+    digits_split: tuple[Path, Path],
+) -> None:
+    argv = _seed_error_inputs(error, tmp_path, digits_raw, digits_split)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+
+    code = _main(argv, monkeypatch)
+
+    printed = capsys.readouterr()
+    shown = f"exit {code}\n{printed.out}\n{printed.err}"
+    assert code == 2, shown
+    assert "Traceback" not in printed.out + printed.err, shown
+    lines = printed.err.splitlines()
+    error_lines = [line for line in lines if line.startswith("error:")]
+    assert len(error_lines) == 1 and error_lines[0].startswith(f"error: {error}: "), shown
+    assert any(line.startswith("what to do: ") and line[12:].strip() for line in lines), shown
+    assert not (tmp_path / "out").exists(), shown

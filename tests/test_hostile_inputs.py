@@ -104,7 +104,7 @@ def test_hostile_input(
     if case.step == "cli":  # the parser's own message: what is wrong, and where help is
         assert "--help" in stderr, shown
         return
-    assert "error:" in stderr and "what to do:" in stderr, shown
+    assert f"error: {case.expect}: " in stderr and "what to do:" in stderr, shown
     new_in_dest = [p for p in after if _under(p, dest) and before.get(p) != after[p]]
     if dest_existed:  # an input folder the step writes into: left as it was
         assert new_in_dest == [], shown

@@ -184,7 +184,7 @@ def test_a_drop_above_the_limit_is_refused_and_leaves_no_int8_model(
     ]
     with pytest.raises(InvalidModelDirectoryError, match=r"no model\.int8\.onnx") as missing:
         score(model_dir, digits_split[1], tmp_path / "s.csv", quantized=True)
-    assert "quantize step" in missing.value.hint
+    assert f"`imageops quantize {model_dir} TRAIN VAL`" in missing.value.hint
 
 
 def test_bad_input_is_refused_before_any_work(

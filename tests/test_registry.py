@@ -111,7 +111,7 @@ def test_register_without_model_onnx_says_to_export_first(
     project: Settings, tmp_path: Path, model_classes: list[str]
 ) -> None:
     model_dir = make_model_dir(tmp_path / "not-exported", model_classes)
-    with pytest.raises(RegistryError, match=r"no model\.onnx.*Run the export step first"):
+    with pytest.raises(RegistryError, match=r"no model\.onnx.*Run `imageops export .*` first"):
         register(model_dir, settings=project)
 
 

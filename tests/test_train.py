@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
-from models.zoo import MODEL_JSON, PretrainedWeightsMissingError, resnet, write_untrained
+from models.untrained import MODEL_JSON, resnet, write_untrained
+from models.zoo import PretrainedWeightsMissingError
 from tasks.convert import convert
 from tasks.errors import (
     InvalidDatasetError,

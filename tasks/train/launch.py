@@ -51,7 +51,8 @@ from pydantic import BaseModel
 import tasks
 from models.atomic import write_json
 from models.transform_spec import AppliedTransform, TransformSpec
-from models.zoo import ModelSpec, build_model, pretrained_weights_path, read_untrained
+from models.untrained import ModelSpec, read_untrained
+from models.zoo import build_model, pretrained_weights_path
 from tasks.artifacts import markdown_table, png_markdown, publish_markdown
 from tasks.errors import (
     ImageOpsError,
@@ -391,8 +392,8 @@ def _check_launch(
     if run_id is None:
         raise InvalidParameterError(
             f"nodes = {params.nodes}: every node agent needs the id of the job's MLflow run.",
-            "Open the run once with open_run (the train flow and `imageops train --open-run` "
-            "do) and pass its id to every node.",
+            "Open the run once with `imageops train ... --open-run` (the train flow does it "
+            "itself) and pass its id to every node agent with --run-id.",
         )
 
 

@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from models.atomic import atomic_file, write_json
 from models.directory import ModelInfo, save_model_directory
-from models.zoo import ModelSpec, build_model
+from models.untrained import ModelSpec
+from models.zoo import build_model
 from tasks.errors import InvalidDatasetError, TrainingFailedError
 from tasks.imagedir import read_manifest
 from tasks.settings import RedactingFormatter
@@ -216,7 +217,8 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         raise TrainingFailedError(
             f"This worker runs in a world of {dist.world_size} processes; the run was configured "
             f"for {config.world_size}.",
-            "Start it through `tasks.train.launch.train`, which sets up torchrun to match.",
+            "Start training with `imageops train` (or the train flow), which sets up torchrun "
+            "to match.",
         )
     lent = os.environ.get("CUDA_VISIBLE_DEVICES") if device.type == "cuda" else None
     log.info(
