@@ -14,7 +14,9 @@ BIN := $(VENV)/bin
 
 install: $(STAMP)
 
-$(STAMP): $(LOCK) pyproject.toml
+# No file-time prerequisites: the stamp's name holds the content key, so a fresh clone (new file
+# times, same content) keeps a working environment, and a changed lock gets a new one.
+$(STAMP):
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"

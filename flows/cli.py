@@ -829,17 +829,28 @@ def _start_prefect_api(settings: Settings) -> Callable[[], object]:
 
 
 def _print_summary(settings: Settings, result) -> None:
+    from rich.table import Table
+
+    from flows.pipeline import format_metric
+
     out.rule(f"imageops run finished: data set {result.dataset}")
     for key, value in sorted(result.metrics.items()):
-        shown = f"{value:.0f}" if key.endswith("images") else f"{value:.4f}"
-        out.print(f"  {key:<24} {shown}")
-    out.print(f"  model directory          {result.model_dir}")
-    out.print(f"  scored table             {result.scored}")
-    out.print(f"  outputs                  {result.outputs}")
+        out.print(f"  {key:<24} {format_metric(key, value)}")
+    out.print(escape(f"  model directory          {result.model_dir}"))
+    out.print(escape(f"  scored table             {result.scored}"))
+    out.print(escape(f"  outputs                  {result.outputs}"))
     out.print(f"  registered model         {result.registered_model} v{result.registered_version}")
-    out.print(f"  champion                 {'this model' if result.champion else 'unchanged'}")
+    if result.champion:
+        champion = f"v{result.champion_version}, this run's model"
+    else:
+        champion = f"v{result.champion_version} stays" if result.champion_version else "none"
+    out.print(escape(f"  champion                 {champion}: {result.promotion_reason}"))
     out.print(f"  MLflow run               {result.mlflow_run_id}")
-    out.print(f"  data versions (DVC md5)  {result.data_version}")
+    versions = Table("data set", "DVC md5", title="data versions", title_justify="left")
+    for name, md5 in result.data_version.items():
+        versions.add_row(name, md5)
+    if result.data_version:
+        out.print(versions)
     mlflow_bin = Path(sys.executable).parent / "mlflow"
     out.print(
         f"  look at it: {mlflow_bin} ui --backend-store-uri {redact_uri(settings.tracking_uri)} "

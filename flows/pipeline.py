@@ -24,7 +24,7 @@ from tasks.datasets import dataset_lock
 from tasks.errors import InvalidParameterError
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
-from tasks.promote import CHALLENGER, promote_task
+from tasks.promote import CHALLENGER, Promotion, promote_task
 from tasks.quantize import quantize_task
 from tasks.registry import register_task
 from tasks.score import score_in_shards
@@ -46,6 +46,8 @@ class PipelineResult(BaseModel):
     registered_model: str
     registered_version: str
     champion: bool  # whether this run's model took the champion alias
+    champion_version: str | None = None  # the champion after this run's promotion decision
+    promotion_reason: str = ""  # why: the metric of both models, the gain, the margin
     data_version: dict[str, str]
     metrics: dict[str, float]
 
@@ -121,6 +123,8 @@ def pipeline(
         registered_model=registered.name,
         registered_version=str(registered.version),
         champion=promotion.promoted,
+        champion_version=_champion_after(promotion),
+        promotion_reason=promotion.reason,
         data_version=data_version,
         metrics=dict(evaluation.metrics),
     )
@@ -144,6 +148,17 @@ def _check_apart(source: Path, data: Path, name: str) -> None:
         )
 
 
+def _champion_after(promotion: Promotion) -> str | None:
+    if promotion.promoted:
+        return str(promotion.challenger_version)
+    return None if promotion.champion_version is None else str(promotion.champion_version)
+
+
+def format_metric(name: str, value: float) -> str:
+    """Counts as integers, scores with four decimals."""
+    return f"{value:.0f}" if name.endswith("images") else f"{value:.4f}"
+
+
 def _run_id() -> str:
     """This run's short id (its Prefect flow run's): outputs of runs in the same second differ."""
     context = FlowRunContext.get()
@@ -163,12 +178,14 @@ def summary_markdown(result: PipelineResult, settings: Settings) -> str:
     def link(text: str, url: str | None) -> str:
         return f"[{text}]({url})" if url else f"{text} (in {ui})"
 
-    rows = [{"metric": k, "value": v} for k, v in sorted(result.metrics.items())]
+    rows = [{"metric": k, "value": format_metric(k, v)} for k, v in sorted(result.metrics.items())]
     data = [{"data set": k, "DVC md5": v} for k, v in result.data_version.items()]
+    champion = f"v{result.champion_version}" if result.champion_version else "none"
     return "\n\n".join(
         part
         for part in (
             f"### {model}{' is now @champion' if result.champion else ' (@challenger)'}",
+            f"- Champion: {champion} ({result.promotion_reason})",
             f"- Data set: `{result.dataset}` (`{settings.data_path / result.dataset}`)",
             f"- MLflow run: {link(result.mlflow_run_id, run_page)}",
             f"- Registered version: {link(model, version_page)}",

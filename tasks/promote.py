@@ -4,8 +4,9 @@ Both versions are fetched from the registry and scored through their ONNX models
 scoring will run, not the PyTorch weights) on the same held-out ImageDirectory, and compared on
 one metric of Evaluate Model. The challenger wins when its score beats the champion's by more than
 ``margin``; the first model becomes champion when there is none. The decision and both scores
-are written as tags on the challenger's version (and, once beaten, on the champion's), so the
-registry says why each alias sits where it does.
+are written as tags on the challenger's version; the champion keeps the tags of its own promotion
+and gets ``promotion.defended_*`` or ``promotion.replaced_by`` beside them, so the registry says
+why each alias sits where it does.
 
 Moving ``champion`` is what starts the next batch-scoring run: with an MLflow server, its
 registry webhook does it (:mod:`flows.webhook`); in embedded mode (SQLite, no server, so no
@@ -233,7 +234,12 @@ def _decide(
 
 
 def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
-    """The decision as tags: on the challenger, and on the champion it was measured against."""
+    """The decision as tags on the challenger; on the champion, only what happened to it.
+
+    The champion keeps the tags of the decision that made it champion: a challenger's loss is
+    written on the challenger, and the champion gets ``promotion.defended_*`` (or, when beaten,
+    ``promotion.replaced_by``) beside its own record, never over it.
+    """
     tags = {
         "decision": "promoted" if decision.promoted else "not promoted",
         "reason": decision.reason,
@@ -246,10 +252,24 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
         "holdout": decision.holdout,
         "time": stamp,
     }
-    versions = {decision.challenger_version, decision.champion_version} - {None}
-    for version in versions:
-        for key, value in tags.items():
-            client.set_model_version_tag(decision.name, str(version), TAG_PREFIX + key, value)
+    _set_tags(client, decision.name, decision.challenger_version, tags)
+    champion = decision.champion_version
+    if champion is None or champion == decision.challenger_version:
+        return
+    if decision.promoted:
+        against = {"replaced_by": str(decision.challenger_version), "replaced_time": stamp}
+    else:
+        against = {
+            "defended_against": str(decision.challenger_version),
+            "defended_reason": decision.reason,
+            "defended_time": stamp,
+        }
+    _set_tags(client, decision.name, champion, against)
+
+
+def _set_tags(client: MlflowClient, name: str, version: int, tags: dict[str, str]) -> None:
+    for key, value in tags.items():
+        client.set_model_version_tag(name, str(version), TAG_PREFIX + key, value)
 
 
 def _announce(settings: Settings, name: str, version: int) -> None:

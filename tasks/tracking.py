@@ -17,6 +17,12 @@ from tasks.settings import Settings, redact_uri
 LOCK_TIMEOUT_S = 600.0  # another process migrating a new MLflow database on a slow machine
 
 
+# MLflow 3's UI opens an experiment of unknown kind on its GenAI overview (traces, evaluations);
+# this kind opens it on its training runs.
+EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+
+
 def configure_mlflow(settings: Settings) -> str:
     """Point MLflow at the settings' stores and return the experiment id (created if missing).
 
@@ -32,12 +38,15 @@ def configure_mlflow(settings: Settings) -> str:
         client = MlflowClient()  # opens the store: creates and migrates a new database
     experiment = client.get_experiment_by_name(settings.mlflow_experiment)
     if experiment is not None:
+        if experiment.tags.get(EXPERIMENT_KIND) is None:  # made by an older imageops, or by hand
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return experiment.experiment_id
     try:
         server = settings.tracking_uri.startswith(("http://", "https://"))
         return client.create_experiment(
             settings.mlflow_experiment,
             artifact_location=None if server else settings.artifact_location,
+            tags={EXPERIMENT_KIND: MODEL_TRAINING},
         )
     except mlflow.exceptions.MlflowException:
         # Another process created it between our look-up and our create.

@@ -64,6 +64,8 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
         by_alias = client.get_model_version_by_alias(result.registered_model, alias)
         assert str(by_alias.version) == result.registered_version
     assert version.tags["promotion.decision"] == "promoted"
+    assert result.champion_version == result.registered_version
+    assert "first model" in result.promotion_reason
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["imageops.git_revision"] == head.strip()  # code version on the run
@@ -114,6 +116,8 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     )
     assert result.mlflow_run_id in reports["pipeline-summary"]
     assert f"| accuracy | {result.metrics['accuracy']:.4f} |" in reports["pipeline-summary"]
+    assert f"| images | {val_images} |" in reports["pipeline-summary"]  # a count, not 36.0000
+    assert f"Champion: v{result.registered_version} (first model" in reports["pipeline-summary"]
     assert "Data set: `digits`" in reports["pipeline-summary"]
     # the run is named after what it ran on: model, data set and data version; its outputs
     # folder after the data set and the run, so runs in the same second never share one

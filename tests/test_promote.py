@@ -103,12 +103,12 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
     assert decision.champion_score == pytest.approx(0.25)
     assert _alias(CHAMPION) == 2
     client = MlflowClient()
-    for version in ("1", "2"):  # both versions say what happened and with which scores
-        tags = client.get_model_version(NAME, version).tags
-        assert tags["promotion.decision"] == "promoted"
-        assert float(tags["promotion.challenger_score"]) == pytest.approx(0.75)
-        assert float(tags["promotion.champion_score"]) == pytest.approx(0.25)
-        assert tags["promotion.holdout"] == str(holdout.resolve())
+    tags = client.get_model_version(NAME, "2").tags  # the winner says why, with both scores
+    assert tags["promotion.decision"] == "promoted"
+    assert float(tags["promotion.challenger_score"]) == pytest.approx(0.75)
+    assert float(tags["promotion.champion_score"]) == pytest.approx(0.25)
+    assert tags["promotion.holdout"] == str(holdout.resolve())
+    assert client.get_model_version(NAME, "1").tags["promotion.replaced_by"] == "2"
 
     # Version 1 again, now as the candidate against champion v2: it loses, nothing moves.
     again = promote(holdout, candidate=1, settings=project)
@@ -117,6 +117,12 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
     assert "not more than the margin" in again.reason
     assert _alias(CHAMPION) == 2
     assert client.get_model_version(NAME, "1").tags["promotion.decision"] == "not promoted"
+    # the champion's own record stands; the defence is written beside it
+    champion = client.get_model_version(NAME, "2").tags
+    assert champion["promotion.decision"] == "promoted"
+    assert float(champion["promotion.challenger_score"]) == pytest.approx(0.75)
+    assert champion["promotion.defended_against"] == "1"
+    assert "not more than the margin" in champion["promotion.defended_reason"]
 
 
 def test_a_win_smaller_than_the_margin_leaves_the_champion(

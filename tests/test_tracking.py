@@ -1,0 +1,53 @@
+"""MLflow as people open it: the UI lands on the runs; the environment is kept across clones."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlflow
+
+from tasks.settings import Settings
+from tasks.tracking import EXPERIMENT_KIND, MODEL_TRAINING, configure_mlflow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_experiment_opens_on_its_runs(project: Settings) -> None:
+    """Without the kind, MLflow 3's UI opens the experiment on its GenAI overview."""
+    experiment_id = configure_mlflow(project)
+    client = mlflow.MlflowClient(project.tracking_uri)
+    assert client.get_experiment(experiment_id).tags[EXPERIMENT_KIND] == MODEL_TRAINING
+    # an experiment made without it (an older imageops, or by hand) gets it on first use
+    client.delete_experiment_tag(experiment_id, EXPERIMENT_KIND)
+    assert configure_mlflow(project) == experiment_id
+    assert client.get_experiment(experiment_id).tags[EXPERIMENT_KIND] == MODEL_TRAINING
+
+
+def test_make_keeps_an_environment_whose_lock_only_got_newer(tmp_path: Path) -> None:
+    """A fresh clone has new file times: the environment of the same lock content is kept."""
+    for name in ("Makefile", "requirements.lock", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    content = (tmp_path / "requirements.lock").read_bytes() + (
+        tmp_path / "pyproject.toml"
+    ).read_bytes()
+    key = hashlib.sha256(content).hexdigest()[:16]
+    stamp = tmp_path / "venv" / f".installed-{key}"
+    stamp.parent.mkdir()
+    stamp.touch()
+    os.utime(stamp, (1_000_000_000, 1_000_000_000))  # installed long before the clone
+    dry = subprocess.run(
+        ["make", "-n", "install", "VENV=venv"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert "rm -rf" not in dry.stdout and "pip install" not in dry.stdout, dry.stdout
+    # a changed lock is another key: a fresh environment
+    with (tmp_path / "requirements.lock").open("a") as lock:
+        lock.write("# changed\n")
+    changed = subprocess.run(
+        ["make", "-n", "install", "VENV=venv"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert "rm -rf venv" in changed.stdout and "pip install" in changed.stdout
