@@ -788,7 +788,14 @@ def run_pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow and print where to look."""
     settings = get_settings()
-    api_ready = _start_prefect_api(settings)
+    if source is not None and not source.exists():  # before anything starts: seconds saved
+        from tasks.errors import NoUsableImagesError
+
+        raise NoUsableImagesError(
+            f"{source} does not exist.",
+            "Pass a folder of images (one sub-folder per class), an archive of one, or a CSV / "
+            "COCO label file; with no SOURCE, imageops run uses the digits sample.",
+        )
     from flows.config import PipelineConfig
 
     cfg = PipelineConfig.from_yaml(config) if config else PipelineConfig()
@@ -813,6 +820,9 @@ def run_pipeline(
         "Fix the option; `imageops run --help` lists every one.",
     )
 
+    cfg.check_sources(settings)  # a refused run starts nothing and leaves nothing behind
+    # The temporary API comes up while the flow's libraries import.
+    api_ready = _start_prefect_api(settings)
     from flows.pipeline import pipeline
 
     api_ready()

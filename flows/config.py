@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
+from tasks.convert import source_classes
 from tasks.datasets import NAME_PATTERN, name_problem, source_name
 from tasks.errors import InvalidParameterError, InvalidTransformationDirectoryError
+from tasks.settings import Settings
 from tasks.train.params import TrainParams
 from tasks.transform import input_size
 
@@ -132,6 +134,28 @@ class PipelineConfig(BaseModel):
     def dataset_name(self) -> str:
         """The data set this run prepares: ``dataset``, else the source's name."""
         return self.dataset or source_name(self.source)
+
+    def check_sources(self, settings: Settings) -> tuple[Path, Path]:
+        """Refuse, before any step writes anything, a run whose source cannot make a classifier.
+
+        Returns (source, data set folder). Raises NoUsableImagesError for a missing or
+        unreadable source, NotLabeledDatasetError for one without classes, InvalidDatasetError
+        for one class, InvalidParameterError for a source that overlaps its data set folder.
+        """
+        source = settings.project_root / self.source
+        data = settings.data_path / self.dataset_name
+        source_classes(source)
+        if source.resolve().is_relative_to(data.resolve()) or data.resolve().is_relative_to(
+            source.resolve()
+        ):
+            raise InvalidParameterError(
+                f"The source {source.resolve()} and the data set folder {data.resolve()} "
+                f"overlap: preparing data set {self.dataset_name!r} would write into its own "
+                "source.",
+                "Name the data set with --dataset NAME (dataset: in params.yaml) so its folder "
+                "data/NAME lies apart from the source, or move the raw images out of data/NAME.",
+            )
+        return source, data
 
     @field_validator("transform")
     @classmethod

@@ -21,7 +21,6 @@ from tasks.artifacts import markdown_table, publish_markdown
 from tasks.build_model import build_model_task
 from tasks.convert import convert_task
 from tasks.datasets import dataset_lock
-from tasks.errors import InvalidParameterError
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
 from tasks.promote import CHALLENGER, Promotion, promote_task
@@ -71,9 +70,7 @@ def pipeline(
     name = config.dataset_name
     run_name = f"pipeline-{config.model.name}-{name}"
     name_flow_run(run_name)
-    source = settings.project_root / config.source
-    data = settings.data_path / name
-    _check_apart(source, data, name)
+    source, data = config.check_sources(settings)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     outputs = settings.home_dir / "outputs" / f"{stamp}-{name}-{_run_id()}"
 
@@ -134,18 +131,6 @@ def pipeline(
         f"{result.registered_model} v{result.registered_version}: metrics and links",
     )
     return result
-
-
-def _check_apart(source: Path, data: Path, name: str) -> None:
-    """Refuse a source the run would overwrite, or one holding the folders the run writes."""
-    source, data = source.resolve(), data.resolve()
-    if source.is_relative_to(data) or data.is_relative_to(source):
-        raise InvalidParameterError(
-            f"The source {source} and the data set folder {data} overlap: preparing data set "
-            f"{name!r} would write into its own source.",
-            "Name the data set with --dataset NAME (dataset: in params.yaml) so its folder "
-            "data/NAME lies apart from the source, or move the raw images out of data/NAME.",
-        )
 
 
 def _champion_after(promotion: Promotion) -> str | None:

@@ -44,7 +44,13 @@ from tasks.archive import (
     archive_kind,
     extract_archive,
 )
-from tasks.errors import ImageOpsError, InvalidParameterError, NoUsableImagesError
+from tasks.errors import (
+    ImageOpsError,
+    InvalidDatasetError,
+    InvalidParameterError,
+    NotLabeledDatasetError,
+    NoUsableImagesError,
+)
 from tasks.imagecheck import DEFAULT_MAX_PIXELS, CheckJob, CheckResult, check_file, check_files
 from tasks.imagedir import (
     FORMAT_VERSION,
@@ -176,6 +182,74 @@ def convert(
     ):
         return _unchanged(dest, previous)
     return _convert_plan(plan, dest, source, max_pixels, workers, head)
+
+
+def source_classes(source: Path) -> list[str]:
+    """The classes a source's layout names, read without converting it (no image is decoded).
+
+    For refusing, before a pipeline starts, a source no classifier can learn from: folders and
+    archives by their class sub-folders (the first folder of each path, after the wrapper
+    folder a zip often has), label files by their labels. Raises NoUsableImagesError for a
+    missing or unreadable source, NotLabeledDatasetError when the layout has no classes, and
+    InvalidDatasetError for fewer than two.
+    """
+    source = Path(source)
+    kind = _source_kind(source)
+    if kind in ("csv", "coco"):
+        listing = read_label_file(source)
+        classes = listing.classes if listing.labeled else []
+    else:
+        classes = _layout_classes(_paths_in(source) if kind == "archive" else None, source)
+    if not classes:
+        raise NotLabeledDatasetError(
+            f"{source} has no class sub-folders: its images are not labeled, and training "
+            "needs labels.",
+            "Put each class's images in a sub-folder named after the class (raw/cat/1.jpg, "
+            "raw/dog/2.jpg), or pass a CSV (path,label) or COCO label file. To score unlabeled "
+            "images with a trained model, use `imageops score`.",
+        )
+    if len(classes) < 2:
+        raise InvalidDatasetError(
+            f"{source} has only the class {classes[0]!r}; a classifier needs two or more.",
+            "Add a sub-folder of images for each other class.",
+        )
+    return classes
+
+
+def _paths_in(archive: Path) -> list[str]:
+    """The member names of an archive (its headers only, nothing extracted)."""
+    import tarfile
+    import zipfile
+
+    try:
+        if archive_kind(archive) == "zip":
+            with zipfile.ZipFile(archive) as zf:
+                return zf.namelist()
+        with tarfile.open(archive) as tar:
+            return [m.name for m in tar.getmembers() if m.isfile()]
+    except (OSError, zipfile.BadZipFile, tarfile.TarError, EOFError) as exc:
+        raise NoUsableImagesError(
+            f"{archive} cannot be read as an archive ({type(exc).__name__}: {exc}).",
+            "Pass an intact .zip or .tar archive, or the folder it was made from.",
+        ) from exc
+
+
+def _layout_classes(names: list[str] | None, folder: Path) -> list[str]:
+    """Class folders of a folder (``names`` None) or of an archive's member names, as _scan
+    decides them: labeled when no image sits at the top and there are sub-folders."""
+    if names is None:  # a folder is read as it is (only an archive's wrapper is unwrapped)
+        entries = [(p.name, p.is_dir() and not p.is_symlink()) for p in folder.iterdir()]
+    else:
+        parts = [PurePosixPath(n).parts for n in names if n and not n.endswith("/")]
+        parts = [p for p in parts if p and not any(_is_hidden(x) for x in p)]
+        tops = {p[0] for p in parts}
+        if len(tops) == 1 and all(len(p) > 1 for p in parts):  # one wrapper folder
+            parts = [p[1:] for p in parts]
+        entries = [(p[0], len(p) > 1) for p in parts]
+    visible = [(name, is_dir) for name, is_dir in entries if not _is_hidden(name)]
+    if any(not is_dir and is_image_file(Path(name)) for name, is_dir in visible):
+        return []
+    return sorted({name for name, is_dir in visible if is_dir})
 
 
 def _source_kind(source: Path) -> str:
