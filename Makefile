@@ -9,10 +9,17 @@ LOCK := requirements.lock
 KEY := $(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(KEY)
 BIN := $(VENV)/bin
+# The environment's bin folder on PATH for its own Python processes (imageops-venv-bin.pth): MLflow's
+# `mlflow models serve` starts `uvicorn` by name. Copied here, not installed by pip: setuptools'
+# editable installs leave out data files (pypa/setuptools#3399).
+PATH_HOOK := $(VENV)/lib/python3.11/site-packages/imageops-venv-bin.pth
 
 .PHONY: install run serve test lint format bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(PATH_HOOK)
+
+$(PATH_HOOK): imageops-venv-bin.pth $(STAMP)
+	cp imageops-venv-bin.pth $@
 
 # No file-time prerequisites: the stamp's name holds the content key, so a fresh clone (new file
 # times, same content) keeps a working environment, and a changed lock gets a new one.

@@ -3,8 +3,8 @@
 ``models:/<name>@<alias>`` and ``models:/<name>/<version>`` resolve to one model version and are
 downloaded into a cache under the project working folder, one folder per name and version, laid
 out as a ModelDirectory that :func:`tasks.score.score` reads: ``model.json`` (from the version's
-run, where :func:`tasks.registry.register` logged it) beside ``model.onnx`` (from the version's
-ONNX flavor). The weights are not fetched; scoring does not read them.
+run, where :func:`tasks.registry.register` logged it) beside ``model.onnx`` (the version's ONNX
+artifact). The weights are not fetched; scoring does not read them.
 
 An alias is resolved at call time, so the cache key is the version the alias points to now; a
 promotion that moves the alias is picked up by the next resolve. A cached folder is re-used only
@@ -34,7 +34,7 @@ from models.directory import ONNX
 from models.untrained import MODEL_JSON
 from tasks.errors import RegistryError, RegistryUnreachableError
 from tasks.export import sha256_file
-from tasks.registry import DIRECTORY_ARTIFACTS
+from tasks.registry import DIRECTORY_ARTIFACTS, ONNX_ARTIFACT
 from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 
@@ -152,14 +152,14 @@ def _download(
         mlmodel = Model.load(
             download_artifacts(artifact_uri=f"{uri}/MLmodel", dst_path=str(staging), **fetch)
         )
-        flavor = mlmodel.flavors.get("onnx")
-        if flavor is None:
+        onnx_path = _onnx_path(mlmodel)
+        if onnx_path is None:
             raise RegistryError(
-                f"{cached.uri} (version {cached.version}) has no ONNX flavor.",
+                f"{cached.uri} (version {cached.version}) has no ONNX model.",
                 "Scoring runs ONNX models only: register the model with `imageops register`.",
             )
         onnx_file = download_artifacts(
-            artifact_uri=f"{uri}/{flavor['data']}", dst_path=str(staging), **fetch
+            artifact_uri=f"{uri}/{onnx_path}", dst_path=str(staging), **fetch
         )
         shutil.move(onnx_file, tmp / ONNX)
         try:
@@ -193,6 +193,17 @@ def _download(
         )
 
 
+def _onnx_path(mlmodel: Model) -> str | None:
+    """Where a version keeps its ONNX file, relative to the model: the pyfunc's ONNX artifact
+    (:func:`tasks.registry.register`), or the ONNX flavor's file (versions registered before)."""
+    pyfunc = mlmodel.flavors.get("python_function", {})
+    artifact = (pyfunc.get("artifacts") or {}).get(ONNX_ARTIFACT)
+    if artifact is not None:
+        return artifact["path"]
+    flavor = mlmodel.flavors.get("onnx")
+    return flavor["data"] if flavor is not None else None
+
+
 def _check_classes(folder: Path, mlmodel: Model, cached: CachedModel) -> None:
     """Refuse a model.json whose classes are not the ONNX model's (the run was re-registered)."""
     classes = (mlmodel.metadata or {}).get("classes")
@@ -212,7 +223,7 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
     """Resolve ``uri`` to one model version and make sure it is in the local cache.
 
     Raises RegistryError for a malformed URI, an unknown name, alias or version (the message
-    lists the aliases the model has), a version without the ONNX flavor or model.json, or a
+    lists the aliases the model has), a version without an ONNX model or model.json, or a
     download that does not match the registered sha256.
     """
     settings = settings or get_settings()

@@ -1,40 +1,57 @@
 """Register a model: the exported ONNX model becomes a version in the MLflow model registry.
 
-The model is logged with MLflow's ONNX flavor (so ``mlflow.onnx.load_model`` and ``mlflow.pyfunc``
-load it by ``models:/<name>@<alias>``) into the run that trained it, with the ModelDirectory files
-beside it, and the version is tagged with what it was made from: data md5s, git revision, training
-parameters and final metrics. Scoring never needs a pickled flavor: the registry holds ONNX.
+The version is an MLflow pyfunc model that takes images and returns class labels and
+probabilities (models/image_pyfunc.py, logged as code: nothing pickled, no imageops needed to load
+it): ``mlflow.pyfunc.load_model("models:/<name>@<alias>").predict(...)`` and ``mlflow models
+serve`` work on images as they come, because the preprocessing of the model's transform spec
+travels with it (as ``model_config`` in its MLmodel file) beside the exported ``model.onnx``
+(``artifacts/model.onnx``: the raw network, for ONNX Runtime or ``imageops score``). It is logged
+into the run that trained it, with the ModelDirectory files beside it; the version is tagged with
+what it was made from (data md5s, git revision, training parameters, final metrics) and described
+(what it takes and returns, classes, input size, metrics).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from dataclasses import dataclass
+from importlib.metadata import version as installed_version
 from pathlib import Path
 
 import mlflow
-import mlflow.onnx
-import numpy as np
+import mlflow.pyfunc
 import onnx
+import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
-from mlflow.types import Schema, TensorSpec
+from mlflow.types import ColSpec, DataType, Schema
 from PIL import Image
 
+import models
 from models.directory import ONNX, WEIGHTS, ModelInfo, read_model_info
 from models.untrained import MODEL_JSON
 from tasks.errors import InvalidParameterError, RegistryError
 from tasks.export import META_WEIGHTS_SHA256, sha256_file
+from tasks.score import LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 from tasks.tracking import mlflow_run
-from tasks.transform import build_transform, input_size
+from tasks.transform import inference_steps
 from tasks.versioning import git_revision
 
 ARTIFACT_NAME = "model"
 DIRECTORY_ARTIFACTS = "model_directory"
+# The pyfunc model's code, logged with every version (models from code) and run where it loads.
+PYFUNC_CODE = Path(models.__file__).with_name("image_pyfunc.py")
+ONNX_ARTIFACT = "onnx_model"  # its key in the pyfunc's artifacts: artifacts/model.onnx
+IMAGE_COLUMN = "image"  # the pyfunc's input column (models/image_pyfunc.py)
+# What the pyfunc imports, pinned to the versions it was logged with (MLflow adds itself).
+# Naming them skips MLflow's requirement inference, which loads the model in a subprocess.
+PYFUNC_REQUIREMENTS = ("onnxruntime", "numpy", "pandas", "pillow")
 MAX_TAG_VALUE = 5000  # a readable tag; a long class list is in the MLmodel metadata anyway
+MAX_DESCRIBED_CLASSES = 2000  # characters of class names in a version's description
 # MLflow's alias rule: word characters and dashes; "latest" and "v<number>" are reserved.
 _ALIAS = re.compile(r"^[\w\-]{1,255}$")
 _RESERVED_ALIAS = re.compile(r"^(latest|v\d+)$", re.IGNORECASE)
@@ -51,20 +68,63 @@ class RegisteredModel:
     alias: str | None = None
 
 
-def signature_for(info: ModelInfo) -> tuple[ModelSignature, np.ndarray]:
-    """Tensor signature and input example, shaped by the model's own transform spec.
+def signature_for(info: ModelInfo) -> tuple[ModelSignature, pd.DataFrame]:
+    """The pyfunc's signature and input example: an ``image`` column in, the score columns out.
 
-    The example is a neutral grey image put through the inference transform, so its shape, dtype
-    and value range are exactly what the scorer feeds the model.
+    The example is two grey PNG files of different sizes (any size is taken), as bytes; MLflow
+    stores it base64-encoded, which is the REST request's format for binary columns.
     """
-    side = input_size(info.transform)
+    side = inference_steps(info.transform)["input_size"]
     signature = ModelSignature(
-        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, side, side), "input")]),
-        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(info.classes)), "logits")]),
+        inputs=Schema([ColSpec(DataType.binary, IMAGE_COLUMN)]),
+        outputs=Schema(
+            [
+                *(ColSpec(DataType.double, f"{PROBABILITY_PREFIX}{c}") for c in info.classes),
+                ColSpec(DataType.string, LABEL_COLUMN),
+            ]
+        ),
     )
-    grey = Image.new("RGB", (side, side), (128, 128, 128))
-    example = build_transform(info.transform, "inference")(grey).numpy()[None].astype(np.float32)
-    return signature, example
+    images = []
+    for size in ((side, side), (2 * side, side + 3)):
+        buffer = io.BytesIO()
+        Image.new("RGB", size, (128, 128, 128)).save(buffer, format="PNG")
+        images.append(buffer.getvalue())
+    return signature, pd.DataFrame({IMAGE_COLUMN: images})
+
+
+def model_config(info: ModelInfo) -> dict[str, object]:
+    """What the pyfunc needs besides the ONNX file: class names and the inference steps."""
+    return {"classes": list(info.classes), **inference_steps(info.transform)}
+
+
+def describe_version(info: ModelInfo, name: str, version: int | str) -> str:
+    """The model version's description (Markdown): what it takes and returns, and how well."""
+    steps = inference_steps(info.transform)
+    side = steps["input_size"]
+    classes = ", ".join(info.classes)
+    if len(classes) > MAX_DESCRIBED_CLASSES:  # MLflow keeps up to 5000 characters
+        shown = classes[:MAX_DESCRIBED_CLASSES].rsplit(", ", 1)[0]
+        classes = f"{shown}, ... (all of them: `classes` in the MLmodel file)"
+    metrics = ", ".join(f"{k} {float(v):.4g}" for k, v in sorted(info.metrics.items()))
+    resize = f"resize shorter side to {steps['resize']}, " if steps["resize"] else ""
+    return (
+        f"Image classifier ({info.architecture.arch}), {len(info.classes)} classes: {classes}.\n\n"
+        f"**Takes** a DataFrame with one column `{IMAGE_COLUMN}`, one image per row: the bytes "
+        "of an image file (PNG, JPEG, BMP, PPM, TIFF, WebP; base64 in a REST request) or a "
+        "decoded HxWx3 uint8 array, any size. The preprocessing is built in "
+        f"({resize}center crop {steps['center_crop']}"
+        + (f", pad {steps['padding']}" if steps["padding"] else "")
+        + (", grayscale" if steps["grayscale"] else "")
+        + f", normalise): the network sees {side}x{side} RGB.\n\n"
+        f"**Returns** one row per image: `{PROBABILITY_PREFIX}<class>` per class (softmax) and "
+        f"`{LABEL_COLUMN}`. A value that is not a readable image (or has float pixels) is "
+        "refused with an error naming it.\n\n"
+        f"**Metrics** (validation): {metrics or 'none recorded'}.\n\n"
+        f'```python\nmlflow.pyfunc.load_model("models:/{name}/{version}").predict(\n'
+        f'    pd.DataFrame({{"{IMAGE_COLUMN}": [open("image.png", "rb").read()]}}))\n```\n\n'
+        f"The raw network is `artifacts/{ONNX}` (float32 Nx3x{side}x{side} normalised input, "
+        "logits out)."
+    )
 
 
 def check_alias(alias: str) -> None:
@@ -137,16 +197,14 @@ def register(
 
     run_name = None if info.mlflow_run_id else f"register-{info.architecture.arch}"
     with mlflow_run(settings, info.mlflow_run_id, run_name=run_name) as run_id:
-        logged = mlflow.onnx.log_model(
-            onnx_model,
+        logged = mlflow.pyfunc.log_model(
             name=ARTIFACT_NAME,
+            python_model=str(PYFUNC_CODE),
+            artifacts={ONNX_ARTIFACT: str(onnx_path)},
+            model_config=model_config(info),
             signature=signature,
             input_example=example,
-            # One file, as export wrote it; MLflow's default splits the weights out.
-            save_as_external_data=False,
-            # An ONNX model needs exactly onnx + onnxruntime (MLflow adds itself). Naming them
-            # skips MLflow's inference, which re-imports the model in a subprocess (~4 s).
-            pip_requirements=mlflow.onnx.get_default_pip_requirements(),
+            pip_requirements=[f"{p}=={installed_version(p)}" for p in PYFUNC_REQUIREMENTS],
             metadata={"classes": info.classes, "transform": info.transform.model_dump()},
         )
         for name in (MODEL_JSON, WEIGHTS):
@@ -161,10 +219,14 @@ def register(
                 f"{redact_uri(settings.registry_uri)}: {redact_uri(exc.message)}",
                 "Check the registry URI and that it is writable.",
             ) from None  # MLflow's error may hold the URI with its password
+    client = MlflowClient()
+    client.update_model_version(
+        settings.registered_model_name,
+        version.version,
+        description=describe_version(info, settings.registered_model_name, version.version),
+    )
     if alias is not None:
-        MlflowClient().set_registered_model_alias(
-            settings.registered_model_name, alias, version.version
-        )
+        client.set_registered_model_alias(settings.registered_model_name, alias, version.version)
     log.info(
         "Registered %s version %s%s",
         settings.registered_model_name,

@@ -172,6 +172,25 @@ def inference_resize(spec: TransformSpec) -> int | None:
     return spec.resize_size
 
 
+def inference_steps(spec: TransformSpec) -> dict[str, Any]:
+    """The inference transform of ``spec`` as plain values, in the order :func:`build_transform`
+    runs them: ``resize`` (shorter side, or None), ``center_crop``, ``padding``, ``grayscale``,
+    ``mean`` and ``std``, and the ``input_size`` they make.
+
+    For code that runs the transform without torchvision or imageops: the registered MLflow
+    model (models/image_pyfunc.py) carries them in its MLmodel file.
+    """
+    return {
+        "resize": inference_resize(spec),
+        "center_crop": crop_size(spec),
+        "padding": spec.padding if spec.pad else 0,
+        "grayscale": spec.grayscale,
+        "mean": list(spec.mean),
+        "std": list(spec.std),
+        "input_size": input_size(spec),
+    }
+
+
 def build_transform(
     spec: TransformSpec,
     mode: Mode,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlflow
+import mlflow.onnx
+import onnx
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
@@ -12,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from models.directory import ONNX
 from tasks.errors import RegistryError
 from tasks.model_uri import ORIGIN, cache_path, fetch_registered_model, resolve_model
-from tasks.registry import register
+from tasks.registry import DIRECTORY_ARTIFACTS, register
 from tasks.score import score
 from tasks.settings import Settings
 from tasks.tracking import configure_mlflow
@@ -94,7 +97,7 @@ def test_a_stale_or_half_cache_is_replaced_and_a_corrupt_download_leaves_nothing
     # The artifact store's copy changes after registration: the download is refused by the
     # registered sha256, and nothing is left in the cache that looks like that version.
     download_uri = MlflowClient(project.tracking_uri).get_model_version_download_uri(NAME, "1")
-    stored = Path(download_uri.removeprefix("file://")) / ONNX
+    stored = Path(download_uri.removeprefix("file://")) / "artifacts" / ONNX  # the pyfunc's
     stored.write_bytes(stored.read_bytes()[:-100])
     (path / ORIGIN).unlink()
     with pytest.raises(RegistryError, match="does not match the sha256"):
@@ -123,3 +126,26 @@ def test_the_score_flow_takes_a_path_or_the_champion_by_default(
     assert by_alias.scored.parent == project.home_dir / "scores"
     assert by_alias.scored.name.startswith(f"{NAME}-v1-")
     pd.testing.assert_frame_equal(pd.read_csv(by_alias.scored), pd.read_csv(by_path.scored))
+
+
+def test_a_version_logged_with_the_onnx_flavor_still_resolves(
+    project: Settings, exported_model: Path
+) -> None:
+    # Versions registered before the pyfunc (MLflow's ONNX flavor, model.json beside it in the
+    # run) stay scorable from a registry that holds both kinds.
+    configure_mlflow(project)
+    with mlflow.start_run() as run:
+        logged = mlflow.onnx.log_model(
+            onnx.load(str(exported_model / ONNX)),
+            name="model",
+            save_as_external_data=False,
+            pip_requirements=mlflow.onnx.get_default_pip_requirements(),
+        )
+        mlflow.log_artifact(str(exported_model / "model.json"), artifact_path=DIRECTORY_ARTIFACTS)
+    mlflow.register_model(logged.model_uri, NAME)
+
+    cached = fetch_registered_model(f"models:/{NAME}/1", project)
+
+    assert cached.run_id == run.info.run_id
+    assert (cached.path / ONNX).read_bytes() == (exported_model / ONNX).read_bytes()
+    assert (cached.path / "model.json").read_bytes() == (exported_model / "model.json").read_bytes()

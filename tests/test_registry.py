@@ -5,10 +5,11 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import mlflow.onnx
+import mlflow.artifacts
 import mlflow.pyfunc
 import numpy as np
 import onnxruntime as ort
+import pandas as pd
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -17,6 +18,7 @@ from model_helpers import copy_model, make_model_dir
 from models.atomic import write_json
 from models.directory import ONNX, read_model_info
 from tasks.errors import InvalidParameterError, RegistryError
+from tasks.export import sha256_file
 from tasks.imagedir import load_rgb, read_manifest
 from tasks.registry import register
 from tasks.settings import Settings
@@ -65,16 +67,24 @@ def test_register_twice_makes_versions_with_tags_and_a_loadable_alias(
     local = ort.InferenceSession(str(exported_model / ONNX), providers=["CPUExecutionProvider"])
     (expected,) = local.run(["logits"], {"input": batch})
 
-    proto = mlflow.onnx.load_model("models:/imageops-classifier@champion")
-    registered = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    # The version's raw ONNX file is the exported one, byte for byte (and gives the same logits).
+    folder = Path(mlflow.artifacts.download_artifacts("models:/imageops-classifier@champion"))
+    assert (folder / "artifacts" / ONNX).read_bytes() == (exported_model / ONNX).read_bytes()
+    assert tags["onnx_sha256"] == sha256_file(folder / "artifacts" / ONNX)
+    registered = ort.InferenceSession(
+        str(folder / "artifacts" / ONNX), providers=["CPUExecutionProvider"]
+    )
     (got,) = registered.run(["logits"], {"input": batch})
-    np.testing.assert_array_equal(got.argmax(1), expected.argmax(1))
-    np.testing.assert_allclose(got, expected, atol=1e-6)
+    np.testing.assert_array_equal(got, expected)
 
+    # What MLflow loads is the pyfunc: images in (file bytes), labels out.
     pyfunc = mlflow.pyfunc.load_model("models:/imageops-classifier/1")
-    assert pyfunc.metadata.get_input_schema().inputs[0].shape == (-1, 3, 16, 16)
-    predicted = pyfunc.predict(batch)
-    np.testing.assert_array_equal(predicted["logits"].argmax(1), expected.argmax(1))
+    assert pyfunc.metadata.get_input_schema().input_names() == ["image"]
+    files = [digits_split[1] / e.path for e in read_manifest(digits_split[1]).images[:6]]
+    predicted = pyfunc.predict(pd.DataFrame({"image": [f.read_bytes() for f in files]}))
+    classes = np.array(["0", "1", "2"])
+    assert predicted["Scored Labels"].tolist() == classes[expected.argmax(1)].tolist()
+    assert "3 classes: 0, 1, 2" in version.description
 
 
 def test_register_logs_into_the_training_run_with_the_git_revision(
