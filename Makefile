@@ -18,7 +18,7 @@ PATH_HOOK := $(VENV)/lib/python3.11/site-packages/imageops-venv-bin.pth
 
 install: $(STAMP) $(PATH_HOOK)
 
-$(PATH_HOOK): imageops-venv-bin.pth $(STAMP)
+$(PATH_HOOK): imageops-venv-bin.pth | $(STAMP)
 	cp imageops-venv-bin.pth $@
 
 # No file-time prerequisites: the stamp's name holds the content key, so a fresh clone (new file

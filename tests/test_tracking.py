@@ -29,7 +29,7 @@ def test_the_experiment_opens_on_its_runs(project: Settings) -> None:
 
 def test_make_keeps_an_environment_whose_lock_only_got_newer(tmp_path: Path) -> None:
     """A fresh clone has new file times: the environment of the same lock content is kept."""
-    for name in ("Makefile", "requirements.lock", "pyproject.toml"):
+    for name in ("Makefile", "requirements.lock", "pyproject.toml", "imageops-venv-bin.pth"):
         shutil.copy(ROOT / name, tmp_path / name)
     content = (tmp_path / "requirements.lock").read_bytes() + (
         tmp_path / "pyproject.toml"
