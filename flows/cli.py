@@ -8,6 +8,7 @@ the environment, so ``--help`` is quick and Prefect and MLflow see our locations
 from __future__ import annotations
 
 import inspect
+import shlex
 import sys
 import types
 import typing
@@ -164,6 +165,7 @@ def version(
     from tasks.versioning import version as run
 
     out.print(run(path))
+    _print_commit_hint([path], f"Version {path}")
 
 
 @model_app.command("resnet")
@@ -828,6 +830,10 @@ def run_pipeline(
     api_ready()
     result = pipeline(cfg)
     _print_summary(settings, result)
+    if result.data_version:
+        data = settings.data_path / result.dataset
+        parts = [data / part for part in result.data_version]
+        _print_commit_hint(parts, f"Data set {result.dataset}")
 
 
 def _start_prefect_api(settings: Settings) -> Callable[[], object]:
@@ -836,6 +842,24 @@ def _start_prefect_api(settings: Settings) -> Callable[[], object]:
 
     api = start_temporary_api(settings.home_dir / "prefect" / "temporary-api.log")
     return api.wait if api else lambda: None
+
+
+def _print_commit_hint(versioned: list[Path], message: str) -> None:
+    """Name the DVC files git has not committed yet, and the command that commits them.
+
+    A data version is recorded by its ``.dvc`` file in a commit: ``dvc exp run``, ``dvc checkout``
+    at another commit and other checkouts see only what is committed.
+    """
+    from tasks.versioning import uncommitted
+
+    files = uncommitted(versioned)
+    if not files:
+        return
+    names = " ".join(shlex.quote(f) for f in files)
+    out.print(
+        "commit the data versions to git (DVC experiments and checkouts see only committed ones):"
+    )
+    out.print(escape(f"  git add {names} && git commit -m {shlex.quote(message)}"))
 
 
 def _print_summary(settings: Settings, result) -> None:

@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import subprocess
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -169,6 +170,25 @@ def _repair_rwlock(repo: Repo) -> None:
             record.unlink()
 
 
+def _with_autostage(repo: Repo) -> Repo:
+    """``repo`` (just created in git) with ``core.autostage`` on, reopened so that it applies.
+
+    With it, ``dvc add`` (and ``dvc repro``, ``dvc exp run``) stage in git the ``.dvc`` and
+    ``.gitignore`` files they write, as DVC's docs advise; without it DVC only prints a hint,
+    which a Prefect run's log buries. A pointer left out of git is left out of every commit and
+    experiment, so that data version is not recorded where DVC looks for it. Set once, at init,
+    in the shared ``.dvc/config`` (staged here): a user who turns it off later is not overruled.
+    """
+    from dvc.repo import Repo
+
+    with repo.config.edit("repo") as conf:
+        conf["core"]["autostage"] = True
+    repo.scm.add([repo.config.files["repo"]])
+    root = repo.root_dir
+    repo.close()  # its scm_context read the configuration before the change
+    return Repo(root)
+
+
 def _ensure(settings: Settings) -> Repo:
     """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
     from dvc.exceptions import DvcException
@@ -195,7 +215,7 @@ def _ensure(settings: Settings) -> Repo:
                 repo = Repo.init(str(root), no_scm=True, force=force)
             else:
                 # In git, DVC stages its own files and writes .gitignore entries for the data.
-                repo = Repo.init(str(root), subdir=git_root != root, force=force)
+                repo = _with_autostage(Repo.init(str(root), subdir=git_root != root, force=force))
         try:
             _repair_rwlock(repo)
             _configure_remote(repo, settings)
@@ -271,6 +291,51 @@ def git_revision(root: Path) -> str:
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
+def _dvc_files(root: Path, targets: Iterable[Path]) -> list[Path]:
+    """The files of DVC's that git must hold for ``targets`` to be reproducible from a commit.
+
+    The repository's own ``.dvc/config``, ``.dvc/.gitignore`` and ``.dvcignore``, then each
+    target's ``.dvc`` pointer and the ``.gitignore`` DVC may write beside it.
+    """
+    files = [root / ".dvc" / "config", root / ".dvc" / ".gitignore", root / ".dvcignore"]
+    for target in targets:
+        files += [target.parent / f"{target.name}.dvc", target.parent / ".gitignore"]
+    return list(dict.fromkeys(f for f in files if f.is_file()))
+
+
+def uncommitted(paths: Iterable[Path], settings: Settings | None = None) -> list[str]:
+    """DVC's files for the versioned ``paths`` that git has not committed as they are.
+
+    Until they are committed, no commit records these data versions: ``dvc exp run`` experiments,
+    ``dvc checkout`` at another commit and a collaborator's ``dvc pull`` do not know them. Paths
+    are relative to the project root (where the user runs ``git add``), staged ones included
+    (``core.autostage`` stages them; they still need a commit). Empty outside git.
+    """
+    settings = settings or get_settings()
+    root = settings.project_root.resolve()
+    git_root = _git_root(root)
+    if git_root is None:
+        return []
+    targets = [_inside_project(p, settings) for p in paths]
+    files = _dvc_files(root, targets)
+    if not files:
+        return []
+    try:
+        # --no-optional-locks: a status never takes git's index lock from a commit under way.
+        status = ["git", "--no-optional-locks", "status", "--porcelain", "-z", "-uall", "--"]
+        done = subprocess.run(
+            [*status, *(str(f.relative_to(git_root)) for f in files)],
+            cwd=git_root, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if done.returncode != 0:
+        return []
+    # "XY path" entries, NUL-separated (-z: no quoting); paths relative to the git root.
+    changed = {git_root / entry[3:] for entry in done.stdout.split("\0") if len(entry) > 3}
+    return [f.relative_to(root).as_posix() for f in files if f in changed]
+
+
 def version(path: Path, settings: Settings | None = None) -> str:
     """``dvc add`` the folder (or file) ``path`` and ``dvc push`` it; return its md5.
 
@@ -302,7 +367,10 @@ def version(path: Path, settings: Settings | None = None) -> str:
                 "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
             ) from exc
     md5 = _tracked_md5(dvc_file)
-    step_logger(__name__).info("versioned %s as %s (md5 %s)", target, dvc_file.name, md5)
+    logger = step_logger(__name__)
+    logger.info("versioned %s as %s (md5 %s)", target, dvc_file.name, md5)
+    if pending := uncommitted([target], settings):
+        logger.info("to commit in git to record the version: %s", " ".join(pending))
     return md5
 
 

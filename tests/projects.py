@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,18 @@ def use_project(root: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
         monkeypatch.setenv(key, value)
     settings.home_dir.mkdir(parents=True, exist_ok=True)
     return settings
+
+
+def dvc(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The ``dvc`` command, as a user runs it in ``cwd``; its stages find ``imageops`` on PATH."""
+    env = dict(os.environ)
+    # the stages call `imageops`, which lives beside this interpreter
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run(
+        [sys.executable, "-m", "dvc", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

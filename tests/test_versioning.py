@@ -14,7 +14,7 @@ from filelock import FileLock
 
 from tasks.errors import VersioningError
 from tasks.settings import Settings
-from tasks.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, version
+from tasks.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, uncommitted, version
 
 
 def _data(settings: Settings, source: Path, name: str = "train") -> Path:
@@ -144,6 +144,39 @@ def test_version_waits_while_another_step_holds_the_dvc_lock(
         md5 = pending.result(timeout=120)
 
     assert md5 in _remote_objects(project)
+
+
+def test_uncommitted_names_what_git_lacks_relative_to_a_project_in_a_git_subfolder(
+    project: Settings, digits_split: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The project is a folder inside a larger git repository (DVC's subdir repository).
+    outer = project.project_root.parent
+    _git_init(outer)
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "t")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@example.org")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "t")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@example.org")
+    data = _data(project, digits_split[1], "val")
+
+    version(data, project)
+
+    pending = uncommitted([data], project)
+    assert pending == [".dvc/config", ".dvc/.gitignore", ".dvcignore", "data/val.dvc",
+                       "data/.gitignore"]  # fmt: skip
+    with ensure_dvc_repo(project) as repo:
+        assert repo.config["core"]["autostage"] is True  # so DVC staged them
+    subprocess.run(["git", "commit", "-q", "-m", "data"], cwd=outer, check=True)
+    assert uncommitted([data], project) == []
+
+    next(data.rglob("*.png")).unlink()  # a new version: only its pointer changes
+    version(data, project)
+    assert uncommitted([data], project) == ["data/val.dvc"]
+
+
+def test_uncommitted_is_empty_outside_git(project: Settings, digits_split: tuple[Path, Path]):
+    data = _data(project, digits_split[1], "val")
+    version(data, project)
+    assert uncommitted([data], project) == []
 
 
 def test_a_path_outside_the_project_is_refused(project: Settings, tmp_path: Path) -> None:
