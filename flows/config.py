@@ -8,9 +8,18 @@ horizontal flip, since a mirrored digit is not the same digit).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
@@ -35,6 +44,30 @@ DEMO_TRANSFORM = TransformSpec(
 DEMO_MODEL = ModelChoice(name="resnet18", pretrained=False)
 # Two training processes: the demo shows DDP on a 2-core machine.
 DEMO_TRAIN = TrainParams(nproc_per_node=2)
+
+
+def fills_from(default: BaseModel) -> BeforeValidator:
+    """Fill the fields a partial object leaves out from ``default``, not from its class.
+
+    Prefect replaces a whole parameter when a run gives part of it (``prefect deployment run
+    imageops-train-model/train -p 'params={"epochs": 2}'``: deployment parameters merge per
+    top-level key), and so does a params.yaml section with one key. pydantic alone would fill the
+    rest from the class's defaults (the seed's: one process, so half the demo's learning rate);
+    this keeps the values of ``default``, which the form shows.
+    """
+    kept = default.model_dump(exclude_defaults=True)
+
+    def fill(value: Any) -> Any:
+        return {**kept, **value} if isinstance(value, dict) else value
+
+    return BeforeValidator(fill)
+
+
+# The demo's values as the types of parameters and params.yaml sections: what a partial value
+# leaves out is the demo's (DEMO_*), whatever the class's own default is.
+DemoTrainParams = Annotated[TrainParams, fills_from(DEMO_TRAIN)]
+DemoTransform = Annotated[TransformSpec, fills_from(DEMO_TRANSFORM)]
+DemoModel = Annotated[ModelChoice, fills_from(DEMO_MODEL)]
 
 
 class SplitChoice(BaseModel):
@@ -86,14 +119,14 @@ class PipelineConfig(BaseModel):
         "turns.",
     )
     split: SplitChoice = Field(default_factory=SplitChoice)
-    transform: TransformSpec = Field(
+    transform: DemoTransform = Field(
         default=DEMO_TRANSFORM,
         title="Image transformation",
         description="Init Image Transformation: how images become the network's input. "
         "Training uses its training mode; validation, export and scoring its inference mode.",
     )
-    model: ModelChoice = Field(default=DEMO_MODEL, title="Model")
-    train: TrainParams = Field(default=DEMO_TRAIN, title="Training parameters")
+    model: DemoModel = Field(default=DEMO_MODEL, title="Model")
+    train: DemoTrainParams = Field(default=DEMO_TRAIN, title="Training parameters")
     quantize: bool = Field(
         default=False,
         title="Quantize to INT8",

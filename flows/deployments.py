@@ -1,10 +1,10 @@
 """Register the deployments of ``deployments/prefect.yaml`` with a Prefect server, from Python.
 
 ``prefect.yaml`` stays the one description of the deployments (people read it, and
-``prefect deploy --prefect-file deployments/prefect.yaml --name <one>`` also takes it). This
-module reads the same file and registers every entry with Prefect's own ``RunnerDeployment``,
-because ``prefect deploy --all`` of Prefect 3.8.8 stops after the first deployment: its hint
-about idle workers sends ``limit: null``, which the 3.8.8 server refuses (422).
+``prefect deploy --all --prefect-file deployments/prefect.yaml`` also takes it). This module
+reads the same file and registers every entry with Prefect's own ``RunnerDeployment``, from
+Python: ``imageops serve`` registers them in its own process, and ``--work-pool`` moves them
+all to another pool.
 
 Each deployment keeps the file's pull step (``set_working_directory`` on the worker's
 ``IMAGEOPS_PROJECT_ROOT``), so a worker runs the code where it is, never a copy.
@@ -61,6 +61,19 @@ def load_spec(path: Path = DEPLOYMENTS_FILE) -> dict[str, Any]:
             "Start from the repository's deployments/prefect.yaml.",
         )
     return spec
+
+
+def full_names(path: Path = DEPLOYMENTS_FILE) -> list[str]:
+    """Every deployment of ``path`` as ``flow/deployment``, the name `prefect deployment run` takes.
+
+    The flow's part is the name its ``@flow`` gives (what the UI shows), read from the entrypoint.
+    """
+    from prefect.utilities.importtools import import_object
+
+    return [
+        f"{import_object(entry['entrypoint']).name}/{entry['name']}"
+        for entry in load_spec(path)["deployments"]
+    ]
 
 
 def _schedule(entry: dict[str, Any]) -> Any:
@@ -157,7 +170,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--work-pool", default=None, help="put every deployment on this pool (default: the file's)"
     )
+    parser.add_argument(
+        "--list", action="store_true", help="print every deployment's flow/deployment name, only"
+    )
     args = parser.parse_args(argv)
+    if args.list:  # no server needed: the names `prefect deployment run` takes
+        try:
+            print("\n".join(full_names(args.file)))
+        except ImageOpsError as exc:
+            raise SystemExit(error_text(exc)) from None
+        return
     get_settings().apply()  # IMAGEOPS_PREFECT_API_URL -> PREFECT_API_URL, before Prefect loads
     try:
         ids = register_deployments(args.file, work_pool=args.work_pool)

@@ -67,6 +67,8 @@ def pipeline(
 ) -> PipelineResult:
     """Raw images in, a registered, exported, evaluated model out; champion if it beats the last."""
     settings = get_settings()
+    # The run's page keeps what it was given (a partial override); the log keeps what it ran with.
+    print(f"Pipeline parameters: {config.model_dump_json()}")
     name = config.dataset_name
     run_name = f"pipeline-{config.model.name}-{name}"
     name_flow_run(run_name)

@@ -18,9 +18,15 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from flows.config import DEMO_MODEL, DEMO_TRAIN, DEMO_TRANSFORM
+from flows.config import (
+    DEMO_MODEL,
+    DEMO_TRAIN,
+    DEMO_TRANSFORM,
+    DemoModel,
+    DemoTrainParams,
+    DemoTransform,
+)
 from models.transform_spec import TransformSpec
-from models.untrained import ModelChoice
 from tasks.build_model import build_model_task
 from tasks.export import export_task
 from tasks.promote import CHALLENGER
@@ -109,7 +115,7 @@ class TrainedModel(BaseModel):
 
 @flow(name="imageops-train-model", log_prints=True)
 def train_model_flow(
-    model: Annotated[ModelChoice, Field(title="Model")] = DEMO_MODEL,
+    model: Annotated[DemoModel, Field(title="Model")] = DEMO_MODEL,
     train_data: Annotated[
         str,
         Field(
@@ -126,9 +132,9 @@ def train_model_flow(
             min_length=1,
         ),
     ] = "data/digits/val",
-    params: Annotated[TrainParams, Field(title="Training parameters")] = DEMO_TRAIN,
+    params: Annotated[DemoTrainParams, Field(title="Training parameters")] = DEMO_TRAIN,
     transform: Annotated[
-        TransformSpec | None,
+        DemoTransform | None,
         Field(
             title="Image transformation",
             description="Init Image Transformation; the default fits the 32x32 digits demo. "

@@ -1,23 +1,18 @@
-"""A flow run's task runs, read back from the Prefect API for a test's assertions."""
+"""A flow run's task runs, read back through Prefect's client for a test's assertions."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-def task_runs_of(flow_run_id: object) -> list[dict[str, Any]]:
-    """The task runs of ``flow_run_id``, oldest first, as the API's JSON."""
+def task_runs_of(flow_run_id: object) -> list[Any]:
+    """The task runs (Prefect's ``TaskRun``) of ``flow_run_id``, oldest first."""
     from prefect.client.orchestration import get_client  # the caller has a Prefect API up
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
 
     with get_client(sync_client=True) as client:
-        # Prefect 3.8's read_task_runs sends null limit/sort, which its server rejects (422).
-        response = client.request(
-            "POST",
-            "/task_runs/filter",
-            json={
-                "flow_runs": {"id": {"any_": [str(flow_run_id)]}},
-                "sort": "EXPECTED_START_TIME_ASC",
-                "limit": 50,
-            },
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
         )
-    return response.json()

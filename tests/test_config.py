@@ -38,3 +38,27 @@ def test_bad_values_in_a_file_name_the_key(tmp_path: Path) -> None:
     bad.write_text("trian: {}\n")
     with pytest.raises(InvalidParameterError, match="trian"):
         PipelineConfig.from_yaml(bad)
+
+
+def test_a_partial_section_keeps_the_demo_values_not_the_class_defaults(tmp_path: Path) -> None:
+    """params.yaml with one training key, the Prefect form's validation of a partial object."""
+    from flows.pipeline import pipeline
+    from flows.train import train_model_flow
+
+    partial = tmp_path / "params.yaml"
+    one_key_each = {
+        "train": {"epochs": 2},
+        "transform": {"resize_size": 40},
+        "model": {"name": "resnet34"},
+    }
+    partial.write_text(yaml.safe_dump(one_key_each))
+    config = PipelineConfig.from_yaml(partial)
+    assert (config.train.epochs, config.train.nproc_per_node) == (2, 2)  # the class says 1
+    assert (config.transform.resize_size, config.transform.center_crop_size) == (40, 32)
+    assert not config.transform.random_horizontal_flip  # the class flips
+    assert (config.model.name, config.model.pretrained) == ("resnet34", False)
+    # What Prefect's engine does with a run's parameters before the flow starts.
+    given = train_model_flow.validate_parameters({"params": {"epochs": 2, "nproc_per_node": 1}})
+    assert (given["params"].epochs, given["params"].nproc_per_node) == (2, 1)  # given wins
+    given = pipeline.validate_parameters({"config": {"train": {"epochs": 3}}})
+    assert given["config"].train == TrainParams(epochs=3, nproc_per_node=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,22 @@ def test_serve_refuses_a_busy_port_before_starting_anything(tmp_path: Path) -> N
             stack.start()
     assert stack.services == []
     assert not (tmp_path / ".imageops" / "stack").exists()
+
+
+def test_the_readme_names_every_deployment_as_prefect_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each deployment's full name, in the README's table and in one `prefect deployment run`."""
+    from flows.deployments import main
+
+    main(["--list"])  # `python -m flows.deployments --list`: flow names from the @flow decorators
+    defined = set(capsys.readouterr().out.split())
+    assert "imageops-train-model/train" in defined and len(defined) == len(SPEC["deployments"])
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Deployments and operations\n", 1)[1].split("\n## ", 1)[0]
+    table = set(re.findall(r"^\| `([\w-]+/[\w-]+)` \|", section, flags=re.MULTILINE))
+    examples = re.findall(r"^prefect deployment run ([\w-]+/[\w-]+) ", section, flags=re.MULTILINE)
+    assert table == defined
+    assert sorted(examples) == sorted(defined)  # one example each
+    # Elsewhere in the README too, `prefect deployment run` names only deployments that exist.
+    assert set(re.findall(r"prefect deployment run ([\w-]+/[\w-]+)", readme)) <= defined

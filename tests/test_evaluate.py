@@ -29,7 +29,6 @@ pytest_plugins = ["model_fixtures"]
 
 CLASSES = ["0", "1", "2"]
 PROBS = [f"Scored Probabilities_{c}" for c in CLASSES]
-PER_CLASS_KEYS = ["evaluation-per-class", "evaluation-compare-per-class"]
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +196,7 @@ def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
 ) -> None:
     from prefect import flow
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from tasks.evaluate import evaluate_task
 
@@ -212,27 +212,22 @@ def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
         result = evaluate_task(path, compare=other, settings=project)
         return result["accuracy"], result.compared["accuracy"]
 
-    accuracy, weaker = evaluate_flow(scored, compare)
+    state = evaluate_flow(scored, compare, return_state=True)
+    accuracy, weaker = state.result()
 
-    with get_client(sync_client=True) as client:
-        # Prefect 3.8's own read_artifacts sends null offset/flow_runs, which this server
-        # rejects (422); the filter with explicit values is the same query.
-        response = client.request(
-            "POST",
-            "/artifacts/filter",
-            json={"artifacts": {"key": {"any_": [*PER_CLASS_KEYS, "evaluation-summary"]}}},
-        )
-    artifacts = {a["key"]: a for a in response.json()}
-    assert artifacts["evaluation-per-class"]["type"] == "table"
-    rows = json.loads(artifacts["evaluation-per-class"]["data"])
+    with get_client(sync_client=True) as client:  # this run's artifacts
+        this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=this_run)}
+    assert artifacts["evaluation-per-class"].type == "table"
+    rows = json.loads(artifacts["evaluation-per-class"].data)
     assert [row["class"] for row in rows] == CLASSES
-    compared = json.loads(artifacts["evaluation-compare-per-class"]["data"])
+    compared = json.loads(artifacts["evaluation-compare-per-class"].data)
     assert [row["class"] for row in compared] == CLASSES
     summary = artifacts["evaluation-summary"]
-    assert summary["type"] == "markdown"
-    assert f"| accuracy | {accuracy:.4f} | {weaker:.4f} |" in summary["data"]
+    assert summary.type == "markdown"
+    assert f"| accuracy | {accuracy:.4f} | {weaker:.4f} |" in summary.data
     for name in ("flow.csv", "weaker.csv"):
-        assert f"![confusion matrix of {name}](data:image/png;base64," in summary["data"]
+        assert f"![confusion matrix of {name}](data:image/png;base64," in summary.data
 
 
 def test_rows_of_unreadable_images_are_counted_not_scored_wrong(

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from flows.config import PipelineConfig
 from tasks.settings import Settings
@@ -90,21 +91,13 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
 
     # what a person sees in the Prefect UI: curves and confusion matrix inline
     with get_client(sync_client=True) as prefect:
-        # Prefect 3.8's read_artifacts sends null offset/flow_runs, which its server rejects.
-        response = prefect.request(
-            "POST",
-            "/artifacts/filter",
-            json={
-                "artifacts": {
-                    "key": {"any_": ["training-report", "evaluation-summary", "pipeline-summary"]}
-                }
-            },
-        )
+        keys = ArtifactFilterKey(any_=["training-report", "evaluation-summary", "pipeline-summary"])
+        found = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=keys))
         # The session's Prefect API holds other tests' artifacts under the same keys: ours only.
-        mine = [a for a in response.json() if datetime.fromisoformat(a["created"]) >= started]
-        reports = {a["key"]: a["data"] for a in mine}
-        summary = next(a for a in mine if a["key"] == "pipeline-summary")
-        flow_run = prefect.request("GET", f"/flow_runs/{summary['flow_run_id']}").json()
+        mine = [a for a in found if a.created >= started]
+        reports = {a.key: a.data for a in mine}
+        summary = next(a for a in mine if a.key == "pipeline-summary")
+        flow_run = prefect.read_flow_run(summary.flow_run_id)
     assert "![training curves](data:image/png;base64," in reports["training-report"]
     assert "| epoch |" in reports["training-report"]
     assert "rank_0.log" in reports["training-report"] and "rank_1.log" in reports["training-report"]
@@ -122,5 +115,5 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     # the run is named after what it ran on: model, data set and data version; its outputs
     # folder after the data set and the run, so runs in the same second never share one
     images_md5 = result.data_version["images"][:8]
-    assert flow_run["name"] == f"pipeline-resnet18-digits-data-{images_md5}"
-    assert result.outputs.name.endswith(f"-digits-{summary['flow_run_id'][:8]}")
+    assert flow_run.name == f"pipeline-resnet18-digits-data-{images_md5}"
+    assert result.outputs.name.endswith(f"-digits-{str(summary.flow_run_id)[:8]}")

@@ -12,6 +12,8 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +74,17 @@ def _alias_body(name: str, alias: str = "champion", version: str = "3") -> dict[
 def _events(resource_id: str, want: int, timeout_s: float = 30.0) -> list[dict]:
     """The alias events about ``resource_id`` the Prefect API has, waiting for ``want`` of them."""
     from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    query = {
-        "filter": {"event": {"name": [ALIAS_CREATED_EVENT]}, "resource": {"id": [resource_id]}},
-        "limit": 50,
-    }
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         while True:
-            events = client.request("POST", "/events/filter", json=query).json()["events"]
+            query = EventFilter(
+                event=EventNameFilter(name=[ALIAS_CREATED_EVENT]),
+                resource=EventResourceFilter(id=[resource_id]),
+            )  # made anew each time: its time window ends when it is made
+            page = client.read_events(filter=query, limit=50)
+            events = [event.model_dump(mode="json") for event in page.events]
             if len(events) >= want or time.monotonic() > deadline:
                 return events
             time.sleep(0.5)
@@ -221,10 +225,22 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     digits_split: tuple[Path, Path],
 ) -> None:
     from cryptography.fernet import Fernet
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     bin_dir = Path(sys.executable).parent
     prefect_port, mlflow_port, receiver_port = free_port(), free_port(), free_port()
     prefect_api = f"http://127.0.0.1:{prefect_port}/api"
+
+    @contextmanager
+    def prefect_client() -> Iterator[Any]:  # Prefect's own client, on this test's server
+        with (
+            temporary_settings(updates={PREFECT_API_URL: prefect_api}),
+            get_client(sync_client=True) as client,
+        ):
+            yield client
+
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
     receiver = f"http://127.0.0.1:{receiver_port}"
     base = base_env()
@@ -279,12 +295,13 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     processes.wait("the MLflow server", lambda: healthy(f"{mlflow_url}/health"))
     processes.wait("the receiver", lambda: healthy(f"{receiver}/health"))
 
-    def automation() -> dict | None:
-        found = httpx.post(f"{prefect_api}/automations/filter", json={}, timeout=5).json()
-        return next((a for a in found if a["name"] == f"{NAME}@champion promoted"), None)
+    def automation() -> Any:
+        with prefect_client() as client:
+            found = client.read_automations_by_name(f"{NAME}@champion promoted")
+        return found[0] if found else None
 
     trigger = processes.wait("the scoring deployment's trigger", automation)
-    deployment_id = trigger["actions"][0]["deployment_id"]
+    deployment_id = trigger.actions[0].deployment_id
 
     # The webhook, created through MLflow's client; MLflow's test delivery must get through.
     webhook.register_webhook(f"{receiver}{PATH}", secret=SECRET, mlflow_url=mlflow_url)
@@ -310,16 +327,17 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     )
     assert answer.status_code == 200, answer.text
 
-    def finished_run() -> dict | None:
-        query = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}}
-        runs = httpx.post(f"{prefect_api}/flow_runs/filter", json=query, timeout=5).json()
+    def finished_run() -> Any:
+        query = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]))
+        with prefect_client() as client:
+            runs = client.read_flow_runs(flow_run_filter=query)
         for run in runs:
-            if run["state_type"] in {"FAILED", "CRASHED", "CANCELLED"}:
-                pytest.fail(f"scoring run ended {run['state_type']}\n{processes.report()}")
-        return next((r for r in runs if r["state_type"] == "COMPLETED"), None)
+            if run.state_type.value in {"FAILED", "CRASHED", "CANCELLED"}:
+                pytest.fail(f"scoring run ended {run.state_type.value}\n{processes.report()}")
+        return next((r for r in runs if r.state_type.value == "COMPLETED"), None)
 
     run = processes.wait("a completed scoring run", finished_run, timeout_s=240)
-    assert run["parameters"]["model"] == f"models:/{NAME}@champion"
+    assert run.parameters["model"] == f"models:/{NAME}@champion"
     table = pd.read_csv(scores)
     assert len(table) == len(read_manifest(val).images)
     cached = project_root / ".imageops" / "registry-cache" / NAME / str(registered.version)

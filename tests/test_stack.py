@@ -2,22 +2,29 @@
 
 One stack per module (a Prefect server with its scheduler, a worker on the `local` pool, an
 MLflow server, the promotion receiver), started as a person starts it: the `imageops serve`
-command in its own process. The tests then do what the Prefect UI does, through the same REST
-API: read the deployments' forms, press Run with their own parameters, look at upcoming runs.
-The last test presses Ctrl-C and checks nothing is left running.
+command in its own process. The tests then use it with Prefect's own clients, as people do: the
+`prefect` command (list, run a deployment with part of a parameter, read a run's logs) and its
+Python client (what the UI's forms and Run button send). The last test presses Ctrl-C and checks
+nothing is left running.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC
+from datetime import time as clock
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import httpx
 import psutil
@@ -28,6 +35,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "imageops-classifier"
+PREFECT = Path(sys.executable).with_name("prefect")  # the `prefect` command of this environment
+FULL_NAME = re.compile(r"imageops-[a-z-]+/[a-z-]+")  # flow/deployment, as `prefect` prints it
 
 
 @dataclass
@@ -59,20 +68,73 @@ class Served:
             time.sleep(0.5)
         pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
 
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return httpx.post(f"{self.api}{path}", json=body, timeout=30)
+    @contextmanager
+    def client(self) -> Iterator[Any]:
+        """Prefect's own Python client, pointed at this stack."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    def deployment(self, name: str) -> dict:
-        found = self.post("/deployments/filter", {"deployments": {"name": {"any_": [name]}}})
-        (deployment,) = found.json()
-        return deployment
+        with (
+            temporary_settings(updates={PREFECT_API_URL: self.api}),
+            get_client(sync_client=True) as client,
+        ):
+            yield client
 
-    def flow_runs(self, deployment_id: str, states: list[str] | None = None) -> list[dict]:
-        query: dict[str, Any] = {"deployment_id": {"any_": [deployment_id]}}
+    def prefect(self, *args: str) -> str:
+        """Run the `prefect` command against this stack, as a person at a shell does; its output."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "IMAGEOPS_"))}
+        env |= {
+            "PREFECT_API_URL": self.api,
+            "PREFECT_HOME": str(self.root / ".prefect-cli"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "COLUMNS": "200",  # wide enough that tables print whole names
+        }
+        done = subprocess.run(
+            [str(PREFECT), *args], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def deployment(self, full_name: str) -> Any:
+        with self.client() as client:
+            return client.read_deployment_by_name(full_name)
+
+    def flow_runs(self, deployment_id: UUID, states: list[str] | None = None) -> list[Any]:
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterDeploymentId,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+        )
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        query = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]))
         if states:
-            query["state"] = {"type": {"any_": states}}
-        body = {"flow_runs": query, "limit": 100, "sort": "EXPECTED_START_TIME_ASC"}
-        return self.post("/flow_runs/filter", body).json()
+            query.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=states))
+        with self.client() as client:
+            return client.read_flow_runs(
+                flow_run_filter=query, sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=100
+            )
+
+    def finished(self, flow_run_ids: list[UUID], ok: bool = True) -> Callable[[], list | None]:
+        """A ``wait`` condition: the runs, once all are final (a failure fails the test if ok)."""
+
+        def done() -> list | None:
+            with self.client() as client:
+                runs = [client.read_flow_run(i) for i in flow_run_ids]
+            for run in runs:
+                if ok and run.state_type.value in {"FAILED", "CRASHED", "CANCELLED"}:
+                    pytest.fail(f"run {run.name} ended {run.state_type.value}\n{self.report()}")
+            return runs if all(r.state and r.state.is_final() for r in runs) else None
+
+        return done
+
+
+def deployments_of_the_file() -> set[str]:
+    """Every deployment of deployments/prefect.yaml by full name (flow/deployment)."""
+    from flows.deployments import full_names
+
+    return set(full_names())
 
 
 @pytest.fixture(scope="module")
@@ -136,116 +198,183 @@ def test_serve_prints_both_uis_and_binds_to_localhost(served: Served) -> None:
 
 
 def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> None:
-    names = {d["name"] for d in served.post("/deployments/filter", {}).json()}
-    assert {"pipeline", "train", "train-node", "tune", "tune-trial", "promote", "score"} <= names
+    with served.client() as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        registered = {f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments()}
+        queues = {q.name: q.concurrency_limit for q in client.read_work_queues("local")}
+    assert registered == deployments_of_the_file()
 
-    train = served.deployment("train")
-    assert train["enforce_parameter_schema"] is True
-    schema = train["parameter_openapi_schema"]
+    train = served.deployment("imageops-train-model/train")
+    assert train.enforce_parameter_schema is True
+    schema = train.parameter_openapi_schema
     params = schema["definitions"]["TrainParams"]["properties"]
     assert params["epochs"]["title"] == "Epochs"
     assert params["epochs"]["exclusiveMinimum"] == 0
     assert params["momentum"]["exclusiveMaximum"] == 1
     assert params["learning_rate"]["description"].startswith("Initial SGD learning rate")
     assert schema["properties"]["train_data"]["default"] == "data/digits/train"
+    # The form shows the demo's values: the ones a partial override keeps (flows.config).
+    assert schema["properties"]["params"]["default"]["nproc_per_node"] == 2
 
     # Everything that trains shares the pool's `training` queue, which runs one at a time.
-    for name in ("pipeline", "train", "tune"):
-        assert served.deployment(name)["work_queue_name"] == "training", name
-    queue = served.post("/work_pools/local/queues/filter", {}).json()
-    assert {q["name"]: q["concurrency_limit"] for q in queue}["training"] == 1
+    for name in ("imageops-pipeline/pipeline", "imageops-train-model/train", "imageops-tune/tune"):
+        assert served.deployment(name).work_queue_name == "training", name
+    assert queues["training"] == 1
 
 
 def test_the_schedules_create_upcoming_runs(served: Served) -> None:
-    pipeline, score = served.deployment("pipeline"), served.deployment("score")
+    pipeline = served.deployment("imageops-pipeline/pipeline")
+    score = served.deployment("imageops-score/score")
     nightly = served.wait(
         "the scheduler to create pipeline runs",
-        lambda: served.flow_runs(pipeline["id"], ["SCHEDULED"]),
+        lambda: served.flow_runs(pipeline.id, ["SCHEDULED"]),
         timeout_s=60,
     )
     for run in nightly:
-        assert run["expected_start_time"][11:19] == "02:00:00", run["expected_start_time"]
+        assert run.expected_start_time.astimezone(UTC).time() == clock(2), run.expected_start_time
     daily = served.wait(
         "the scheduler to create scoring runs",
-        lambda: served.flow_runs(score["id"], ["SCHEDULED"]),
+        lambda: served.flow_runs(score.id, ["SCHEDULED"]),
         timeout_s=60,
     )
     for run in daily:
-        assert run["expected_start_time"][11:19] == "06:00:00"
-        assert run["parameters"]["model"] == f"models:/{MODEL}@champion"
-    assert len({run["expected_start_time"][:10] for run in nightly}) == len(nightly)
+        assert run.expected_start_time.astimezone(UTC).time() == clock(6)
+        assert run.parameters["model"] == f"models:/{MODEL}@champion"
+    assert len({run.expected_start_time.date() for run in nightly}) == len(nightly)
 
 
 def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> None:
-    train = served.deployment("train")
-    before = len(served.flow_runs(train["id"]))
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    train = served.deployment("imageops-train-model/train")
+    before = len(served.flow_runs(train.id))
     for bad in ({"params": {"epochs": 0}}, {"params": {"momentum": 1.5}}, {"train_data": 3}):
-        answer = served.post(f"/deployments/{train['id']}/create_flow_run", {"parameters": bad})
-        assert answer.status_code == 409, answer.text
-        assert "Validation failed" in answer.text
-    assert len(served.flow_runs(train["id"])) == before  # nothing was created to fail later
+        with served.client() as client, pytest.raises(PrefectHTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(train.id, parameters=bad)
+        assert refused.value.response.status_code == 409, refused.value
+        assert "Validation failed" in refused.value.response.text
+    assert len(served.flow_runs(train.id)) == before  # nothing was created to fail later
 
 
-def test_run_buttons_with_own_parameters_train_one_at_a_time(
+def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     served: Served, digits_split: tuple[Path, Path]
 ) -> None:
-    """Two presses of Run on the train form; the second is a 2-node job on the work pool."""
+    """`prefect deployment run` with part of `params`, then Run on the form: a 2-node job.
+
+    The first run gives four of the training parameters, as a person types them: the others,
+    processes per node included, stay the deployment's (2), not the class's (1).
+    """
     train_dir, val_dir = digits_split
-    train = served.deployment("train")
-    rates = ["0.02", "0.03"]
-    started = []
-    for rate in rates:  # two presses of Run, one right after the other
-        multi_node = rate == rates[1]
-        parameters = {
-            "train_data": str(train_dir),
-            "val_data": str(val_dir),
-            "params": {
-                "epochs": 1, "batch_size": 32, "learning_rate": float(rate),
-                "nproc_per_node": 1, "print_frequency": 1, "nodes": 2 if multi_node else 1,
+    small = {"resize_size": 16, "center_crop_size": 16}
+    typed = served.prefect(
+        "deployment", "run", "imageops-train-model/train",
+        "-p", f"train_data={train_dir}", "-p", f"val_data={val_dir}",
+        "-p", 'params={"epochs": 1, "batch_size": 32, "learning_rate": 0.01, "print_frequency": 1}',
+        "-p", f"transform={json.dumps(small)}", "-p", "version_data=false",
+    )  # fmt: skip
+    (cli_run,) = re.findall(r"UUID: ([0-9a-f-]{36})", typed)
+    # Right after it, Run on the form with every training parameter: a 2-node job of
+    # train-node flow runs on the work pool, meeting at one endpoint.
+    with served.client() as client:
+        form_run = client.create_flow_run_from_deployment(
+            served.deployment("imageops-train-model/train").id,
+            parameters={
+                "train_data": str(train_dir),
+                "val_data": str(val_dir),
+                "params": {
+                    "epochs": 1, "batch_size": 32, "learning_rate": 0.03,
+                    "nproc_per_node": 1, "print_frequency": 1, "nodes": 2,
+                },
+                "transform": small,
+                "version_data": False,
+                "register_model": False,
+                "node_deployment": "imageops-train-node/train-node",
+                "rdzv_endpoint": f"127.0.0.1:{free_port()}",
             },
-            "transform": {"resize_size": 16, "center_crop_size": 16},
-            "version_data": False,
-            "register_model": not multi_node,
-        }  # fmt: skip
-        if multi_node:  # each node a flow run of train-node, meeting at one endpoint
-            parameters["node_deployment"] = "imageops-train-node/train-node"
-            parameters["rdzv_endpoint"] = f"127.0.0.1:{free_port()}"
-        answer = served.post(
-            f"/deployments/{train['id']}/create_flow_run", {"parameters": parameters}
-        )
-        assert answer.status_code == 201, answer.text
-        started.append(answer.json()["id"])
+        )  # fmt: skip
 
-    def finished() -> list[dict] | None:
-        runs = [httpx.get(f"{served.api}/flow_runs/{i}", timeout=10).json() for i in started]
-        for run in runs:
-            if run["state_type"] in {"FAILED", "CRASHED", "CANCELLED"}:
-                pytest.fail(f"run {run['name']} ended {run['state_type']}\n{served.report()}")
-        return runs if all(r["state_type"] == "COMPLETED" for r in runs) else None
+    runs = served.wait(
+        "both training runs to complete", served.finished([UUID(cli_run), form_run.id]), 420
+    )
+    first, second = sorted(runs, key=lambda r: r.start_time)
+    assert first.end_time <= second.start_time, "two trainings ran at once on one pool"
+    assert all(r.name.startswith("train-resnet18") for r in runs)
 
-    runs = served.wait("both training runs to complete", finished, timeout_s=420)
-    first, second = sorted(runs, key=lambda r: r["start_time"])
-    assert first["end_time"] <= second["start_time"], "two trainings ran at once on one pool"
-    assert all(r["name"].startswith("train-resnet18") for r in runs)
-
-    # Each run is in MLflow with the parameters pressed in the form.
+    # Each run is in MLflow with the parameters it was given, and the deployment's for the rest.
     from mlflow.tracking import MlflowClient
 
     # Both URIs: an earlier test in this process may have left MLflow a global registry URI.
     client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
     experiment = client.get_experiment_by_name("imageops")
-    for rate in rates:
-        (found,) = client.search_runs(
-            [experiment.experiment_id], f"params.learning_rate = '{rate}'"
-        )
+
+    def params_of(rate: str) -> dict[str, str]:
+        query = f"params.learning_rate = '{rate}'"
+        (found,) = client.search_runs([experiment.experiment_id], query)
         assert found.info.status == "FINISHED"
-        assert found.data.params["epochs"] == "1"
-        assert found.data.params["input_size"] == "16"
-        assert found.data.params["world_size"] == ("2" if rate == rates[1] else "1")
-    nodes = served.flow_runs(served.deployment("train-node")["id"], ["COMPLETED"])
-    assert sorted(r["name"] for r in nodes) == ["train-node-0-of-2", "train-node-1-of-2"]
+        return found.data.params
+
+    typed_params, form_params = params_of("0.01"), params_of("0.03")
+    for params in (typed_params, form_params):
+        assert params["epochs"] == "1"
+        assert params["input_size"] == "16"
+        # the demo's transform for what the override left out: no mirrored digits
+        assert params["transform.random_horizontal_flip"] == "False"
+    assert typed_params["nproc_per_node"] == "2"  # the deployment's, not the class's 1
+    assert typed_params["world_size"] == "2"
+    assert float(typed_params["effective_learning_rate"]) == pytest.approx(0.02)
+    assert form_params["world_size"] == "2"  # 2 nodes x 1 process
+    nodes = served.flow_runs(served.deployment("imageops-train-node/train-node").id, ["COMPLETED"])
+    assert sorted(r.name for r in nodes) == ["train-node-0-of-2", "train-node-1-of-2"]
     (version,) = client.search_model_versions(f"name = '{MODEL}'")
     assert client.get_model_version_by_alias(MODEL, "challenger").version == version.version
+
+
+def test_the_prefect_cli_lists_what_the_stack_holds(served: Served) -> None:
+    """The `prefect` command's listings against the served API (422 with fastapi >= 0.151)."""
+    listed = served.prefect("deployment", "ls")
+    assert set(FULL_NAME.findall(listed)) == deployments_of_the_file()
+    flows = served.prefect("flow", "ls")
+    for name in ("imageops-train-model", "imageops-train-node", "imageops-pipeline"):
+        assert name in flows
+    assert re.search(r"\blocal\b.*\bprocess\b", served.prefect("work-pool", "ls"))
+    runs = served.prefect("flow-run", "ls", "--state-type", "COMPLETED")
+    assert "train-node-0-of-2" in runs and "train-resnet18" in runs
+    assert "training-report" in served.prefect("artifact", "ls")
+
+    train = served.deployment("imageops-train-model/train")
+    (run, *_) = served.flow_runs(train.id, ["COMPLETED"])
+    logs = served.prefect("flow-run", "logs", str(run.id))
+    assert f"Flow run '{run.name}' - Worker 'imageops-local-worker' submitting" in logs
+    assert f"Flow run '{run.name}' - Finished in state Completed" in logs
+
+
+def test_a_partial_pipeline_config_keeps_the_demo_values(served: Served) -> None:
+    """`prefect deployment run imageops-pipeline/pipeline -p 'config={...}'` with one section.
+
+    The run stops at its first check (its source holds the data folder it would write), after
+    logging the configuration it resolved: that is what it would have trained with.
+    """
+    typed = served.prefect(
+        "deployment", "run", "imageops-pipeline/pipeline",
+        "-p", 'config={"train": {"epochs": 1}, "source": ".", "dataset": "partial"}',
+    )  # fmt: skip
+    (run_id,) = re.findall(r"UUID: ([0-9a-f-]{36})", typed)
+    (run,) = served.wait("the pipeline run to stop", served.finished([UUID(run_id)], ok=False))
+    assert run.state_type.value == "FAILED"
+
+    def resolved() -> dict | None:  # the log may reach the API a moment after the state
+        logs = served.prefect("flow-run", "logs", run_id)
+        line = re.search(r"Pipeline parameters: (\{.*\})", logs)
+        return json.loads(line.group(1)) if line else None
+
+    config = served.wait("the run's parameters in its log", resolved, timeout_s=30)
+    assert config["train"]["epochs"] == 1
+    assert config["train"]["nproc_per_node"] == 2  # the deployment's, not the class's 1
+    assert config["transform"]["center_crop_size"] == 32  # and the demo's transform
+    assert config["model"] == {
+        "name": "resnet18", "pretrained": False,
+        "memory_efficient": False, "zero_init_residual": False,
+    }  # fmt: skip
 
 
 def test_ctrl_c_stops_every_process(served: Served) -> None:

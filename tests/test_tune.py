@@ -14,6 +14,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -21,6 +22,12 @@ import torch
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactCollectionFilter,
+    ArtifactCollectionFilterKey,
+    FlowRunFilter,
+    FlowRunFilterName,
+)
 
 from flows.tune import tune_flow
 from models.directory import read_model_info
@@ -70,16 +77,15 @@ def overlapped(trials: list[optuna.trial.FrozenTrial]) -> int:
     return most
 
 
-def prefect_artifacts(*keys: str) -> dict[str, list[dict]]:
+def prefect_artifacts(*keys: str) -> dict[str, Any]:
+    """The newest Prefect artifact of each key (what the UI's artifact page shows)."""
     with get_client(sync_client=True) as prefect:
-        # Prefect 3.8's read_artifacts sends null offset/flow_runs, which its server rejects.
-        response = prefect.request(
-            "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": list(keys)}}}
+        newest = prefect.read_latest_artifacts(
+            artifact_filter=ArtifactCollectionFilter(
+                key=ArtifactCollectionFilterKey(any_=list(keys))
+            )
         )
-    found: dict[str, list[dict]] = {}
-    for artifact in response.json():
-        found.setdefault(artifact["key"], []).append(artifact)
-    return found
+    return {artifact.key: artifact for artifact in newest}
 
 
 @pytest.mark.slow
@@ -154,10 +160,10 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
 
     # The table and the plot in Prefect.
     artifacts = prefect_artifacts("tuning-trials", "tuning-report")
-    table = json.loads(artifacts["tuning-trials"][-1]["data"])
+    table = json.loads(artifacts["tuning-trials"].data)
     assert sorted(row["number"] for row in table) == [0, 1, 2]
     assert {"state", "val/top1", "batch_size", "warmup_epochs", "duration_s"} <= set(table[0])
-    assert "![metric over trials](data:image/png;base64," in artifacts["tuning-report"][-1]["data"]
+    assert "![metric over trials](data:image/png;base64," in artifacts["tuning-report"].data
 
 
 @pytest.mark.slow
@@ -332,12 +338,10 @@ def test_trials_run_as_flow_runs_of_the_trial_deployment(
     (trial,) = result.trials
     assert trial.state == "COMPLETE" and trial.run_id is not None
     with get_client(sync_client=True) as prefect:
-        response = prefect.request(
-            "POST", "/flow_runs/filter",
-            json={"flow_runs": {"name": {"any_": ["on-the-pool-trial-0"]}}},
-        )  # fmt: skip
-    (flow_run,) = response.json()
-    assert flow_run["state_type"] == "COMPLETED"
+        (flow_run,) = prefect.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["on-the-pool-trial-0"]))
+        )
+    assert flow_run.state_type.value == "COMPLETED"
 
 
 @pytest.mark.slow
