@@ -13,8 +13,12 @@ persist across epochs, nor on a restart: same seed, same data, same result.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import sys
 from collections.abc import Callable, Iterator, Sized
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +30,15 @@ from tasks.errors import InvalidImageDirectoryError
 from tasks.imagedir import Manifest, load_rgb
 from tasks.train.loop import derive_seed
 
-# Batches each loader process prepares ahead (PyTorch's default is 2): enough to ride out a slow
-# image without holding many batches of pinned memory per GPU.
-PREFETCH_FACTOR = 4
-# Loader processes per GPU at most: decoding and resizing a batch of a few dozen images keeps up
-# with a GPU step with a handful of cores; more only costs memory and start-up time.
-MAX_WORKERS_PER_GPU = 4
+# Batches the loader processes of one loader prepare ahead, together: enough to ride out a slow
+# image, spread over the processes (at least PyTorch's 2 each, so none ever waits for work). A
+# fixed total, not a fixed number per process, bounds the shared memory the batches in flight hold
+# (a float batch of 128 images at 224 px is 77 MB) whatever the core count.
+BATCHES_AHEAD = 16
+MIN_PREFETCH_FACTOR = 2
+# What a loader process needs, imported once by the fork server (see loader_context): torch,
+# torchvision and PIL come with these.
+LOADER_MODULES = ("tasks.train.data", "tasks.transform")
 
 
 class ManifestImageFolder(ImageFolder):
@@ -155,8 +162,9 @@ def loader_workers(device: torch.device, requested: int | None) -> int:
     processes 1/N of them), so a loader process would take cores away from the step it feeds; on
     a CPU the step costs far more than decoding its images, so loading in the training process
     loses little and keeps results independent of scheduling. CUDA: the GPU computes and the
-    cores are idle, so each process gets up to ``MAX_WORKERS_PER_GPU`` loaders from its share of
-    the node's cores, one core left for the training process itself.
+    cores are idle, so each process gets every core of its share of the node's cores as a loader,
+    but one, left for the training process itself: a GPU trains on images faster than one core
+    decodes and augments them (docs/benchmarks.md, "GPU (H100)").
     """
     if requested is not None:
         return requested
@@ -164,7 +172,40 @@ def loader_workers(device: torch.device, requested: int | None) -> int:
         return 0
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(0, min(MAX_WORKERS_PER_GPU, (cores or 1) // per_node - 1))
+    return max(0, (cores or 1) // per_node - 1)
+
+
+def prefetch_factor(num_workers: int) -> int:
+    """Batches each of ``num_workers`` loader processes prepares ahead (BATCHES_AHEAD in all)."""
+    return max(MIN_PREFETCH_FACTOR, -(-BATCHES_AHEAD // max(num_workers, 1)))
+
+
+def loader_context() -> BaseContext:
+    """How loader processes start: forked from a fork server, started here if none runs yet.
+
+    A loader process forked from the training process would inherit its threads' locks (NCCL's,
+    CUDA's, MLflow's on rank 0) in whatever state they were at the fork and can deadlock on one; a
+    spawned process is safe but imports torch and torchvision anew, seconds each, all at once
+    (issue 19: 37 s before the first batch with 4 on an H100 machine, minutes with 12). The fork
+    server is one fresh, single-threaded interpreter that imports what a loader process needs
+    (``LOADER_MODULES``, and the program's main module) once; every loader process of every
+    loader of this process, training's and validation's, is then forked from it in milliseconds.
+
+    The server starts in the background (this returns at once), so its imports overlap whatever
+    the training process does before the first batch (building the model, moving it to the GPU,
+    joining the process group).
+    """
+    modules = list(LOADER_MODULES)
+    main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+    # ``python -m tasks.train.worker``: each loader process runs the main module again (as
+    # multiprocessing does for spawned processes); with its imports done in the server, that is
+    # quick. A package's __main__ is never run again (it would start the program over).
+    if main and not main.endswith("__main__"):
+        modules.append(main)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(modules)  # no effect once the server runs: it keeps its own
+    multiprocessing.forkserver.ensure_running()
+    return context
 
 
 def make_loader(
@@ -176,21 +217,21 @@ def make_loader(
     num_workers: int,
     drop_last: bool = False,
 ) -> DataLoader:
-    """A DataLoader that keeps the model fed, safely inside a Prefect-launched process.
+    """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
 
-    With loader processes: the spawn context (fork inside a process that Prefect's threads share
-    can deadlock on a lock held at fork time), persistent across epochs (a spawned process takes
-    seconds to import torch; once per run, not per epoch) and ``PREFETCH_FACTOR`` batches ahead.
-    On CUDA, batches come in pinned memory, so the copy to the GPU is asynchronous
-    (``non_blocking=True`` in the training step) and overlaps the previous step.
+    With loader processes: forked from this process's one fork server (:func:`loader_context`,
+    started by the first loader made, so the validation loader's processes cost only their
+    forks), persistent across epochs, about ``BATCHES_AHEAD`` batches ahead. On CUDA, batches come
+    in pinned memory, so the copy to the GPU is asynchronous (``non_blocking=True`` in the
+    training step) and overlaps the previous step.
     """
     options: dict[str, Any] = {"pin_memory": device.type == "cuda"}
     if num_workers > 0:
         options |= {
             "num_workers": num_workers,
-            "multiprocessing_context": "spawn",
+            "multiprocessing_context": loader_context(),
             "persistent_workers": True,
-            "prefetch_factor": PREFETCH_FACTOR,
+            "prefetch_factor": prefetch_factor(num_workers),
         }
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options

@@ -1,0 +1,114 @@
+"""Loader start-up: loader processes are forked from one fork server per training process, so the
+first batch comes in about one torch import however many there are, and validation's loader
+processes, forked from the same server, cost only their forks (issue 19, point 1).
+
+Each measurement runs in a fresh interpreter: the fork server lives as long as the process that
+started it, so one started by an earlier test in this process would hide the cost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# The issue's goal is 2 s on this 2-core machine (measured here, idle: 0.2 to 0.4 s for N = 2 and
+# 8; 1.7 s with a load average of 4.5). The bound leaves room for a busy neighbour; spawned
+# loader processes, which import torch each, take 9 s (N = 2) to 35 s (N = 8) even idle.
+WARM_BOUND_S = 6.0
+# The first loader of a process also waits for the fork server's one import of torch and
+# torchvision (3.5 s here idle, 12 s seen under load); spawning 8 takes 36 s idle.
+COLD_BOUND_S = 30.0
+
+SCRIPT = """
+import json, multiprocessing, multiprocessing.forkserver, os, sys, time, warnings
+from pathlib import Path
+
+import torch
+
+from models.transform_spec import TransformSpec
+from tasks.imagedir import read_manifest
+from tasks.train.data import ManifestImageFolder, ShardSampler, make_loader, training_loader
+from tasks.transform import build_transform
+
+
+def ppid(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def main():
+    warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+    train, val, workers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    spec = TransformSpec(resize_size=16, center_crop_size=16)
+    cpu = torch.device("cpu")
+    train_set = ManifestImageFolder(train, read_manifest(train), build_transform(spec, "training"))
+    val_set = ManifestImageFolder(val, read_manifest(val), build_transform(spec, "inference"))
+    began = time.perf_counter()
+    loader, sampler = training_loader(
+        train_set, batch_size=8, seed=1, rank=0, world_size=1, device=cpu, num_workers=workers
+    )
+    sampler.set_epoch(1)
+    train_batches = iter(loader)
+    next(train_batches)
+    cold = time.perf_counter() - began
+    began = time.perf_counter()
+    val_loader = make_loader(
+        val_set, batch_size=8, sampler=ShardSampler(len(val_set), 0, 1), device=cpu,
+        num_workers=workers,
+    )
+    val_batches = iter(val_loader)
+    next(val_batches)
+    warm = time.perf_counter() - began
+    loaders = [p.pid for p in multiprocessing.active_children()]
+    print(json.dumps({
+        "cold": cold,
+        "warm": warm,
+        "me": os.getpid(),
+        "server": multiprocessing.forkserver._forkserver._forkserver_pid,
+        "loader_parents": [ppid(pid) for pid in loaders],
+    }))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def first_batches(tmp_path: Path, data: tuple[Path, Path], workers: int) -> dict:
+    script = tmp_path / "first_batches.py"
+    script.write_text(SCRIPT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), *map(str, data), str(workers)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # two fresh interpreters: seconds each to import torch
+@pytest.mark.parametrize("workers", [2, 8])
+def test_loader_processes_start_from_one_fork_server_in_about_one_import(
+    digits_split: tuple[Path, Path], tmp_path: Path, workers: int
+) -> None:
+    seen = first_batches(tmp_path, digits_split, workers)
+    # Training's and validation's loader processes: all forked by the one fork server, none
+    # started (spawned or forked) by the training process itself.
+    assert len(seen["loader_parents"]) == 2 * workers
+    assert set(seen["loader_parents"]) == {seen["server"]}
+    assert seen["server"] != seen["me"]
+    assert seen["cold"] <= COLD_BOUND_S, seen
+    # Validation's loader (the server already running) pays only for its forks.
+    assert seen["warm"] <= WARM_BOUND_S, seen
