@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import sys
 from collections.abc import Callable, Iterator, Sized
 from multiprocessing.context import BaseContext
 from pathlib import Path
@@ -186,24 +185,18 @@ def loader_context() -> BaseContext:
     A loader process forked from the training process would inherit its threads' locks (NCCL's,
     CUDA's, MLflow's on rank 0) in whatever state they were at the fork and can deadlock on one; a
     spawned process is safe but imports torch and torchvision anew, seconds each, all at once
-    (issue 19: 37 s before the first batch with 4 on an H100 machine, minutes with 12). The fork
-    server is one fresh, single-threaded interpreter that imports what a loader process needs
-    (``LOADER_MODULES``, and the program's main module) once; every loader process of every
-    loader of this process, training's and validation's, is then forked from it in milliseconds.
+    (issue 19: 37 s before the first batch with 4 on an H100 machine, minutes with 12).
 
-    The server starts in the background (this returns at once), so its imports overlap whatever
-    the training process does before the first batch (building the model, moving it to the GPU,
-    joining the process group).
+    The fork server is one fresh, single-threaded interpreter that imports what a loader process
+    needs (``LOADER_MODULES``) once; every loader process of every loader of this process,
+    training's and validation's, is then forked from it in milliseconds. (Each still runs the
+    program's main module again, as a spawned process does: ``tasks.train.worker`` takes 0.04 s
+    more once those are imported.) The server starts in the background (this returns at once), so
+    its imports overlap whatever the training process does before the first batch (building the
+    model, moving it to the GPU, joining the process group).
     """
-    modules = list(LOADER_MODULES)
-    main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-    # ``python -m tasks.train.worker``: each loader process runs the main module again (as
-    # multiprocessing does for spawned processes); with its imports done in the server, that is
-    # quick. A package's __main__ is never run again (it would start the program over).
-    if main and not main.endswith("__main__"):
-        modules.append(main)
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(modules)  # no effect once the server runs: it keeps its own
+    context.set_forkserver_preload(list(LOADER_MODULES))  # no effect once the server runs
     multiprocessing.forkserver.ensure_running()
     return context
 
