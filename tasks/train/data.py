@@ -13,6 +13,7 @@ persist across epochs, nor on a restart: same seed, same data, same result.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -22,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2
 
 from tasks.errors import InvalidImageDirectoryError
 from tasks.imagedir import Manifest, load_rgb
@@ -201,6 +203,54 @@ def loader_context() -> BaseContext:
     return context
 
 
+class DeviceFinish:
+    """The last two steps of an image transform, to float and normalise, run on a whole batch.
+
+    Loader processes then hand over uint8 images, 4x fewer bytes than float32 to write into shared
+    memory, copy into pinned memory and send to the GPU, and skip the two steps' arithmetic; the
+    GPU does it for the batch in microseconds, with torchvision's own functions, so the values are
+    the ones the loader processes would have made.
+    """
+
+    def __init__(self, to_float: v2.ToDtype, normalize: v2.Normalize) -> None:
+        self.dtype = to_float.dtype
+        self.mean, self.std = list(normalize.mean), list(normalize.std)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        images = v2.functional.to_dtype(images, self.dtype, scale=True)
+        return v2.functional.normalize(images, self.mean, self.std)
+
+
+def split_finish(dataset: Dataset) -> tuple[Dataset, DeviceFinish | None]:
+    """``dataset`` without its transform's final to-float and normalise steps, and those steps.
+
+    Looks through :class:`SeededDataset` and ``Subset`` to the dataset with the transform, and
+    copies (shallowly) what it changes: the caller's dataset still makes float images. A transform
+    that does something after normalising (random erasing) is left whole: (dataset, None).
+    """
+    if isinstance(dataset, SeededDataset | Subset):
+        inner, finish = split_finish(dataset.dataset)
+        if finish is None:
+            return dataset, None
+        outer = copy.copy(dataset)
+        outer.dataset = inner
+        return outer, finish
+    transform = getattr(dataset, "transform", None)
+    steps = transform.transforms if isinstance(transform, v2.Compose) else []
+    if (
+        len(steps) >= 2
+        and isinstance(steps[-2], v2.ToDtype)
+        and steps[-2].scale
+        and isinstance(steps[-2].dtype, torch.dtype)
+        and steps[-2].dtype.is_floating_point
+        and isinstance(steps[-1], v2.Normalize)
+    ):
+        trimmed = copy.copy(dataset)
+        trimmed.transform = v2.Compose(steps[:-2])  # type: ignore[attr-defined]
+        return trimmed, DeviceFinish(steps[-2], steps[-1])
+    return dataset, None
+
+
 def make_loader(
     dataset: Dataset,
     *,
@@ -209,6 +259,7 @@ def make_loader(
     device: torch.device,
     num_workers: int,
     drop_last: bool = False,
+    finish_on_device: bool | None = None,
 ) -> DataLoader:
     """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
 
@@ -216,8 +267,16 @@ def make_loader(
     started by the first loader made, so the validation loader's processes cost only their
     forks), persistent across epochs, about ``BATCHES_AHEAD`` batches ahead. On CUDA, batches come
     in pinned memory, so the copy to the GPU is asynchronous (``non_blocking=True`` in the
-    training step) and overlaps the previous step.
+    training step) and overlaps the previous step, and as uint8: the transform's to-float and
+    normalise steps run on the GPU (:class:`DeviceFinish`, ``finish_on_device``, default: on
+    CUDA). The loader's ``finish_on_device`` attribute is then those steps, which
+    :func:`tasks.train.loop.model_input` applies; None otherwise.
     """
+    if finish_on_device is None:
+        finish_on_device = device.type == "cuda"
+    finish = None
+    if finish_on_device:
+        dataset, finish = split_finish(dataset)
     options: dict[str, Any] = {"pin_memory": device.type == "cuda"}
     if num_workers > 0:
         options |= {
@@ -226,9 +285,11 @@ def make_loader(
             "persistent_workers": True,
             "prefetch_factor": prefetch_factor(num_workers),
         }
-    return DataLoader(
+    loader = DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options
     )
+    loader.finish_on_device = finish  # type: ignore[attr-defined]
+    return loader
 
 
 def training_loader(
@@ -240,6 +301,7 @@ def training_loader(
     world_size: int,
     device: torch.device,
     num_workers: int,
+    finish_on_device: bool | None = None,
 ) -> tuple[DataLoader, SeededSampler]:
     """The training loader of one rank: its shard, reshuffled per epoch, augmented per image.
 
@@ -262,6 +324,7 @@ def training_loader(
         sampler=sampler,
         device=device,
         num_workers=num_workers,
+        finish_on_device=finish_on_device,
         # A last batch of one image breaks BatchNorm in training mode (one value per channel
         # after the final pooling): drop exactly that case, never a real batch.
         drop_last=per_rank > batch_size and per_rank % batch_size == 1,

@@ -79,6 +79,20 @@ def to_device(
     return images.to(device, non_blocking=True, memory_format=memory_format)
 
 
+def model_input(
+    loader: DataLoader,
+    images: torch.Tensor,
+    device: torch.device,
+    memory_format: torch.memory_format,
+) -> torch.Tensor:
+    """A batch of ``loader`` as the model takes it: on ``device``, in ``memory_format``, finished
+    there by the loader's ``finish_on_device`` steps when it has them (uint8 batches made float and
+    normalised on the GPU: :func:`tasks.train.data.make_loader`)."""
+    images = to_device(images, device, memory_format)
+    finish = getattr(loader, "finish_on_device", None)
+    return finish(images) if finish is not None else images
+
+
 def _check_finite(loss: float, epoch: int, step: int, lr: float) -> None:
     if not math.isfinite(loss):
         raise TrainingDivergedError(
@@ -127,7 +141,7 @@ def train_one_epoch(
         if step == 1:
             first_batch = time.perf_counter() - start
             log.info("epoch %d/%d: first batch after %.2f s", epoch, epochs, first_batch)
-        images = to_device(images, device, amp.memory_format)
+        images = model_input(loader, images, device, amp.memory_format)
         targets = targets.to(device, non_blocking=True)
         with amp.autocast():
             logits = model(images)
@@ -219,7 +233,7 @@ def evaluate(
     topk = torch.zeros((), dtype=torch.int64, device=device)
     count = 0
     for images, targets in loader:
-        images = to_device(images, device, memory_format)
+        images = model_input(loader, images, device, memory_format)
         targets = targets.to(device, non_blocking=True)
         logits = model(images)
         loss_sum += criterion(logits, targets).double()
