@@ -177,3 +177,33 @@ def test_a_transform_that_works_after_normalising_is_kept_whole(
     spec = TransformSpec(resize_size=16, center_crop_size=16, random_erasing=True)
     dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
     assert split_finish(dataset) == (dataset, None)
+
+
+@pytest.mark.slow  # starts a fork server: seconds to import torch
+def test_running_ahead_to_the_next_epoch_keeps_every_epochs_images(
+    digits_split: tuple[Path, Path],
+) -> None:
+    root = digits_split[0]
+    spec = TransformSpec(resize_size=16, center_crop_size=16, random_rotation=True,
+                         random_rotation_degrees=30)  # fmt: skip
+    dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
+    cpu = torch.device("cpu")
+
+    def epochs(workers: int, order: list[int], stop_early: bool = False) -> list[torch.Tensor]:
+        loader, sampler = training_loader(
+            dataset, batch_size=8, seed=3, rank=0, world_size=1, device=cpu, num_workers=workers
+        )
+        seen = []
+        for epoch in order:
+            sampler.set_epoch(epoch)
+            if stop_early:  # an epoch left after one batch (a diverged loss) is started over
+                next(iter(loader))
+                stop_early = False
+            seen.append(torch.cat([images for images, _ in loader]))
+        return seen
+
+    # Epoch 2 was prepared while epoch 1 ended; epoch 5 after 2 is not the one prepared (3).
+    order = [1, 2, 5]
+    inline = epochs(0, order)
+    assert all(torch.equal(a, b) for a, b in zip(inline, epochs(2, order), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(inline, epochs(2, order, True), strict=True))

@@ -117,6 +117,10 @@ class SeededSampler(Sampler[tuple[int, int]]):
         self.sampler = sampler
         self.seed = seed
 
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
@@ -203,6 +207,37 @@ def loader_context() -> BaseContext:
     return context
 
 
+class RunAheadLoader(DataLoader):
+    """A training DataLoader whose persistent loader processes start on the next epoch's batches
+    as soon as the last batch of this one is handed out, while the model validates and saves.
+
+    A plain DataLoader asks for the next epoch's first batches only when that epoch begins: on an
+    H100 machine, each epoch then opened with a 0.3 s wait (one loader process making one batch of
+    128), a tenth of a 10,000-image epoch. The sampler (:class:`SeededSampler`) is moved to the
+    next epoch for that, so the images are the same ones: each image's augmentation depends on
+    (seed, epoch, index) only. If the caller then sets another epoch (or stopped an epoch early),
+    the loader starts over on that one, as a plain one would.
+    """
+
+    _ahead: int | None = None  # the epoch whose batches are being prepared, if any
+
+    def __iter__(self) -> Iterator[Any]:
+        if not (self.persistent_workers and self.num_workers > 0):
+            return super().__iter__()
+        return self._epoch()
+
+    def _epoch(self) -> Iterator[Any]:
+        sampler = self.sampler
+        assert isinstance(sampler, SeededSampler)
+        epoch = sampler.epoch
+        iterator = self._iterator if self._ahead == epoch else None
+        self._ahead = None
+        yield from iterator if iterator is not None else super().__iter__()
+        sampler.set_epoch(epoch + 1)
+        super().__iter__()  # the persistent loader processes start on the next epoch now
+        self._ahead = epoch + 1
+
+
 class DeviceFinish:
     """The last two steps of an image transform, to float and normalise, run on a whole batch.
 
@@ -260,6 +295,7 @@ def make_loader(
     num_workers: int,
     drop_last: bool = False,
     finish_on_device: bool | None = None,
+    run_ahead: bool = False,
 ) -> DataLoader:
     """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
 
@@ -270,7 +306,8 @@ def make_loader(
     training step) and overlaps the previous step, and as uint8: the transform's to-float and
     normalise steps run on the GPU (:class:`DeviceFinish`, ``finish_on_device``, default: on
     CUDA). The loader's ``finish_on_device`` attribute is then those steps, which
-    :func:`tasks.train.loop.model_input` applies; None otherwise.
+    :func:`tasks.train.loop.model_input` applies; None otherwise. ``run_ahead`` (a
+    :class:`SeededSampler` only): a :class:`RunAheadLoader`.
     """
     if finish_on_device is None:
         finish_on_device = device.type == "cuda"
@@ -285,9 +322,8 @@ def make_loader(
             "persistent_workers": True,
             "prefetch_factor": prefetch_factor(num_workers),
         }
-    loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options
-    )
+    kind = RunAheadLoader if run_ahead else DataLoader
+    loader = kind(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options)
     loader.finish_on_device = finish  # type: ignore[attr-defined]
     return loader
 
@@ -325,6 +361,7 @@ def training_loader(
         device=device,
         num_workers=num_workers,
         finish_on_device=finish_on_device,
+        run_ahead=True,
         # A last batch of one image breaks BatchNorm in training mode (one value per channel
         # after the final pooling): drop exactly that case, never a real batch.
         drop_last=per_rank > batch_size and per_rank % batch_size == 1,
