@@ -703,8 +703,9 @@ def report(plan: Plan, parts: dict[str, dict], command: str) -> Section:
         f"{ours['set_up_s']:.1f} s. `plain` is a pytorch/examples-style loop (ImageFolder, "
         f"{plain['workers']} forked loader processes, fp32 NCHW, the loss read every step). "
         f"'of ceiling' is against the {fast} step alone of {plan.arch} above.",
-        "**Loader alone**: imageops's training loader, each batch pinned, not copied to the "
-        "device; the first batch of epoch 1 is timed from the loader's creation in a fresh "
+        "**Loader alone**: imageops's training loader (on CUDA its batches are uint8, made "
+        "float and normalised on the GPU by the training step), each batch pinned, not copied to "
+        "the device; the first batch of epoch 1 is timed from the loader's creation in a fresh "
         "process (the fork server's start and its one import of torch included); epoch 2's "
         "from the start of the epoch; the validation loader's from its creation afterwards. "
         "images/s counts from each epoch's first batch to its last.",
