@@ -1,8 +1,10 @@
-"""Loader start-up: loader processes are forked from one fork server per training process, so the
-first batch comes in about one torch import however many there are, and validation's loader
-processes, forked from the same server, cost only their forks (issue 19, point 1).
+"""The training loaders (issue 19): loader processes are forked from one fork server per
+training process, so the first batch comes in about one torch import however many there are, and
+validation's loader processes, forked from the same server, cost only their forks; on CUDA the
+batches cross as uint8 and are finished on the device to the same values; the training loader
+runs ahead into the next epoch without changing any epoch's images.
 
-Each measurement runs in a fresh interpreter: the fork server lives as long as the process that
+Start-up is measured in a fresh interpreter: the fork server lives as long as the process that
 started it, so one started by an earlier test in this process would hide the cost.
 """
 
