@@ -34,7 +34,10 @@ from bench.report import (
 )
 
 # In this order: the ceiling first, so nothing else warms or loads the machine before it.
-BENCHMARKS = ("ceiling", "convert_speed", "train_speed", "score_speed", "orchestration")
+# gpu_train last: it is skipped (with a message) on machines without a CUDA GPU.
+BENCHMARKS = (
+    "ceiling", "convert_speed", "train_speed", "score_speed", "orchestration", "gpu_train",
+)  # fmt: skip
 PACKAGES = (
     "torch", "torchvision", "onnxruntime", "Pillow", "numpy",
     "prefect", "mlflow", "dvc", "optuna",
@@ -63,14 +66,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_one(name: str, full: bool, scratch: Path) -> Section:
-    """``python -m bench.<name>`` in a fresh interpreter; its output streams through."""
+def run_one(name: str, full: bool, scratch: Path) -> Section | None:
+    """``python -m bench.<name>`` in a fresh interpreter; its output streams through.
+
+    None when the benchmark skipped itself (it exits 0 without results, having said why: the GPU
+    benchmark on a machine without a GPU); its last results are then kept.
+    """
     out = scratch / f"{name}.json"
     command = [sys.executable, "-m", f"bench.{name}", "--json", str(out)]
     if full:
         command.append("--full")
     print(f"\n=== bench.{name} ===", flush=True)
     done = subprocess.run(command, cwd=ROOT, check=False)
+    if done.returncode == 0 and not out.exists():
+        return None
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"bench.{name} failed (exit {done.returncode}); see its output above")
     return Section.from_json(out.read_text())
@@ -156,9 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     names = () if args.render else args.only or BENCHMARKS
     with tempfile.TemporaryDirectory(prefix="imageops-bench-") as scratch:
-        fresh = {name: run_one(name, args.full, Path(scratch)) for name in names}
+        ran = {name: run_one(name, args.full, Path(scratch)) for name in names}
     print(f"\nthese benchmarks: {time.perf_counter() - started:.0f} s")
-    kept = previous_sections() if args.only or args.render else {}
+    fresh = {name: section for name, section in ran.items() if section is not None}
+    skipped = {_key(name) for name, section in ran.items() if section is None}
+    previous = previous_sections()
+    kept = (
+        previous
+        if args.only or args.render
+        else {key: section for key, section in previous.items() if key in skipped}
+    )
     by_key = {**kept, **{section.key: section for section in fresh.values()}}
     sections = sorted(by_key.values(), key=lambda s: _order(s.key))
     document = render(sections)
@@ -176,9 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _key(name: str) -> str:
+    """A benchmark's section key: its module name without ``_speed``."""
+    return name.removesuffix("_speed")
+
+
 def _order(key: str) -> int:
-    """Sections in BENCHMARKS order (their keys are the module names without ``_speed``)."""
-    keys = [name.removesuffix("_speed") for name in BENCHMARKS]
+    """Sections in BENCHMARKS order."""
+    keys = [_key(name) for name in BENCHMARKS]
     return keys.index(key) if key in keys else len(keys)
 
 

@@ -1,6 +1,6 @@
 """The fast training path: precision chosen and refused before launch, a bf16 run on CPU, loaders
 whose augmentation does not depend on loader processes, and the GPU path (NCCL, fp16 with a
-gradient scaler, pinned memory, cuDNN autotuning) on machines that have GPUs."""
+gradient scaler, pinned memory) on machines that have GPUs."""
 
 from __future__ import annotations
 

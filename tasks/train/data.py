@@ -13,25 +13,33 @@ persist across epochs, nor on a restart: same seed, same data, same result.
 
 from __future__ import annotations
 
+import copy
+import multiprocessing
+import multiprocessing.forkserver
 import os
 from collections.abc import Callable, Iterator, Sized
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2
 
 from tasks.errors import InvalidImageDirectoryError
 from tasks.imagedir import Manifest, load_rgb
 from tasks.train.loop import derive_seed
 
-# Batches each loader process prepares ahead (PyTorch's default is 2): enough to ride out a slow
-# image without holding many batches of pinned memory per GPU.
-PREFETCH_FACTOR = 4
-# Loader processes per GPU at most: decoding and resizing a batch of a few dozen images keeps up
-# with a GPU step with a handful of cores; more only costs memory and start-up time.
-MAX_WORKERS_PER_GPU = 4
+# Batches the loader processes of one loader prepare ahead, together: enough to ride out a slow
+# image, spread over the processes (at least PyTorch's 2 each, so none ever waits for work). A
+# fixed total, not a fixed number per process, bounds the shared memory the batches in flight hold
+# (a float batch of 128 images at 224 px is 77 MB) whatever the core count.
+BATCHES_AHEAD = 16
+MIN_PREFETCH_FACTOR = 2
+# What a loader process needs, imported once by the fork server (see loader_context): torch,
+# torchvision and PIL come with these.
+LOADER_MODULES = ("tasks.train.data", "tasks.transform")
 
 
 class ManifestImageFolder(ImageFolder):
@@ -109,6 +117,10 @@ class SeededSampler(Sampler[tuple[int, int]]):
         self.sampler = sampler
         self.seed = seed
 
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
@@ -155,8 +167,9 @@ def loader_workers(device: torch.device, requested: int | None) -> int:
     processes 1/N of them), so a loader process would take cores away from the step it feeds; on
     a CPU the step costs far more than decoding its images, so loading in the training process
     loses little and keeps results independent of scheduling. CUDA: the GPU computes and the
-    cores are idle, so each process gets up to ``MAX_WORKERS_PER_GPU`` loaders from its share of
-    the node's cores, one core left for the training process itself.
+    cores are idle, so each process gets every core of its share of the node's cores as a loader,
+    but one, left for the training process itself: a GPU trains on images faster than one core
+    decodes and augments them (docs/benchmarks.md, "GPU (H100)").
     """
     if requested is not None:
         return requested
@@ -164,7 +177,113 @@ def loader_workers(device: torch.device, requested: int | None) -> int:
         return 0
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(0, min(MAX_WORKERS_PER_GPU, (cores or 1) // per_node - 1))
+    return max(0, (cores or 1) // per_node - 1)
+
+
+def prefetch_factor(num_workers: int) -> int:
+    """Batches each of ``num_workers`` loader processes prepares ahead (BATCHES_AHEAD in all)."""
+    return max(MIN_PREFETCH_FACTOR, -(-BATCHES_AHEAD // max(num_workers, 1)))
+
+
+def loader_context() -> BaseContext:
+    """How loader processes start: forked from a fork server, started here if none runs yet.
+
+    A loader process forked from the training process would inherit its threads' locks (NCCL's,
+    CUDA's, MLflow's on rank 0) in whatever state they were at the fork and can deadlock on one; a
+    spawned process is safe but imports torch and torchvision anew, seconds each, all at once
+    (issue 19: 37 s before the first batch with 4 on an H100 machine, minutes with 12).
+
+    The fork server is one fresh, single-threaded interpreter that imports what a loader process
+    needs (``LOADER_MODULES``) once; every loader process of every loader of this process,
+    training's and validation's, is then forked from it in milliseconds. (Each still runs the
+    program's main module again, as a spawned process does: ``tasks.train.worker`` takes 0.04 s
+    more once those are imported.) The server starts in the background (this returns at once), so
+    its imports overlap whatever the training process does before the first batch (building the
+    model, moving it to the GPU, joining the process group).
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(LOADER_MODULES))  # no effect once the server runs
+    multiprocessing.forkserver.ensure_running()
+    return context
+
+
+class RunAheadLoader(DataLoader):
+    """A training DataLoader whose persistent loader processes start on the next epoch's batches
+    as soon as the last batch of this one is handed out, while the model validates and saves.
+
+    A plain DataLoader asks for the next epoch's first batches only when that epoch begins: on an
+    H100 machine, each epoch then opened with a 0.3 s wait (one loader process making one batch of
+    128), a tenth of a 10,000-image epoch. The sampler (:class:`SeededSampler`) is moved to the
+    next epoch for that, so the images are the same ones: each image's augmentation depends on
+    (seed, epoch, index) only. If the caller then sets another epoch (or stopped an epoch early),
+    the loader starts over on that one, as a plain one would.
+    """
+
+    _ahead: int | None = None  # the epoch whose batches are being prepared, if any
+
+    def __iter__(self) -> Iterator[Any]:
+        if not (self.persistent_workers and self.num_workers > 0):
+            return super().__iter__()
+        return self._epoch()
+
+    def _epoch(self) -> Iterator[Any]:
+        sampler = self.sampler
+        assert isinstance(sampler, SeededSampler)
+        epoch = sampler.epoch
+        iterator = self._iterator if self._ahead == epoch else None
+        self._ahead = None
+        yield from iterator if iterator is not None else super().__iter__()
+        sampler.set_epoch(epoch + 1)
+        super().__iter__()  # the persistent loader processes start on the next epoch now
+        self._ahead = epoch + 1
+
+
+class DeviceFinish:
+    """The last two steps of an image transform, to float and normalise, run on a whole batch.
+
+    Loader processes then hand over uint8 images, 4x fewer bytes than float32 to write into shared
+    memory, copy into pinned memory and send to the GPU, and skip the two steps' arithmetic; the
+    GPU does it for the batch in microseconds, with torchvision's own functions, so the values are
+    the ones the loader processes would have made.
+    """
+
+    def __init__(self, to_float: v2.ToDtype, normalize: v2.Normalize) -> None:
+        self.dtype = to_float.dtype
+        self.mean, self.std = list(normalize.mean), list(normalize.std)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        images = v2.functional.to_dtype(images, self.dtype, scale=True)
+        return v2.functional.normalize(images, self.mean, self.std)
+
+
+def split_finish(dataset: Dataset) -> tuple[Dataset, DeviceFinish | None]:
+    """``dataset`` without its transform's final to-float and normalise steps, and those steps.
+
+    Looks through :class:`SeededDataset` and ``Subset`` to the dataset with the transform, and
+    copies (shallowly) what it changes: the caller's dataset still makes float images. A transform
+    that does something after normalising (random erasing) is left whole: (dataset, None).
+    """
+    if isinstance(dataset, SeededDataset | Subset):
+        inner, finish = split_finish(dataset.dataset)
+        if finish is None:
+            return dataset, None
+        outer = copy.copy(dataset)
+        outer.dataset = inner
+        return outer, finish
+    transform = getattr(dataset, "transform", None)
+    steps = transform.transforms if isinstance(transform, v2.Compose) else []
+    if (
+        len(steps) >= 2
+        and isinstance(steps[-2], v2.ToDtype)
+        and steps[-2].scale
+        and isinstance(steps[-2].dtype, torch.dtype)
+        and steps[-2].dtype.is_floating_point
+        and isinstance(steps[-1], v2.Normalize)
+    ):
+        trimmed = copy.copy(dataset)
+        trimmed.transform = v2.Compose(steps[:-2])  # type: ignore[attr-defined]
+        return trimmed, DeviceFinish(steps[-2], steps[-1])
+    return dataset, None
 
 
 def make_loader(
@@ -175,26 +294,38 @@ def make_loader(
     device: torch.device,
     num_workers: int,
     drop_last: bool = False,
+    finish_on_device: bool | None = None,
+    run_ahead: bool = False,
 ) -> DataLoader:
-    """A DataLoader that keeps the model fed, safely inside a Prefect-launched process.
+    """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
 
-    With loader processes: the spawn context (fork inside a process that Prefect's threads share
-    can deadlock on a lock held at fork time), persistent across epochs (a spawned process takes
-    seconds to import torch; once per run, not per epoch) and ``PREFETCH_FACTOR`` batches ahead.
-    On CUDA, batches come in pinned memory, so the copy to the GPU is asynchronous
-    (``non_blocking=True`` in the training step) and overlaps the previous step.
+    With loader processes: forked from this process's one fork server (:func:`loader_context`,
+    started by the first loader made, so the validation loader's processes cost only their
+    forks), persistent across epochs, about ``BATCHES_AHEAD`` batches ahead. On CUDA, batches come
+    in pinned memory, so the copy to the GPU is asynchronous (``non_blocking=True`` in the
+    training step) and overlaps the previous step, and as uint8: the transform's to-float and
+    normalise steps run on the GPU (:class:`DeviceFinish`, ``finish_on_device``, default: on
+    CUDA). The loader's ``finish_on_device`` attribute is then those steps, which
+    :func:`tasks.train.loop.model_input` applies; None otherwise. ``run_ahead`` (a
+    :class:`SeededSampler` only): a :class:`RunAheadLoader`.
     """
+    if finish_on_device is None:
+        finish_on_device = device.type == "cuda"
+    finish = None
+    if finish_on_device:
+        dataset, finish = split_finish(dataset)
     options: dict[str, Any] = {"pin_memory": device.type == "cuda"}
     if num_workers > 0:
         options |= {
             "num_workers": num_workers,
-            "multiprocessing_context": "spawn",
+            "multiprocessing_context": loader_context(),
             "persistent_workers": True,
-            "prefetch_factor": PREFETCH_FACTOR,
+            "prefetch_factor": prefetch_factor(num_workers),
         }
-    return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options
-    )
+    kind = RunAheadLoader if run_ahead else DataLoader
+    loader = kind(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options)
+    loader.finish_on_device = finish  # type: ignore[attr-defined]
+    return loader
 
 
 def training_loader(
@@ -206,6 +337,7 @@ def training_loader(
     world_size: int,
     device: torch.device,
     num_workers: int,
+    finish_on_device: bool | None = None,
 ) -> tuple[DataLoader, SeededSampler]:
     """The training loader of one rank: its shard, reshuffled per epoch, augmented per image.
 
@@ -228,6 +360,8 @@ def training_loader(
         sampler=sampler,
         device=device,
         num_workers=num_workers,
+        finish_on_device=finish_on_device,
+        run_ahead=True,
         # A last batch of one image breaks BatchNorm in training mode (one value per channel
         # after the final pooling): drop exactly that case, never a real batch.
         drop_last=per_rank > batch_size and per_rank % batch_size == 1,

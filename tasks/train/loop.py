@@ -74,6 +74,8 @@ class TrainStats:
     lr: float
     # The job's images/s divided by the number of processes (one per GPU on GPU).
     images_per_sec_per_process: float
+    # This process's wait for its first batch (loader processes starting, or a cold cache).
+    first_batch_seconds: float = 0.0
 
 
 def epoch_metrics(stats: TrainStats, val: Mapping[str, float]) -> dict[str, float]:
@@ -93,6 +95,20 @@ def to_device(
 ) -> torch.Tensor:
     """A batch on ``device`` in ``memory_format`` (asynchronous from pinned memory)."""
     return images.to(device, non_blocking=True, memory_format=memory_format)
+
+
+def model_input(
+    loader: DataLoader,
+    images: torch.Tensor,
+    device: torch.device,
+    memory_format: torch.memory_format,
+) -> torch.Tensor:
+    """A batch of ``loader`` as the model takes it: on ``device``, in ``memory_format``, finished
+    there by the loader's ``finish_on_device`` steps when it has them (uint8 batches made float and
+    normalised on the GPU: :func:`tasks.train.data.make_loader`)."""
+    images = to_device(images, device, memory_format)
+    finish = getattr(loader, "finish_on_device", None)
+    return finish(images) if finish is not None else images
 
 
 def _check_finite(loss: float, epoch: int, step: int, lr: float) -> None:
@@ -125,14 +141,25 @@ def train_one_epoch(
     The forward pass runs under ``amp``'s autocast; the loss is taken in float32 from the
     logits. ``scaler`` (from ``amp.grad_scaler()``) scales the loss for float16 and is a
     pass-through otherwise. Images/s counts from the first batch requested to the last step done,
-    so loading time that the loader did not hide counts against it.
+    so loading time that the loader did not hide counts against it; the wait for the first batch
+    is logged and returned on its own.
+
+    The loss is summed on the device and read back only every ``print_frequency`` steps: reading
+    it every step would make the CPU wait for each step to finish before it queues the next,
+    leaving the GPU idle while Python launches the next step's kernels.
     """
     model.train()
-    loss_sum, count = 0.0, 0
+    # float64 sums of float32 losses: the same arithmetic as summing their Python floats.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
     steps = len(loader)
+    first_batch = 0.0
     start = time.perf_counter()
     for step, (images, targets) in enumerate(loader, start=1):
-        images = to_device(images, device, amp.memory_format)
+        if step == 1:
+            first_batch = time.perf_counter() - start
+            log.info("epoch %d/%d: first batch after %.2f s", epoch, epochs, first_batch)
+        images = model_input(loader, images, device, amp.memory_format)
         targets = targets.to(device, non_blocking=True)
         with amp.autocast():
             logits = model(images)
@@ -143,12 +170,12 @@ def train_one_epoch(
         scaler.step(optimizer)  # skipped (and the scale lowered) if float16 gradients overflowed
         scaler.update()
         scheduler.step()
-        loss_sum += loss.item() * targets.size(0)
+        loss_sum += loss.detach().double() * targets.size(0)
         count += targets.size(0)
         # Every rank runs the same number of steps (DistributedSampler pads the shards), so all
         # reach this collective together; the NaN check on the reduced value stops all at once.
         if step % print_frequency == 0 or step == steps:
-            total, n = distributed.all_reduce_sum([loss_sum, count])
+            total, n = distributed.all_reduce_sum([float(loss_sum), count])
             lr = optimizer.param_groups[0]["lr"]
             _check_finite(total / n, epoch, step, lr)
             elapsed = time.perf_counter() - start
@@ -164,7 +191,7 @@ def train_one_epoch(
                 count / max(elapsed, 1e-9),
             )
     elapsed = time.perf_counter() - start
-    total, n = distributed.all_reduce_sum([loss_sum, count])
+    total, n = distributed.all_reduce_sum([float(loss_sum), count])
     # Throughput of the whole job: every rank's images over the slowest rank's time.
     slowest = distributed.all_reduce_max(elapsed)
     throughput = n / max(slowest, 1e-9)
@@ -174,6 +201,7 @@ def train_one_epoch(
         images_per_sec=throughput,
         lr=optimizer.param_groups[0]["lr"],
         images_per_sec_per_process=throughput / distributed.info().world_size,
+        first_batch_seconds=first_batch,
     )
 
 
@@ -217,16 +245,22 @@ def evaluate(
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     k = min(5, num_classes)
-    loss_sum, top1, topk, count = 0.0, 0, 0, 0
+    # Summed on the device and read once at the end: no wait for the GPU after every batch.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    top1 = torch.zeros((), dtype=torch.int64, device=device)
+    topk = torch.zeros((), dtype=torch.int64, device=device)
+    count = 0
     for images, targets in loader:
-        images = to_device(images, device, memory_format)
+        images = model_input(loader, images, device, memory_format)
         targets = targets.to(device, non_blocking=True)
         logits = model(images)
-        loss_sum += criterion(logits, targets).item()
+        loss_sum += criterion(logits, targets).double()
         ranked = logits.topk(k, dim=1).indices
         hits = ranked.eq(targets.unsqueeze(1))
-        top1 += int(hits[:, 0].sum())
-        topk += int(hits.any(dim=1).sum())
+        top1 += hits[:, 0].sum()
+        topk += hits.any(dim=1).sum()
         count += targets.size(0)
-    loss_sum, top1, topk, count = distributed.all_reduce_sum([loss_sum, top1, topk, count])
+    loss_sum, top1, topk, count = distributed.all_reduce_sum(
+        [float(loss_sum), int(top1), int(topk), count]
+    )
     return {VAL_LOSS: loss_sum / count, TOP1: top1 / count, TOP5: topk / count}

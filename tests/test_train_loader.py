@@ -1,0 +1,211 @@
+"""The training loaders (issue 19): loader processes are forked from one fork server per
+training process, so the first batch comes in about one torch import however many there are, and
+validation's loader processes, forked from the same server, cost only their forks; on CUDA the
+batches cross as uint8 and are finished on the device to the same values; the training loader
+runs ahead into the next epoch without changing any epoch's images.
+
+Start-up is measured in a fresh interpreter: the fork server lives as long as the process that
+started it, so one started by an earlier test in this process would hide the cost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.transform_spec import TransformSpec
+from models.zoo import resnet, write_untrained
+from tasks.imagedir import read_manifest
+from tasks.settings import Settings
+from tasks.train.data import ManifestImageFolder, split_finish, training_loader
+from tasks.train.launch import train
+from tasks.train.loop import model_input
+from tasks.train.params import TrainParams
+from tasks.transform import build_transform
+
+ROOT = Path(__file__).resolve().parents[1]
+# The issue's goal is 2 s on this 2-core machine (measured here, idle: 0.2 to 0.4 s for N = 2 and
+# 8; 1.7 s with a load average of 4.5). The bound leaves room for a busy neighbour; spawned
+# loader processes, which import torch each, take 9 s (N = 2) to 35 s (N = 8) even idle.
+WARM_BOUND_S = 6.0
+# The first loader of a process also waits for the fork server's one import of torch and
+# torchvision (3.5 s here idle, 12 s seen under load); spawning 8 takes 36 s idle.
+COLD_BOUND_S = 30.0
+
+SCRIPT = """
+import json, multiprocessing, multiprocessing.forkserver, os, sys, time, warnings
+from pathlib import Path
+
+import torch
+
+from models.transform_spec import TransformSpec
+from tasks.imagedir import read_manifest
+from tasks.train.data import ManifestImageFolder, ShardSampler, make_loader, training_loader
+from tasks.transform import build_transform
+
+
+def ppid(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def main():
+    warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+    train, val, workers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    spec = TransformSpec(resize_size=16, center_crop_size=16)
+    cpu = torch.device("cpu")
+    train_set = ManifestImageFolder(train, read_manifest(train), build_transform(spec, "training"))
+    val_set = ManifestImageFolder(val, read_manifest(val), build_transform(spec, "inference"))
+    began = time.perf_counter()
+    loader, sampler = training_loader(
+        train_set, batch_size=8, seed=1, rank=0, world_size=1, device=cpu, num_workers=workers
+    )
+    sampler.set_epoch(1)
+    train_batches = iter(loader)
+    next(train_batches)
+    cold = time.perf_counter() - began
+    began = time.perf_counter()
+    val_loader = make_loader(
+        val_set, batch_size=8, sampler=ShardSampler(len(val_set), 0, 1), device=cpu,
+        num_workers=workers,
+    )
+    val_batches = iter(val_loader)
+    next(val_batches)
+    warm = time.perf_counter() - began
+    loaders = [p.pid for p in multiprocessing.active_children()]
+    print(json.dumps({
+        "cold": cold,
+        "warm": warm,
+        "me": os.getpid(),
+        "server": multiprocessing.forkserver._forkserver._forkserver_pid,
+        "loader_parents": [ppid(pid) for pid in loaders],
+    }))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def first_batches(tmp_path: Path, data: tuple[Path, Path], workers: int) -> dict:
+    script = tmp_path / "first_batches.py"
+    script.write_text(SCRIPT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), *map(str, data), str(workers)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # two fresh interpreters: seconds each to import torch
+@pytest.mark.parametrize("workers", [2, 8])
+def test_loader_processes_start_from_one_fork_server_in_about_one_import(
+    digits_split: tuple[Path, Path], tmp_path: Path, workers: int
+) -> None:
+    seen = first_batches(tmp_path, digits_split, workers)
+    # Training's and validation's loader processes: all forked by the one fork server, none
+    # started (spawned or forked) by the training process itself.
+    assert len(seen["loader_parents"]) == 2 * workers
+    assert set(seen["loader_parents"]) == {seen["server"]}
+    assert seen["server"] != seen["me"]
+    assert seen["cold"] <= COLD_BOUND_S, seen
+    # Validation's loader (the server already running) pays only for its forks.
+    assert seen["warm"] <= WARM_BOUND_S, seen
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_a_torchrun_worker_trains_with_loader_processes_and_logs_the_first_batch_wait(
+    project: Settings, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
+    params = TrainParams.checked(
+        epochs=2, batch_size=8, learning_rate=0.01, device="cpu", num_workers=2
+    )
+    transform = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
+    result = train(
+        untrained, *digits_split, tmp_path / "model", params, transform=transform, settings=project
+    )
+    log = (result.run_dir / "rank_0.log").read_text()
+    assert "2 loader process(es)" in log
+    waits = [float(w) for w in re.findall(r"first batch after ([0-9.]+) s", log)]
+    assert len(waits) == 2, log  # one per epoch
+    # Epoch 2's loader processes persist: its first batch was prepared during epoch 1.
+    assert waits[1] <= WARM_BOUND_S, waits
+    assert all(math.isfinite(v) for v in result.metrics.values())
+
+
+def test_finishing_on_the_device_gives_the_same_images_from_uint8_batches(
+    digits_split: tuple[Path, Path],
+) -> None:
+    root = digits_split[0]
+    spec = TransformSpec(resize_size=16, center_crop_size=16, random_rotation=True,
+                         random_rotation_degrees=30)  # fmt: skip
+    dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
+    cpu = torch.device("cpu")
+    seen = {}
+    for finish in (False, True):
+        loader, sampler = training_loader(
+            dataset, batch_size=8, seed=3, rank=0, world_size=1, device=cpu, num_workers=0,
+            finish_on_device=finish,
+        )  # fmt: skip
+        sampler.set_epoch(1)
+        raw = [images for images, _ in loader]
+        seen[finish] = [model_input(loader, b, cpu, torch.contiguous_format) for b in raw]
+        assert raw[0].dtype == (torch.uint8 if finish else torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True], strict=True))
+    assert dataset[0][0].dtype == torch.float32  # the caller's dataset is left as it was
+
+
+def test_a_transform_that_works_after_normalising_is_kept_whole(
+    digits_split: tuple[Path, Path],
+) -> None:
+    root = digits_split[0]
+    spec = TransformSpec(resize_size=16, center_crop_size=16, random_erasing=True)
+    dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
+    assert split_finish(dataset) == (dataset, None)
+
+
+@pytest.mark.slow  # starts a fork server: seconds to import torch
+def test_running_ahead_to_the_next_epoch_keeps_every_epochs_images(
+    digits_split: tuple[Path, Path],
+) -> None:
+    root = digits_split[0]
+    spec = TransformSpec(resize_size=16, center_crop_size=16, random_rotation=True,
+                         random_rotation_degrees=30)  # fmt: skip
+    dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
+    cpu = torch.device("cpu")
+
+    def epochs(workers: int, order: list[int], stop_early: bool = False) -> list[torch.Tensor]:
+        loader, sampler = training_loader(
+            dataset, batch_size=8, seed=3, rank=0, world_size=1, device=cpu, num_workers=workers
+        )
+        seen = []
+        for epoch in order:
+            sampler.set_epoch(epoch)
+            if stop_early:  # an epoch left after one batch (a diverged loss) is started over
+                next(iter(loader))
+                stop_early = False
+            seen.append(torch.cat([images for images, _ in loader]))
+        return seen
+
+    # Epoch 2 was prepared while epoch 1 ended; epoch 5 after 2 is not the one prepared (3).
+    order = [1, 2, 5]
+    inline = epochs(0, order)
+    assert all(torch.equal(a, b) for a, b in zip(inline, epochs(2, order), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(inline, epochs(2, order, True), strict=True))
