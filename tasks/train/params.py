@@ -119,7 +119,7 @@ class TrainParams(BaseModel):
         title="Loader workers",
         description="DataLoader processes per training process (0: load in the training "
         "process). Empty: 0 on CPU, where the training processes already use every core; on GPU "
-        "up to 4 per GPU from the cores this node has.",
+        "every core of the process's share of the node but one (forked from one fork server).",
     )
 
     @property
