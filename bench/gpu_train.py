@@ -266,7 +266,7 @@ def part_step(plan: Plan, data: Path) -> dict:
     import torch
     import torchvision
 
-    from models.zoo import resnet
+    from models.untrained import resnet
     from tasks.train.precision import Amp
     from tasks.train.worker import build_optimizer, configure_backends, prepare_model
 
@@ -380,7 +380,7 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     """The worker's epoch loop as a world of one: training images/s per epoch, first batch, wall."""
     import torch
 
-    from models.zoo import resnet
+    from models.untrained import resnet
     from tasks.train.checkpoint import save_checkpoint
     from tasks.train.data import ShardSampler, loader_workers, make_loader, training_loader
     from tasks.train.loop import (

@@ -177,7 +177,6 @@ class PipelineConfig(BaseModel):
         """
         source = settings.project_root / self.source
         data = settings.data_path / self.dataset_name
-        source_classes(source)
         if source.resolve().is_relative_to(data.resolve()) or data.resolve().is_relative_to(
             source.resolve()
         ):
@@ -188,6 +187,7 @@ class PipelineConfig(BaseModel):
                 "Name the data set with --dataset NAME (dataset: in params.yaml) so its folder "
                 "data/NAME lies apart from the source, or move the raw images out of data/NAME.",
             )
+        source_classes(source)
         return source, data
 
     @field_validator("transform")

@@ -227,14 +227,16 @@ def test_two_runs_on_different_data_sets_at_once(project: Settings, tmp_path: Pa
         assert [c.removeprefix("Scored Probabilities_") for c in table.columns if "Prob" in c] == (
             wanted
         )
-    # Promotions took turns: the later decision (its tags are on both versions) measured its
-    # model against the earlier one's; at once, both would have found no champion and taken it.
-    (later,) = {v.tags["promotion.challenger_version"] for v in versions}
-    (earlier,) = {str(v.version) for v in versions} - {later}
-    assert all(v.tags["promotion.champion_version"] == earlier for v in versions)
-    # ... and, its classes being another data set's, left the earlier champion in place.
-    assert {v.tags["promotion.decision"] for v in versions} == {"not promoted"}
-    assert "other classes" in versions[0].tags["promotion.reason"]
+    # Promotions took turns: the later decision measured its model against the earlier one's
+    # (at once, both would have found no champion and taken it) and, its classes being another
+    # data set's, left the earlier champion in place, whose own record stands.
+    tags = {str(v.version): v.tags for v in versions}
+    (later,) = [v for v, t in tags.items() if t["promotion.decision"] == "not promoted"]
+    (earlier,) = set(tags) - {later}
+    assert tags[later]["promotion.champion_version"] == earlier
+    assert "other classes" in tags[later]["promotion.reason"]
+    assert tags[earlier]["promotion.decision"] == "promoted"
+    assert tags[earlier]["promotion.defended_against"] == later
     champion = client.get_model_version_by_alias(project.registered_model_name, "champion")
     assert str(champion.version) == earlier
     with Repo(str(project.project_root)) as repo:

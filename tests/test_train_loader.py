@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from models.transform_spec import TransformSpec
-from models.zoo import resnet, write_untrained
+from models.untrained import resnet, write_untrained
 from tasks.imagedir import read_manifest
 from tasks.settings import Settings
 from tasks.train.data import ManifestImageFolder, split_finish, training_loader
