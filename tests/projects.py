@@ -32,6 +32,19 @@ def use_project(root: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     return settings
 
 
+def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The ``imageops`` command, as a user runs it in ``cwd`` (a wide terminal: one option a
+    line in ``--help``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
 def dvc(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The ``dvc`` command, as a user runs it in ``cwd``; its stages find ``imageops`` on PATH."""
     env = dict(os.environ)

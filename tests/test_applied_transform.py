@@ -7,14 +7,13 @@ resizing finished images again.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pandas as pd
 import pytest
 import torch
+from projects import imageops
 
 from models.directory import read_model_info
 from models.untrained import resnet, write_untrained
@@ -36,16 +35,6 @@ from tasks.transform import (
 
 # 16x16 digits become 20x20 network inputs: resize to 24, center crop 20; no flip for digits.
 SPEC = {"resize_size": 24, "center_crop_size": 20, "random_horizontal_flip": False}
-
-
-def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.fixture

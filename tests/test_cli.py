@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from projects import imageops
 
 from models.untrained import resnet, write_untrained
 from tasks.convert import convert
@@ -17,16 +17,6 @@ from tasks.imagedir import read_manifest
 COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "tune",
             "export", "quantize", "register", "promote", "score", "evaluate", "serve",
             "run"]  # fmt: skip
-
-
-def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_help_lists_every_step(tmp_path: Path) -> None:

@@ -7,15 +7,13 @@ parameter is added once.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pytest
 import yaml
+from projects import imageops
 
 from flows.config import PipelineConfig
 from models.untrained import ModelChoice, resnet, write_untrained
@@ -25,17 +23,6 @@ from tasks.train.params import TrainParams
 pytest_plugins = ["model_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "200"},  # one option a line in --help
-    )
 
 
 def _option(field: str) -> str:
