@@ -345,6 +345,7 @@ def _scan(root: Path) -> _Scan:
     def skip(rel: str, reason: str) -> None:
         scan.skipped.append(SkippedFile(path=_printable(rel), reason=reason))
 
+    base = os.path.realpath(root)
     for folder, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(folder)
         for name in sorted(dirnames):
@@ -365,6 +366,9 @@ def _scan(root: Path) -> _Scan:
                 continue  # the source is itself an ImageDirectory: its manifest is not data
             if not _utf8(rel):
                 skip(rel, SkipReason.BAD_FILE_NAME.because("the name is not UTF-8"))
+            elif path.is_symlink() and not _stays_in(base, path):
+                # As the CSV and COCO routes refuse it: the source is what the user gave.
+                skip(rel, SkipReason.UNSAFE_PATH.because("a symlink leads outside the source"))
             elif not path.is_file():
                 # A FIFO would block the reader forever; a socket or device is never an image.
                 skip(rel, SkipReason.NOT_AN_IMAGE.because("not a regular file"))
@@ -377,6 +381,11 @@ def _scan(root: Path) -> _Scan:
                 scan.files.append((path, rel))
     scan.files.sort(key=lambda item: item[1])
     return scan
+
+
+def _stays_in(base: str, link: Path) -> bool:
+    """Whether the symlink ``link`` resolves to a place under ``base`` (a realpath)."""
+    return os.path.commonpath([base, os.path.realpath(link)]) == base
 
 
 def _utf8(text: str) -> bool:

@@ -389,6 +389,72 @@ def _split_bad_manifest(io_: Inputs) -> Run:
     return Run(["split", str(images), str(dest / "a"), str(dest / "b")], dest)
 
 
+def _tampered(io_: Inputs, path: str, outside: Path | None = None) -> Path:
+    """A copy of the training ImageDirectory whose first manifest entry is replaced by ``path``.
+
+    ``outside``: a real digit PNG is put there first, so that a step that followed the entry would
+    find an image to read (and split one to copy) rather than fail on a missing file.
+    """
+    images = Path(shutil.copytree(io_.train, io_.src / "tampered"))
+    if outside is not None:
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(next((io_.digits / "0").glob("*.png")), outside)
+    manifest = json.loads((images / "manifest.json").read_text())
+    manifest["images"][0]["path"] = path
+    (images / "manifest.json").write_text(json.dumps(manifest))
+    return images
+
+
+def _split_manifest_traversal(io_: Inputs) -> Run:
+    images = _tampered(io_, "../../escaped/pwned.png", io_.root / "escaped" / "pwned.png")
+    dest = io_.out / "split"
+    forbidden = (io_.out / "escaped", dest / "escaped")
+    return Run(["split", str(images), str(dest / "a"), str(dest / "b")], dest, forbidden=forbidden)
+
+
+def _transform_manifest_absolute(io_: Inputs) -> Run:
+    from tasks.transform import init_transformation
+
+    outside = io_.root / "abs" / "pwned.png"
+    images = _tampered(io_, str(outside), outside)
+    spec = init_transformation(io_.src / "transform", {"resize_size": 16})
+    dest = io_.out / "images"
+    return Run(["transform", "apply", str(spec), str(images), str(dest)], dest)
+
+
+def _train_manifest_backslash(io_: Inputs) -> Run:
+    images = _tampered(io_, "..\\..\\escaped\\pwned.png")
+    return _train(io_, _untrained(io_), images, io_.val)
+
+
+def _score_manifest_symlink(io_: Inputs) -> Run:
+    images = _tampered(io_, "")
+    manifest = json.loads((images / "manifest.json").read_text())
+    first = sorted(images.rglob("*.png"))[0]
+    manifest["images"][0]["path"] = first.relative_to(images).as_posix()
+    (images / "manifest.json").write_text(json.dumps(manifest))
+    outside = io_.root / "secret.png"
+    shutil.copy(first, outside)
+    first.unlink()
+    first.symlink_to(outside)
+    return _score(io_, str(io_.model), images)
+
+
+def _export_sample_traversal(io_: Inputs) -> Run:
+    model = _model_copy(io_)
+    sample = _tampered(io_, "0/../../../escaped/pwned.png", io_.root / "escaped" / "pwned.png")
+    return Run(["export", str(model), "--sample", str(sample)], model)
+
+
+def _convert_symlink_out(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "photos")
+    outside = io_.root / "secret.png"
+    shutil.copy(next((io_.digits / "2").glob("*.png")), outside)
+    (io_.src / "photos" / "0" / "link.png").symlink_to(outside)
+    (io_.src / "photos" / "1" / "inside.png").symlink_to(next((io_.src / "photos" / "0").iterdir()))
+    return _convert(io_, io_.src / "photos", made="manifest.json")
+
+
 def _split_fraction(io_: Inputs) -> Run:
     dest = io_.out / "split"
     argv = ["split", str(io_.train), str(dest / "a"), str(dest / "b"), "--fraction", "1.5"]
@@ -626,10 +692,28 @@ CASES: list[Case] = [
          "NoUsableImagesError", "a.tar.gz"),
     Case("convert-csv-escape", "convert", "a CSV manifest naming ../../../etc/passwd and /etc",
          _csv_escape, "ok: 6 images, 2 classes, 2 skipped; UnsafePath"),
+    Case("convert-symlink-out", "convert",
+         "a folder whose image is a symlink to a file outside it (and one to a file inside)",
+         _convert_symlink_out,
+         "ok: 7 images, 2 classes, 1 skipped; UnsafePath: a symlink leads outside the source"),
     Case("split-raw-folder", "split", "a raw image folder, not an ImageDirectory", _split_raw,
          "InvalidImageDirectoryError", "is not an ImageDirectory"),
     Case("split-bad-manifest", "split", "a manifest.json cut short", _split_bad_manifest,
          "InvalidImageDirectoryError", "manifest.json"),
+    Case("split-manifest-traversal", "split",
+         "a manifest.json entry `../../escaped/pwned.png` (the file exists there)",
+         _split_manifest_traversal, "InvalidImageDirectoryError", "'..' in the path"),
+    Case("transform-manifest-absolute", "transform",
+         "a manifest.json entry with an absolute path to an image outside",
+         _transform_manifest_absolute, "InvalidImageDirectoryError", "absolute path"),
+    Case("train-manifest-backslash", "train", "a manifest.json entry `..\\..\\escaped\\pwned.png`",
+         _train_manifest_backslash, "InvalidImageDirectoryError", "'..' in the path"),
+    Case("score-manifest-symlink", "score",
+         "an ImageDirectory whose listed image is a symlink to a file outside it",
+         _score_manifest_symlink, "InvalidImageDirectoryError", "symlink"),
+    Case("export-sample-traversal", "export",
+         "--sample whose manifest lists `0/../../../escaped/pwned.png`",
+         _export_sample_traversal, "InvalidImageDirectoryError", "'..' in the path"),
     Case("split-bad-fraction", "split", "--fraction 1.5", _split_fraction,
          "InvalidParameterError", "fraction"),
     Case("split-single-class", "split", "one class of 4 images, half and half",
