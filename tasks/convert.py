@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from models.atomic import atomic_directory
+from models.atomic import atomic_directory, check_destination
 from tasks.archive import (
     ARCHIVE_SUFFIXES,
     DEFAULT_MAX_BYTES,
@@ -145,6 +145,7 @@ def convert(
     """
     source, dest = Path(source), Path(dest)
     _check_parameters(source, dest, max_pixels, workers, max_archive_members, max_archive_bytes)
+    check_destination(dest, replaces=MANIFEST)
     kind = _source_kind(source)
     params: dict[str, int] = {"max_pixels": max_pixels}
     if kind == "archive":
@@ -467,7 +468,7 @@ def _convert_plan(
     computed of the files they read (no file is read twice).
     """
     skipped = list(plan.skipped)
-    with atomic_directory(dest) as tmp:
+    with atomic_directory(dest, replaces=MANIFEST) as tmp:
         jobs = [
             CheckJob(item.source, item.rel, str(tmp / item.dest), max_pixels) for item in plan.items
         ]

@@ -376,6 +376,52 @@ def _csv_escape(io_: Inputs) -> Run:
     return _convert(io_, io_.src / "labels.csv", made="manifest.json")
 
 
+def _precious(path: Path, text: str = "the only copy of my notes\n") -> Path:
+    """A file of the user's where an output folder is asked for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _convert_dest_file(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    dest = _precious(io_.out / "images")
+    return Run(["convert", str(io_.src), str(dest)], dest)
+
+
+def _convert_dest_foreign(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    dest = io_.out / "documents"
+    _precious(dest / "notes.txt")
+    return Run(["convert", str(io_.src), str(dest)], dest)
+
+
+def _split_dest_file(io_: Inputs) -> Run:
+    dest = io_.out / "split"
+    _precious(dest / "b")
+    return Run(["split", str(io_.train), str(dest / "a"), str(dest / "b")], dest)
+
+
+def _transform_init_dest_file(io_: Inputs) -> Run:
+    dest = _precious(io_.out / "transform")
+    return Run(["transform", "init", str(dest), "--resize-size", "16"], dest)
+
+
+def _transform_apply_dest_link(io_: Inputs) -> Run:
+    from tasks.transform import init_transformation
+
+    spec = init_transformation(io_.src / "transform", {"resize_size": 16})
+    dest = io_.out / "images"
+    dest.symlink_to(_precious(io_.out / "elsewhere" / "notes.txt").parent)
+    return Run(["transform", "apply", str(spec), str(io_.val), str(dest)], io_.out)
+
+
+def _train_out_file(io_: Inputs) -> Run:
+    run = _train(io_, _untrained(io_), io_.train, io_.val)
+    _precious(run.dest)
+    return Run(run.argv, run.dest)
+
+
 def _split_raw(io_: Inputs) -> Run:
     _digits(io_, io_.src)
     dest = io_.out / "split"
@@ -696,6 +742,11 @@ CASES: list[Case] = [
          "a folder whose image is a symlink to a file outside it (and one to a file inside)",
          _convert_symlink_out,
          "ok: 7 images, 2 classes, 1 skipped; UnsafePath: a symlink leads outside the source"),
+    Case("convert-dest-is-file", "convert", "an existing file as the destination",
+         _convert_dest_file, "InvalidParameterError", "exists and is a file"),
+    Case("convert-dest-foreign-folder", "convert",
+         "an existing folder of other files (no manifest.json) as the destination",
+         _convert_dest_foreign, "InvalidParameterError", "folder of other files"),
     Case("split-raw-folder", "split", "a raw image folder, not an ImageDirectory", _split_raw,
          "InvalidImageDirectoryError", "is not an ImageDirectory"),
     Case("split-bad-manifest", "split", "a manifest.json cut short", _split_bad_manifest,
@@ -714,6 +765,8 @@ CASES: list[Case] = [
     Case("export-sample-traversal", "export",
          "--sample whose manifest lists `0/../../../escaped/pwned.png`",
          _export_sample_traversal, "InvalidImageDirectoryError", "'..' in the path"),
+    Case("split-dest-is-file", "split", "the second output an existing file",
+         _split_dest_file, "InvalidParameterError", "exists and is a file"),
     Case("split-bad-fraction", "split", "--fraction 1.5", _split_fraction,
          "InvalidParameterError", "fraction"),
     Case("split-single-class", "split", "one class of 4 images, half and half",
@@ -724,6 +777,13 @@ CASES: list[Case] = [
          _transform_bad_value, "InvalidParameterError", "resize_size = -5"),
     Case("transform-unknown-mode", "transform", "transform apply --mode x",
          _transform_unknown_mode, "InvalidParameterError", "mode"),
+    Case("transform-init-dest-is-file", "transform", "transform init onto an existing file",
+         _transform_init_dest_file, "InvalidParameterError", "exists and is a file"),
+    Case("transform-apply-dest-link", "transform",
+         "transform apply onto a symlink to a folder of other files",
+         _transform_apply_dest_link, "InvalidParameterError", "is a symlink"),
+    Case("train-out-is-file", "train", "an existing file as the model output",
+         _train_out_file, "InvalidParameterError", "exists and is a file"),
     Case("train-unlabeled", "train", "unlabeled training data", _train_unlabeled,
          "NotLabeledDatasetError", "labeled"),
     Case("train-other-classes", "train", "validation classes that differ from training",
