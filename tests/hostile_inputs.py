@@ -422,6 +422,25 @@ def _train_out_file(io_: Inputs) -> Run:
     return Run(run.argv, run.dest)
 
 
+def _coco_deep(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "photos")
+    images = [{"id": i, "file_name": f"photos/{p.relative_to(io_.src / 'photos').as_posix()}"}
+              for i, p in enumerate(sorted((io_.src / "photos").rglob("*.png")))]  # fmt: skip
+    head = json.dumps({"images": images, "categories": [{"id": 0, "name": "0"}]})
+    deep = "[" * 100_000 + "]" * 100_000  # 200 KB: a list in a list ... 100,000 deep
+    (io_.src / "labels.json").write_text(head[:-1] + ', "info": ' + deep + "}")
+    return _convert(io_, io_.src / "labels.json")
+
+
+def _coco_huge(io_: Inputs) -> Run:
+    from tasks.labelfiles import MAX_LABEL_FILE_BYTES
+
+    _digits(io_, io_.src / "photos")
+    with open(io_.src / "labels.json", "wb") as fh:  # sparse: no disk used, no time spent
+        fh.truncate(MAX_LABEL_FILE_BYTES + 1)
+    return _convert(io_, io_.src / "labels.json")
+
+
 def _split_raw(io_: Inputs) -> Run:
     _digits(io_, io_.src)
     dest = io_.out / "split"
@@ -747,6 +766,11 @@ CASES: list[Case] = [
     Case("convert-dest-foreign-folder", "convert",
          "an existing folder of other files (no manifest.json) as the destination",
          _convert_dest_foreign, "InvalidParameterError", "folder of other files"),
+    Case("convert-coco-deep", "convert",
+         "a COCO JSON (200 KB) holding a list nested 100,000 deep", _coco_deep,
+         "InvalidLabelFileError", "nested 100,001 deep"),
+    Case("convert-coco-huge", "convert", "a label file over the 1 GiB limit (sparse)", _coco_huge,
+         "InvalidLabelFileError", "label files of up to 1,073,741,824 bytes"),
     Case("split-raw-folder", "split", "a raw image folder, not an ImageDirectory", _split_raw,
          "InvalidImageDirectoryError", "is not an ImageDirectory"),
     Case("split-bad-manifest", "split", "a manifest.json cut short", _split_bad_manifest,
