@@ -614,6 +614,18 @@ def _score_bad_images(io_: Inputs) -> Run:
     return _score(io_, str(io_.model), io_.src / "images")
 
 
+def _score_odd_names(io_: Inputs) -> Run:
+    import os
+
+    folder = io_.src / "images"
+    folder.mkdir(parents=True)
+    scans = sorted(io_.digits.rglob("*.png"))
+    for name, scan in zip(["a\rb.png", "c\nd.png", "e\tf.png", 'q"u,o.png'], scans, strict=False):
+        shutil.copy(scan, folder / name)
+    shutil.copy(scans[-1], os.fsdecode(os.fsencode(folder) + b"/caf\xe9.png"))
+    return _score(io_, str(io_.model), folder)
+
+
 def _score_missing_model(io_: Inputs) -> Run:
     return _score(io_, "models:/no-such-model@champion", io_.val)
 
@@ -830,6 +842,9 @@ CASES: list[Case] = [
          _score_pickle_beside, "ok: wrote"),
     Case("score-bad-images", "score", "a truncated JPEG and an empty PNG among the images",
          _score_bad_images, "ok: wrote"),
+    Case("score-odd-names", "score",
+         "a raw folder with `\\r`, `\\n`, tab, quote and comma in names, and a Latin-1 name",
+         _score_odd_names, "ok: wrote"),
     Case("score-missing-model", "score", "models:/no-such-model@champion", _score_missing_model,
          "RegistryError", "no-such-model"),
     Case("score-missing-alias", "score", "models:/<a registered model>@no-such-alias",

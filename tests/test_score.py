@@ -208,3 +208,34 @@ def test_all_shards_unreadable_is_a_clear_error_and_writes_nothing(
     with pytest.raises(NoUsableImagesError, match="None of the 4 image"):
         score_in_shards(exported_model, folder, tmp_path / "out.csv", shard_images=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["all-bad"]
+
+
+def test_any_file_name_reads_back_the_same_with_pandas_and_the_csv_module(
+    exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    """Names with a carriage return, a newline, a tab, quotes and commas are written quoted
+    where they must be; a name that is not UTF-8 is an error row (BadFileName) under its name
+    with ``\\xNN`` escapes, and every other image is scored: the table is always written."""
+    import csv
+    import os
+
+    names = ["a\rb.png", "c\nd.png", "e\tf.png", 'q"uote,comma.png', " lead.png", "plain.png"]
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    scans = sorted(digits_raw.rglob("*.png"))
+    for name, scan in zip(names, scans, strict=False):
+        shutil.copyfile(scan, folder / name)
+    shutil.copyfile(scans[-1], os.fsdecode(os.fsencode(folder) + b"/caf\xe9.png"))  # Latin-1
+
+    out = score(exported_model, folder, tmp_path / "scores.csv", batch_size=4, threads=1)
+
+    expected = sorted([*names, "caf\\xe9.png"])
+    table = _read_csv(out)
+    with open(out, encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted(table["path"]) == expected
+    assert sorted(row["path"] for row in rows) == expected
+    assert table[ERR].tolist() == [row[ERR] for row in rows]
+    errors = dict(zip(table["path"], table[ERR], strict=True))
+    assert errors.pop("caf\\xe9.png").startswith("BadFileName: the name is not UTF-8")
+    assert set(errors.values()) == {""}  # every other name was scored
