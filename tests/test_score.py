@@ -239,3 +239,27 @@ def test_any_file_name_reads_back_the_same_with_pandas_and_the_csv_module(
     errors = dict(zip(table["path"], table[ERR], strict=True))
     assert errors.pop("caf\\xe9.png").startswith("BadFileName: the name is not UTF-8")
     assert set(errors.values()) == {""}  # every other name was scored
+
+
+def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
+    exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    """The issue's failure: a `\\r` in a name split a row in two and evaluate then failed."""
+    from tasks.convert import convert
+    from tasks.evaluate import compute_metrics, read_scored
+
+    raw = tmp_path / "raw"
+    for label in ("0", "1", "2"):
+        (raw / label).mkdir(parents=True)
+        for i, scan in enumerate(sorted((digits_raw / label).glob("*.png"))[:2]):
+            shutil.copyfile(scan, raw / label / (f"{label}\r{i}.png" if i else f"{label}\n{i}.png"))
+    images = tmp_path / "images"
+    manifest = convert(raw, images, workers=1)
+    assert len(manifest.images) == 6 and not manifest.skipped
+
+    out = score(exported_model, images, tmp_path / "scores.csv", batch_size=4, threads=1)
+
+    table = read_scored(out)
+    assert sorted(table["path"]) == sorted(e.path for e in manifest.images)
+    assert table["category"].tolist() == [p.split("/")[0] for p in table["path"]]
+    assert compute_metrics(table).confusion  # every row is one image with its true class
