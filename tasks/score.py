@@ -380,7 +380,7 @@ def score(
 score_task = step(score, name="score")
 SHARD_IMAGES = 20_000  # a shard per this many images: big enough that start-up is noise
 CHECKPOINTS = ".imageops-shards"  # beside the scored table: finished shards of unmerged runs
-CHECKPOINT_FORMAT = 1  # part of the checkpoint key: raise it when a shard table changes shape
+CHECKPOINT_FORMAT = 2  # part of the checkpoint key: raise it when a shard table changes shape
 
 
 def merge_tables(parts: Sequence[Path], dest: Path) -> int:
