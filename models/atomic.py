@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from models.errors import InvalidParameterError
+
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -84,20 +86,52 @@ def atomic_file(path: Path) -> Iterator[Path]:
     _fsync_dir(path.parent)
 
 
+def check_destination(dest: Path, replaces: str | None = None) -> None:
+    """Refuse a ``dest`` that writing a folder there would destroy; raise InvalidParameterError.
+
+    A folder output may replace nothing, an empty folder, or a folder of its own kind: one that
+    holds ``replaces`` (``manifest.json`` for an ImageDirectory, ``model.json`` for a model), the
+    output of an earlier run. A file, a symlink or a device would be moved aside and lost; a folder
+    of other things (``imageops convert photos ~/Documents``) would be deleted. Steps call this
+    before their work starts, so a refusal costs nothing and changes nothing.
+    """
+    dest = Path(dest)
+    if not os.path.lexists(dest):
+        return
+    what = "a symlink" if dest.is_symlink() else None
+    if what is None and not dest.is_dir():
+        what = "a file" if dest.is_file() else "not a folder"
+    if what is not None:
+        raise InvalidParameterError(
+            f"The destination {dest} exists and is {what}; writing the output there would "
+            "replace it.",
+            "Give a destination folder that does not exist yet, or move that file away first.",
+        )
+    if replaces is not None and not (dest / replaces).is_file() and any(dest.iterdir()):
+        raise InvalidParameterError(
+            f"The destination {dest} is a folder of other files (it has no {replaces}, so "
+            "imageops did not write it); writing the output there would delete them.",
+            "Give a new or empty folder as the destination, or move those files away first.",
+        )
+
+
 @contextmanager
-def atomic_directory(dest: Path) -> Iterator[Path]:
+def atomic_directory(dest: Path, *, replaces: str | None = None) -> Iterator[Path]:
     """Yield an empty temporary folder beside ``dest``; on success it becomes ``dest``.
 
-    An existing ``dest`` is replaced only after the new one is complete. On any error the
+    An existing ``dest`` is replaced only after the new one is complete, and only if
+    :func:`check_destination` allows it (checked before and again at the swap). On any error the
     temporary folder is removed and ``dest`` is left as it was.
     """
     dest = Path(dest)
+    check_destination(dest, replaces)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir()
     try:
         yield tmp
-        if dest.exists():
+        check_destination(dest, replaces)  # it may have appeared while the work ran
+        if os.path.lexists(dest):
             old = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.old")
             os.replace(dest, old)
             os.replace(tmp, dest)

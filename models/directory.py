@@ -51,7 +51,7 @@ class ModelInfo(BaseModel):
 def save_model_directory(dest: Path, model: nn.Module, info: ModelInfo) -> Path:
     """Write weights and ``model.json`` to ``dest`` atomically (a half model never looks whole)."""
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    with atomic_directory(Path(dest)) as tmp:
+    with atomic_directory(Path(dest), replaces=MODEL_JSON) as tmp:
         save_file(state, str(tmp / WEIGHTS))
         write_json(tmp / MODEL_JSON, info.model_dump(mode="json"))
     return Path(dest)

@@ -31,3 +31,11 @@ class ImageOpsError(Exception):
 
 class InvalidModelDirectoryError(ImageOpsError):
     """Seed error: the untrained or trained model input is not a PyTorch model directory we know."""
+
+
+class InvalidParameterError(ImageOpsError):
+    """A parameter is out of its range; raised before any work starts.
+
+    Here, not in ``tasks/errors.py`` (which re-exports it), because the atomic writer refuses a
+    destination it must not replace.
+    """

@@ -153,7 +153,7 @@ def _check_name(name: str, allowed: tuple[str, ...], family: str) -> None:
 
 def write_untrained(spec: ModelSpec, dest: Path) -> Path:
     """Write the UntrainedModelDirectory for ``spec`` to ``dest`` (atomically)."""
-    with atomic_directory(Path(dest)) as tmp:
+    with atomic_directory(Path(dest), replaces=MODEL_JSON) as tmp:
         write_json(tmp / MODEL_JSON, spec.model_dump(mode="json"))
     return Path(dest)
 

@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from models.atomic import atomic_directory
+from models.atomic import atomic_directory, check_destination
 from tasks.archive import (
     ARCHIVE_SUFFIXES,
     DEFAULT_MAX_BYTES,
@@ -145,6 +145,7 @@ def convert(
     """
     source, dest = Path(source), Path(dest)
     _check_parameters(source, dest, max_pixels, workers, max_archive_members, max_archive_bytes)
+    check_destination(dest, replaces=MANIFEST)
     kind = _source_kind(source)
     params: dict[str, int] = {"max_pixels": max_pixels}
     if kind == "archive":
@@ -345,6 +346,7 @@ def _scan(root: Path) -> _Scan:
     def skip(rel: str, reason: str) -> None:
         scan.skipped.append(SkippedFile(path=_printable(rel), reason=reason))
 
+    base = os.path.realpath(root)
     for folder, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(folder)
         for name in sorted(dirnames):
@@ -365,6 +367,9 @@ def _scan(root: Path) -> _Scan:
                 continue  # the source is itself an ImageDirectory: its manifest is not data
             if not _utf8(rel):
                 skip(rel, SkipReason.BAD_FILE_NAME.because("the name is not UTF-8"))
+            elif path.is_symlink() and not _stays_in(base, path):
+                # As the CSV and COCO routes refuse it: the source is what the user gave.
+                skip(rel, SkipReason.UNSAFE_PATH.because("a symlink leads outside the source"))
             elif not path.is_file():
                 # A FIFO would block the reader forever; a socket or device is never an image.
                 skip(rel, SkipReason.NOT_AN_IMAGE.because("not a regular file"))
@@ -377,6 +382,11 @@ def _scan(root: Path) -> _Scan:
                 scan.files.append((path, rel))
     scan.files.sort(key=lambda item: item[1])
     return scan
+
+
+def _stays_in(base: str, link: Path) -> bool:
+    """Whether the symlink ``link`` resolves to a place under ``base`` (a realpath)."""
+    return os.path.commonpath([base, os.path.realpath(link)]) == base
 
 
 def _utf8(text: str) -> bool:
@@ -458,7 +468,7 @@ def _convert_plan(
     computed of the files they read (no file is read twice).
     """
     skipped = list(plan.skipped)
-    with atomic_directory(dest) as tmp:
+    with atomic_directory(dest, replaces=MANIFEST) as tmp:
         jobs = [
             CheckJob(item.source, item.rel, str(tmp / item.dest), max_pixels) for item in plan.items
         ]

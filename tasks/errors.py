@@ -6,7 +6,7 @@ PyTorch Model, Apply Image Transformation); the others name the step that refuse
 
 from __future__ import annotations
 
-from models.errors import ImageOpsError, InvalidModelDirectoryError
+from models.errors import ImageOpsError, InvalidModelDirectoryError, InvalidParameterError
 from tasks.settings import redact_uri
 
 __all__ = [
@@ -83,10 +83,6 @@ class NoUsableImagesError(ImageOpsError):
 
 class UnsafeArchiveError(ImageOpsError):
     """An archive member would land outside the destination or is not a plain file."""
-
-
-class InvalidParameterError(ImageOpsError):
-    """A parameter is out of its range; raised before any work starts."""
 
 
 class TrainingFailedError(ImageOpsError):

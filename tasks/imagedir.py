@@ -8,6 +8,8 @@ by name, exactly as ImageFolder sorts them) and for which files belong to the se
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
@@ -124,7 +126,59 @@ def read_manifest(root: Path) -> Manifest:
             f"{FORMAT_VERSION}.",
             "Upgrade imageops.",
         )
+    _check_paths(root, manifest)
     return manifest
+
+
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def _check_paths(root: Path, manifest: Manifest) -> None:
+    """Every image path stays inside ``root``, as Convert keeps archive members inside theirs.
+
+    A manifest is a file anyone can edit: an entry ``../../x.png`` or ``/etc/x.png``, or one that
+    reaches a symlink leading out of the directory, would make a step read (and split write)
+    outside the folders it was given. Checked by shape first (relative POSIX, no ``..``, no NUL;
+    a backslash counts as a separator here, as Windows would take it), then by where the path
+    resolves: one realpath per folder, one lstat per file.
+    """
+    base = os.path.realpath(root)
+    folders: dict[str, str] = {}
+    for entry in manifest.images:
+        name = entry.path
+        problem = _bad_shape(name)
+        if problem is None:
+            folder, _, leaf = name.rpartition("/")
+            if folder not in folders:
+                folders[folder] = os.path.realpath(os.path.join(base, folder))
+            real = os.path.join(folders[folder], leaf)
+            if os.path.islink(real):
+                real = os.path.realpath(real)
+            if os.path.commonpath([base, real]) != base:
+                problem = "it leads outside the directory through a symlink"
+        if problem is not None:
+            raise InvalidImageDirectoryError(
+                f"{root / MANIFEST} lists the image {name!r}: {problem}; every image path must "
+                "be relative to the ImageDirectory and stay inside it.",
+                "Do not edit manifest.json by hand: re-create the directory with "
+                "`imageops convert SOURCE DEST` (a symlink out is refused; copy the file in).",
+            )
+
+
+def _bad_shape(name: str) -> str | None:
+    """What is wrong with the form of the manifest path ``name``; None when it is sound."""
+    if "\x00" in name:
+        return "a NUL byte in the path"
+    if not name:
+        return "an empty path"
+    if name.startswith(("/", "\\")) or _DRIVE.match(name):
+        return "an absolute path"
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts:
+        return "'..' in the path"
+    if any(part in ("", ".") for part in name.split("/")):
+        return "not a normalised POSIX path (empty or '.' parts)"
+    return None
 
 
 def write_manifest(root: Path, manifest: Manifest) -> Path:

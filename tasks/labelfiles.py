@@ -24,6 +24,7 @@ import os
 import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,15 @@ CSV_SUFFIXES = (".csv",)
 COCO_SUFFIXES = (".json",)
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A label file is read whole: refuse one larger than this before reading it. 1M COCO entries
+# with annotations take about 120 MB.
+MAX_LABEL_FILE_BYTES = 1024**3
+# COCO classification needs 3 levels (object > list > object), segmentation polygons 5; a file
+# nested deeper is not a label file, and the JSON decoder would recurse once per level.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _CSV_HINT = (
     "The first line must be the header `path,label`; each further line a path relative to the "
     "CSV's folder and a label (empty for none). Quote a field that holds a comma."
@@ -110,6 +120,14 @@ def read_label_file(path: Path, *, exclude: Path | None = None) -> Listing:
 
 def _read_text(path: Path) -> str:
     try:
+        size = path.stat().st_size
+        if size > MAX_LABEL_FILE_BYTES:
+            raise InvalidLabelFileError(
+                f"{path} is {size:,} bytes; imageops reads label files of up to "
+                f"{MAX_LABEL_FILE_BYTES:,} bytes (they are read whole).",
+                "Convert the images as a folder with one sub-folder per class, or split the "
+                "label file into parts and `imageops convert` each.",
+            )
         data = path.read_bytes()
     except OSError as exc:
         raise InvalidLabelFileError(
@@ -179,7 +197,24 @@ def _csv_columns(path: Path, header: list[str], line: int) -> tuple[int, int]:
 # --- COCO ---------------------------------------------------------------------------------------
 
 
+def _json_depth(text: str) -> int:
+    """How deep the arrays and objects of the JSON ``text`` nest, without parsing it.
+
+    Strings are dropped first (a bracket inside one does not count); then a running sum over
+    the brackets. Linear, no recursion, about as fast as ``json.loads`` itself.
+    """
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode()
+    return max(accumulate(_BRACKET_STEP[c] for c in brackets), default=0)
+
+
 def _coco_rows(path: Path, text: str) -> tuple[list[_Row], list[str]]:
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise InvalidLabelFileError(
+            f"{path}: arrays and objects nested {depth:,} deep; a COCO file needs 3 levels and "
+            f"imageops reads up to {MAX_JSON_DEPTH}.",
+            _COCO_HINT,
+        )
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -19,6 +19,7 @@ The output is the Score Image Model table: ``id`` (the image's place in the list
 from __future__ import annotations
 
 import contextlib
+import csv
 import fcntl
 import hashlib
 import json
@@ -46,7 +47,14 @@ from tasks.errors import (
     NoUsableImagesError,
 )
 from tasks.export import INPUT_NAME, OUTPUT_NAME, sha256_file
-from tasks.imagedir import IMAGE_EXTENSIONS, MANIFEST, is_image_file, load_rgb, read_manifest
+from tasks.imagedir import (
+    IMAGE_EXTENSIONS,
+    MANIFEST,
+    SkipReason,
+    is_image_file,
+    load_rgb,
+    read_manifest,
+)
 from tasks.step import step, step_logger
 from tasks.transform import applied_to, input_size, transform_for
 
@@ -54,6 +62,9 @@ PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
 ERROR_COLUMN = "Scoring Error"  # empty when the image was scored; else why it could not be
 OUTPUT_SUFFIXES = (".csv", ".parquet")
+# RFC 4180's line end. The csv module quotes a field only for the characters of its line end:
+# with "\n" alone, a file name holding "\r" was written bare and read back as two rows.
+CSV_FORMAT = {"lineterminator": "\r\n", "quoting": csv.QUOTE_MINIMAL}
 ROW_GROUP_ROWS = 16_384
 
 
@@ -64,6 +75,7 @@ class ImageRef:
     file: Path
     path: str
     category: str | None
+    problem: str = ""  # why it is not scored, found before reading it (an error row)
 
 
 def list_images(images: Path) -> tuple[list[ImageRef], bool]:
@@ -95,9 +107,21 @@ def list_images(images: Path) -> tuple[list[ImageRef], bool]:
         and is_image_file(p)
         and not any(part.startswith(".") for part in p.relative_to(images).parts)
     )
-    return [
-        ImageRef(file=p, path=p.relative_to(images).as_posix(), category=None) for p in files
-    ], False
+    return [_raw_ref(p, p.relative_to(images).as_posix()) for p in files], False
+
+
+def _raw_ref(file: Path, rel: str) -> ImageRef:
+    """A raw folder's image; one whose name is not UTF-8 (the table is UTF-8) becomes an error
+    row under its name with the odd bytes as ``\\xNN``, so every other image is still scored."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
+        reason = SkipReason.BAD_FILE_NAME.because(
+            "the name is not UTF-8, so the table cannot hold it; rename the file"
+        )
+        return ImageRef(file=file, path=shown, category=None, problem=reason)
+    return ImageRef(file=file, path=rel, category=None)
 
 
 def default_threads() -> int:
@@ -193,11 +217,11 @@ class _TableWriter:
             self._parquet = pq.ParquetWriter(str(path), self.schema)
         else:
             self._csv = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115
-            pd.DataFrame(columns=columns).to_csv(self._csv, index=False)
+            pd.DataFrame(columns=columns).to_csv(self._csv, index=False, **CSV_FORMAT)
 
     def write(self, frame: pd.DataFrame) -> None:
         if self._parquet is None:
-            frame.to_csv(self._csv, header=False, index=False)
+            frame.to_csv(self._csv, header=False, index=False, **CSV_FORMAT)
             return
         # Rows (not images) are buffered into row groups of a useful size: one tiny row group
         # per batch would make the file slow to read.
@@ -312,6 +336,10 @@ def score(
             for start, batch in _batches(refs, batch_size):
                 tensors, kept, errors = [], [], [""] * len(batch)
                 for i, ref in enumerate(batch):
+                    if ref.problem:
+                        errors[i] = ref.problem
+                        log.warning("Cannot score %s: %s", ref.path, ref.problem)
+                        continue
                     try:
                         tensors.append(transform(load_rgb(ref.file)).numpy())
                     except Exception as exc:  # one bad file must not sink the other images
@@ -352,7 +380,7 @@ def score(
 score_task = step(score, name="score")
 SHARD_IMAGES = 20_000  # a shard per this many images: big enough that start-up is noise
 CHECKPOINTS = ".imageops-shards"  # beside the scored table: finished shards of unmerged runs
-CHECKPOINT_FORMAT = 1  # part of the checkpoint key: raise it when a shard table changes shape
+CHECKPOINT_FORMAT = 2  # part of the checkpoint key: raise it when a shard table changes shape
 
 
 def merge_tables(parts: Sequence[Path], dest: Path) -> int:

@@ -15,9 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from models.atomic import atomic_directory
+from models.atomic import atomic_directory, check_destination
 from tasks.errors import InvalidParameterError
-from tasks.imagedir import ImageEntry, Manifest, find_duplicates, read_manifest, write_manifest
+from tasks.imagedir import (
+    MANIFEST,
+    ImageEntry,
+    Manifest,
+    find_duplicates,
+    read_manifest,
+    write_manifest,
+)
 from tasks.step import step
 
 
@@ -36,7 +43,7 @@ def _write_subset(
             "fingerprint": None,
         }
     )
-    with atomic_directory(dest) as tmp:
+    with atomic_directory(dest, replaces=MANIFEST) as tmp:
         for entry in entries:
             target = tmp / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +122,8 @@ def split(
     manifest = read_manifest(source)
     outputs = {"first": first, "second": second} | ({"third": Path(third)} if third else {})
     _check_paths(source, outputs)
+    for out in outputs.values():  # all of them before writing any: no half split
+        check_destination(out, replaces=MANIFEST)
     rng = np.random.default_rng(seed)
     groups: dict[int | None, list[ImageEntry]] = {}
     for entry in manifest.images:

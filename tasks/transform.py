@@ -28,7 +28,7 @@ import torch
 from pydantic import ValidationError
 from torchvision.transforms import v2
 
-from models.atomic import atomic_directory, write_json
+from models.atomic import atomic_directory, check_destination, write_json
 from models.transform_spec import MODES, AppliedTransform, Mode, TransformSpec
 from tasks.errors import (
     InvalidParameterError,
@@ -72,7 +72,7 @@ def init_transformation(dest: Path, spec: TransformSpec | Mapping[str, Any] | No
     """
     if not isinstance(spec, TransformSpec):
         spec = transform_spec(**dict(spec or {}))
-    with atomic_directory(Path(dest)) as tmp:
+    with atomic_directory(Path(dest), replaces=TRANSFORM_JSON) as tmp:
         write_json(
             tmp / TRANSFORM_JSON,
             {"format": FORMAT, "format_version": FORMAT_VERSION, "transform": spec.model_dump()},
@@ -357,11 +357,12 @@ def apply_transformation(
             f"Apply the transform to the ImageDirectory it came from ({manifest.source}).",
         )
     _check_dest(dest, images, transform)
+    check_destination(dest, replaces=MANIFEST)
     entries: list[ImageEntry] = []
     skipped: list[SkippedFile] = []
     taken: set[str] = set()
     # Seeding per image leaves the caller's random state as it was.
-    with atomic_directory(dest) as tmp, torch.random.fork_rng(devices=[]):
+    with atomic_directory(dest, replaces=MANIFEST) as tmp, torch.random.fork_rng(devices=[]):
         for entry in manifest.images:
             try:
                 image = load_rgb(images / entry.path)

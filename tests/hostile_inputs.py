@@ -376,6 +376,71 @@ def _csv_escape(io_: Inputs) -> Run:
     return _convert(io_, io_.src / "labels.csv", made="manifest.json")
 
 
+def _precious(path: Path, text: str = "the only copy of my notes\n") -> Path:
+    """A file of the user's where an output folder is asked for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _convert_dest_file(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    dest = _precious(io_.out / "images")
+    return Run(["convert", str(io_.src), str(dest)], dest)
+
+
+def _convert_dest_foreign(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    dest = io_.out / "documents"
+    _precious(dest / "notes.txt")
+    return Run(["convert", str(io_.src), str(dest)], dest)
+
+
+def _split_dest_file(io_: Inputs) -> Run:
+    dest = io_.out / "split"
+    _precious(dest / "b")
+    return Run(["split", str(io_.train), str(dest / "a"), str(dest / "b")], dest)
+
+
+def _transform_init_dest_file(io_: Inputs) -> Run:
+    dest = _precious(io_.out / "transform")
+    return Run(["transform", "init", str(dest), "--resize-size", "16"], dest)
+
+
+def _transform_apply_dest_link(io_: Inputs) -> Run:
+    from tasks.transform import init_transformation
+
+    spec = init_transformation(io_.src / "transform", {"resize_size": 16})
+    dest = io_.out / "images"
+    dest.symlink_to(_precious(io_.out / "elsewhere" / "notes.txt").parent)
+    return Run(["transform", "apply", str(spec), str(io_.val), str(dest)], io_.out)
+
+
+def _train_out_file(io_: Inputs) -> Run:
+    run = _train(io_, _untrained(io_), io_.train, io_.val)
+    _precious(run.dest)
+    return Run(run.argv, run.dest)
+
+
+def _coco_deep(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "photos")
+    images = [{"id": i, "file_name": f"photos/{p.relative_to(io_.src / 'photos').as_posix()}"}
+              for i, p in enumerate(sorted((io_.src / "photos").rglob("*.png")))]  # fmt: skip
+    head = json.dumps({"images": images, "categories": [{"id": 0, "name": "0"}]})
+    deep = "[" * 100_000 + "]" * 100_000  # 200 KB: a list in a list ... 100,000 deep
+    (io_.src / "labels.json").write_text(head[:-1] + ', "info": ' + deep + "}")
+    return _convert(io_, io_.src / "labels.json")
+
+
+def _coco_huge(io_: Inputs) -> Run:
+    from tasks.labelfiles import MAX_LABEL_FILE_BYTES
+
+    _digits(io_, io_.src / "photos")
+    with open(io_.src / "labels.json", "wb") as fh:  # sparse: no disk used, no time spent
+        fh.truncate(MAX_LABEL_FILE_BYTES + 1)
+    return _convert(io_, io_.src / "labels.json")
+
+
 def _split_raw(io_: Inputs) -> Run:
     _digits(io_, io_.src)
     dest = io_.out / "split"
@@ -387,6 +452,72 @@ def _split_bad_manifest(io_: Inputs) -> Run:
     (images / "manifest.json").write_text('{"images": [{"path": "../../etc/passwd"')
     dest = io_.out / "split"
     return Run(["split", str(images), str(dest / "a"), str(dest / "b")], dest)
+
+
+def _tampered(io_: Inputs, path: str, outside: Path | None = None) -> Path:
+    """A copy of the training ImageDirectory whose first manifest entry is replaced by ``path``.
+
+    ``outside``: a real digit PNG is put there first, so that a step that followed the entry would
+    find an image to read (and split one to copy) rather than fail on a missing file.
+    """
+    images = Path(shutil.copytree(io_.train, io_.src / "tampered"))
+    if outside is not None:
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(next((io_.digits / "0").glob("*.png")), outside)
+    manifest = json.loads((images / "manifest.json").read_text())
+    manifest["images"][0]["path"] = path
+    (images / "manifest.json").write_text(json.dumps(manifest))
+    return images
+
+
+def _split_manifest_traversal(io_: Inputs) -> Run:
+    images = _tampered(io_, "../../escaped/pwned.png", io_.root / "escaped" / "pwned.png")
+    dest = io_.out / "split"
+    forbidden = (io_.out / "escaped", dest / "escaped")
+    return Run(["split", str(images), str(dest / "a"), str(dest / "b")], dest, forbidden=forbidden)
+
+
+def _transform_manifest_absolute(io_: Inputs) -> Run:
+    from tasks.transform import init_transformation
+
+    outside = io_.root / "abs" / "pwned.png"
+    images = _tampered(io_, str(outside), outside)
+    spec = init_transformation(io_.src / "transform", {"resize_size": 16})
+    dest = io_.out / "images"
+    return Run(["transform", "apply", str(spec), str(images), str(dest)], dest)
+
+
+def _train_manifest_backslash(io_: Inputs) -> Run:
+    images = _tampered(io_, "..\\..\\escaped\\pwned.png")
+    return _train(io_, _untrained(io_), images, io_.val)
+
+
+def _score_manifest_symlink(io_: Inputs) -> Run:
+    images = _tampered(io_, "")
+    manifest = json.loads((images / "manifest.json").read_text())
+    first = sorted(images.rglob("*.png"))[0]
+    manifest["images"][0]["path"] = first.relative_to(images).as_posix()
+    (images / "manifest.json").write_text(json.dumps(manifest))
+    outside = io_.root / "secret.png"
+    shutil.copy(first, outside)
+    first.unlink()
+    first.symlink_to(outside)
+    return _score(io_, str(io_.model), images)
+
+
+def _export_sample_traversal(io_: Inputs) -> Run:
+    model = _model_copy(io_)
+    sample = _tampered(io_, "0/../../../escaped/pwned.png", io_.root / "escaped" / "pwned.png")
+    return Run(["export", str(model), "--sample", str(sample)], model)
+
+
+def _convert_symlink_out(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "photos")
+    outside = io_.root / "secret.png"
+    shutil.copy(next((io_.digits / "2").glob("*.png")), outside)
+    (io_.src / "photos" / "0" / "link.png").symlink_to(outside)
+    (io_.src / "photos" / "1" / "inside.png").symlink_to(next((io_.src / "photos" / "0").iterdir()))
+    return _convert(io_, io_.src / "photos", made="manifest.json")
 
 
 def _split_fraction(io_: Inputs) -> Run:
@@ -481,6 +612,18 @@ def _score_bad_images(io_: Inputs) -> Run:
     (io_.src / "images" / "0" / "cut.jpg").write_bytes(_jpeg_bytes(io_)[:200])
     (io_.src / "images" / "1" / "empty.png").write_bytes(b"")
     return _score(io_, str(io_.model), io_.src / "images")
+
+
+def _score_odd_names(io_: Inputs) -> Run:
+    import os
+
+    folder = io_.src / "images"
+    folder.mkdir(parents=True)
+    scans = sorted(io_.digits.rglob("*.png"))
+    for name, scan in zip(["a\rb.png", "c\nd.png", "e\tf.png", 'q"u,o.png'], scans, strict=False):
+        shutil.copy(scan, folder / name)
+    shutil.copy(scans[-1], os.fsdecode(os.fsencode(folder) + b"/caf\xe9.png"))
+    return _score(io_, str(io_.model), folder)
 
 
 def _score_missing_model(io_: Inputs) -> Run:
@@ -626,10 +769,40 @@ CASES: list[Case] = [
          "NoUsableImagesError", "a.tar.gz"),
     Case("convert-csv-escape", "convert", "a CSV manifest naming ../../../etc/passwd and /etc",
          _csv_escape, "ok: 6 images, 2 classes, 2 skipped; UnsafePath"),
+    Case("convert-symlink-out", "convert",
+         "a folder whose image is a symlink to a file outside it (and one to a file inside)",
+         _convert_symlink_out,
+         "ok: 7 images, 2 classes, 1 skipped; UnsafePath: a symlink leads outside the source"),
+    Case("convert-dest-is-file", "convert", "an existing file as the destination",
+         _convert_dest_file, "InvalidParameterError", "exists and is a file"),
+    Case("convert-dest-foreign-folder", "convert",
+         "an existing folder of other files (no manifest.json) as the destination",
+         _convert_dest_foreign, "InvalidParameterError", "folder of other files"),
+    Case("convert-coco-deep", "convert",
+         "a COCO JSON (200 KB) holding a list nested 100,000 deep", _coco_deep,
+         "InvalidLabelFileError", "nested 100,001 deep"),
+    Case("convert-coco-huge", "convert", "a label file over the 1 GiB limit (sparse)", _coco_huge,
+         "InvalidLabelFileError", "label files of up to 1,073,741,824 bytes"),
     Case("split-raw-folder", "split", "a raw image folder, not an ImageDirectory", _split_raw,
          "InvalidImageDirectoryError", "is not an ImageDirectory"),
     Case("split-bad-manifest", "split", "a manifest.json cut short", _split_bad_manifest,
          "InvalidImageDirectoryError", "manifest.json"),
+    Case("split-manifest-traversal", "split",
+         "a manifest.json entry `../../escaped/pwned.png` (the file exists there)",
+         _split_manifest_traversal, "InvalidImageDirectoryError", "'..' in the path"),
+    Case("transform-manifest-absolute", "transform",
+         "a manifest.json entry with an absolute path to an image outside",
+         _transform_manifest_absolute, "InvalidImageDirectoryError", "absolute path"),
+    Case("train-manifest-backslash", "train", "a manifest.json entry `..\\..\\escaped\\pwned.png`",
+         _train_manifest_backslash, "InvalidImageDirectoryError", "'..' in the path"),
+    Case("score-manifest-symlink", "score",
+         "an ImageDirectory whose listed image is a symlink to a file outside it",
+         _score_manifest_symlink, "InvalidImageDirectoryError", "symlink"),
+    Case("export-sample-traversal", "export",
+         "--sample whose manifest lists `0/../../../escaped/pwned.png`",
+         _export_sample_traversal, "InvalidImageDirectoryError", "'..' in the path"),
+    Case("split-dest-is-file", "split", "the second output an existing file",
+         _split_dest_file, "InvalidParameterError", "exists and is a file"),
     Case("split-bad-fraction", "split", "--fraction 1.5", _split_fraction,
          "InvalidParameterError", "fraction"),
     Case("split-single-class", "split", "one class of 4 images, half and half",
@@ -640,6 +813,13 @@ CASES: list[Case] = [
          _transform_bad_value, "InvalidParameterError", "resize_size = -5"),
     Case("transform-unknown-mode", "transform", "transform apply --mode x",
          _transform_unknown_mode, "InvalidParameterError", "mode"),
+    Case("transform-init-dest-is-file", "transform", "transform init onto an existing file",
+         _transform_init_dest_file, "InvalidParameterError", "exists and is a file"),
+    Case("transform-apply-dest-link", "transform",
+         "transform apply onto a symlink to a folder of other files",
+         _transform_apply_dest_link, "InvalidParameterError", "is a symlink"),
+    Case("train-out-is-file", "train", "an existing file as the model output",
+         _train_out_file, "InvalidParameterError", "exists and is a file"),
     Case("train-unlabeled", "train", "unlabeled training data", _train_unlabeled,
          "NotLabeledDatasetError", "labeled"),
     Case("train-other-classes", "train", "validation classes that differ from training",
@@ -662,6 +842,9 @@ CASES: list[Case] = [
          _score_pickle_beside, "ok: wrote"),
     Case("score-bad-images", "score", "a truncated JPEG and an empty PNG among the images",
          _score_bad_images, "ok: wrote"),
+    Case("score-odd-names", "score",
+         "a raw folder with `\\r`, `\\n`, tab, quote and comma in names, and a Latin-1 name",
+         _score_odd_names, "ok: wrote"),
     Case("score-missing-model", "score", "models:/no-such-model@champion", _score_missing_model,
          "RegistryError", "no-such-model"),
     Case("score-missing-alias", "score", "models:/<a registered model>@no-such-alias",

@@ -208,3 +208,58 @@ def test_all_shards_unreadable_is_a_clear_error_and_writes_nothing(
     with pytest.raises(NoUsableImagesError, match="None of the 4 image"):
         score_in_shards(exported_model, folder, tmp_path / "out.csv", shard_images=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["all-bad"]
+
+
+def test_any_file_name_reads_back_the_same_with_pandas_and_the_csv_module(
+    exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    """Names with a carriage return, a newline, a tab, quotes and commas are written quoted
+    where they must be; a name that is not UTF-8 is an error row (BadFileName) under its name
+    with ``\\xNN`` escapes, and every other image is scored: the table is always written."""
+    import csv
+    import os
+
+    names = ["a\rb.png", "c\nd.png", "e\tf.png", 'q"uote,comma.png', " lead.png", "plain.png"]
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    scans = sorted(digits_raw.rglob("*.png"))
+    for name, scan in zip(names, scans, strict=False):
+        shutil.copyfile(scan, folder / name)
+    shutil.copyfile(scans[-1], os.fsdecode(os.fsencode(folder) + b"/caf\xe9.png"))  # Latin-1
+
+    out = score(exported_model, folder, tmp_path / "scores.csv", batch_size=4, threads=1)
+
+    expected = sorted([*names, "caf\\xe9.png"])
+    table = _read_csv(out)
+    with open(out, encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted(table["path"]) == expected
+    assert sorted(row["path"] for row in rows) == expected
+    assert table[ERR].tolist() == [row[ERR] for row in rows]
+    errors = dict(zip(table["path"], table[ERR], strict=True))
+    assert errors.pop("caf\\xe9.png").startswith("BadFileName: the name is not UTF-8")
+    assert set(errors.values()) == {""}  # every other name was scored
+
+
+def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
+    exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    """The issue's failure: a `\\r` in a name split a row in two and evaluate then failed."""
+    from tasks.convert import convert
+    from tasks.evaluate import compute_metrics, read_scored
+
+    raw = tmp_path / "raw"
+    for label in ("0", "1", "2"):
+        (raw / label).mkdir(parents=True)
+        for i, scan in enumerate(sorted((digits_raw / label).glob("*.png"))[:2]):
+            shutil.copyfile(scan, raw / label / (f"{label}\r{i}.png" if i else f"{label}\n{i}.png"))
+    images = tmp_path / "images"
+    manifest = convert(raw, images, workers=1)
+    assert len(manifest.images) == 6 and not manifest.skipped
+
+    out = score(exported_model, images, tmp_path / "scores.csv", batch_size=4, threads=1)
+
+    table = read_scored(out)
+    assert sorted(table["path"]) == sorted(e.path for e in manifest.images)
+    assert table["category"].tolist() == [p.split("/")[0] for p in table["path"]]
+    assert compute_metrics(table).confusion  # every row is one image with its true class

@@ -49,9 +49,9 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel
 
 import tasks
-from models.atomic import write_json
+from models.atomic import check_destination, write_json
 from models.transform_spec import AppliedTransform, TransformSpec
-from models.untrained import ModelSpec, read_untrained
+from models.untrained import MODEL_JSON, ModelSpec, read_untrained
 from models.zoo import build_model, pretrained_weights_path
 from tasks.artifacts import markdown_table, png_markdown, publish_markdown
 from tasks.errors import (
@@ -410,6 +410,7 @@ def _check_request(
     """Everything the seed refuses, refused; the run configuration resolved (not yet bound)."""
     spec = read_untrained(Path(model))
     train_manifest, val_manifest = _check_datasets(Path(train_data), Path(val_data))
+    check_destination(Path(out), replaces=MODEL_JSON)  # before torchrun, not after the epochs
     spec_transform = _check_transform(
         transform,
         {
