@@ -43,11 +43,12 @@ def test_make_keeps_an_environment_whose_lock_only_got_newer(tmp_path: Path) -> 
         ["make", "-n", "install", "VENV=venv"], cwd=tmp_path, capture_output=True, text=True
     )
     assert dry.returncode == 0, dry.stderr
-    assert "rm -rf" not in dry.stdout and "pip install" not in dry.stdout, dry.stdout
+    # Only the cheap check that the editable install points here; no new environment.
+    assert "rm -rf" not in dry.stdout and "--requirement" not in dry.stdout, dry.stdout
     # a changed lock is another key: a fresh environment
     with (tmp_path / "requirements.lock").open("a") as lock:
         lock.write("# changed\n")
     changed = subprocess.run(
         ["make", "-n", "install", "VENV=venv"], cwd=tmp_path, capture_output=True, text=True
     )
-    assert "rm -rf venv" in changed.stdout and "pip install" in changed.stdout
+    assert "rm -rf venv" in changed.stdout and "--requirement" in changed.stdout
