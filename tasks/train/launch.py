@@ -126,12 +126,39 @@ class _Request:
     """
 
     spec: ModelSpec
-    config: RunConfig
+    config: RunConfig  # with ``precision`` still to decide when "auto" (see :meth:`decided`)
     train_manifest: Manifest
     val_manifest: Manifest
 
+    def decided(self, run_dir: Path | None = None) -> RunConfig:
+        """The config with "auto" precision decided once per run, never again on a resume.
+
+        A run folder that already holds this job's ``config.json`` (a retry, a restart on a
+        busier machine) keeps the precision recorded there; else it is decided now, which on
+        CPU times a small convolution both ways.
+        """
+        params = self.config.params
+        if params.precision != "auto":
+            return self.config
+        recorded = _recorded_config(run_dir) if run_dir is not None else None
+        if recorded is not None and recorded.job_key() == self.config.job_key():
+            precision = recorded.precision
+        else:
+            size = input_size(self.config.transform)
+            precision = resolve_precision("auto", self.config.device, size)
+        return self.config.model_copy(update={"precision": precision})
+
     def bind(self, run_id: str, run_dir: Path) -> RunConfig:
-        return self.config.model_copy(update={"run_dir": run_dir, "mlflow_run_id": run_id})
+        config = self.decided(run_dir)
+        return config.model_copy(update={"run_dir": run_dir, "mlflow_run_id": run_id})
+
+
+def _recorded_config(run_dir: Path) -> RunConfig | None:
+    """The config a run folder was started with, None when it has none (or an unreadable one)."""
+    try:
+        return RunConfig.load(run_dir / CONFIG)
+    except (OSError, ValueError):
+        return None
 
 
 def train(
@@ -421,7 +448,12 @@ def _check_request(
     _check_sizes(params, train_manifest)
     device = _resolve_device(params)
     # Refused here, before a run exists: fp16 on CPU, bf16 where the device cannot train in it.
-    precision = resolve_precision(params.precision, device, input_size(spec_transform))
+    # "auto" is decided later, once per run (_Request.decided): a resume keeps what it recorded.
+    precision = (
+        resolve_precision(params.precision, device, input_size(spec_transform))
+        if params.precision != "auto"
+        else "fp32"  # a placeholder, outside the job's identity (RunConfig.job_key)
+    )
     if spec.pretrained:
         _ensure_pretrained_weights(spec, settings)
     config = RunConfig(
@@ -598,7 +630,7 @@ def _open_run(
             resumable,
         )
         return resumable
-    config = request.config
+    config = request.decided()
     tags = _tags(request.spec, config.params, config.device, config.data_version)
     # The data md5s above and the code's revision: together they say what this run learned from.
     tags["imageops.git_revision"] = git_revision(settings.project_root)

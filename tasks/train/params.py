@@ -175,8 +175,9 @@ class RunConfig(BaseModel):
     run_dir: Path
     mlflow_run_id: str | None = None
     device: Literal["cpu", "cuda"]
-    # The precision resolved for this device (tasks.train.precision): "auto" is decided once,
-    # here, so every rank and every restart trains in the same format.
+    # The precision resolved for this device (tasks.train.precision): "auto" is decided once
+    # per run by the launcher and kept in config.json, so every rank, every restart and every
+    # resume trains in the same format.
     precision: Resolved
     world_size: int = Field(ge=1)
     # Set when the run is a tuning trial; excluded from the job's identity (see TrialHook).
@@ -191,9 +192,12 @@ class RunConfig(BaseModel):
 
         The digest without ``run_dir`` and ``mlflow_run_id``: the same model, data (manifest
         fingerprints), parameters, transform and output give the same key, so a retry of the
-        same request can find the unfinished run it started and continue it.
+        same request can find the unfinished run it started and continue it. Without the
+        resolved ``precision`` too: the request is ``params.precision``, and what "auto" became
+        is decided once per run and kept on its resumes, whatever the machine measures later.
         """
-        request = self.model_dump_json(exclude={"run_dir", "mlflow_run_id", "tuning"})
+        exclude = {"run_dir", "mlflow_run_id", "tuning", "precision"}
+        request = self.model_dump_json(exclude=exclude)
         return hashlib.sha256(request.encode()).hexdigest()
 
     def save(self, path: Path) -> Path:

@@ -1,9 +1,10 @@
 """Mixed precision and memory layout: how the training step computes, decided once per run.
 
 A person asks for ``auto``, ``fp32``, ``bf16`` or ``fp16`` (``TrainParams.precision``); the
-launcher resolves that to ``fp32``, ``bf16`` or ``fp16`` before anything starts and stores it in
-the run's config, so every rank, and every restart of a rank, trains in the same format (a resumed
-run must compute exactly what the uninterrupted one would have).
+launcher resolves that to ``fp32``, ``bf16`` or ``fp16`` once per run and stores it in the run's
+config, so every rank, every restart of a rank and every resume of the run trains in the same
+format (a resumed run must compute exactly what the uninterrupted one would have), even where
+the machine would now measure otherwise.
 
 - **CPU**: bfloat16 autocast where the CPU computes it natively (AVX-512 BF16, AMX): convolutions
   and matrix products run in bf16, about twice as fast, while weights, gradients, optimizer state
