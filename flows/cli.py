@@ -131,6 +131,7 @@ def convert(
 ) -> None:
     """Convert to Image Directory: class sub-folders become labels; broken files are reported."""
     from tasks.convert import convert as run
+    from tasks.imageformat import visible_name
 
     manifest = run(source, dest)
     kind = f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled"
@@ -139,7 +140,7 @@ def convert(
         escape(f"{dest}: {len(manifest.images)} images, {kind}, {len(manifest.skipped)} skipped")
     )
     for item in manifest.skipped[:20]:
-        out.print(escape(f"  skipped {item.path}: {item.reason}"))
+        out.print(escape(visible_name(f"  skipped {item.path}: {item.reason}")))
 
 
 @app.command()
@@ -286,6 +287,7 @@ def transform_apply(
     ] = 1,
 ) -> None:
     """Apply Image Transformation: write the transformed images as a new ImageDirectory."""
+    from tasks.imageformat import visible_name
     from tasks.transform import apply_transformation
 
     manifest = apply_transformation(transform, images, dest, mode=mode, seed=seed)  # type: ignore[arg-type]
@@ -295,7 +297,7 @@ def transform_apply(
         escape(f"{dest}: {len(manifest.images)} images ({shown}), {len(manifest.skipped)} skipped")
     )
     for item in manifest.skipped[:20]:
-        out.print(escape(f"  skipped {item.path}: {item.reason}"))
+        out.print(escape(visible_name(f"  skipped {item.path}: {item.reason}")))
 
 
 @app.command()

@@ -3,6 +3,10 @@
 Files are written to a temporary sibling and ``os.replace``d; folders are built in a temporary
 sibling and renamed into place. It lives in ``models/`` because that is the bottom layer: the
 model-directory format needs it and every step above may use it.
+
+Any name the file system takes can be written so: a temporary sibling's name is short whatever
+the real one is (:func:`temp_name`), and a name the file system cannot take is refused with the
+limit (:func:`check_name_length`), never an ``OSError`` halfway through.
 """
 
 from __future__ import annotations
@@ -39,13 +43,71 @@ def _read_umask() -> int:
 
 # Read once at import: os.umask can only be read by setting it, which races with other threads.
 _UMASK = _read_umask()
+# How much of the real name a temporary name keeps, so a person can tell whose it is. Bounded:
+# ".<name>.<random>.tmp" from a name of 242 bytes or more would be longer than the 255 bytes
+# most file systems take, while the name itself fits.
+_TEMP_NAME_KEEPS = 40
+NAME_MAX = 255  # bytes per name on ext4, XFS, btrfs, ZFS, APFS; asked of the file system first
+
+
+def temp_name(name: str, kind: str = "tmp") -> str:
+    """A new hidden name for a temporary sibling of ``name``: ``.<start of name>.<random>.<kind>``.
+
+    Unique by its random part, and at most ``_TEMP_NAME_KEEPS + 11`` bytes plus ``kind``: short
+    enough for any file system, whatever the length of ``name``.
+    """
+    return f"{temp_prefix(name)}.{uuid.uuid4().hex[:8]}.{kind}"
+
+
+def temp_prefix(name: str) -> str:
+    """``"." + name`` cut to ``_TEMP_NAME_KEEPS`` bytes (at a character boundary when it can be):
+    where a temporary name for ``name`` starts, for ``tempfile``'s ``prefix=`` too."""
+    raw = os.fsencode(name)
+    if len(raw) <= _TEMP_NAME_KEEPS:
+        return f".{name}"
+    cut = raw[:_TEMP_NAME_KEEPS].decode("utf-8", "ignore") or os.fsdecode(raw[:_TEMP_NAME_KEEPS])
+    return f".{cut}"
+
+
+def name_limit(path: Path) -> int:
+    """The longest name (in bytes) the file system holding ``path`` takes.
+
+    Asked of the nearest folder that exists, since ``path`` itself usually does not yet.
+    """
+    folder = Path(os.path.abspath(path))
+    while not os.path.isdir(folder) and folder != folder.parent:
+        folder = folder.parent
+    try:
+        limit = int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError):  # not a POSIX system, or the file system does not say
+        return NAME_MAX
+    return limit if limit > 0 else NAME_MAX  # -1: no limit known
+
+
+def check_name_length(path: Path, what: str = "output") -> None:
+    """Refuse a ``path`` with a name longer than its file system takes: InvalidParameterError.
+
+    Every part of the path is checked, so the message names the part that is too long (the file
+    system would only say "File name too long" once some work had been done).
+    """
+    limit = name_limit(path)
+    for part in Path(path).parts:
+        size = len(os.fsencode(part))
+        if size > limit:
+            shown = part if len(part) <= 60 else f"{part[:28]}...{part[-28:]}"
+            raise InvalidParameterError(
+                f"The {what} name {shown!r} is {size} bytes long; this file system takes names "
+                f"of at most {limit} bytes.",
+                f"Give the {what} a name of at most {limit} bytes.",
+            )
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (readers see the old file or the new, never half)."""
     path = Path(path)
+    check_name_length(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{temp_prefix(path.name)}.", suffix=".tmp", dir=path.parent)
     try:
         # mkstemp makes the file 0600; give it the mode any other new file would get.
         os.fchmod(fd, 0o666 & ~_UMASK)
@@ -76,8 +138,9 @@ def atomic_file(path: Path) -> Iterator[Path]:
     For writers that need a file name (pandas, ONNX, safetensors) rather than bytes.
     """
     path = Path(path)
+    check_name_length(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = path.with_name(temp_name(path.name))
     try:
         yield tmp
         os.replace(tmp, path)
@@ -92,10 +155,12 @@ def check_destination(dest: Path, replaces: str | None = None) -> None:
     A folder output may replace nothing, an empty folder, or a folder of its own kind: one that
     holds ``replaces`` (``manifest.json`` for an ImageDirectory, ``model.json`` for a model), the
     output of an earlier run. A file, a symlink or a device would be moved aside and lost; a folder
-    of other things (``imageops convert photos ~/Documents``) would be deleted. Steps call this
-    before their work starts, so a refusal costs nothing and changes nothing.
+    of other things (``imageops convert photos ~/Documents``) would be deleted. A name longer than
+    the file system takes is refused too. Steps call this before their work starts, so a refusal
+    costs nothing and changes nothing.
     """
     dest = Path(dest)
+    check_name_length(dest, "destination")
     if not os.path.lexists(dest):
         return
     what = "a symlink" if dest.is_symlink() else None
@@ -126,13 +191,13 @@ def atomic_directory(dest: Path, *, replaces: str | None = None) -> Iterator[Pat
     dest = Path(dest)
     check_destination(dest, replaces)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = dest.with_name(temp_name(dest.name))
     tmp.mkdir()
     try:
         yield tmp
         check_destination(dest, replaces)  # it may have appeared while the work ran
         if os.path.lexists(dest):
-            old = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.old")
+            old = dest.with_name(temp_name(dest.name, "old"))
             os.replace(dest, old)
             os.replace(tmp, dest)
             shutil.rmtree(old, ignore_errors=True)

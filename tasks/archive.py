@@ -7,21 +7,33 @@ extracted. Caps on the member count and the total size stop zip and tar bombs be
 disk. Python 3.11 predates the 2025 tarfile filter fixes, so tarfile's ``filter="data"`` is used
 in addition to these checks, not instead of them. Nested archives are extracted as plain files and
 never unpacked.
+
+Names are whatever the archive's writer made them. A zip member's name is UTF-8 when its flag
+(general purpose bit 11) says so and is valid UTF-8; without the flag it is UTF-8 when it
+decodes as such (macOS and Info-ZIP write UTF-8 without setting the flag) and cp437 otherwise,
+as the zip format says. A name flagged UTF-8 that is not, and a name with a part longer than the
+file system takes, cannot be written as the archive spells it: that member is refused with the
+reason, and the others are extracted.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import lzma
 import os
 import re
 import stat
+import struct
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
+from models.atomic import name_limit
 from tasks.errors import NoUsableImagesError, UnsafeArchiveError
 from tasks.imagedir import SkippedFile, SkipReason
 
@@ -91,12 +103,25 @@ def _safe_target(dest: Path, name: str) -> Path | None:
         raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because("'..' in the path"))
     if not parts:
         return None
+    limit = _name_limit(str(dest))
+    if any(len(os.fsencode(part)) > limit for part in parts):
+        raise _Refused(
+            SkipReason.BAD_FILE_NAME.because(
+                f"a name longer than the {limit} bytes this file system takes"
+            )
+        )
     target = dest.joinpath(*parts)
     # Nothing we write is a link, but check the resolved path anyway: defence in depth.
     root = os.path.realpath(dest)
     if os.path.commonpath([root, os.path.realpath(target)]) != root:
         raise _Refused(SkipReason.UNSAFE_ARCHIVE_MEMBER.because("resolves outside the archive"))
     return target
+
+
+@functools.lru_cache(maxsize=8)
+def _name_limit(dest: str) -> int:
+    """Asked once per extraction folder, not once per member."""
+    return name_limit(Path(dest))
 
 
 def _too_many(archive: Path, max_members: int) -> UnsafeArchiveError:
@@ -151,16 +176,115 @@ def _open_new(target: Path) -> BinaryIO:
         raise
 
 
-def _extract_zip(archive: Path, dest: Path, max_members: int, max_bytes: int) -> list[SkippedFile]:
+_UTF8_FLAG = 1 << 11  # general purpose bit 11: the name (and comment) are UTF-8
+_CENTRAL_RECORD = struct.Struct("<4s6H3L5H2L")  # a central directory record, up to its name
+
+
+class _Overlay:
+    """A binary file as :class:`zipfile.ZipFile` reads it, with the bytes from ``at`` replaced
+    by ``patch``. Without a patch it keeps the last read, for :func:`_open_zip`."""
+
+    def __init__(self, fh: BinaryIO, at: int = 0, patch: bytes = b"") -> None:
+        self._fh, self._at, self._patch = fh, at, patch
+        self.last_read: tuple[int, bytes] = (0, b"")
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._fh.tell()
+        data = self._fh.read(size)
+        if not self._patch:
+            self.last_read = (start, data)
+            return data
+        lo, hi = max(start, self._at), min(start + len(data), self._at + len(self._patch))
+        if lo < hi:
+            middle = self._patch[lo - self._at : hi - self._at]
+            data = data[: lo - start] + middle + data[hi - start :]
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._fh.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._fh.tell()
+
+    def seekable(self) -> bool:
+        return True
+
+
+def _unflag_false_utf8(directory: bytes) -> tuple[bytes, list[int]]:
+    """The central directory with the UTF-8 flag cleared on each name that is not UTF-8, and
+    the positions (in directory order) of those records."""
+    data = bytearray(directory)
+    pos, index, liars = 0, 0, []
+    while pos + _CENTRAL_RECORD.size <= len(data) and data[pos : pos + 4] == b"PK\x01\x02":
+        fields = _CENTRAL_RECORD.unpack_from(data, pos)
+        flags, name_len, extra_len, comment_len = fields[3], fields[10], fields[11], fields[12]
+        start = pos + _CENTRAL_RECORD.size
+        if flags & _UTF8_FLAG:
+            try:
+                bytes(data[start : start + name_len]).decode("utf-8")
+            except UnicodeDecodeError:
+                struct.pack_into("<H", data, pos + 8, flags & ~_UTF8_FLAG)
+                liars.append(index)
+        pos = start + name_len + extra_len + comment_len
+        index += 1
+    return bytes(data), liars
+
+
+@contextmanager
+def _open_zip(archive: Path) -> Iterator[tuple[zipfile.ZipFile, set[int]]]:
+    """Open a zip: the ZipFile, and the positions (in ``infolist()``) of the members whose name
+    it calls UTF-8 though it is not. Raises NoUsableImagesError when it is no readable zip."""
+    with ExitStack() as stack:
+        try:
+            zf, liars = _read_zip(archive, stack)
+        except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as exc:
+            raise NoUsableImagesError(
+                f"{archive} is not a readable zip archive: {exc}.", _CHECK_COMPLETE
+            ) from exc
+        with zf:
+            yield zf, liars
+
+
+def _read_zip(archive: Path, stack: ExitStack) -> tuple[zipfile.ZipFile, set[int]]:
+    """``zipfile`` refuses the whole archive for one name flagged UTF-8 that is not. Then it is
+    read again with the flag cleared in the copy of the central directory it reads (the file is
+    not changed), so every other member can still be extracted."""
     try:
-        zf = zipfile.ZipFile(archive)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise NoUsableImagesError(
-            f"{archive} is not a readable zip archive: {exc}.", _CHECK_COMPLETE
-        ) from exc
+        return zipfile.ZipFile(archive), set()
+    except UnicodeDecodeError:
+        pass
+    fh = stack.enter_context(open(archive, "rb"))  # noqa: SIM115 (the stack closes it)
+    recorder = _Overlay(fh)
+    try:
+        return zipfile.ZipFile(recorder), set()  # type: ignore[arg-type]  (changed meanwhile)
+    except UnicodeDecodeError:
+        at, directory = recorder.last_read  # its last read: the directory it could not decode
+    patch, liars = _unflag_false_utf8(directory)
+    return zipfile.ZipFile(_Overlay(fh, at, patch)), set(liars)  # type: ignore[arg-type]
+
+
+def _zip_name(info: zipfile.ZipInfo) -> str:
+    """The member's name as the writer meant it (see the module's docstring)."""
+    if info.flag_bits & _UTF8_FLAG:
+        return info.orig_filename
+    raw = info.orig_filename.encode("cp437")  # what zipfile decoded: the bytes come back whole
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return info.orig_filename
+
+
+def zip_names(archive: Path) -> list[str]:
+    """The names of a zip's members as :func:`extract_archive` writes them (none it refuses
+    for its name); nothing is extracted. Raises NoUsableImagesError when it is no zip."""
+    with _open_zip(archive) as (zf, liars):
+        return [_zip_name(info) for i, info in enumerate(zf.infolist()) if i not in liars]
+
+
+def _extract_zip(archive: Path, dest: Path, max_members: int, max_bytes: int) -> list[SkippedFile]:
     skipped: list[SkippedFile] = []
     total = 0
-    with zf:
+    with _open_zip(archive) as (zf, liars):
         infos = zf.infolist()
         if len(infos) > max_members:
             raise _too_many(archive, max_members)
@@ -168,9 +292,18 @@ def _extract_zip(archive: Path, dest: Path, max_members: int, max_bytes: int) ->
         # bytes written below is what enforces the cap.
         if sum(info.file_size for info in infos) > max_bytes:
             raise _too_big(archive, max_bytes)
-        for info in infos:
+        for index, info in enumerate(infos):
+            if index in liars:
+                raw = info.orig_filename.encode("cp437")
+                reason = "the zip says this name is UTF-8, but it is not; rename it and zip again"
+                shown = raw.decode("utf-8", "backslashreplace")
+                skipped.append(
+                    SkippedFile(path=shown, reason=SkipReason.BAD_FILE_NAME.because(reason))
+                )
+                continue
+            spelled = _zip_name(info)
             # Windows tools sometimes write backslashes; the zip format says "/".
-            name = info.filename.replace("\\", "/")
+            name = spelled.replace("\\", "/")
             try:
                 kind = stat.S_IFMT(info.external_attr >> 16)
                 if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
@@ -187,7 +320,7 @@ def _extract_zip(archive: Path, dest: Path, max_members: int, max_bytes: int) ->
                     continue
                 total = _copy_zip_member(zf, info, target, total, archive, max_bytes)
             except _Refused as refused:
-                skipped.append(SkippedFile(path=info.filename, reason=refused.reason))
+                skipped.append(SkippedFile(path=spelled, reason=refused.reason))
     return skipped
 
 
@@ -276,7 +409,7 @@ def _extract_tar(archive: Path, dest: Path, max_members: int, max_bytes: int) ->
                     if total > max_bytes:
                         raise _too_big(archive, max_bytes)
                     _extract_tar_member(tf, member, dest, target)
-                except _Refused as refused:
+                except _Refused as refused:  # (SkippedFile shows a non-UTF-8 name's bytes)
                     skipped.append(SkippedFile(path=member.name, reason=refused.reason))
         except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
             if isinstance(exc, OSError) and exc.errno is not None:
@@ -292,7 +425,7 @@ def _extract_tar(archive: Path, dest: Path, max_members: int, max_bytes: int) ->
 def _extract_tar_member(
     tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, target: Path
 ) -> None:
-    if target.exists() or target.is_symlink():
+    if os.path.lexists(target):
         raise _Refused(
             SkipReason.UNSAFE_ARCHIVE_MEMBER.because("a member with this name came earlier")
         )

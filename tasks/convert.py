@@ -36,13 +36,14 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from models.atomic import atomic_directory, check_destination
+from models.atomic import atomic_directory, check_destination, temp_prefix
 from tasks.archive import (
     ARCHIVE_SUFFIXES,
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_MEMBERS,
     archive_kind,
     extract_archive,
+    zip_names,
 )
 from tasks.errors import (
     ImageOpsError,
@@ -61,6 +62,8 @@ from tasks.imagedir import (
     SkipReason,
     find_duplicates,
     is_image_file,
+    is_utf8,
+    printable_name,
     read_manifest,
     write_manifest,
 )
@@ -169,7 +172,8 @@ def convert(
             return _unchanged(dest, previous)
         dest.parent.mkdir(parents=True, exist_ok=True)
         # Extract beside dest, not in /tmp: same disk as the result, and /tmp is often small.
-        with tempfile.TemporaryDirectory(prefix=f".{dest.name}.extract-", dir=dest.parent) as tmp:
+        prefix = f"{temp_prefix(dest.name)}.extract-"  # short: dest's name may be 255 bytes
+        with tempfile.TemporaryDirectory(prefix=prefix, dir=dest.parent) as tmp:
             extracted = Path(tmp)
             refused = extract_archive(
                 source, extracted, max_members=max_archive_members, max_bytes=max_archive_bytes
@@ -224,8 +228,7 @@ def _paths_in(archive: Path) -> list[str]:
 
     try:
         if archive_kind(archive) == "zip":
-            with zipfile.ZipFile(archive) as zf:
-                return zf.namelist()
+            return zip_names(archive)  # decoded as extraction decodes them
         with tarfile.open(archive) as tar:
             return [m.name for m in tar.getmembers() if m.isfile()]
     except (OSError, zipfile.BadZipFile, tarfile.TarError, EOFError) as exc:
@@ -344,7 +347,7 @@ def _scan(root: Path) -> _Scan:
     scan = _Scan(labeled=labeled, class_dirs=top_dirs if labeled else [])
 
     def skip(rel: str, reason: str) -> None:
-        scan.skipped.append(SkippedFile(path=_printable(rel), reason=reason))
+        scan.skipped.append(SkippedFile(path=printable_name(rel), reason=reason))
 
     base = os.path.realpath(root)
     for folder, dirnames, filenames in os.walk(root, followlinks=False):
@@ -365,7 +368,7 @@ def _scan(root: Path) -> _Scan:
             rel = path.relative_to(root).as_posix()
             if here == root and name == MANIFEST:
                 continue  # the source is itself an ImageDirectory: its manifest is not data
-            if not _utf8(rel):
+            if not is_utf8(rel):
                 skip(rel, SkipReason.BAD_FILE_NAME.because("the name is not UTF-8"))
             elif path.is_symlink() and not _stays_in(base, path):
                 # As the CSV and COCO routes refuse it: the source is what the user gave.
@@ -387,18 +390,6 @@ def _scan(root: Path) -> _Scan:
 def _stays_in(base: str, link: Path) -> bool:
     """Whether the symlink ``link`` resolves to a place under ``base`` (a realpath)."""
     return os.path.commonpath([base, os.path.realpath(link)]) == base
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _printable(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _plan_folder(root: Path, skipped: list[SkippedFile]) -> _Plan:
@@ -485,7 +476,7 @@ def _convert_plan(
             if name not in classes:
                 skipped.append(
                     SkippedFile(
-                        path=_printable(name) + "/",
+                        path=printable_name(name) + "/",
                         reason=SkipReason.EMPTY_CLASS.because(
                             f"no valid image in this {what}; the class is left out"
                         ),

@@ -18,12 +18,14 @@ import mlflow
 import numpy as np
 import pandas as pd
 
-from models.atomic import atomic_file, write_json
+from models.atomic import atomic_file, check_name_length, write_json
 from tasks.artifacts import png_markdown, publish_markdown
 from tasks.errors import InvalidParameterError, NotLabeledDatasetError
+from tasks.imageformat import visible_name
 from tasks.score import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.settings import Settings, get_settings
 from tasks.step import in_prefect_run, step, step_logger
+from tasks.tables import CSV_FORMAT
 from tasks.tracking import mlflow_run
 
 METRIC_PREFIX = "eval/"
@@ -180,8 +182,11 @@ def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Pat
     axes = figure.add_subplot()
     image = axes.imshow(data, cmap="Blues")
     figure.colorbar(image, ax=axes, fraction=0.046)
-    axes.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
-    axes.set_yticks(range(len(labels)), labels)
+    # Class names are folder names: "$x$" is a name, not mathtext (which can fail to parse), and
+    # a "\r" in one is drawn as the two characters.
+    shown = [visible_name(label) for label in labels]
+    axes.set_xticks(range(len(labels)), shown, rotation=45, ha="right", parse_math=False)
+    axes.set_yticks(range(len(labels)), shown, parse_math=False)
     axes.set_xlabel("Predicted")
     axes.set_ylabel("True")
     axes.set_title("Confusion matrix")
@@ -242,8 +247,12 @@ def _publish_prefect_artifacts(
     )
 
 
-def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
-    """The result's files beside ``scored``, each written atomically; returns them by kind."""
+def output_paths(scored: Path) -> dict[str, Path]:
+    """Where the result's files go, by kind: beside ``scored``, named after it.
+
+    Raises InvalidParameterError when a name would be longer than the file system takes (a
+    scored table with a name of 241 bytes or more), before anything is read or written.
+    """
     stem = scored.parent / scored.stem
     paths = {
         "metrics": Path(f"{stem}.metrics.json"),
@@ -252,9 +261,23 @@ def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
         "confusion_png": Path(f"{stem}.confusion.png"),
         "confusion_json": Path(f"{stem}.confusion.json"),
     }
+    try:
+        for path in paths.values():
+            check_name_length(path, "evaluation output")
+    except InvalidParameterError as exc:
+        raise InvalidParameterError(
+            f"{exc.message} Evaluate names its outputs after the scored table {scored.name!r}.",
+            "Rename the scored table to a shorter name (or score into one) and evaluate again.",
+        ) from exc
+    return paths
+
+
+def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
+    """The result's files beside ``scored``, each written atomically; returns them by kind."""
+    paths = output_paths(scored)
     write_json(paths["metrics"], {**result.metrics, "top_k": result.top_k})
     with atomic_file(paths["per_class_csv"]) as tmp:
-        pd.DataFrame(result.per_class).to_csv(tmp, index=False)
+        pd.DataFrame(result.per_class).to_csv(tmp, index=False, **CSV_FORMAT)
     write_json(paths["per_class_json"], result.per_class)
     confusion_png(result.labels, result.confusion, paths["confusion_png"])
     write_json(paths["confusion_json"], {"labels": result.labels, "matrix": result.confusion})
@@ -275,7 +298,8 @@ def evaluate(
     atomically; metrics are logged as ``eval/<name>`` (``eval/compare/<name>`` for ``compare``)
     into MLflow run ``run_id`` (resumed) or a new run. The second table's result is
     ``result.compared``. Raises NotLabeledDatasetError when a table has no ``category`` column,
-    and InvalidParameterError when both arguments name the same file.
+    and InvalidParameterError when both arguments name the same file or a table's name is too
+    long to name its outputs after.
     """
     settings = settings or get_settings()
     scored = Path(scored)
@@ -291,6 +315,9 @@ def evaluate(
             f"{scored.name} and {compare.name} would write their results to the same files.",
             "Give the two tables different names (e.g. champion.csv and challenger.csv).",
         )
+    for table in (scored, compare):
+        if table is not None:
+            output_paths(table)  # a name too long is refused before any work
     result = compute_metrics(read_scored(scored))
     compared = None if compare is None else compute_metrics(read_scored(compare))
     log = step_logger(__name__)

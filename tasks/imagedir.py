@@ -12,9 +12,9 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from models.atomic import write_json
 from models.transform_spec import AppliedTransform
@@ -27,11 +27,16 @@ from tasks.imageformat import (  # noqa: F401
     PIL_FORMATS,
     SkipReason,
     is_image_file,
+    is_utf8,
     load_rgb,
+    printable_name,
     to_rgb,
 )
 
 MANIFEST = "manifest.json"
+# A name the manifest reports (a skipped file, the source) rather than opens: one that is not
+# UTF-8 is kept with \xNN escapes, since a manifest holding it would not read back.
+ReportedName = Annotated[str, AfterValidator(printable_name)]
 FORMAT = "imageops.ImageDirectory"
 FORMAT_VERSION = 1
 
@@ -56,7 +61,7 @@ class ImageEntry(BaseModel):
 class SkippedFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str
+    path: ReportedName
     reason: str
 
 
@@ -71,7 +76,7 @@ class Manifest(BaseModel):
     classes: list[str] = Field(default_factory=list)
     counts: dict[str, int] = Field(default_factory=dict)
     images: list[ImageEntry]
-    source: str = ""
+    source: ReportedName = ""
     skipped: list[SkippedFile] = Field(default_factory=list)
     duplicates: list[list[str]] = Field(
         default_factory=list,

@@ -7,6 +7,7 @@ import pydantic starts several times faster.
 
 from __future__ import annotations
 
+import re
 import warnings
 from enum import StrEnum
 from pathlib import Path
@@ -49,6 +50,41 @@ class SkipReason(StrEnum):
     def because(self, detail: str) -> str:
         """The reason text: code first, then what exactly was wrong."""
         return f"{self.value}: {detail}"
+
+
+def is_utf8(name: str) -> bool:
+    """Whether ``name`` is text that UTF-8 (and so JSON, a manifest, a table) can hold: not a
+    file name read with ``surrogateescape`` from bytes that are not UTF-8."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def printable_name(name: str) -> str:
+    """``name`` as a report shows it: unchanged when it is text, else with ``\\xNN`` escapes.
+
+    Python reads a file name that is not UTF-8 with each odd byte as a lone surrogate
+    (``surrogateescape``); neither JSON readers nor UTF-8 tables take those, so each shows as the
+    byte it stands for. A report names the file; it cannot be used to open it.
+    """
+    if is_utf8(name):
+        return name
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that is no escaped byte (JSON's "\\ud800")
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def visible_name(name: str) -> str:
+    """``name`` with its control characters as escapes (``\\r``, ``\\x1b``), for a terminal or a
+    plot: a file name may hold any of them, and shown as they are they move the cursor, talk to
+    the terminal, or draw nothing."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], name)
 
 
 def is_image_file(path: Path) -> bool:

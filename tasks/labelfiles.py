@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import InvalidLabelFileError
-from tasks.imagedir import SkippedFile, SkipReason
+from tasks.imagedir import SkippedFile, SkipReason, is_utf8, printable_name
 
 CSV_SUFFIXES = (".csv",)
 COCO_SUFFIXES = (".json",)
@@ -361,7 +361,7 @@ def _resolve(
     listing = Listing(base=Path(base_real), labeled=labeled)
 
     def skip(row: _Row, reason: str) -> None:
-        listing.skipped.append(SkippedFile(path=_printable(row.raw), reason=reason))
+        listing.skipped.append(SkippedFile(path=printable_name(row.raw), reason=reason))
 
     by_file: dict[str, list[tuple[_Row, Path]]] = {}
     for row in rows:
@@ -408,6 +408,8 @@ def _inside(base: str, raw: str, where: str, exclude: str | None) -> tuple[Path,
     name = raw.replace("\\", "/")  # a CSV written on Windows
     if "\x00" in name:
         raise _Refused(SkipReason.UNSAFE_PATH.because(f"{where}: NUL byte in the path"))
+    if not is_utf8(name):  # JSON's "\udce9": no manifest can hold the name
+        raise _Refused(SkipReason.BAD_FILE_NAME.because(f"{where}: the path is not UTF-8 text"))
     if name.startswith("/") or _DRIVE.match(name):
         raise _Refused(
             SkipReason.UNSAFE_PATH.because(
@@ -442,10 +444,8 @@ def _bad_class_name(name: str) -> str:
         return f"the label {name!r} starts with '.'; labels become (visible) folder names"
     if _CONTROL.search(name):
         return f"the label {name!r} holds a control character"
+    if not is_utf8(name):
+        return f"the label {name!r} is not UTF-8 text"
     if len(name.encode("utf-8")) > 255:
         return "the label is longer than a folder name may be (255 bytes)"
     return ""
-
-
-def _printable(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")

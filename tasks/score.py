@@ -19,7 +19,6 @@ The output is the Score Image Model table: ``id`` (the image's place in the list
 from __future__ import annotations
 
 import contextlib
-import csv
 import fcntl
 import hashlib
 import json
@@ -37,7 +36,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.atomic import atomic_file
+from models.atomic import atomic_file, check_name_length, temp_prefix
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from models.untrained import MODEL_JSON
 from tasks.errors import (
@@ -52,19 +51,19 @@ from tasks.imagedir import (
     MANIFEST,
     SkipReason,
     is_image_file,
+    is_utf8,
     load_rgb,
+    printable_name,
     read_manifest,
 )
 from tasks.step import step, step_logger
+from tasks.tables import CSV_FORMAT
 from tasks.transform import applied_to, input_size, transform_for
 
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
 ERROR_COLUMN = "Scoring Error"  # empty when the image was scored; else why it could not be
 OUTPUT_SUFFIXES = (".csv", ".parquet")
-# RFC 4180's line end. The csv module quotes a field only for the characters of its line end:
-# with "\n" alone, a file name holding "\r" was written bare and read back as two rows.
-CSV_FORMAT = {"lineterminator": "\r\n", "quoting": csv.QUOTE_MINIMAL}
 ROW_GROUP_ROWS = 16_384
 
 
@@ -113,15 +112,12 @@ def list_images(images: Path) -> tuple[list[ImageRef], bool]:
 def _raw_ref(file: Path, rel: str) -> ImageRef:
     """A raw folder's image; one whose name is not UTF-8 (the table is UTF-8) becomes an error
     row under its name with the odd bytes as ``\\xNN``, so every other image is still scored."""
-    try:
-        rel.encode("utf-8")
-    except UnicodeEncodeError:
-        shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
-        reason = SkipReason.BAD_FILE_NAME.because(
-            "the name is not UTF-8, so the table cannot hold it; rename the file"
-        )
-        return ImageRef(file=file, path=shown, category=None, problem=reason)
-    return ImageRef(file=file, path=rel, category=None)
+    if is_utf8(rel):
+        return ImageRef(file=file, path=rel, category=None)
+    reason = SkipReason.BAD_FILE_NAME.because(
+        "the name is not UTF-8, so the table cannot hold it; rename the file"
+    )
+    return ImageRef(file=file, path=printable_name(rel), category=None, problem=reason)
 
 
 def default_threads() -> int:
@@ -297,6 +293,7 @@ def score(
             f"dest must end in .csv or .parquet, got {dest.name!r}.",
             "Name the scored table scores.csv or scores.parquet.",
         )
+    check_name_length(dest, "scored table")
     info = read_model_info(model)
     onnx_path = model / (ONNX_INT8 if quantized else ONNX)
     if not onnx_path.is_file():
@@ -528,6 +525,7 @@ def score_in_shards(
     if shard_images < 1:
         raise InvalidParameterError(f"shard_images must be >= 1, got {shard_images}.")
     dest = Path(dest)
+    check_name_length(dest, "scored table")  # before the checkpoint folder is made beside it
     refs, labeled = list_images(images)
     total = len(refs)
     count = max(1, -(-total // shard_images))
@@ -539,7 +537,8 @@ def score_in_shards(
     folder = checkpoint_dir(model, refs, labeled, dest, shard_images=shard_images, **kwargs)
     lock = _claim(folder)
     if lock is None:
-        folder = Path(tempfile.mkdtemp(prefix=f".{dest.name}.shards-", dir=dest.parent))
+        prefix = f"{temp_prefix(dest.name)}.shards-"
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
         log.info("Another run is scoring the same images beside %s; not sharing its shards", dest)
     parts = [folder / f"{i:05d}{dest.suffix}" for i in range(count)]
     resumable = True

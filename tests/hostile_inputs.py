@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import struct
 import sys
@@ -22,7 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STEPS = ("convert", "split", "transform", "train", "export", "score", "tune", "promote", "cli")
+STEPS = (
+    "convert", "split", "transform", "train", "export", "score", "evaluate", "tune", "promote",
+    "cli",
+)  # fmt: skip
 PICKLE_MARKER = "unpickled-a-user-file"  # what the pickle payloads create if anyone loads them
 
 
@@ -626,6 +630,193 @@ def _score_odd_names(io_: Inputs) -> Run:
     return _score(io_, str(io_.model), folder)
 
 
+# --- any name the file system allows (issue 18) -------------------------------------------------
+
+# Names a careless table, plot or terminal trips on: line ends, a tab, CSV's quote and comma, a
+# word pandas reads as missing, matplotlib's math delimiters, spaces at both ends, a terminal
+# escape, non-Latin text. Linux allows each as a file or folder name.
+ODD_NAMES = (
+    "a\rb", "c\nd", "e\r\nf", "g\th", 'q"u,o', "NA", "$\\frac$", " pad ", "\x1b[31mred", "数字 2",
+)  # fmt: skip
+LATIN1 = b"caf\xe9"  # allowed too, but not UTF-8: no manifest, table or JSON can hold it
+LONG = "n" * 246 + ".png"  # 250 bytes: allowed, though ".<it>.<random>.tmp" would not be
+
+
+def odd_folder(
+    folder: Path, digits: Path, classes: tuple[str, ...] = (), latin1: bool = True
+) -> Path:
+    """Digit PNGs named after every odd name, plus one of 250 bytes (and one not UTF-8): in one
+    class folder per name of ``classes``, or all in ``folder`` when there are none."""
+    scans = sorted(digits.rglob("*.png"))
+    names = [f"{name}.png" for name in ODD_NAMES] + [LONG]
+    for i, label in enumerate(classes or ("",)):
+        where = folder / label
+        where.mkdir(parents=True, exist_ok=True)
+        for j, name in enumerate(names):
+            shutil.copy(scans[(i * len(names) + j) % len(scans)], where / name)
+        if latin1:
+            latin1_name = os.fsdecode(os.fsencode(where) + b"/" + LATIN1 + b".png")
+            shutil.copy(scans[-1 - i], latin1_name)
+    return folder
+
+
+def rename_zip_members(archive: Path, names: dict[bytes, bytes], utf8: bool) -> Path:
+    """Give zip members new names of the same length, the UTF-8 flag (general purpose bit 11)
+    set or cleared, in the local headers and the central directory: a careless zip writer."""
+    data = bytearray(archive.read_bytes())
+    found = 0
+    for signature, flags_at, length_at, name_at in (
+        (b"PK\x03\x04", 6, 26, 30),  # local file header
+        (b"PK\x01\x02", 8, 28, 46),  # central directory record
+    ):
+        at = data.find(signature)
+        while at >= 0:
+            (length,) = struct.unpack_from("<H", data, at + length_at)
+            new = names.get(bytes(data[at + name_at : at + name_at + length]))
+            if new is not None:
+                data[at + name_at : at + name_at + length] = new
+                (flags,) = struct.unpack_from("<H", data, at + flags_at)
+                flags = flags | 0x800 if utf8 else flags & ~0x800
+                struct.pack_into("<H", data, at + flags_at, flags)
+                found += 1
+            at = data.find(signature, at + 4)
+    assert found == 2 * len(names), "every name is in a local header and the central directory"
+    archive.write_bytes(bytes(data))
+    return archive
+
+
+def _png(io_: Inputs) -> bytes:
+    return next((io_.digits / "2").glob("*.png")).read_bytes()
+
+
+def _zip_utf8_lies(io_: Inputs) -> Run:
+    png = _png(io_)
+    archive = _zip_of(io_, {"digits/0/cafX.png": png, "digits/1/naïve.png": png})
+    rename_zip_members(archive, {b"digits/0/cafX.png": b"digits/0/" + LATIN1 + b".png"}, utf8=True)
+    return _convert(io_, archive, made="1/naïve.png")
+
+
+def _zip_cp437_name(io_: Inputs) -> Run:
+    png = _png(io_)
+    archive = _zip_of(io_, {"digits/0/cafX.png": png, "digits/1/naXXve.png": png})
+    names = {b"digits/0/cafX.png": b"digits/0/caf\x82.png",  # cp437, as old Windows tools write
+             b"digits/1/naXXve.png": "digits/1/naïve.png".encode()}  # fmt: skip
+    rename_zip_members(archive, names, utf8=False)
+    return _convert(io_, archive, made="0/café.png")
+
+
+def _deep(io_: Inputs) -> str:
+    return "1/" + "/".join(["d" * 200] * 2) + "/deep.png"  # 400+ bytes; no part over 255
+
+
+def _tar_long_names(io_: Inputs) -> Run:
+    png = _png(io_)
+
+    def long_names(tar: tarfile.TarFile) -> None:
+        for name in ("digits/0/" + "x" * 300 + ".png", "digits/" + _deep(io_)):
+            info = tarfile.TarInfo(name)
+            info.size = len(png)
+            tar.addfile(info, io.BytesIO(png))
+
+    return _convert(io_, _tar_of(io_, long_names), made=_deep(io_))
+
+
+def _convert_250_byte_names(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    (io_.src / ("c" * 250)).mkdir()
+    for folder in ("0", "c" * 250):
+        shutil.copy(next((io_.digits / "2").glob("*.png")), io_.src / folder / LONG)
+    return _convert(io_, io_.src, made=f"{'c' * 250}/{LONG}")
+
+
+def _convert_long_dest(io_: Inputs) -> Run:
+    from tasks.convert import convert
+
+    dest = io_.out / ("d" * 250)
+    convert(_digits(io_, io_.root / "before", per_class=1), dest)  # replaced: ".<dest>...old"
+    archive = _tar_of(io_, lambda tar: None, "a.tar.gz")  # extracted into ".<dest>...extract-"
+    return Run(["convert", str(archive), str(dest)], dest, made="manifest.json")
+
+
+def _convert_dest_too_long(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    return Run(["convert", str(io_.src), str(io_.out / ("d" * 256))], io_.out)
+
+
+def _convert_control_names(io_: Inputs) -> Run:
+    odd_folder(io_.src, io_.digits, classes=("c\nd", "\x1b[31mred"), latin1=False)
+    (io_.src / "c\nd" / "\x1b[2Jbroken.png").write_bytes(b"")  # reported: the escape shown
+    return _convert(io_, io_.src, made="c\nd/a\rb.png")
+
+
+def _convert_non_utf8(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    shutil.copy(_first(io_), os.fsdecode(os.fsencode(io_.src / "0") + b"/" + LATIN1 + b".png"))
+    latin1_class = os.fsencode(io_.src) + b"/" + LATIN1
+    os.mkdir(latin1_class)
+    shutil.copy(_first(io_), os.fsdecode(latin1_class + b"/x.png"))
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _first(io_: Inputs) -> Path:
+    return next((io_.digits / "2").glob("*.png"))
+
+
+def _odd_imagedir(io_: Inputs, classes: tuple[str, ...]) -> Path:
+    from tasks.convert import convert
+
+    convert(odd_folder(io_.root / "raw-odd", io_.digits, classes), io_.src / "odd")
+    shutil.rmtree(io_.root / "raw-odd")
+    return io_.src / "odd"
+
+
+def _split_odd_names(io_: Inputs) -> Run:
+    images = _odd_imagedir(io_, ODD_NAMES[:4])
+    dest = io_.out / "split"
+    argv = ["split", str(images), str(dest / "a"), str(dest / "b"), "--fraction", "0.5"]
+    return Run(argv, dest, made="a/manifest.json")
+
+
+def _split_long_dest(io_: Inputs) -> Run:
+    dest = io_.out / "split"
+    argv = ["split", str(io_.val), str(dest / ("a" * 250)), str(dest / ("b" * 250))]
+    return Run(argv, dest, made=f"{'b' * 250}/manifest.json")
+
+
+def odd_model(model: Path, dest: Path, classes: tuple[str, ...]) -> Path:
+    """A copy of the exported 3-class model whose classes are ``classes``."""
+    copy = Path(shutil.copytree(model, dest))
+    info = json.loads((copy / "model.json").read_text())
+    (copy / "model.json").write_text(json.dumps({**info, "classes": list(classes)}))
+    return copy
+
+
+def _evaluate_odd_classes(io_: Inputs) -> Run:
+    from tasks.score import score
+
+    images = _odd_imagedir(io_, ODD_NAMES)  # ten classes; the model knows three of them
+    model = odd_model(io_.model, io_.src / "model", (ODD_NAMES[0], ODD_NAMES[6], ODD_NAMES[8]))
+    scored = score(model, images, io_.out / "eval" / "scored.csv")
+    return Run(["evaluate", str(scored)], scored.parent, made="scored.per_class.csv")
+
+
+def _score_long_output(io_: Inputs) -> Run:
+    return _score(io_, str(io_.model), io_.val, name="s" * 246 + ".csv")
+
+
+def _evaluate_long_table_name(io_: Inputs) -> Run:
+    from tasks.score import score
+
+    scored = score(io_.model, io_.val, io_.src / ("s" * 246 + ".csv"))
+    return Run(["evaluate", str(scored)], io_.src)
+
+
+def _train_dest_too_long(io_: Inputs) -> Run:
+    run = _train(io_, _untrained(io_), io_.train, io_.val)
+    dest = run.dest.with_name("m" * 256)
+    return Run([str(dest) if a == str(run.dest) else a for a in run.argv], io_.out)
+
+
 def _score_missing_model(io_: Inputs) -> Run:
     return _score(io_, "models:/no-such-model@champion", io_.val)
 
@@ -845,6 +1036,47 @@ CASES: list[Case] = [
     Case("score-odd-names", "score",
          "a raw folder with `\\r`, `\\n`, tab, quote and comma in names, and a Latin-1 name",
          _score_odd_names, "ok: wrote"),
+    Case("convert-zip-utf8-flag-lies", "convert",
+         "a zip member flagged UTF-8 (bit 11) whose name is Latin-1 bytes", _zip_utf8_lies,
+         "ok: 7 images, 2 classes, 1 skipped; skipped digits/0/caf\\xe9.png: BadFileName: the zip "
+         "says this name is UTF-8, but it is not"),
+    Case("convert-zip-cp437-name", "convert",
+         "zip names without the UTF-8 flag: one cp437 (`caf\\x82.png`), one UTF-8 all the same",
+         _zip_cp437_name, "ok: 8 images, 2 classes, 0 skipped"),
+    Case("convert-tar-long-name", "convert",
+         "tar members with a 304-byte name and a 419-byte path of short names (PAX headers)",
+         _tar_long_names, "ok: 7 images, 2 classes, 1 skipped; BadFileName: a name longer than the "
+         "255 bytes this file system takes"),
+    Case("convert-250-byte-names", "convert",
+         "a 250-byte class folder and 250-byte file names (too long once `.tmp` is added)",
+         _convert_250_byte_names, "ok: 8 images, 3 classes, 0 skipped"),
+    Case("convert-long-dest", "convert",
+         "an archive converted onto an existing ImageDirectory with a 250-byte name",
+         _convert_long_dest, "ok: 6 images, 2 classes, 0 skipped"),
+    Case("convert-dest-name-too-long", "convert", "a destination name of 256 bytes",
+         _convert_dest_too_long, "InvalidParameterError", "at most 255 bytes"),
+    Case("convert-control-char-names", "convert",
+         "class folders and files named with `\\r`, `\\n`, `\\r\\n`, tab, quote, comma, `$`, "
+         "ANSI escapes, `NA` and spaces at both ends; one of them empty",
+         _convert_control_names, "ok: 22 images, 2 classes, 1 skipped; skipped "
+         "c\\nd/\\x1b[2Jbroken.png: EmptyFile"),
+    Case("convert-non-utf8-name", "convert", "a Latin-1 file name and a Latin-1 class folder",
+         _convert_non_utf8, "ok: 6 images, 2 classes, 3 skipped; skipped 0/caf\\xe9.png: "
+         "BadFileName: the name is not UTF-8; skipped caf\\xe9/: EmptyClass"),
+    Case("split-odd-names", "split", "an ImageDirectory of odd class and file names",
+         _split_odd_names, "ok: /a: 20 images; /b: 24 images"),
+    Case("split-long-dest", "split", "two outputs with 250-byte names", _split_long_dest,
+         "ok: aaaa: 15 images; bbbb: 3 images"),
+    Case("score-long-output", "score", "a scored table with a 250-byte name", _score_long_output,
+         "ok: wrote"),
+    Case("evaluate-odd-class-names", "evaluate",
+         "a scored table whose ten classes have odd names (`\\r`, `\\n`, `$\\frac$`, ...)",
+         _evaluate_odd_classes, "ok: accuracy:"),
+    Case("evaluate-long-table-name", "evaluate",
+         "a scored table with a 250-byte name: its outputs' names would be longer",
+         _evaluate_long_table_name, "InvalidParameterError", "rename the scored table"),
+    Case("train-dest-name-too-long", "train", "a model output name of 256 bytes",
+         _train_dest_too_long, "InvalidParameterError", "at most 255 bytes"),
     Case("score-missing-model", "score", "models:/no-such-model@champion", _score_missing_model,
          "RegistryError", "no-such-model"),
     Case("score-missing-alias", "score", "models:/<a registered model>@no-such-alias",

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from models.atomic import atomic_file, write_json, write_text
 from tasks.artifacts import markdown_table, png_markdown, publish_markdown, publish_table
 from tasks.step import step_logger
+from tasks.tables import CSV_FORMAT
 from tasks.tune.storage import describe_storage
 from tasks.tune.study import Study, TrialOutcome
 
@@ -99,10 +100,11 @@ def plot_trials(trials: list[TrialOutcome], metric: str, goal: str, path: Path) 
     return path
 
 
-def _csv(rows: list[dict]) -> str:
+def trials_csv(rows: list[dict]) -> str:
+    """The trials table as CSV text (empty cells for None), in the shared CSV format."""
     buffer = io.StringIO()
     if rows:
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), **CSV_FORMAT)
         writer.writeheader()
         writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
     return buffer.getvalue()
@@ -120,7 +122,7 @@ def report_study(study: Study) -> StudyResult:
     names = [p.name for p in spec.parameters]
     rows = trial_rows(trials, spec.metric, names)
     folder = job.folder
-    write_text(folder / TABLE_CSV, _csv(rows))
+    write_text(folder / TABLE_CSV, trials_csv(rows))
     write_json(folder / TABLE_JSON, [t.model_dump(mode="json") for t in trials])
     plot = plot_trials(trials, spec.metric, spec.goal, folder / PLOT)
     result = StudyResult(
