@@ -3,10 +3,13 @@
 An archive comes from somewhere else, so every member is checked before a byte is written: only
 regular files and folders (no symlinks, hard links, devices or FIFOs), no absolute names, no
 ``..``, and the resolved path must stay under the destination. A refused member is reported, not
-extracted. Caps on the member count and the total size stop zip and tar bombs before they fill the
-disk. Python 3.11 predates the 2025 tarfile filter fixes, so tarfile's ``filter="data"`` is used
-in addition to these checks, not instead of them. Nested archives are extracted as plain files and
-never unpacked.
+extracted. Caps stop zip and tar bombs before they fill the disk: on the member count, on the
+bytes a member and the whole archive inflate to, and on how many times their compressed size
+they inflate to (beyond ``RATIO_FLOOR``, where any ratio is fine: a blank BMP compresses 1000:1).
+The caps are checked on the sizes the headers declare, to refuse early, and again on the bytes
+actually inflated, a chunk at a time, since a header can lie. Python 3.11 predates the 2025
+tarfile filter fixes, so tarfile's ``filter="data"`` is used in addition to these checks, not
+instead of them. Nested archives are extracted as plain files and never unpacked.
 
 Names are whatever the archive's writer made them. A zip member's name is UTF-8 when its flag
 (general purpose bit 11) says so and is valid UTF-8; without the flag it is UTF-8 when it
@@ -38,7 +41,12 @@ from tasks.errors import NoUsableImagesError, UnsafeArchiveError
 from tasks.imagedir import SkippedFile, SkipReason
 
 DEFAULT_MAX_MEMBERS = 500_000
-DEFAULT_MAX_BYTES = 20 * 1024**3
+DEFAULT_MAX_BYTES = 20 * 1024**3  # the whole archive, inflated
+DEFAULT_MAX_MEMBER_BYTES = 1024**3  # one member, inflated (an image over 336 MB is refused anyway)
+# Inflated / compressed: a member against its compressed size, the archive against its size on
+# disk. Photos do not compress (about 1:1), text does (5 to 20:1), zeros go to 1,000:1.
+DEFAULT_MAX_RATIO = 200
+RATIO_FLOOR = 16 * 1024**2  # up to this many bytes inflated, any ratio is allowed
 _ZIP_SUFFIXES = (".zip",)
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tbz")
 ARCHIVE_SUFFIXES = _ZIP_SUFFIXES + _TAR_SUFFIXES
@@ -72,20 +80,26 @@ def extract_archive(
     *,
     max_members: int = DEFAULT_MAX_MEMBERS,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES,
+    max_ratio: int = DEFAULT_MAX_RATIO,
 ) -> list[SkippedFile]:
     """Extract the safe members of ``archive`` into the existing empty folder ``dest``.
 
-    Returns the refused members, each with the reason. Raises :class:`UnsafeArchiveError` when
-    the archive has more than ``max_members`` members or more than ``max_bytes`` of content (the
-    whole archive is refused: a partial extraction would be a silently partial data set), and
+    Returns the refused members, each with the reason: a member that inflates to more than
+    ``max_member_bytes``, or (zip) to more than ``max_ratio`` times its compressed size, is
+    refused (``UnsafeArchiveMember``) and nothing of it is kept. Raises
+    :class:`UnsafeArchiveError` when the archive has more than ``max_members`` members, more than
+    ``max_bytes`` of content or more than ``max_ratio`` times its own size (the whole archive is
+    refused: a partial extraction would be a silently partial data set), and
     :class:`NoUsableImagesError` when the file is not a readable archive.
     """
     archive, dest = Path(archive), Path(dest)
     kind = archive_kind(archive)
+    caps = _Caps(archive, max_bytes, max_member_bytes, max_ratio)
     if kind == "zip":
-        return _extract_zip(archive, dest, max_members, max_bytes)
+        return _extract_zip(archive, dest, max_members, caps)
     if kind == "tar":
-        return _extract_tar(archive, dest, max_members, max_bytes)
+        return _extract_tar(archive, dest, max_members, caps)
     raise NoUsableImagesError(
         f"{archive} is not an archive imageops reads.",
         f"Use a folder or one of: {', '.join(ARCHIVE_SUFFIXES)}.",
@@ -132,12 +146,54 @@ def _too_many(archive: Path, max_members: int) -> UnsafeArchiveError:
     )
 
 
-def _too_big(archive: Path, max_bytes: int) -> UnsafeArchiveError:
-    return UnsafeArchiveError(
-        f"{archive} unpacks to more than {max_bytes:,} bytes; refused as a possible archive bomb.",
-        "If it is genuine, pass a larger max_archive_bytes, or extract it yourself and convert "
-        "the folder.",
-    )
+class _Caps:
+    """How much an archive may inflate to, in total and per member; raises or refuses past it."""
+
+    def __init__(self, archive: Path, max_bytes: int, max_member_bytes: int, ratio: int) -> None:
+        self.archive = archive
+        self.max_bytes = max_bytes
+        self.max_member_bytes = max_member_bytes
+        self.ratio = ratio
+        try:
+            self.size = archive.stat().st_size
+        except OSError:
+            self.size = 0  # opening it fails next, with the reason
+        self.total = 0  # bytes inflated so far (or declared, where that is what is counted)
+
+    def add(self, n: int) -> None:
+        """Count ``n`` more bytes of the archive's content; raise once past a total cap."""
+        self.total += n
+        self.check_total(self.total)
+
+    def check_total(self, total: int) -> None:
+        if total > self.max_bytes:
+            raise UnsafeArchiveError(
+                f"{self.archive} unpacks to more than {self.max_bytes:,} bytes; refused as a "
+                "possible archive bomb.",
+                "If it is genuine, pass a larger max_archive_bytes, or extract it yourself and "
+                "convert the folder.",
+            )
+        if total > max(RATIO_FLOOR, self.ratio * self.size):
+            raise UnsafeArchiveError(
+                f"{self.archive} unpacks to more than {self.ratio} times its size "
+                f"({self.size:,} bytes); refused as a possible archive bomb.",
+                "If it is genuine, pass a larger max_archive_ratio, or extract it yourself and "
+                "convert the folder.",
+            )
+
+    def member_refusal(self, size: int, compressed: int | None) -> str | None:
+        """Why a member of ``size`` bytes inflated (``compressed`` on disk, zip only) is refused."""
+        if size > self.max_member_bytes:
+            return SkipReason.UNSAFE_ARCHIVE_MEMBER.because(
+                f"inflates to more than {self.max_member_bytes:,} bytes (max_archive_member_bytes);"
+                " not extracted"
+            )
+        if compressed is not None and size > max(RATIO_FLOOR, self.ratio * compressed):
+            return SkipReason.UNSAFE_ARCHIVE_MEMBER.because(
+                f"inflates to more than {self.ratio} times its {compressed:,} compressed bytes "
+                "(max_archive_ratio), a possible zip bomb; not extracted"
+            )
+        return None
 
 
 # Errors that mean "this member cannot exist here" (a file named like a folder that holds other
@@ -281,17 +337,15 @@ def zip_names(archive: Path) -> list[str]:
         return [_zip_name(info) for i, info in enumerate(zf.infolist()) if i not in liars]
 
 
-def _extract_zip(archive: Path, dest: Path, max_members: int, max_bytes: int) -> list[SkippedFile]:
+def _extract_zip(archive: Path, dest: Path, max_members: int, caps: _Caps) -> list[SkippedFile]:
     skipped: list[SkippedFile] = []
-    total = 0
     with _open_zip(archive) as (zf, liars):
         infos = zf.infolist()
         if len(infos) > max_members:
             raise _too_many(archive, max_members)
-        # The declared sizes can lie; this is only the cheap early refusal, the real count of
-        # bytes written below is what enforces the cap.
-        if sum(info.file_size for info in infos) > max_bytes:
-            raise _too_big(archive, max_bytes)
+        # The declared sizes can lie; this is only the cheap early refusal, the count of bytes
+        # inflated below is what enforces the caps.
+        caps.check_total(sum(info.file_size for info in infos))
         for index, info in enumerate(infos):
             if index in liars:
                 raw = info.orig_filename.encode("cp437")
@@ -318,7 +372,10 @@ def _extract_zip(archive: Path, dest: Path, max_members: int, max_bytes: int) ->
                 if info.is_dir():
                     _make_dir(target)
                     continue
-                total = _copy_zip_member(zf, info, target, total, archive, max_bytes)
+                refused = caps.member_refusal(info.file_size, info.compress_size)
+                if refused:
+                    raise _Refused(refused)
+                _copy_zip_member(zf, info, target, caps)
             except _Refused as refused:
                 skipped.append(SkippedFile(path=spelled, reason=refused.reason))
     return skipped
@@ -335,21 +392,18 @@ def _zip_kind(kind: int) -> str:
     return names.get(kind, f"file of type {kind:o}")
 
 
-def _copy_zip_member(
-    zf: zipfile.ZipFile,
-    info: zipfile.ZipInfo,
-    target: Path,
-    total: int,
-    archive: Path,
-    max_bytes: int,
-) -> int:
+def _copy_zip_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path, caps: _Caps) -> None:
+    """Inflate one member into ``target`` a chunk at a time, counting what actually comes out."""
     out = _open_new(target)
+    size = 0
     try:
         with out, zf.open(info) as src:
             while chunk := src.read(_CHUNK):
-                total += len(chunk)
-                if total > max_bytes:
-                    raise _too_big(archive, max_bytes)
+                size += len(chunk)
+                refused = caps.member_refusal(size, info.compress_size)
+                if refused:
+                    raise _Refused(refused)
+                caps.add(len(chunk))
                 out.write(chunk)
     except (zipfile.BadZipFile, RuntimeError, NotImplementedError, zlib.error, EOFError) as exc:
         # CRC mismatch, encrypted member, unsupported compression, cut-off data.
@@ -358,7 +412,6 @@ def _copy_zip_member(
     except BaseException:
         target.unlink(missing_ok=True)
         raise
-    return total
 
 
 def _tar_kind(member: tarfile.TarInfo) -> str:
@@ -375,7 +428,7 @@ def _tar_kind(member: tarfile.TarInfo) -> str:
     return f"tar member of type {member.type!r}"
 
 
-def _extract_tar(archive: Path, dest: Path, max_members: int, max_bytes: int) -> list[SkippedFile]:
+def _extract_tar(archive: Path, dest: Path, max_members: int, caps: _Caps) -> list[SkippedFile]:
     try:
         tf = tarfile.open(archive, mode="r:*")  # noqa: SIM115 (closed by `with tf` below)
     except (tarfile.TarError, OSError, EOFError) as exc:
@@ -384,7 +437,6 @@ def _extract_tar(archive: Path, dest: Path, max_members: int, max_bytes: int) ->
         ) from exc
     skipped: list[SkippedFile] = []
     count = 0
-    total = 0
     with tf:
         try:
             # Iterate lazily: a bomb with millions of headers is refused at the cap, not listed.
@@ -405,9 +457,12 @@ def _extract_tar(archive: Path, dest: Path, max_members: int, max_bytes: int) ->
                                 f"a {_tar_kind(member)}, not a regular file or folder"
                             )
                         )
-                    total += member.size
-                    if total > max_bytes:
-                        raise _too_big(archive, max_bytes)
+                    # tarfile reads exactly member.size bytes of the (decompressed) stream, so
+                    # the header's size is what inflating costs, even for a member not extracted.
+                    caps.add(member.size)
+                    refused = caps.member_refusal(member.size, None)
+                    if refused:
+                        raise _Refused(refused)
                     _extract_tar_member(tf, member, dest, target)
                 except _Refused as refused:  # (SkippedFile shows a non-UTF-8 name's bytes)
                     skipped.append(SkippedFile(path=member.name, reason=refused.reason))

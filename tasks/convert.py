@@ -40,7 +40,9 @@ from models.atomic import atomic_directory, check_destination, temp_prefix
 from tasks.archive import (
     ARCHIVE_SUFFIXES,
     DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_MEMBER_BYTES,
     DEFAULT_MAX_MEMBERS,
+    DEFAULT_MAX_RATIO,
     archive_kind,
     extract_archive,
     zip_names,
@@ -52,7 +54,16 @@ from tasks.errors import (
     NotLabeledDatasetError,
     NoUsableImagesError,
 )
-from tasks.imagecheck import DEFAULT_MAX_PIXELS, CheckJob, CheckResult, check_file, check_files
+from tasks.imagecheck import (
+    DEFAULT_MAX_ASPECT_RATIO,
+    DEFAULT_MAX_PIXELS,
+    CheckJob,
+    CheckResult,
+    check_file,
+    check_files,
+    file_fingerprint,
+    refused_unread,
+)
 from tasks.imagedir import (
     FORMAT_VERSION,
     MANIFEST,
@@ -81,7 +92,8 @@ MIN_BYTES_FOR_POOL = 16 * 1024**2
 _JUNK_NAMES = ("__MACOSX",)
 # Part of every fingerprint: bump it when a change here or in tasks.imagecheck can change the
 # result for the same input, so directories converted before are converted again.
-_CONVERTER_VERSION = 1
+# 2: the aspect-ratio limit; files refused by extension or size are no longer read.
+_CONVERTER_VERSION = 2
 # Files per task when hashing for the cache check; one chunk or less is hashed in this thread.
 _HASH_CHUNK = 64
 
@@ -123,9 +135,12 @@ def convert(
     dest: Path,
     *,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_aspect_ratio: int = DEFAULT_MAX_ASPECT_RATIO,
     workers: int | None = None,
     max_archive_members: int = DEFAULT_MAX_MEMBERS,
     max_archive_bytes: int = DEFAULT_MAX_BYTES,
+    max_archive_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES,
+    max_archive_ratio: int = DEFAULT_MAX_RATIO,
 ) -> Manifest:
     """Convert the image folder, archive or label file ``source`` into the ImageDirectory ``dest``.
 
@@ -134,11 +149,15 @@ def convert(
     ``dest`` is written atomically: it appears complete or not at all, and an existing ``dest`` is
     replaced only once the new one is whole. When ``dest`` already holds the conversion of this
     very source (same content, same parameters) and is intact, its manifest is returned and
-    nothing is written. ``max_pixels`` refuses decompression bombs per image (reason
-    ``ImageExceedsLimit``). ``workers`` is the number of processes checking images, this one
+    nothing is written. ``max_pixels`` (width x height) and ``max_aspect_ratio`` (longer side
+    over shorter side) refuse decompression bombs and slivers per image, from the header (reason
+    ``ImageExceedsLimit``); the other steps read images with the same limits' defaults
+    (:mod:`tasks.imageformat`). ``workers`` is the number of processes checking images, this one
     included: by default every core this process may use, once the input is big enough to gain
-    from them (1 checks in this process only). ``max_archive_members`` and
-    ``max_archive_bytes`` cap what an archive may unpack to.
+    from them (1 checks in this process only). ``max_archive_members``, ``max_archive_bytes``
+    (in total), ``max_archive_member_bytes`` (per member) and ``max_archive_ratio`` (inflated
+    over compressed size, per member and in total) cap what an archive may unpack to (see
+    :mod:`tasks.archive`).
 
     Returns the manifest written (or found). Raises :class:`InvalidParameterError` for a
     parameter out of range or a ``dest`` that overlaps ``source``, :class:`UnsafeArchiveError`
@@ -147,16 +166,19 @@ def convert(
     holds no usable image.
     """
     source, dest = Path(source), Path(dest)
-    _check_parameters(source, dest, max_pixels, workers, max_archive_members, max_archive_bytes)
+    limits = {"max_pixels": max_pixels, "max_aspect_ratio": max_aspect_ratio}
+    caps = {
+        "max_archive_members": max_archive_members,
+        "max_archive_bytes": max_archive_bytes,
+        "max_archive_member_bytes": max_archive_member_bytes,
+        "max_archive_ratio": max_archive_ratio,
+    }
+    _check_parameters(source, dest, workers, limits | caps)
     check_destination(dest, replaces=MANIFEST)
     kind = _source_kind(source)
-    params: dict[str, int] = {"max_pixels": max_pixels}
+    params: dict[str, int] = dict(limits)
     if kind == "archive":
-        # A smaller cap could refuse an archive a larger one let through.
-        params |= {
-            "max_archive_members": max_archive_members,
-            "max_archive_bytes": max_archive_bytes,
-        }
+        params |= caps  # a smaller cap could refuse an archive a larger one let through
     head = {
         "converter": _CONVERTER_VERSION,
         "format_version": FORMAT_VERSION,
@@ -176,17 +198,22 @@ def convert(
         with tempfile.TemporaryDirectory(prefix=prefix, dir=dest.parent) as tmp:
             extracted = Path(tmp)
             refused = extract_archive(
-                source, extracted, max_members=max_archive_members, max_bytes=max_archive_bytes
+                source,
+                extracted,
+                max_members=max_archive_members,
+                max_bytes=max_archive_bytes,
+                max_member_bytes=max_archive_member_bytes,
+                max_ratio=max_archive_ratio,
             )
             root, junk = _unwrap(extracted)
             plan = _plan_folder(root, refused + junk)
-            return _convert_plan(plan, dest, source, max_pixels, workers, fingerprint)
+            return _convert_plan(plan, dest, source, limits, workers, fingerprint)
     plan = _plan_folder(source, []) if kind == "folder" else _plan_label_file(source, dest)
     if previous is not None and previous.fingerprint == _fingerprint(
-        head, plan, _hash_all([item.source for item in plan.items])
+        head, plan, _hash_all(plan.items, max_pixels)
     ):
         return _unchanged(dest, previous)
-    return _convert_plan(plan, dest, source, max_pixels, workers, head)
+    return _convert_plan(plan, dest, source, limits, workers, head)
 
 
 def source_classes(source: Path) -> list[str]:
@@ -278,18 +305,9 @@ def _source_kind(source: Path) -> str:
 
 
 def _check_parameters(
-    source: Path,
-    dest: Path,
-    max_pixels: int,
-    workers: int | None,
-    max_members: int,
-    max_bytes: int,
+    source: Path, dest: Path, workers: int | None, limits: dict[str, int]
 ) -> None:
-    for name, value in (
-        ("max_pixels", max_pixels),
-        ("max_archive_members", max_members),
-        ("max_archive_bytes", max_bytes),
-    ):
+    for name, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidParameterError(f"{name} must be a whole number >= 1, got {value!r}.")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
@@ -449,7 +467,7 @@ def _convert_plan(
     plan: _Plan,
     dest: Path,
     source: Path,
-    max_pixels: int,
+    limits: dict[str, int],
     workers: int | None,
     fingerprint: str | dict[str, Any],
 ) -> Manifest:
@@ -461,7 +479,8 @@ def _convert_plan(
     skipped = list(plan.skipped)
     with atomic_directory(dest, replaces=MANIFEST) as tmp:
         jobs = [
-            CheckJob(item.source, item.rel, str(tmp / item.dest), max_pixels) for item in plan.items
+            CheckJob(item.source, item.rel, str(tmp / item.dest), scratch=str(tmp), **limits)
+            for item in plan.items
         ]
         results = _check_all(jobs, workers)
         accepted: list[tuple[_Item, CheckResult]] = []
@@ -551,21 +570,24 @@ def _sha256_file(path: str | Path) -> tuple[int, str]:
         return -1, ""
 
 
-def _hash_all(paths: Sequence[str]) -> list[tuple[int, str]]:
-    """(size, sha256) of each file, as :func:`tasks.imagecheck.check_file` reports them.
+def _hash_all(items: Sequence[_Item], max_pixels: int) -> list[tuple[int, str]]:
+    """(size, sha256) of each file, as :func:`tasks.imagecheck.check_file` reports them (a file
+    it would not read, by its extension or size, is not read here either).
 
     Threads, not processes: reading and hashing release the GIL, and a thread starts at once.
     From the page cache one thread is as fast; the others help when the disk makes us wait.
     """
-    chunks = [paths[i : i + _HASH_CHUNK] for i in range(0, len(paths), _HASH_CHUNK)]
+    files = [(item.source, item.rel) for item in items]
+    chunks = [files[i : i + _HASH_CHUNK] for i in range(0, len(files), _HASH_CHUNK)]
     if len(chunks) <= 1:
-        return [_sha256_file(path) for path in paths]
+        return _hash_chunk(files, max_pixels)
     with ThreadPoolExecutor(max_workers=min(8, 2 * _available_cores())) as pool:
-        return [d for chunk in pool.map(_hash_chunk, chunks) for d in chunk]
+        hashed = pool.map(partial(_hash_chunk, max_pixels=max_pixels), chunks)
+        return [d for chunk in hashed for d in chunk]
 
 
-def _hash_chunk(paths: Sequence[str]) -> list[tuple[int, str]]:
-    return [_sha256_file(path) for path in paths]
+def _hash_chunk(files: Sequence[tuple[str, str]], max_pixels: int) -> list[tuple[int, str]]:
+    return [file_fingerprint(source, rel, max_pixels) for source, rel in files]
 
 
 def _previous(dest: Path, source: Path) -> Manifest | None:
@@ -673,17 +695,19 @@ def _use_pool(jobs: list[CheckJob], workers: int | None) -> int:
     if len(jobs) < MIN_FILES_FOR_POOL:
         return 0
     if workers is None:
-        if sum(_size(job.source) for job in jobs) < MIN_BYTES_FOR_POOL:
+        if sum(_size(job) for job in jobs) < MIN_BYTES_FOR_POOL:
             return 0
         workers = _available_cores()
     return min(workers, len(jobs))
 
 
-def _size(path: str) -> int:
+def _size(job: CheckJob) -> int:
+    """The bytes checking ``job`` reads: none for a file refused by its extension or size."""
     try:
-        return os.path.getsize(path)
+        size = os.path.getsize(job.source)
     except OSError:
         return 0
+    return 0 if refused_unread(job.rel, size, job.max_pixels) else size
 
 
 def _check_all(jobs: list[CheckJob], workers: int | None) -> list[CheckResult]:

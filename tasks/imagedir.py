@@ -24,7 +24,10 @@ from tasks.errors import InvalidDatasetError, InvalidImageDirectoryError, NotLab
 # start fast; import them from here.
 from tasks.imageformat import (  # noqa: F401
     IMAGE_EXTENSIONS,
+    MAX_ASPECT_RATIO,
+    MAX_PIXELS,
     PIL_FORMATS,
+    ImageRefused,
     SkipReason,
     is_image_file,
     is_utf8,

@@ -3,10 +3,20 @@
 Part of the ImageDirectory contract (:mod:`tasks.imagedir` re-exports every name here), kept apart
 because it needs Pillow only: convert's worker processes import it, and a worker that does not
 import pydantic starts several times faster.
+
+The image limits live here, once, for every step that decodes a file: convert refuses an image
+over them (``ImageExceedsLimit``) and :func:`load_rgb` (score, train, transform, export,
+quantize) refuses it the same way, from the header, before a pixel is decoded. Decoded size is
+bounded by ``MAX_PIXELS``; the aspect ratio by ``MAX_ASPECT_RATIO``, because every step after
+convert resizes the shorter side to a fixed size, so a 1x600,000 strip (1.2 KB as a PNG) would
+become a 32x19,200,000 image, gigabytes of memory; and the file itself by
+:func:`max_file_bytes`, since no image within the pixel limit needs more bytes and a larger file
+is never read.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from enum import StrEnum
@@ -17,6 +27,12 @@ from PIL import Image
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 # Pillow format names we open; anything else is refused even if the extension looks right.
 PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
+MAX_PIXELS = 40_000_000  # width x height; convert's ``max_pixels`` default
+MAX_ASPECT_RATIO = 100  # longer side / shorter side; convert's ``max_aspect_ratio`` default
+# The most bytes one pixel takes in any format we read (16-bit RGBA, uncompressed), and room for
+# metadata (EXIF, ICC profiles, XMP, thumbnails) on top.
+_BYTES_PER_PIXEL = 8
+_METADATA_BYTES = 16 * 1024**2
 
 
 class SkipReason(StrEnum):
@@ -87,20 +103,100 @@ def visible_name(name: str) -> str:
     return _CONTROL.sub(lambda match: repr(match.group())[1:-1], name)
 
 
+class ImageRefused(Exception):
+    """The file is not a usable image; ``reason`` is the manifest text (``SkipReason: detail``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 def is_image_file(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
-def load_rgb(path: Path) -> Image.Image:
+def max_file_bytes(max_pixels: int = MAX_PIXELS) -> int:
+    """The largest file an image of at most ``max_pixels`` pixels may be: 8 bytes a pixel (an
+    uncompressed 16-bit RGBA image) plus 16 MiB of metadata. A bigger file is refused unread."""
+    return _BYTES_PER_PIXEL * max_pixels + _METADATA_BYTES
+
+
+def file_over_limit(size: int, max_pixels: int = MAX_PIXELS) -> str | None:
+    """The ``ImageExceedsLimit`` reason for a file of ``size`` bytes; None: it may be read."""
+    if size <= max_file_bytes(max_pixels):
+        return None
+    return SkipReason.IMAGE_EXCEEDS_LIMIT.because(
+        f"the file is {size:,} bytes, more than an image within the limit of {max_pixels:,} "
+        f"pixels can take ({max_file_bytes(max_pixels):,}); it is not read"
+    )
+
+
+def size_over_limit(
+    width: int,
+    height: int,
+    max_pixels: int = MAX_PIXELS,
+    max_aspect_ratio: int = MAX_ASPECT_RATIO,
+) -> str | None:
+    """The ``ImageExceedsLimit`` reason for a ``width`` x ``height`` image, or None within limits.
+
+    From the header, so a bomb costs a few bytes of reading.
+    """
+    if width * height > max_pixels:
+        return SkipReason.IMAGE_EXCEEDS_LIMIT.because(
+            f"{width}x{height} = {width * height:,} pixels is over the limit of {max_pixels:,} "
+            "(raise max_pixels if this image is genuine)"
+        )
+    long, short = max(width, height), min(width, height)
+    if long > max_aspect_ratio * short:
+        ratio = f"{long / short:,.0f}:1" if short else "infinite"
+        return SkipReason.IMAGE_EXCEEDS_LIMIT.because(
+            f"{width}x{height} has an aspect ratio of {ratio}, over the limit of "
+            f"{max_aspect_ratio:,}:1 (raise max_aspect_ratio if this image is genuine)"
+        )
+    return None
+
+
+def bomb_refused(exc: Image.DecompressionBombError, max_pixels: int) -> ImageRefused:
+    """Pillow's own hard limit (twice ``Image.MAX_IMAGE_PIXELS``) struck while reading a header:
+    reported as ours, the limit the user can change, unless ``max_pixels`` is above Pillow's."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    if found is None or int(found[1]) <= max_pixels:
+        return ImageRefused(SkipReason.IMAGE_EXCEEDS_LIMIT.because(str(exc)))
+    return ImageRefused(
+        SkipReason.IMAGE_EXCEEDS_LIMIT.because(
+            f"{int(found[1]):,} pixels is over the limit of {max_pixels:,} (raise max_pixels "
+            "if this image is genuine)"
+        )
+    )
+
+
+def load_rgb(
+    path: Path,
+    *,
+    max_pixels: int = MAX_PIXELS,
+    max_aspect_ratio: int = MAX_ASPECT_RATIO,
+) -> Image.Image:
     """Open an image as 8-bit RGB, whatever its mode (gray, palette, RGBA, CMYK, 16-bit).
 
-    Decompression-bomb warnings become errors: an image that large is refused, not decoded.
+    Raises :class:`ImageRefused` (reason ``ImageExceedsLimit``) for a file or an image over the
+    limits convert applies, checked from the file's size and its header before anything is
+    decoded, so a hostile file costs a few bytes of reading, never gigabytes of memory.
     """
+    refused = file_over_limit(os.stat(path).st_size, max_pixels)
+    if refused:
+        raise ImageRefused(refused)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(path, formats=PIL_FORMATS) as img:
-            img.load()
-            return to_rgb(img)
+        # Our limit is the one that counts; Pillow's hard error (twice its own) is mapped to it.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(path, formats=PIL_FORMATS) as img:
+                refused = size_over_limit(*img.size, max_pixels, max_aspect_ratio)
+                if refused:
+                    raise ImageRefused(refused)
+                img.load()
+                return to_rgb(img)
+        except Image.DecompressionBombError as exc:
+            raise bomb_refused(exc, max_pixels) from exc
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -4,8 +4,10 @@ The images go through the inference mode of the transform spec the model was tra
 (:func:`tasks.transform.build_transform`), so scoring sees exactly what training validated on.
 Images are read, scored and written a batch at a time: memory stays flat however large the
 folder, and the table grows on disk in a temporary file that replaces ``dest`` only when every
-batch is done. An image that does not load becomes a row with empty scores and the reason in
-``Scoring Error`` (and a log line); it never fails the batch. A large input is cut into shards
+batch is done. An image that does not load, or is over the limits convert applies (pixels,
+aspect ratio, file size: ``ImageExceedsLimit``, found from the header before anything is
+decoded), becomes a row with empty scores and the reason in ``Scoring Error`` (and a log line);
+it never fails the batch. A large input is cut into shards
 that parallel Prefect tasks score and :func:`merge_tables` joins in order
 (:func:`score_in_shards`). The shard is the unit of resumption: finished shard tables are kept
 beside ``dest`` until the merge, so a run killed mid-way and started again scores only the shards
@@ -49,6 +51,7 @@ from tasks.export import INPUT_NAME, OUTPUT_NAME, sha256_file
 from tasks.imagedir import (
     IMAGE_EXTENSIONS,
     MANIFEST,
+    ImageRefused,
     SkipReason,
     is_image_file,
     is_utf8,
@@ -339,6 +342,10 @@ def score(
                         continue
                     try:
                         tensors.append(transform(load_rgb(ref.file)).numpy())
+                    except ImageRefused as refused:  # over the limits convert applies too
+                        errors[i] = refused.reason
+                        log.warning("Cannot score %s: %s", ref.path, errors[i])
+                        continue
                     except Exception as exc:  # one bad file must not sink the other images
                         errors[i] = f"{type(exc).__name__}: {exc}"
                         log.warning("Cannot score %s: %s", ref.path, errors[i])

@@ -38,6 +38,7 @@ from tasks.errors import (
 from tasks.imagedir import (
     MANIFEST,
     ImageEntry,
+    ImageRefused,
     Manifest,
     SkippedFile,
     SkipReason,
@@ -366,6 +367,9 @@ def apply_transformation(
         for entry in manifest.images:
             try:
                 image = load_rgb(images / entry.path)
+            except ImageRefused as refused:  # over the image limits (a hand-edited directory)
+                skipped.append(SkippedFile(path=entry.path, reason=refused.reason))
+                continue
             except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ...)
                 reason = SkipReason.UNREADABLE_IMAGE.because(f"{type(exc).__name__}: {exc}")
                 skipped.append(SkippedFile(path=entry.path, reason=reason))

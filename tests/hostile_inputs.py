@@ -69,6 +69,7 @@ class Case:
     expect: str  # "ok: <report text>" or the error class name
     says: str = ""  # text the error message must contain (errors only)
     slow: bool = False  # runs torchrun
+    memory: bool = False  # tests/test_memory_bounds.py also measures its peak memory
 
 
 # --- building blocks ----------------------------------------------------------------------------
@@ -443,6 +444,152 @@ def _coco_huge(io_: Inputs) -> Run:
     with open(io_.src / "labels.json", "wb") as fh:  # sparse: no disk used, no time spent
         fh.truncate(MAX_LABEL_FILE_BYTES + 1)
     return _convert(io_, io_.src / "labels.json")
+
+
+# --- memory: hostile sizes (issue 18) -----------------------------------------------------------
+# Each of these once made a command take gigabytes; tests/test_memory_bounds.py runs them as
+# subprocesses and checks that peak memory stays near a run on a small normal input.
+
+GiB = 1024**3
+_MiB = 1024**2
+# zlib.crc32 of 4,095 MiB of zeros (computed once: it takes a second).
+_CRC_4095_MIB_OF_ZEROS = 0x65D3537A
+
+
+def _zeros_deflated(mib: int) -> bytes:
+    """Raw deflate of ``mib`` MiB of zeros, about 1 KB a MiB, made without compressing them all.
+
+    After a full flush a compressor starts afresh, so each MiB compresses to the same block:
+    compress one, repeat it, end with an empty final block.
+    """
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = packer.compress(bytes(_MiB)) + packer.flush(zlib.Z_FULL_FLUSH)
+    return block * mib + b"\x03\x00"
+
+
+def _crafted_zip(path: Path, members: list[tuple[str, int, int, bytes]]) -> Path:
+    """A zip written byte by byte: ``(name, crc32, size declared, deflated data)`` per member, so
+    a member may inflate to gigabytes (or declare what it likes) without being compressed here."""
+    local, central = b"", b""
+    for name, crc, size, data in members:
+        raw = name.encode()
+        fields = (20, 0, 8, 0, 33, crc, len(data), size, len(raw))  # 33: 1980-01-01
+        central += struct.pack("<IH", 0x02014B50, 20) + struct.pack("<HHHHHIIIH", *fields)
+        central += struct.pack("<HHHHII", 0, 0, 0, 0, 0, len(local)) + raw
+        local += struct.pack("<I", 0x04034B50) + struct.pack("<HHHHHIIIH", *fields)
+        local += struct.pack("<H", 0) + raw + data
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, *[len(members)] * 2, len(central),
+                      len(local), 0)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(local + central + end)
+    return path
+
+
+def _digit_members(io_: Inputs) -> list[tuple[str, int, int, bytes]]:
+    """The digit PNGs of two classes, as :func:`_crafted_zip` members under ``digits/``."""
+    members = []
+    for label in ("0", "1"):
+        for png in sorted((io_.digits / label).glob("*.png"))[:3]:
+            packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+            data = png.read_bytes()
+            deflated = packer.compress(data) + packer.flush()
+            members.append((f"digits/{label}/{png.name}", zlib.crc32(data), len(data), deflated))
+    return members
+
+
+def png_strip(width: int, height: int) -> bytes:
+    """A valid 8-bit gray PNG of ``width`` x ``height``: 1x600,000 is 1.2 KB on disk."""
+    row = b"\x00" + b"\x80" * width
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        + _png_chunk(b"IDAT", idat)
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def _sparse(path: Path, size: int, head: bytes = b"") -> Path:
+    """A file of ``size`` bytes that takes no disk and no time: ``head``, then a hole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(head)
+        fh.truncate(size)
+    return path
+
+
+def _big_non_image(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    _sparse(io_.src / "0" / "clip.mov", 3 * GiB)
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _big_png_file(io_: Inputs) -> Run:
+    _digits(io_, io_.src)
+    ihdr = struct.pack(">IIBBBBB", 16, 16, 8, 0, 0, 0, 0)
+    head = b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr)
+    _sparse(io_.src / "1" / "huge.png", 3 * GiB, head)
+    return _convert(io_, io_.src, made="manifest.json")
+
+
+def _zip_member_bomb(io_: Inputs) -> Run:
+    bomb = ("digits/0/zeros.png", _CRC_4095_MIB_OF_ZEROS, 4095 * _MiB, _zeros_deflated(4095))
+    return _convert(io_, _crafted_zip(io_.src / "a.zip", [*_digit_members(io_), bomb]))
+
+
+def _zip_lying_sizes(io_: Inputs) -> Run:
+    liar = ("digits/0/zeros.png", _CRC_4095_MIB_OF_ZEROS, 1_000, _zeros_deflated(4095))
+    archive = _crafted_zip(io_.src / "a.zip", [*_digit_members(io_), liar])
+    return _convert(io_, archive, made="manifest.json")
+
+
+def _zip_ratio(io_: Inputs) -> Run:
+    crc = zlib.crc32(bytes(8 * _MiB))
+    small = [(f"digits/1/zeros{i:03d}.png", crc, 8 * _MiB, _zeros_deflated(8)) for i in range(200)]
+    return _convert(io_, _crafted_zip(io_.src / "a.zip", [*_digit_members(io_), *small]))
+
+
+def _tgz_ratio(io_: Inputs) -> Run:
+    """A .tar.gz of 64 members of 4 MiB of zeros, deflated as :func:`_zeros_deflated` does: only
+    inflating it tells how big it is (a tar has no table of contents)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = packer.compress(bytes(_MiB)) + packer.flush(zlib.Z_FULL_FLUSH)
+    body, crc, size = b"", 0, 0
+    for i in range(64):
+        info = tarfile.TarInfo(f"digits/1/zeros{i:02d}.png")
+        info.size = 4 * _MiB
+        header = info.tobuf(tarfile.GNU_FORMAT)
+        body += packer.compress(header) + packer.flush(zlib.Z_FULL_FLUSH) + block * 4
+        crc, size = zlib.crc32(header, crc), size + len(header) + info.size
+        for _ in range(4):
+            crc = zlib.crc32(bytes(_MiB), crc)
+    end = bytes(2 * tarfile.BLOCKSIZE)
+    body += packer.compress(end) + packer.flush()
+    crc, size = zlib.crc32(end, crc), size + len(end)
+    archive = io_.src / "a.tar.gz"
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    gzip_header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"
+    archive.write_bytes(gzip_header + body + struct.pack("<II", crc, size & 0xFFFFFFFF))
+    return _convert(io_, archive)
+
+
+def _strip_convert(height: int) -> Callable[[Inputs], Run]:
+    def build(io_: Inputs) -> Run:
+        _digits(io_, io_.src)
+        (io_.src / "0" / "strip.png").write_bytes(png_strip(1, height))
+        return _convert(io_, io_.src, made="manifest.json")
+
+    return build
+
+
+def _score_oversized(io_: Inputs) -> Run:
+    """Scoring loads every image itself: one run (ONNX Runtime starts in seconds) for all three."""
+    images = _digits(io_, io_.src / "images", per_class=2)
+    (images / "0" / "strip-600k.png").write_bytes(png_strip(1, 600_000))
+    (images / "1" / "strip-2m.png").write_bytes(png_strip(1, 2_000_000))
+    _sparse(images / "1" / "huge.png", 3 * GiB, b"\x89PNG\r\n\x1a\n")
+    return _score(io_, str(io_.model), images)
 
 
 def _split_raw(io_: Inputs) -> Run:
@@ -974,6 +1121,35 @@ CASES: list[Case] = [
          "InvalidLabelFileError", "nested 100,001 deep"),
     Case("convert-coco-huge", "convert", "a label file over the 1 GiB limit (sparse)", _coco_huge,
          "InvalidLabelFileError", "label files of up to 1,073,741,824 bytes"),
+    Case("convert-big-non-image", "convert", "a 3 GiB `.mov` in a class folder (sparse)",
+         _big_non_image, "ok: 6 images, 2 classes, 1 skipped; skipped 0/clip.mov: NotAnImage",
+         memory=True),
+    Case("convert-big-png-file", "convert",
+         "a 3 GiB file named `.png` that starts like a 16x16 PNG (sparse)", _big_png_file,
+         "ok: 6 images, 2 classes, 1 skipped; skipped 1/huge.png: ImageExceedsLimit: the file is "
+         "3,221,225,472 bytes", memory=True),
+    Case("convert-zip-member-bomb", "convert",
+         "a 4 MB zip member that inflates to 4,095 MiB of zeros", _zip_member_bomb,
+         "UnsafeArchiveError", "unpacks to more than 200 times its size", memory=True),
+    Case("convert-zip-lying-sizes", "convert",
+         "the same member, its zip headers claiming 1,000 bytes", _zip_lying_sizes,
+         "ok: 6 images, 2 classes, 1 skipped; UnreadableArchiveMember: Bad CRC-32", memory=True),
+    Case("convert-zip-ratio", "convert",
+         "a 1.7 MB zip of 200 members of 8 MiB of zeros each (1.6 GiB)", _zip_ratio,
+         "UnsafeArchiveError", "unpacks to more than 200 times its size", memory=True),
+    Case("convert-tgz-ratio", "convert",
+         "a 270 KB .tar.gz of 64 members of 4 MiB of zeros (only inflating it tells)", _tgz_ratio,
+         "UnsafeArchiveError", "unpacks to more than 200 times its size", memory=True),
+    Case("convert-strip-600k", "convert", "a 1.2 KB PNG of 1x600,000 px", _strip_convert(600_000),
+         "ok: 6 images, 2 classes, 1 skipped; skipped 0/strip.png: ImageExceedsLimit: 1x600000 "
+         "has an aspect ratio of 600,000:1, over the limit of 100:1", memory=True),
+    Case("convert-strip-2m", "convert", "a 4 KB PNG of 1x2,000,000 px", _strip_convert(2_000_000),
+         "ok: 6 images, 2 classes, 1 skipped; skipped 0/strip.png: ImageExceedsLimit: 1x2000000 "
+         "has an aspect ratio of 2,000,000:1", memory=True),
+    Case("score-oversized-images", "score",
+         "PNGs of 1x600,000 and 1x2,000,000 px and a 3 GiB `.png` (sparse) among the images "
+         "(each becomes an `ImageExceedsLimit` row, the others are scored)",
+         _score_oversized, "ok: wrote", memory=True),
     Case("split-raw-folder", "split", "a raw image folder, not an ImageDirectory", _split_raw,
          "InvalidImageDirectoryError", "is not an ImageDirectory"),
     Case("split-bad-manifest", "split", "a manifest.json cut short", _split_bad_manifest,
@@ -1126,7 +1302,10 @@ def markdown() -> str:
         "",
         "Generated from `tests/hostile_inputs.py` by `python -m tests.hostile_inputs --write "
         "docs/reliability.md` (it keeps the last section as it is);",
-        "`tests/test_hostile_inputs.py` runs every case through the CLI.",
+        "`tests/test_hostile_inputs.py` runs every case through the CLI;",
+        "`tests/test_memory_bounds.py` runs the cases marked *peak memory* again, as subprocesses,",
+        "and checks that each one's peak memory (workers included) stays within 300 MB of the same",
+        "command on a few normal images. The limits they meet are in the README (Configuration).",
         "",
         "Each case ends in success with a report, or in a named error: the CLI prints",
         '"error: <ErrorName>: <what was wrong>" and "what to do: <hint>" and exits with status 2',
@@ -1138,6 +1317,8 @@ def markdown() -> str:
     ]
     for case in CASES:
         outcome = case.expect if case.expect.startswith("ok") else f"{case.expect}: {case.says}"
+        if case.memory:
+            outcome += "; *peak memory* within 300 MB of a small input's"
         cells = [f"`{case.id}`", case.step, case.description, outcome]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import random
 import shutil
 import struct
 import tarfile
@@ -14,9 +15,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tasks import imagecheck
 from tasks.convert import convert
 from tasks.errors import InvalidParameterError, NoUsableImagesError, UnsafeArchiveError
-from tasks.imagedir import MANIFEST, Manifest, read_manifest
+from tasks.imagedir import MANIFEST, ImageRefused, Manifest, load_rgb, read_manifest
 
 
 def _copy_classes(src: Path, dst: Path, per_class: int) -> Path:
@@ -211,6 +213,77 @@ def test_images_over_the_pixel_limit_are_refused_from_the_header(
     assert global_limit == Image.MAX_IMAGE_PIXELS  # Pillow's global state is untouched
 
 
+def _strip(width: int, height: int) -> bytes:
+    """An 8-bit gray PNG of ``width`` x ``height``."""
+    buffer = io.BytesIO()
+    Image.new("L", (width, height), 128).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_convert_and_every_reader_refuse_the_same_slivers(digits_raw: Path, tmp_path: Path) -> None:
+    src = _copy_classes(digits_raw, tmp_path / "src", per_class=1)
+    (src / "0" / "edge.png").write_bytes(_strip(1, 100))  # 100:1, the limit itself
+    (src / "0" / "sliver.png").write_bytes(_strip(101, 1))
+
+    manifest = convert(src, tmp_path / "out")
+    wide = convert(src, tmp_path / "wide", max_aspect_ratio=101)
+
+    assert _codes(manifest) == {"0/sliver.png": "ImageExceedsLimit"}
+    (reason,) = [s.reason for s in manifest.skipped]
+    assert "101x1 has an aspect ratio of 101:1, over the limit of 100:1" in reason
+    assert "0/edge.png" in {e.path for e in manifest.images}
+    assert _codes(wide) == {}
+    # Score, train, transform, export and quantize read through load_rgb: the same limit, the
+    # same words, found before decoding.
+    with pytest.raises(ImageRefused) as refused:
+        load_rgb(src / "0" / "sliver.png")
+    assert refused.value.reason == reason
+    assert load_rgb(src / "0" / "edge.png").size == (1, 100)
+
+
+def test_files_are_judged_by_extension_and_size_before_reading(
+    digits_raw: Path, tmp_path: Path
+) -> None:
+    src = _copy_classes(digits_raw, tmp_path / "src", per_class=2)
+    for name in ("0/clip.mov", "1/huge.png"):  # 3 GiB each, sparse: no disk, no time
+        with open(src / name, "wb") as fh:
+            fh.truncate(3 * 1024**3)
+    dest = tmp_path / "out"
+
+    manifest = convert(src, dest, workers=1)
+    inode = dest.stat().st_ino
+    again = convert(src, dest, workers=1)  # the cache check does not read them either
+
+    assert _codes(manifest) == {"0/clip.mov": "NotAnImage", "1/huge.png": "ImageExceedsLimit"}
+    huge = next(s.reason for s in manifest.skipped if s.path == "1/huge.png")
+    assert "the file is 3,221,225,472 bytes" in huge and "336,777,216" in huge
+    assert again == manifest and dest.stat().st_ino == inode  # a cache hit: nothing rewritten
+
+
+def test_big_files_are_streamed_and_checked_from_their_copy(
+    digits_raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = _copy_classes(digits_raw, tmp_path / "src", per_class=2)
+    good = next((src / "0").glob("*.png")).read_bytes()
+    (src / "1" / "truncated.png").write_bytes(good[: len(good) // 2])
+    (src / "1" / "sliver.png").write_bytes(_strip(1, 1000))
+    in_memory = convert(src, tmp_path / "in-memory", workers=1)
+
+    monkeypatch.setattr(imagecheck, "IN_MEMORY_BYTES", 64)  # every file here is "big" now
+    streamed = convert(src, tmp_path / "streamed", workers=1)
+
+    assert streamed == in_memory  # same entries, hashes, sizes, reasons and fingerprint
+    assert _codes(streamed) == {
+        "1/sliver.png": "ImageExceedsLimit",
+        "1/truncated.png": "UnreadableImage",
+    }
+    for entry in streamed.images:
+        data = (tmp_path / "streamed" / entry.path).read_bytes()
+        assert data == (src / entry.path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry.sha256 and len(data) == entry.size
+    assert _files_below(tmp_path / "streamed") == {e.path for e in streamed.images} | {MANIFEST}
+
+
 def test_no_usable_image_raises_and_writes_nothing(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "a").mkdir(parents=True)
@@ -243,6 +316,9 @@ def test_a_failed_convert_keeps_the_previous_directory(digits_raw: Path, tmp_pat
         ({"max_pixels": 0}, "max_pixels must be a whole number >= 1"),
         ({"workers": 0}, "workers must be >= 1"),
         ({"max_archive_members": -1}, "max_archive_members"),
+        ({"max_aspect_ratio": 0}, "max_aspect_ratio must be a whole number >= 1"),
+        ({"max_archive_ratio": 0.5}, "max_archive_ratio"),
+        ({"max_archive_member_bytes": 0}, "max_archive_member_bytes"),
     ],
 )
 def test_parameters_out_of_range_are_refused(
@@ -428,6 +504,61 @@ def test_archive_over_the_caps_is_refused_whole(digits_raw: Path, tmp_path: Path
     with pytest.raises(UnsafeArchiveError, match="unpacks to more than 1,000 bytes"):
         convert(tar, tmp_path / "out", max_archive_bytes=1_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["digits.tar", "digits.zip", "src"]
+
+
+def test_archive_members_over_the_member_caps_are_skipped(digits_raw: Path, tmp_path: Path) -> None:
+    src = _copy_classes(digits_raw, tmp_path / "src", per_class=2)
+    noise = random.Random(1).randbytes(300_000)  # incompressible: keeps the archive's ratio low
+    archive = tmp_path / "digits.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(src.rglob("*.png")):
+            zf.write(path, path.relative_to(src).as_posix())
+        zf.writestr("0/zeros.png", bytes(20 * 1024**2))  # 20 MiB -> 20 KB: 1,000:1
+        zf.writestr("1/noise.bin", noise)
+    tar = tmp_path / "digits.tar"
+    with tarfile.open(tar, "w") as tf:
+        tf.add(src, arcname=".")
+        info = tarfile.TarInfo("1/noise.bin")
+        info.size = len(noise)
+        tf.addfile(info, io.BytesIO(noise))
+
+    zipped = convert(archive, tmp_path / "zip")
+    capped = convert(archive, tmp_path / "zip-capped", max_archive_member_bytes=100_000)
+    tarred = convert(tar, tmp_path / "tar", max_archive_member_bytes=100_000)
+
+    assert _codes(zipped) == {"0/zeros.png": "UnsafeArchiveMember", "1/noise.bin": "NotAnImage"}
+    zeros = next(s.reason for s in zipped.skipped if s.path == "0/zeros.png")
+    assert "more than 200 times its" in zeros and "max_archive_ratio" in zeros
+    assert _codes(capped) == {
+        "0/zeros.png": "UnsafeArchiveMember",
+        "1/noise.bin": "UnsafeArchiveMember",
+    }
+    assert _codes(tarred) == {"1/noise.bin": "UnsafeArchiveMember"}
+    for manifest in (capped, tarred):
+        noise_reason = next(s.reason for s in manifest.skipped if s.path == "1/noise.bin")
+        assert "more than 100,000 bytes (max_archive_member_bytes)" in noise_reason
+        assert len(manifest.images) == 6
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no extraction left
+
+
+def test_a_tar_that_inflates_past_the_ratio_is_refused_as_it_is_read(
+    digits_raw: Path, tmp_path: Path
+) -> None:
+    src = _copy_classes(digits_raw, tmp_path / "src", per_class=2)
+    archive = tmp_path / "zeros.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(src, arcname=".")
+        for i in range(3):  # 3 x 8 MiB of zeros: about 25 KB gzipped
+            info = tarfile.TarInfo(f"0/zeros{i}.png")
+            info.size = 8 * 1024**2
+            tf.addfile(info, io.BytesIO(bytes(info.size)))
+
+    with pytest.raises(UnsafeArchiveError, match="unpacks to more than 200 times its size"):
+        convert(archive, tmp_path / "out")
+    allowed = convert(archive, tmp_path / "allowed", max_archive_ratio=10_000)
+
+    assert _codes(allowed) == {f"0/zeros{i}.png": "NotAnImage" for i in range(3)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["allowed", "src", "zeros.tar.gz"]
 
 
 def test_damaged_archives_are_refused(digits_raw: Path, tmp_path: Path) -> None:

@@ -1,0 +1,170 @@
+"""Memory is bounded by the work, not by the input: peak memory of convert and score (issue 18).
+
+Every case of the hostile corpus marked ``memory`` (tests/hostile_inputs.py: a 3 GiB file, zip
+and tar bombs, 1xN PNG strips) runs as a user runs it, ``imageops ...`` in a subprocess, and so
+does the same command on a small normal input (the baseline). Peak memory is the largest
+resident set of the command and of every descendant it waited for (``RUSAGE_CHILDREN``, see
+:func:`peak_memory`), so convert's spawned checking workers, joined when its pool shuts down,
+count too: :func:`test_the_measurement_counts_spawned_workers` checks that. Each case must stay
+within ``MARGIN`` of its step's baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hostile_inputs import CASES, Case, Inputs, Run, _convert, _digits, _score
+from projects import use_project
+
+from tasks.score import ERROR_COLUMN
+from tasks.settings import Settings
+
+pytest_plugins = ["model_fixtures"]
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="resource is POSIX only")
+
+MARGIN = 300_000_000  # bytes: 300 MB
+MiB = 1024**2
+MEMORY_CASES = [c for c in CASES if c.memory]
+
+
+# Measures the command it runs, from a small process of its own: on Linux a child's peak memory
+# starts at its parent's peak when it is started (fork, or vfork, then exec: the kernel keeps the
+# larger of the two), so a command started straight from pytest, itself hundreds of MB, would be
+# measured at pytest's size. RUSAGE_CHILDREN after the wait: the largest of the command and
+# every descendant it waited for.
+_MEASURE = """
+import resource, subprocess, sys
+code = subprocess.call(sys.argv[2:])
+with open(sys.argv[1], "w") as fh:
+    fh.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(code)
+"""
+
+
+def peak_memory(argv: list[str], cwd: Path, timeout: float = 300) -> tuple[int, int, str]:
+    """Run ``argv``: its exit status, peak resident memory in bytes (the process and every
+    descendant it waited for) and its output (stdout and stderr)."""
+    report = cwd / ".peak-memory"
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MEASURE, str(report), *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a timeout stops the command and its workers too
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    peak = int(report.read_text()) * unit
+    report.unlink()
+    return proc.returncode, peak, output.decode(errors="replace")
+
+
+def _imageops(run: Run, cwd: Path) -> tuple[int, int, str]:
+    return peak_memory([sys.executable, "-m", "flows.cli", *run.argv], cwd)
+
+
+@pytest.fixture(scope="module")
+def shared_project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield use_project(tmp_path_factory.mktemp("memory") / "project", patch)
+
+
+@pytest.fixture(scope="module")
+def baselines(
+    tmp_path_factory: pytest.TempPathFactory,
+    shared_project: Settings,
+    digits_raw: Path,
+    digits_split: tuple[Path, Path],
+    exported_model: Path,
+) -> dict[str, int]:
+    """Peak memory of convert and of score on a few good digits: what the command costs anyway."""
+    peaks = {}
+    for step in ("convert", "score"):
+        root = tmp_path_factory.mktemp(f"baseline-{step}")
+        inputs = Inputs(root, digits_raw, *digits_split, exported_model)
+        inputs.out.mkdir()
+        if step == "convert":
+            run = _convert(inputs, _digits(inputs, inputs.src))
+        else:
+            run = _score(inputs, str(exported_model), _digits(inputs, inputs.src, per_class=2))
+        code, peaks[step], output = _imageops(run, root)
+        assert code == 0, output
+    return peaks
+
+
+def test_the_corpus_has_memory_cases_for_convert_and_score() -> None:
+    assert {c.step for c in MEMORY_CASES} == {"convert", "score"}
+    assert len(MEMORY_CASES) >= 6
+
+
+def test_the_measurement_counts_spawned_workers(tmp_path: Path) -> None:
+    """A process that does nothing itself but spawn a worker that touches 400 MiB: measured at
+    400 MiB or more, as convert's checking workers would be."""
+    script = tmp_path / "spawner.py"
+    script.write_text(
+        "import multiprocessing\n\n"
+        "def work():\n"
+        f"    block = b'x' * {400 * MiB}\n"
+        "    assert len(block)\n\n"
+        "if __name__ == '__main__':\n"
+        "    worker = multiprocessing.get_context('spawn').Process(target=work)\n"
+        "    worker.start()\n"
+        "    worker.join()\n"
+        "    assert worker.exitcode == 0\n"
+    )
+    alone, quiet, _ = peak_memory([sys.executable, "-c", "pass"], tmp_path)
+    code, peak, output = peak_memory([sys.executable, str(script)], tmp_path)
+    assert alone == code == 0, output
+    assert quiet < 100 * MiB
+    assert peak >= 400 * MiB, f"{peak / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in MEMORY_CASES])
+def test_peak_memory_stays_near_a_small_input(
+    case: Case,
+    tmp_path: Path,
+    baselines: dict[str, int],
+    digits_raw: Path,
+    digits_split: tuple[Path, Path],
+    exported_model: Path,
+) -> None:
+    inputs = Inputs(tmp_path, digits_raw, *digits_split, exported_model)
+    inputs.out.mkdir()
+    run = case.build(inputs)
+    assert not run.env  # the subprocess gets this process's environment only
+
+    code, peak, output = _imageops(run, tmp_path)
+
+    assert code == (0 if case.expect.startswith("ok:") else 2), output
+    assert "Traceback" not in output, output
+    if not case.expect.startswith("ok:"):
+        assert case.expect in output and case.says in output, output
+    baseline = baselines[case.step]
+    measured = f"{case.id}: peak {peak / MiB:,.0f} MiB, baseline {baseline / MiB:,.0f} MiB"
+    print(measured)  # shown with pytest -rP
+    assert peak <= baseline + MARGIN, measured
+    if case.step == "score":  # each oversized image is an error row; every other one is scored
+        table = pd.read_csv(run.dest, keep_default_na=False)
+        errors = dict(zip(table["path"], table[ERROR_COLUMN], strict=True))
+        assert {path: error.split(":")[0] for path, error in errors.items() if error} == {
+            "0/strip-600k.png": "ImageExceedsLimit",
+            "1/strip-2m.png": "ImageExceedsLimit",
+            "1/huge.png": "ImageExceedsLimit",
+        }
+        assert "aspect ratio of 600,000:1, over the limit of 100:1" in errors["0/strip-600k.png"]
+        assert "the file is 3,221,225,472 bytes" in errors["1/huge.png"]
+        assert len(errors) == 7
