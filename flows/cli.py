@@ -24,6 +24,12 @@ from rich.markup import escape
 from models.errors import ImageOpsError
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
+from tasks.archive import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_MEMBER_BYTES,
+    DEFAULT_MAX_MEMBERS,
+    DEFAULT_MAX_RATIO,
+)
 from tasks.errors import error_summary
 from tasks.settings import Settings, get_settings, redact_uri
 from tasks.train.params import TrainParams
@@ -128,12 +134,40 @@ def sample_digits(
 def convert(
     source: Annotated[Path, typer.Argument(help="Image folder or .zip/.tar/.tar.gz/.tar.bz2.")],
     dest: Annotated[Path, typer.Argument(help="ImageDirectory to write (replaced atomically).")],
+    max_archive_members: Annotated[
+        int, typer.Option(min=1, help="Refuse an archive of more members (archive bombs).")
+    ] = DEFAULT_MAX_MEMBERS,
+    max_archive_bytes: Annotated[
+        int, typer.Option(min=1, help="Refuse an archive that inflates to more bytes in all.")
+    ] = DEFAULT_MAX_BYTES,
+    max_archive_member_bytes: Annotated[
+        int, typer.Option(min=1, help="Skip a member that inflates to more bytes.")
+    ] = DEFAULT_MAX_MEMBER_BYTES,
+    max_archive_ratio: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Skip a member, or refuse the archive, that inflates to more times its size "
+            "(past the first 16 MiB, where any ratio is allowed).",
+        ),
+    ] = DEFAULT_MAX_RATIO,
 ) -> None:
-    """Convert to Image Directory: class sub-folders become labels; broken files are reported."""
+    """Convert to Image Directory: class sub-folders become labels; broken files are reported.
+
+    Images over IMAGEOPS_MAX_PIXELS pixels (default 40,000,000) or an aspect ratio of
+    IMAGEOPS_MAX_ASPECT_RATIO:1 (default 100) are skipped, as every other step refuses them.
+    """
     from tasks.convert import convert as run
     from tasks.imageformat import visible_name
 
-    manifest = run(source, dest)
+    manifest = run(
+        source,
+        dest,
+        max_archive_members=max_archive_members,
+        max_archive_bytes=max_archive_bytes,
+        max_archive_member_bytes=max_archive_member_bytes,
+        max_archive_ratio=max_archive_ratio,
+    )
     kind = f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled"
     # Names are the user's (a file may be called "[red].png"): printed as they are, not as markup.
     out.print(

@@ -141,8 +141,8 @@ def _name_limit(dest: str) -> int:
 def _too_many(archive: Path, max_members: int) -> UnsafeArchiveError:
     return UnsafeArchiveError(
         f"{archive} has more than {max_members:,} members; refused as a possible archive bomb.",
-        "If it is genuine, pass a larger max_archive_members, or extract it yourself and convert "
-        "the folder.",
+        "If it is genuine, run `imageops convert` again with a larger --max-archive-members, "
+        "or extract it yourself and convert the folder.",
     )
 
 
@@ -170,28 +170,28 @@ class _Caps:
             raise UnsafeArchiveError(
                 f"{self.archive} unpacks to more than {self.max_bytes:,} bytes; refused as a "
                 "possible archive bomb.",
-                "If it is genuine, pass a larger max_archive_bytes, or extract it yourself and "
-                "convert the folder.",
+                "If it is genuine, run `imageops convert` again with a larger "
+                "--max-archive-bytes, or extract it yourself and convert the folder.",
             )
         if total > max(RATIO_FLOOR, self.ratio * self.size):
             raise UnsafeArchiveError(
                 f"{self.archive} unpacks to more than {self.ratio} times its size "
                 f"({self.size:,} bytes); refused as a possible archive bomb.",
-                "If it is genuine, pass a larger max_archive_ratio, or extract it yourself and "
-                "convert the folder.",
+                "If it is genuine, run `imageops convert` again with a larger "
+                "--max-archive-ratio, or extract it yourself and convert the folder.",
             )
 
     def member_refusal(self, size: int, compressed: int | None) -> str | None:
         """Why a member of ``size`` bytes inflated (``compressed`` on disk, zip only) is refused."""
         if size > self.max_member_bytes:
             return SkipReason.UNSAFE_ARCHIVE_MEMBER.because(
-                f"inflates to more than {self.max_member_bytes:,} bytes (max_archive_member_bytes);"
-                " not extracted"
+                f"inflates to more than {self.max_member_bytes:,} bytes (imageops convert "
+                "--max-archive-member-bytes); not extracted"
             )
         if compressed is not None and size > max(RATIO_FLOOR, self.ratio * compressed):
             return SkipReason.UNSAFE_ARCHIVE_MEMBER.because(
                 f"inflates to more than {self.ratio} times its {compressed:,} compressed bytes "
-                "(max_archive_ratio), a possible zip bomb; not extracted"
+                "(imageops convert --max-archive-ratio), a possible zip bomb; not extracted"
             )
         return None
 

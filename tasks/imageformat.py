@@ -27,8 +27,23 @@ from PIL import Image
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 # Pillow format names we open; anything else is refused even if the extension looks right.
 PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
-MAX_PIXELS = 40_000_000  # width x height; convert's ``max_pixels`` default
-MAX_ASPECT_RATIO = 100  # longer side / shorter side; convert's ``max_aspect_ratio`` default
+
+
+def _limit(variable: str, default: int) -> int:
+    """A limit from the environment, so every step and every worker process reads the same one."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{variable} = {value!r}, expected a whole number of 1 or more.")
+    return int(value)
+
+
+# The decoded-size limits of every step that reads images (convert, transform, train, score,
+# export): width x height, and the longer side over the shorter. Environment variables raise
+# them for genuine giants; convert's ``max_pixels``/``max_aspect_ratio`` default to them.
+MAX_PIXELS = _limit("IMAGEOPS_MAX_PIXELS", 40_000_000)
+MAX_ASPECT_RATIO = _limit("IMAGEOPS_MAX_ASPECT_RATIO", 100)
 # The most bytes one pixel takes in any format we read (16-bit RGBA, uncompressed), and room for
 # metadata (EXIF, ICC profiles, XMP, thumbnails) on top.
 _BYTES_PER_PIXEL = 8
@@ -144,14 +159,15 @@ def size_over_limit(
     if width * height > max_pixels:
         return SkipReason.IMAGE_EXCEEDS_LIMIT.because(
             f"{width}x{height} = {width * height:,} pixels is over the limit of {max_pixels:,} "
-            "(raise max_pixels if this image is genuine)"
+            "(set IMAGEOPS_MAX_PIXELS higher if this image is genuine)"
         )
     long, short = max(width, height), min(width, height)
     if long > max_aspect_ratio * short:
         ratio = f"{long / short:,.0f}:1" if short else "infinite"
         return SkipReason.IMAGE_EXCEEDS_LIMIT.because(
             f"{width}x{height} has an aspect ratio of {ratio}, over the limit of "
-            f"{max_aspect_ratio:,}:1 (raise max_aspect_ratio if this image is genuine)"
+            f"{max_aspect_ratio:,}:1 (set IMAGEOPS_MAX_ASPECT_RATIO higher if this image is "
+            "genuine)"
         )
     return None
 
@@ -164,8 +180,8 @@ def bomb_refused(exc: Image.DecompressionBombError, max_pixels: int) -> ImageRef
         return ImageRefused(SkipReason.IMAGE_EXCEEDS_LIMIT.because(str(exc)))
     return ImageRefused(
         SkipReason.IMAGE_EXCEEDS_LIMIT.because(
-            f"{int(found[1]):,} pixels is over the limit of {max_pixels:,} (raise max_pixels "
-            "if this image is genuine)"
+            f"{int(found[1]):,} pixels is over the limit of {max_pixels:,} (set "
+            "IMAGEOPS_MAX_PIXELS higher if this image is genuine)"
         )
     )
 

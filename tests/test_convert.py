@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import random
 import shutil
 import struct
+import subprocess
+import sys
 import tarfile
 import zipfile
 import zlib
@@ -239,6 +242,63 @@ def test_convert_and_every_reader_refuse_the_same_slivers(digits_raw: Path, tmp_
         load_rgb(src / "0" / "sliver.png")
     assert refused.value.reason == reason
     assert load_rgb(src / "0" / "edge.png").size == (1, 100)
+
+
+def test_the_environment_raises_the_image_limits_for_every_step_alike(
+    digits_raw: Path, tmp_path: Path
+) -> None:
+    """IMAGEOPS_MAX_ASPECT_RATIO: convert keeps the sliver, and score reads it as an image."""
+    src = _copy_classes(digits_raw, tmp_path / "src", per_class=1)
+    (src / "0" / "sliver.png").write_bytes(_strip(150, 1))
+    probe = (
+        "import sys; from pathlib import Path; from tasks.convert import convert; "
+        "from tasks.imagedir import load_rgb; "
+        "m = convert(Path(sys.argv[1]), Path(sys.argv[2]), workers=1); "
+        "print(sorted(s.path for s in m.skipped), load_rgb(Path(sys.argv[1], '0/sliver.png')).size)"
+    )
+
+    def run(dest: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", probe, str(src), str(tmp_path / dest)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+        )
+
+    default = run("default")
+    raised = run("raised", IMAGEOPS_MAX_ASPECT_RATIO="150")
+    wrong = run("wrong", IMAGEOPS_MAX_ASPECT_RATIO="wide")
+
+    assert default.returncode != 0 and "over the limit of 100:1" in default.stderr
+    assert "set IMAGEOPS_MAX_ASPECT_RATIO higher" in default.stderr
+    assert raised.returncode == 0, raised.stderr
+    assert raised.stdout.split() == ["[]", "(150,", "1)"]  # kept by convert, read by the rest
+    assert "IMAGEOPS_MAX_ASPECT_RATIO = 'wide', expected a whole number" in wrong.stderr
+
+
+def test_the_archive_caps_are_options_of_the_convert_command(
+    digits_raw: Path, tmp_path: Path
+) -> None:
+    src = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zf:
+        for label in ("0", "1"):
+            for image in sorted((digits_raw / label).iterdir())[:3]:
+                zf.write(image, f"{label}/{image.name}")
+        zf.writestr("1/zeros.png", bytes(24 * 1024**2))  # 24 MiB of zeros: about 1000:1
+
+    def convert_cli(dest: str, *options: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "flows.cli", "convert", str(src), str(tmp_path / dest)]
+        return subprocess.run([*command, *options], capture_output=True, text=True)
+
+    capped = convert_cli("capped")
+    allowed = convert_cli("allowed", "--max-archive-ratio", "5000")
+
+    assert capped.returncode == 2, capped.stderr
+    assert "error: UnsafeArchiveError:" in capped.stderr
+    assert "again with a larger --max-archive-ratio" in capped.stderr  # the option to change
+    assert not (tmp_path / "capped").exists()
+    assert allowed.returncode == 0, allowed.stderr
+    assert "skipped 1/zeros.png: NotAnImage" in allowed.stdout  # extracted, then judged
 
 
 def test_files_are_judged_by_extension_and_size_before_reading(
@@ -528,7 +588,7 @@ def test_archive_members_over_the_member_caps_are_skipped(digits_raw: Path, tmp_
 
     assert _codes(zipped) == {"0/zeros.png": "UnsafeArchiveMember", "1/noise.bin": "NotAnImage"}
     zeros = next(s.reason for s in zipped.skipped if s.path == "0/zeros.png")
-    assert "more than 200 times its" in zeros and "max_archive_ratio" in zeros
+    assert "more than 200 times its" in zeros and "--max-archive-ratio" in zeros
     assert _codes(capped) == {
         "0/zeros.png": "UnsafeArchiveMember",
         "1/noise.bin": "UnsafeArchiveMember",
@@ -536,7 +596,9 @@ def test_archive_members_over_the_member_caps_are_skipped(digits_raw: Path, tmp_
     assert _codes(tarred) == {"1/noise.bin": "UnsafeArchiveMember"}
     for manifest in (capped, tarred):
         noise_reason = next(s.reason for s in manifest.skipped if s.path == "1/noise.bin")
-        assert "more than 100,000 bytes (max_archive_member_bytes)" in noise_reason
+        assert (
+            "more than 100,000 bytes (imageops convert --max-archive-member-bytes)" in noise_reason
+        )
         assert len(manifest.images) == 6
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no extraction left
 
