@@ -8,6 +8,7 @@ their schema from these models, and must start fast.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +32,55 @@ RESNETS = (
     "wide_resnet50_2",
     "wide_resnet101_2",
 )
+# The on/off options of ModelSpec that only one family has (see Family.switch).
+SWITCHES = ("memory_efficient", "zero_init_residual")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family of the zoo: its torchvision architectures and the switch only it has.
+
+    Adding a family is one of these in :data:`FAMILIES` (with :func:`register_family`) and its
+    network builder in :data:`models.zoo.NETWORKS`; every entry point (CLI, forms, params.yaml,
+    tuning) then offers its architectures.
+    """
+
+    name: str  # model.json's "family"
+    title: str  # how people write it: "DenseNet"
+    archs: tuple[str, ...]  # torchvision model names
+    switch: str | None = None  # one of SWITCHES, or None
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to the zoo; an architecture of two families is refused."""
+    if family.switch is not None and family.switch not in SWITCHES:
+        raise ValueError(f"{family.name}: switch {family.switch!r} is not one of {SWITCHES}.")
+    taken = set(family.archs) & set(architectures())
+    if taken:
+        raise ValueError(f"{family.name}: {sorted(taken)} belong to another family already.")
+    FAMILIES[family.name] = family
+    return family
+
+
+def architectures() -> tuple[str, ...]:
+    """Every architecture of the zoo, family by family."""
+    return tuple(arch for family in FAMILIES.values() for arch in family.archs)
+
+
+def family_of(arch: str) -> Family:
+    """The family of ``arch``; an unknown name is InvalidModelDirectoryError, never a default."""
+    for family in FAMILIES.values():
+        if arch in family.archs:
+            return family
+    _check_name(arch, architectures(), "imageops")
+    raise AssertionError("unreachable")
+
+
+register_family(Family("densenet", "DenseNet", DENSENETS, "memory_efficient"))
+register_family(Family("resnet", "ResNet", RESNETS, "zero_init_residual"))
 
 
 class ModelSpec(BaseModel):
@@ -40,7 +90,7 @@ class ModelSpec(BaseModel):
 
     format: Literal["imageops.UntrainedModelDirectory"] = UNTRAINED_FORMAT
     format_version: int = 1
-    family: Literal["densenet", "resnet"]
+    family: str  # a name in FAMILIES (checked by read_untrained, with the architecture)
     arch: str
     pretrained: bool
     memory_efficient: bool = False
@@ -77,21 +127,16 @@ def spec_for(
     memory_efficient: bool = False,
     zero_init_residual: bool = False,
 ) -> ModelSpec:
-    """The spec for any zoo architecture, by name; a switch of the other family is refused."""
-    if model_name in DENSENETS:
-        if zero_init_residual:
+    """The spec for any zoo architecture, by name; a switch of another family is refused."""
+    family = family_of(model_name)
+    switches = {"memory_efficient": memory_efficient, "zero_init_residual": zero_init_residual}
+    for switch, on in switches.items():
+        if on and switch != family.switch:
+            owners = [f.title + "s" for f in FAMILIES.values() if f.switch == switch]
             raise InvalidModelDirectoryError(
-                f"zero_init_residual applies to ResNets, not {model_name}.", "Leave it off."
+                f"{switch} applies to {', '.join(owners)}, not {model_name}.", "Leave it off."
             )
-        return densenet(model_name, pretrained, memory_efficient)
-    if model_name in RESNETS:
-        if memory_efficient:
-            raise InvalidModelDirectoryError(
-                f"memory_efficient applies to DenseNets, not {model_name}.", "Leave it off."
-            )
-        return resnet(model_name, pretrained, zero_init_residual)
-    _check_name(model_name, DENSENETS + RESNETS, "imageops")
-    raise AssertionError("unreachable")
+    return ModelSpec(family=family.name, arch=model_name, pretrained=pretrained, **switches)
 
 
 class ModelChoice(BaseModel):
@@ -107,7 +152,7 @@ class ModelChoice(BaseModel):
     name: str = Field(
         default="resnext101_32x8d",
         title="Architecture",
-        description=f"One of {', '.join(DENSENETS + RESNETS)}.",
+        description=f"One of {', '.join(architectures())}.",
     )
     pretrained: bool = Field(
         default=True,
@@ -172,6 +217,12 @@ def read_untrained(path: Path) -> ModelSpec:
             f"({exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}).",
             hint,
         ) from exc
-    allowed = DENSENETS if spec.family == "densenet" else RESNETS
-    _check_name(spec.arch, allowed, "DenseNet" if spec.family == "densenet" else "ResNet")
+    family = FAMILIES.get(spec.family)
+    if family is None:
+        raise InvalidModelDirectoryError(
+            f"{path / MODEL_JSON} names the model family {spec.family!r}, which imageops does "
+            "not have.",
+            f"Use one of: {', '.join(FAMILIES)}. {hint}",
+        )
+    _check_name(spec.arch, family.archs, family.title)
     return spec

@@ -1,4 +1,4 @@
-"""The model zoo: the seed's DenseNet and ResNet networks, built from torchvision.
+"""The model zoo: the Azure design's DenseNet and ResNet networks, built from torchvision.
 
 The components' options and the UntrainedModelDirectory they write are in
 :mod:`models.untrained` (no torch there); this module builds the network from them
@@ -17,11 +17,55 @@ import torchvision
 from torch import nn
 
 from models.errors import ImageOpsError, InvalidModelDirectoryError
-from models.untrained import ModelSpec
+from models.untrained import FAMILIES, ModelSpec
 
 
 class PretrainedWeightsMissingError(ImageOpsError):
     """Pretrained weights are neither in the local cache nor downloadable."""
+
+
+class Network:
+    """How the networks of one family are built from torchvision: options, weights, head.
+
+    ``head``: the attribute holding the final ``nn.Linear``, replaced by one for our classes.
+    A family with its own needs overrides :meth:`fix_state` (old key names in its files).
+    """
+
+    head = "fc"
+
+    def options(self, spec: ModelSpec) -> dict[str, bool]:
+        """The family's switch, as torchvision's builder takes it."""
+        switch = FAMILIES[spec.family].switch
+        return {switch: getattr(spec, switch)} if switch else {}
+
+    def fix_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Adapt a published weights file's keys to the network's, in place."""
+
+    def replace_head(self, model: nn.Module, num_classes: int) -> None:
+        old = getattr(model, self.head)
+        setattr(model, self.head, nn.Linear(old.in_features, num_classes))
+
+
+class DenseNetNetwork(Network):
+    head = "classifier"
+
+    def fix_state(self, state: dict[str, torch.Tensor]) -> None:
+        _rename_densenet_keys(state)
+
+
+# One entry per models.untrained.FAMILIES entry.
+NETWORKS: dict[str, Network] = {"densenet": DenseNetNetwork(), "resnet": Network()}
+
+
+def network_for(spec: ModelSpec) -> Network:
+    """The builder of ``spec``'s family; a family without one is refused, never guessed."""
+    try:
+        return NETWORKS[spec.family]
+    except KeyError:
+        raise InvalidModelDirectoryError(
+            f"No network builder for the model family {spec.family!r} ({spec.arch}).",
+            f"Use one of: {', '.join(NETWORKS)}.",
+        ) from None
 
 
 def build_model(spec: ModelSpec, num_classes: int) -> nn.Module:
@@ -31,11 +75,8 @@ def build_model(spec: ModelSpec, num_classes: int) -> nn.Module:
     ``TORCH_HOME`` (``<TORCH_HOME>/hub/checkpoints/<file>``) and downloaded there when the
     network allows; the ImageNet head is then replaced by a fresh one for our classes.
     """
-    options: dict[str, bool] = {}
-    if spec.family == "densenet":
-        options["memory_efficient"] = spec.memory_efficient
-    else:
-        options["zero_init_residual"] = spec.zero_init_residual
+    network = network_for(spec)
+    options = network.options(spec)
     if not spec.pretrained:
         return torchvision.models.get_model(
             spec.arch, weights=None, num_classes=num_classes, **options
@@ -44,10 +85,9 @@ def build_model(spec: ModelSpec, num_classes: int) -> nn.Module:
     model = torchvision.models.get_model(spec.arch, weights=None, **options)
     path = _cached_weights_file(weights, spec)
     state = _load_pretrained_state(path, spec)
-    if spec.family == "densenet":
-        _rename_densenet_keys(state)
+    network.fix_state(state)
     _load_into(model, state, path, spec)
-    _replace_head(model, num_classes)
+    network.replace_head(model, num_classes)
     return model
 
 
@@ -143,13 +183,6 @@ def _unexpected_weights(path: Path, spec: ModelSpec, why: str) -> InvalidModelDi
 def _without_pretrained(spec: ModelSpec) -> str:
     return (
         "start without pretrained weights: "
-        f"`imageops model {spec.family} DEST --name {spec.arch} --no-pretrained` "
+        f"`imageops model build DEST --name {spec.arch} --no-pretrained` "
         "(in params.yaml: `pretrained: false` under `model`)."
     )
-
-
-def _replace_head(model: nn.Module, num_classes: int) -> None:
-    if isinstance(model, torchvision.models.DenseNet):
-        model.classifier = nn.Linear(model.classifier.in_features, num_classes)
-    else:
-        model.fc = nn.Linear(model.fc.in_features, num_classes)

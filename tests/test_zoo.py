@@ -15,15 +15,25 @@ import torchvision
 from models.errors import InvalidModelDirectoryError
 from models.untrained import (
     DENSENETS,
+    FAMILIES,
     MODEL_JSON,
     RESNETS,
+    Family,
+    ModelChoice,
+    architectures,
     densenet,
     read_untrained,
     resnet,
     spec_for,
     write_untrained,
 )
-from models.zoo import PretrainedWeightsMissingError, build_model, pretrained_weights_path
+from models.zoo import (
+    NETWORKS,
+    Network,
+    PretrainedWeightsMissingError,
+    build_model,
+    pretrained_weights_path,
+)
 
 
 @pytest.fixture
@@ -280,6 +290,41 @@ def test_an_unexpected_weights_file_is_refused_naming_it(
         build_model(spec_for(arch, pretrained=True), num_classes=3)
     assert str(path) in err.value.message
     assert f"Delete {path}" in err.value.hint
-    family = "densenet" if arch in DENSENETS else "resnet"
-    assert f"`imageops model {family} DEST --name {arch} --no-pretrained`" in err.value.hint
+    assert f"`imageops model build DEST --name {arch} --no-pretrained`" in err.value.hint
     assert not (tmp_path / "ran").exists()  # the file was read as data, never run
+
+
+# --- extension point: a model family is one Family and one Network ----------------------------
+
+
+@pytest.fixture
+def shufflenets(monkeypatch: pytest.MonkeyPatch) -> Family:
+    """A toy third family, registered for one test: torchvision's smallest ShuffleNet."""
+    family = Family("shufflenet", "ShuffleNet", ("shufflenet_v2_x0_5",))
+    monkeypatch.setitem(FAMILIES, family.name, family)
+    monkeypatch.setitem(NETWORKS, family.name, Network())  # its head is `fc`, as ResNet's
+    return family
+
+
+def test_a_new_family_is_one_registry_line_and_every_entry_point_offers_it(
+    shufflenets: Family, tmp_path: Path
+) -> None:
+    spec = ModelChoice(name="shufflenet_v2_x0_5", pretrained=False).spec()
+    assert spec.family == "shufflenet"
+    model = build_model(read_untrained(write_untrained(spec, tmp_path / "m")), num_classes=3)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 3)
+    assert "shufflenet_v2_x0_5" in architectures()
+    with pytest.raises(InvalidModelDirectoryError, match="applies to DenseNets"):
+        spec_for("shufflenet_v2_x0_5", memory_efficient=True)  # another family's switch
+
+
+def test_an_unknown_family_is_refused_never_built_as_a_resnet(
+    shufflenets: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dest = write_untrained(spec_for("shufflenet_v2_x0_5"), tmp_path / "m")
+    monkeypatch.delitem(NETWORKS, "shufflenet")  # a family without its network builder
+    with pytest.raises(InvalidModelDirectoryError, match=r"No network builder .*'shufflenet'"):
+        build_model(read_untrained(dest), num_classes=3)
+    monkeypatch.delitem(FAMILIES, "shufflenet")  # a model.json of a family imageops lacks
+    with pytest.raises(InvalidModelDirectoryError, match="family 'shufflenet'"):
+        read_untrained(dest)

@@ -46,7 +46,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from models.untrained import DENSENETS, RESNETS, ModelChoice
+from models.untrained import FAMILIES, Family, ModelChoice, architectures
 from tasks.errors import InvalidParameterError, InvalidTuningSpecError
 from tasks.train.loop import EPOCH_METRICS, TOP1
 from tasks.train.params import TrainParams
@@ -57,7 +57,8 @@ Value = bool | int | float | str
 ARCHITECTURE = "architecture"
 # The network's options (TuningSpec fields, for build_model), each for the family that has it.
 MODEL_OPTIONS = ("pretrained", "memory_efficient", "zero_init_residual")
-FAMILY_OPTIONS = {"memory_efficient": DENSENETS, "zero_init_residual": RESNETS}
+# Each family's own switch, and the family that has it.
+FAMILY_OPTIONS = {f.switch: f for f in FAMILIES.values() if f.switch}
 # Training parameters no trial can vary, and why.
 FIXED = {
     "nodes": "a trial trains on one node (torchrun --standalone); several trials use several "
@@ -438,10 +439,10 @@ def identity_digest(identity: Mapping[str, Any]) -> str:
 
 
 def _check_model_name(name: object, where: str) -> None:
-    if name not in DENSENETS + RESNETS:
+    if name not in architectures():
         raise InvalidTuningSpecError(
             f"{where}: {name!r} is not an architecture of the zoo.",
-            f"Choose from: {', '.join(DENSENETS + RESNETS)}.",
+            f"Choose from: {', '.join(architectures())}.",
         )
 
 
@@ -465,7 +466,7 @@ def _kind(name: str) -> Literal["int", "float", "bool", "choice"]:
 def _allowed(name: str) -> str:
     """What a parameter takes, in words (its field's type and range)."""
     if name == ARCHITECTURE:
-        return "one of " + ", ".join(DENSENETS + RESNETS)
+        return "one of " + ", ".join(architectures())
     return expected(_field(name))
 
 
@@ -595,12 +596,10 @@ def _check_in_range(name: str, label: str, value: Value) -> None:
         ) from exc
 
 
-def _check_family(
-    option: str, architectures: list[str], family: tuple[str, ...], where: str, tuned: bool
-) -> None:
-    outside = [a for a in architectures if a not in family]
+def _check_family(option: str, trained: list[str], family: Family, where: str, tuned: bool) -> None:
+    outside = [a for a in trained if a not in family.archs]
     if outside:
-        kind = "DenseNets" if family == DENSENETS else "ResNets"
+        kind = f"{family.title}s"
         raise InvalidTuningSpecError(
             f"{where}: {option} applies to {kind} only, and trials may train {outside}.",
             f"Make {option} a child of architecture (parent: architecture, parent_values: "
