@@ -63,7 +63,7 @@ WEIGHT_DECAY = 1e-4
 GOAL_OF_CEILING = 0.90
 GOAL_FIRST_EPOCH = 1.2
 GOAL_VS_PLAIN = 1.8
-# The seed's figure (docs it imitates): ResNet50 on 8 V100s, about 1,670 images/s in all.
+# The Azure docs' figure (docs it imitates): ResNet50 on 8 V100s, about 1,670 images/s in all.
 SEED_8_V100 = 1670.0
 
 
@@ -656,7 +656,7 @@ def report(plan: Plan, parts: dict[str, dict], command: str) -> Section:
             _verdict(steady / plain_steady.median, GOAL_VS_PLAIN, at_least=True),
         ],
         [
-            "imageops steady, 1 GPU / seed's 8 V100 per GPU (1,670 / 8 = 209)",
+            "imageops steady, 1 GPU / Azure docs' 8 V100 per GPU (1,670 / 8 = 209)",
             "",
             f"{steady / (SEED_8_V100 / 8):.1f}x",
             "",

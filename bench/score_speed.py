@@ -133,7 +133,7 @@ def demo_transform(size: int) -> TransformSpec:
 def train_model(root: Path, train: Path, val: Path, plan: Plan) -> Path:
     """resnet18 trained from scratch by the torchrun worker, in-process; its ModelDirectory.
 
-    The learning rate is ten times the seed's default: from scratch at 224 px, one epoch at 0.001
+    The learning rate is ten times Azure's default: from scratch at 224 px, one epoch at 0.001
     reached 53% validation top-1 here, one at 0.01 93%; a model that guesses half the time
     would make the INT8 top-1 drop a coin toss.
     """

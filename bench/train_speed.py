@@ -27,7 +27,7 @@ Usage: ``python -m bench.train_speed [--full] [--json PATH]``
    1-process rate.
 
 3. **Accuracy** (``--full`` only): the digits demo (resnet18 from scratch at 32 px, 5 epochs, one
-   process, the seed's parameters otherwise) trained in fp32 and in bf16 for a few seeds through
+   process, Azure's parameters otherwise) trained in fp32 and in bf16 for a few seeds through
    :func:`tasks.train.worker.train_worker`: bf16 must not cost validation top-1.
 
 The quick default (resnet18 only, fewer rounds and launches, no accuracy check) takes about 2.5
@@ -509,7 +509,7 @@ def run(full: bool, work: Path) -> Section:
         tables.append(accuracy(plan.accuracy_seeds, precisions, work))
         text.append(
             f"**Accuracy**: the digits demo (resnet18 from scratch at {ACCURACY_SIZE} px, "
-            f"{ACCURACY_EPOCHS} epochs, 1 process, the seed's parameters otherwise) trained in "
+            f"{ACCURACY_EPOCHS} epochs, 1 process, Azure's parameters otherwise) trained in "
             f"{' and '.join(precisions)} (asked for: `auto` keeps inputs under 64 px in fp32) "
             f"with seeds {', '.join(map(str, plan.accuracy_seeds))}; pp = percentage points"
             + ("." if speedup is not None else "; bf16 autocast does not run on this CPU.")

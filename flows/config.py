@@ -1,6 +1,6 @@
 """Pipeline parameters: one typed model, the Prefect UI form, the shape of ``params.yaml``.
 
-Defaults are the seed's, except where the bundled demo needs otherwise (resnet18 from scratch at
+Defaults are Azure's, except where the bundled demo needs otherwise (resnet18 from scratch at
 32x32 on two CPU processes instead of a pretrained resnext101 at 224x224 on one GPU; no random
 horizontal flip, since a mirrored digit is not the same digit).
 """
@@ -30,7 +30,7 @@ from tasks.settings import Settings
 from tasks.train.params import TrainParams
 from tasks.transform import input_size
 
-# The seed's Init Image Transformation, sized for the 32x32 digits: every crop (center, and the
+# Azure's Init Image Transformation, sized for the 32x32 digits: every crop (center, and the
 # random ones a person may switch on) is 32, so training and scoring see the same input size.
 DEMO_TRANSFORM = TransformSpec(
     resize_size=32,
@@ -52,7 +52,7 @@ def fills_from(default: BaseModel) -> BeforeValidator:
     Prefect replaces a whole parameter when a run gives part of it (``prefect deployment run
     imageops-train-model/train -p 'params={"epochs": 2}'``: deployment parameters merge per
     top-level key), and so does a params.yaml section with one key. pydantic alone would fill the
-    rest from the class's defaults (the seed's: one process, so half the demo's learning rate);
+    rest from the class's defaults (Azure's: one process, so half the demo's learning rate);
     this keeps the values of ``default``, which the form shows.
     """
     kept = default.model_dump(exclude_defaults=True)

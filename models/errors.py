@@ -1,4 +1,4 @@
-"""The error every imageops failure derives from, and the model-directory error of the seed.
+"""The error every imageops failure derives from, and the model-directory error of the Azure design.
 
 Each error carries the problem and what to do about it, so the CLI prints both and never a bare
 traceback. Dataset and training errors live in ``tasks/errors.py``; this one is here because the

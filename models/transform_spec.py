@@ -1,6 +1,6 @@
 """The transform spec: how an image becomes the network's input, as plain, validated data.
 
-It holds the 21 options of the seed's Init Image Transformation (defaults and ranges from the seed)
+It holds the 21 options of Azure's Init Image Transformation (defaults and ranges from Azure)
 plus the normalisation the network needs. It lives in ``models/`` because a trained ModelDirectory
 stores it in ``model.json``: scoring rebuilds the very transform training validated with, from
 this one definition. The torchvision pipelines built from it are in ``tasks/transform.py``.
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MAX_DEGREES = 180
-# The seed's two modes of Apply Image Transformation: training adds the random steps.
+# The Azure design's two modes of Apply Image Transformation: training adds the random steps.
 Mode = Literal["training", "inference"]
 MODES: tuple[str, ...] = get_args(Mode)
 
@@ -29,7 +29,7 @@ def _degrees(title: str, description: str) -> Any:
 
 
 class TransformSpec(BaseModel):
-    """The seed's Init Image Transformation options, and the normalisation.
+    """The Azure design's Init Image Transformation options, and the normalisation.
 
     Random transforms (the ``random_*`` options and color jitter) run in training mode only;
     inference mode drops them, so scoring is deterministic. Training decides the network's input

@@ -100,7 +100,7 @@ class ModelSpec(BaseModel):
 def densenet(
     model_name: str = "densenet201", pretrained: bool = True, memory_efficient: bool = False
 ) -> ModelSpec:
-    """Seed DenseNet component (defaults: densenet201, pretrained, not memory efficient)."""
+    """Azure DenseNet component (defaults: densenet201, pretrained, not memory efficient)."""
     _check_name(model_name, DENSENETS, "DenseNet")
     return ModelSpec(
         family="densenet", arch=model_name, pretrained=pretrained, memory_efficient=memory_efficient
@@ -110,7 +110,7 @@ def densenet(
 def resnet(
     model_name: str = "resnext101_32x8d", pretrained: bool = True, zero_init_residual: bool = False
 ) -> ModelSpec:
-    """Seed ResNet component (defaults: resnext101_32x8d, pretrained, no zero-init residual)."""
+    """Azure ResNet component (defaults: resnext101_32x8d, pretrained, no zero-init residual)."""
     _check_name(model_name, RESNETS, "ResNet")
     return ModelSpec(
         family="resnet",
@@ -204,7 +204,7 @@ def write_untrained(spec: ModelSpec, dest: Path) -> Path:
 
 
 def read_untrained(path: Path) -> ModelSpec:
-    """Read an UntrainedModelDirectory; anything else is the seed's InvalidModelDirectoryError."""
+    """Read an UntrainedModelDirectory; anything else is Azure's InvalidModelDirectoryError."""
     path = Path(path)
     hint = "Create one with `imageops model resnet DEST` or `imageops model densenet DEST`."
     if not (path / MODEL_JSON).is_file():

@@ -14,7 +14,7 @@ from tasks.validation import checked
 def build_model(choice: ModelChoice | Mapping[str, Any], dest: Path) -> ModelSpec:
     """Write the UntrainedModelDirectory of ``choice`` (any DenseNet or ResNet) to ``dest``.
 
-    An unknown name or a switch of the other family is the seed's InvalidModelDirectoryError.
+    An unknown name or a switch of the other family is Azure's InvalidModelDirectoryError.
     """
     if not isinstance(choice, ModelChoice):
         choice = model_choice(**dict(choice))

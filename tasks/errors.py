@@ -1,6 +1,6 @@
 """Every error a user can meet, in one import: ``from tasks.errors import ...``.
 
-The seed errors keep the seed's names (raised where the Azure components raise them: Train
+The Azure design's errors keep their names (raised where the Azure components raise them: Train
 PyTorch Model, Apply Image Transformation); the others name the step that refused the input.
 """
 
@@ -38,7 +38,7 @@ __all__ = [
 def error_summary(exc: ImageOpsError) -> tuple[str, str]:
     """What a command prints for a user error: ``(problem, what to do)``, passwords masked.
 
-    The problem starts with the error's class name: the seed's docs (and a search) know an error
+    The problem starts with the error's class name: the Azure docs (and a search) know an error
     by that name, e.g. ``InvalidModelDirectoryError: data/x is not a model directory: ...``.
     """
     return f"{type(exc).__name__}: {redact_uri(exc.message)}", redact_uri(exc.hint)

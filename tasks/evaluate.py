@@ -2,7 +2,7 @@
 
 Accuracy, top-k accuracy (k = min(5, classes)) from the probability columns, per-class
 precision/recall/F1 with macro and weighted averages (scikit-learn), and the confusion matrix as
-a PNG and as JSON. Like the seed's component, a second scored table (its second input, e.g. the
+a PNG and as JSON. Like the Azure component, a second scored table (its second input, e.g. the
 same images scored by another model) is evaluated side by side. Metrics go to MLflow with the
 ``eval/`` prefix (``eval/compare/`` for the second table), in the given run (resumed, never a
 second one) or a new run; inside a Prefect run they are also published as Prefect artifacts.
@@ -201,7 +201,7 @@ def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Pat
 
 
 def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | None) -> str:
-    """One table, one column per scored table: the seed's side-by-side view."""
+    """One table, one column per scored table: the Azure design's side-by-side view."""
     columns = [result] if result.compared is None else [result, result.compared]
     names = [scored.name] if compare is None else [scored.name, compare.name]
     title = " vs ".join(f"`{name}`" for name in names)

@@ -3,7 +3,7 @@
 The fraction goes to the first output (rounded down per class, so every class keeps its share);
 the same seed and input always give the same split. An optional third (test) output takes
 ``third_fraction`` of each class from what the first left, and the second keeps the rest; with no
-third output the split is exactly the seed's two-way one. Every output keeps the full class list,
+third output the split is exactly Azure's two-way one. Every output keeps the full class list,
 so their class ids agree. An unlabeled directory is split the same way, as one group.
 """
 

@@ -52,7 +52,7 @@ from tasks.validation import checked, describe
 TRANSFORM_JSON = "transform.json"
 FORMAT = "imageops.TransformationDirectory"
 FORMAT_VERSION = 1
-# Strengths of the random steps the seed only switches on or off (torchvision's usual values).
+# Strengths of the random steps Azure only switches on or off (torchvision's usual values).
 COLOR_JITTER = 0.4
 RANDOM_GRAYSCALE_P = 0.1
 PERSPECTIVE_DISTORTION = 0.5
@@ -66,7 +66,7 @@ def transform_spec(**values: Any) -> TransformSpec:
 
 
 def init_transformation(dest: Path, spec: TransformSpec | Mapping[str, Any] | None = None) -> Path:
-    """Init Image Transformation: write ``spec`` (default: the seed's) to ``dest/transform.json``.
+    """Init Image Transformation: write ``spec`` (default: Azure's) to ``dest/transform.json``.
 
     ``dest`` is written atomically and replaced whole. Returns ``dest``. Raises
     InvalidParameterError for a value out of range.

@@ -61,7 +61,7 @@ def test_bad_input_gets_a_message_not_a_traceback(tmp_path: Path) -> None:
     result = imageops("train", "nowhere", "t", "v", "out", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "error: InvalidModelDirectoryError: nowhere " in result.stderr  # the seed's name
+    assert "error: InvalidModelDirectoryError: nowhere " in result.stderr  # the Azure design's name
     assert "what to do:" in result.stderr
     result = imageops("split", "nowhere", "a", "b", "--fraction", "1.5", cwd=tmp_path)
     assert result.returncode == 2
@@ -82,7 +82,7 @@ def test_transform_init_then_apply(tmp_path: Path, digits_split: tuple[Path, Pat
     spec = json.loads((tmp_path / "t" / "transform.json").read_text())["transform"]
     assert (spec["resize_size"], spec["random_rotation_degrees"]) == (20, 15)
     assert spec["center_crop_size"] == 12 and not spec["random_horizontal_flip"]
-    assert spec["random_crop_size"] == 224  # an option not given keeps the seed's default
+    assert spec["random_crop_size"] == 224  # an option not given keeps the Azure design's default
 
     val = digits_split[1]
     result = imageops(
@@ -99,7 +99,7 @@ def test_transform_init_then_apply(tmp_path: Path, digits_split: tuple[Path, Pat
 def _seed_error_inputs(
     error: str, tmp_path: Path, digits_raw: Path, digits_split: tuple[Path, Path]
 ) -> list[str]:
-    """The command that meets ``error``, one of the seed's errors, and its inputs."""
+    """The command that meets ``error``, one of the Azure design's errors, and its inputs."""
     train, val = (str(p) for p in digits_split)
     untrained = str(write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained"))
     if error == "InvalidModelDirectoryError":  # a folder that is not a model directory

@@ -1,4 +1,4 @@
-"""Train PyTorch Model: the seed's refusals before anything starts, real torchrun runs on gloo
+"""Train PyTorch Model: Azure's refusals before anything starts, real torchrun runs on gloo
 tracked in a real MLflow (SQLite), reproducibility, and the pieces a resumed run relies on."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def assert_nothing_started(settings: Settings) -> None:
     assert not (settings.home_dir / "mlflow.db").exists()
 
 
-# --- the seed's refusals, all before torchrun starts ----------------------------------------
+# --- Azure's refusals, all before torchrun starts ----------------------------------------
 
 
 def test_unlabeled_training_data_is_refused(

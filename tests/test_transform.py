@@ -1,4 +1,4 @@
-"""Init / Apply Image Transformation: the seed's options, both modes on real digits, the spec a
+"""Init / Apply Image Transformation: Azure's options, both modes on real digits, the spec a
 ModelDirectory stores and scoring rebuilds."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ pytest_plugins = ["model_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The seed's Init Image Transformation, option by option.
+# The Azure design's Init Image Transformation, option by option.
 SEED_DEFAULTS = {
     "resize": True,
     "resize_size": 256,
@@ -117,7 +117,7 @@ def _outputs(transform: v2.Compose, image: Image.Image, seeds: range) -> list[to
 def test_defaults_are_the_seeds_and_every_option_is_explained() -> None:
     spec = TransformSpec().model_dump()
     assert {k: spec[k] for k in SEED_DEFAULTS} == SEED_DEFAULTS
-    assert len(SEED_DEFAULTS) == 21  # the seed's options, plus the normalisation below
+    assert len(SEED_DEFAULTS) == 21  # the Azure design's options, plus the normalisation below
     assert spec["mean"] == [0.485, 0.456, 0.406] and spec["std"] == [0.229, 0.224, 0.225]
     schema = TransformSpec.model_json_schema()["properties"]  # what the Prefect form shows
     assert set(schema) == {*SEED_DEFAULTS, "mean", "std"}

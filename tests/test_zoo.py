@@ -1,4 +1,4 @@
-"""The model zoo: the seed's DenseNet and ResNet components, and building networks from them."""
+"""The model zoo: Azure's DenseNet and ResNet components, and building networks from them."""
 
 from __future__ import annotations
 

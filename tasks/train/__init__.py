@@ -1,6 +1,6 @@
 """Train PyTorch Model: DDP training launched through torchrun, tracked in MLflow.
 
-- ``params``: the seed's parameters (:class:`~tasks.train.params.TrainParams`) and the resolved
+- ``params``: Azure's parameters (:class:`~tasks.train.params.TrainParams`) and the resolved
   run configuration the workers read.
 - ``launch``: :func:`~tasks.train.launch.train` and ``train_task``, the step flows call: checks the
   inputs, opens the MLflow run (or continues the unfinished one of the same request), runs

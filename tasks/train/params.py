@@ -1,6 +1,6 @@
 """Train PyTorch Model parameters, and the resolved configuration a torchrun worker runs from.
 
-:class:`TrainParams` is what a person sets: the seed's parameters with the seed's defaults and
+:class:`TrainParams` is what a person sets: the Azure design's parameters with its defaults and
 ranges (the Prefect UI renders it as a form). :class:`RunConfig` is everything a worker needs,
 resolved once by the launcher and saved as JSON in the run folder: a restarted worker trains exactly
 the same job, and a checkpoint can tell whether it belongs to that job.
@@ -26,7 +26,7 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 class TrainParams(BaseModel):
-    """The seed's Train PyTorch Model parameters (defaults and ranges from the seed)."""
+    """Azure's Train PyTorch Model parameters (defaults and ranges from the Azure design)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -1,6 +1,6 @@
-"""The seed's learning-rate schedule: linear warm-up, then polynomial decay to 0, per step.
+"""The Azure design's learning-rate schedule: linear warm-up, then polynomial decay to 0, per step.
 
-Per optimizer step rather than per epoch, so a short run (the seed's default is 5 epochs) still
+Per optimizer step rather than per epoch, so a short run (Azure's default is 5 epochs) still
 decays smoothly. :func:`lr_factor` is a pure function (tested on its own); :func:`build_scheduler`
 wraps it in a LambdaLR, whose state is plain numbers and so checkpoints with ``weights_only``.
 """
