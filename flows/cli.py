@@ -128,11 +128,18 @@ def sample_digits(
 def convert(
     source: Annotated[Path, typer.Argument(help="Image folder or .zip/.tar/.tar.gz/.tar.bz2.")],
     dest: Annotated[Path, typer.Argument(help="ImageDirectory to write (replaced atomically).")],
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Processes checking images, this one included (default: every core, once the "
+            "input is large enough to gain from them; 1: this process only)."
+        ),
+    ] = None,
 ) -> None:
     """Convert to Image Directory: class sub-folders become labels; broken files are reported."""
     from tasks.convert import convert as run
 
-    manifest = run(source, dest)
+    manifest = run(source, dest, workers=workers)
     kind = f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled"
     # Names are the user's (a file may be called "[red].png"): printed as they are, not as markup.
     out.print(
