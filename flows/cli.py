@@ -151,6 +151,13 @@ def convert(
             "(past the first 16 MiB, where any ratio is allowed).",
         ),
     ] = DEFAULT_MAX_RATIO,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Processes checking images, this one included (default: every core, once the "
+            "input is large enough to gain from them; 1: this process only)."
+        ),
+    ] = None,
 ) -> None:
     """Convert to Image Directory: class sub-folders become labels; broken files are reported.
 
@@ -163,6 +170,7 @@ def convert(
     manifest = run(
         source,
         dest,
+        workers=workers,
         max_archive_members=max_archive_members,
         max_archive_bytes=max_archive_bytes,
         max_archive_member_bytes=max_archive_member_bytes,

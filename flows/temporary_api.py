@@ -10,7 +10,7 @@ So ``imageops run`` starts the same server itself, first thing: the same command
 (uvicorn with ``prefect.server.api.server:create_app``, no UI, ephemeral mode, on 127.0.0.1), and
 exports its URL as ``PREFECT_API_URL`` before Prefect is imported. The server comes up on the other
 core while this one imports, and this process never imports the server code. The server stops
-when the command exits, as Prefect's would.
+when the command exits, as Prefect's would, and dies with it when it is killed.
 
 A new project's database is not migrated again on every machine's every new project: the first
 start saves a copy of the freshly migrated database (``~/.cache/imageops``, one per Prefect
@@ -43,6 +43,7 @@ from filelock import FileLock, Timeout
 
 from models.errors import ImageOpsError
 from tasks.log_tail import tail
+from tasks.parent_death import dying_with_this_process
 
 STARTUP_TIMEOUT_S = 120.0  # a new project's database migrations on a slow, busy machine
 
@@ -115,7 +116,10 @@ def _launch(port: int, log: Path) -> subprocess.Popen[bytes]:
         "--log-level", "error", "--lifespan", "on",
     ]  # fmt: skip
     with log.open("ab") as sink:
-        return subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        # Started from the main thread; SIGKILLed with this process, which cannot stop it then.
+        return subprocess.Popen(
+            dying_with_this_process(command), env=env, stdout=sink, stderr=subprocess.STDOUT
+        )
 
 
 class TemporaryAPI:

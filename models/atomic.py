@@ -5,17 +5,32 @@ sibling and renamed into place. It lives in ``models/`` because that is the bott
 model-directory format needs it and every step above may use it.
 
 Any name the file system takes can be written so: a temporary sibling's name is short whatever
-the real one is (:func:`temp_name`), and a name the file system cannot take is refused with the
+the real one is (:func:`temp_stem`), and a name the file system cannot take is refused with the
 limit (:func:`check_name_length`), never an ``OSError`` halfway through.
+
+A killed writer leaves its temporary sibling behind (``.<name>.<8 characters>.tmp``, and
+``.<name>.<8 characters>.old`` for an output it had swapped out and not removed yet; a name over
+40 bytes is cut there and followed by ``~`` and 8 hex digits of its digest). Each
+temporary file and folder is ``flock``ed by its writer while in use, and the kernel releases a
+lock however its holder ends: the next write to the same path removes its predecessors' leftovers
+that no live process holds (:func:`remove_leftovers`), and never a live writer's. The same holds
+for the scratch folders steps work in beside their output (:func:`scratch_folder`: an archive's
+extraction, private score shards). A filesystem that cannot lock (a folder on NFS) keeps its
+leftovers: what cannot be proven abandoned is not removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
+import logging
 import os
+import re
+import secrets
 import shutil
-import tempfile
-import uuid
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,26 +38,13 @@ from typing import Any
 
 from models.errors import InvalidParameterError
 
+log = logging.getLogger(__name__)
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some filesystems do not open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# The random part of a temporary name: 8 hex digits here; 8 of [a-z0-9_] from tempfile's names,
+# which earlier versions used and whose leftovers are removed as well.
+_TOKEN = "[a-z0-9_]{8}"
 
 
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# Read once at import: os.umask can only be read by setting it, which races with other threads.
-_UMASK = _read_umask()
 # How much of the real name a temporary name keeps, so a person can tell whose it is. Bounded:
 # ".<name>.<random>.tmp" from a name of 242 bytes or more would be longer than the 255 bytes
 # most file systems take, while the name itself fits.
@@ -50,23 +52,23 @@ _TEMP_NAME_KEEPS = 40
 NAME_MAX = 255  # bytes per name on ext4, XFS, btrfs, ZFS, APFS; asked of the file system first
 
 
-def temp_name(name: str, kind: str = "tmp") -> str:
-    """A new hidden name for a temporary sibling of ``name``: ``.<start of name>.<random>.<kind>``.
+def temp_stem(name: str) -> str:
+    """How every temporary name of ``name`` starts: ``"." + name``, short whatever ``name`` is.
 
-    Unique by its random part, and at most ``_TEMP_NAME_KEEPS + 11`` bytes plus ``kind``: short
-    enough for any file system, whatever the length of ``name``.
+    A name over ``_TEMP_NAME_KEEPS`` bytes is cut there (at a character boundary when it can be)
+    and followed by ``~`` and 8 hex digits of its digest, so two long names that start alike
+    still have temporary names of their own (and :func:`remove_leftovers` tells them apart).
     """
-    return f"{temp_prefix(name)}.{uuid.uuid4().hex[:8]}.{kind}"
-
-
-def temp_prefix(name: str) -> str:
-    """``"." + name`` cut to ``_TEMP_NAME_KEEPS`` bytes (at a character boundary when it can be):
-    where a temporary name for ``name`` starts, for ``tempfile``'s ``prefix=`` too."""
     raw = os.fsencode(name)
     if len(raw) <= _TEMP_NAME_KEEPS:
-        return f".{name}"
+        return "." + name
     cut = raw[:_TEMP_NAME_KEEPS].decode("utf-8", "ignore") or os.fsdecode(raw[:_TEMP_NAME_KEEPS])
-    return f".{cut}"
+    return f".{cut}~{hashlib.sha256(raw).hexdigest()[:8]}"
+
+
+def temp_name(name: str, kind: str = "tmp") -> str:
+    """A new hidden name for a temporary sibling of ``name``: ``<stem>.<8 hex>.<kind>``."""
+    return f"{temp_stem(name)}.{secrets.token_hex(4)}.{kind}"
 
 
 def name_limit(path: Path) -> int:
@@ -102,22 +104,157 @@ def check_name_length(path: Path, what: str = "output") -> None:
             )
 
 
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock(fd: int, *, wait: bool) -> bool:
+    """``flock`` ``fd`` exclusively: True when held, False when another holds it or the
+    filesystem cannot lock it (NFS cannot lock a folder)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:  # BlockingIOError: held by another; EBADF, ENOLCK, EINVAL: cannot lock
+        return False
+    return True
+
+
+def _create_locked(
+    parent: Path, prefix: str, suffix: str, *, folder: bool, mode: int = 0o777
+) -> tuple[Path, int]:
+    """Create ``parent/<prefix><8 hex><suffix>``, a new file or a new folder of ``mode``, and
+    lock it.
+
+    Returns the path and the descriptor holding the lock (close it once the path is renamed or
+    removed). A :func:`remove_leftovers` running at the same moment may remove the new path
+    before it is locked: it is checked after locking, and made again under another name if so.
+    """
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            if folder:
+                os.mkdir(path, mode)  # less the umask, as any new folder
+            else:  # 0o666 less the umask: the mode any other new file gets
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            if folder:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            continue  # removed between mkdir and open
+        try:
+            _lock(fd, wait=True)  # a remover holds it only while it removes
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                return path, fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # removed before the lock was taken: another name
+
+
+def _leftover_pattern(dest: Path, kind: str | None) -> re.Pattern[str]:
+    name = re.escape(f"{temp_stem(dest.name)}.")
+    if kind is None:
+        return re.compile(rf"{name}{_TOKEN}\.(?:tmp|old)")
+    return re.compile(rf"{name}{re.escape(kind)}-{_TOKEN}")
+
+
+def remove_leftovers(dest: Path, kind: str | None = None) -> list[Path]:
+    """Remove what killed writers of ``dest`` left beside it; return the paths removed.
+
+    Without ``kind``: the temporary files and folders of atomic writes (``.<name>.<8>.tmp``) and
+    the outputs a folder swap had moved aside (``.<name>.<8>.old``); with ``kind``, the scratch
+    folders of that kind (``.<name>.<kind>-<8>``, :func:`scratch_folder`). Only names of that
+    pattern, only plain files and folders (never a link), and only those no live process holds
+    locked.
+    """
+    dest = Path(dest)
+    pattern = _leftover_pattern(dest, kind)
+    try:
+        names = [e.name for e in os.scandir(dest.parent) if pattern.fullmatch(e.name)]
+    except OSError:  # no parent folder yet: nothing left there
+        return []
+    removed = [dest.parent / name for name in names if _remove_unowned(dest.parent / name)]
+    for path in removed:
+        log.info("removed %s, left by a killed run", path)
+    return removed
+
+
+def _remove_unowned(path: Path) -> bool:
+    """Remove ``path`` if it is a file or folder that no process holds locked."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        return False  # a link, a pipe, a device: not something a writer here made
+    # O_NONBLOCK: a FIFO put there meanwhile must not block the open.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags | (os.O_DIRECTORY if stat.S_ISDIR(mode) else 0))
+    except OSError:
+        return False
+    try:
+        if not _lock(fd, wait=False):
+            return False  # a live writer's (or a filesystem that cannot prove otherwise)
+        if not os.path.samestat(os.fstat(fd), os.lstat(path)):
+            return False
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return not os.path.lexists(path)
+
+
+@contextmanager
+def scratch_folder(dest: Path, kind: str) -> Iterator[Path]:
+    """A new private folder beside ``dest`` to work in on the way to it, removed afterwards.
+
+    Beside ``dest``, not in /tmp: the same disk as the result, and /tmp is often small. It is
+    named ``.<name>.<kind>-<8 hex>`` and locked while in use; a killed run's folders of the same
+    ``kind`` are removed first (:func:`remove_leftovers`).
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(dest, kind)
+    # Private (0o700), as tempfile's folders.
+    stem = f"{temp_stem(dest.name)}.{kind}-"
+    path, fd = _create_locked(dest.parent, stem, "", folder=True, mode=0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+
+
 def write_bytes(path: Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (readers see the old file or the new, never half)."""
     path = Path(path)
     check_name_length(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{temp_prefix(path.name)}.", suffix=".tmp", dir=path.parent)
+    remove_leftovers(path)
+    tmp, fd = _create_locked(path.parent, f"{temp_stem(path.name)}.", ".tmp", folder=False)
     try:
-        # mkstemp makes the file 0600; give it the mode any other new file would get.
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:  # closing it releases the lock: after the rename
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
     return path
@@ -135,17 +272,21 @@ def write_json(path: Path, obj: Any) -> Path:
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path``.
 
-    For writers that need a file name (pandas, ONNX, safetensors) rather than bytes.
+    For writers that need a file name (pandas, ONNX, safetensors) rather than bytes. The file
+    exists, empty and locked by this process, until it replaces ``path``: the writer opens it
+    by name and overwrites it.
     """
     path = Path(path)
     check_name_length(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(temp_name(path.name))
+    remove_leftovers(path)
+    tmp, fd = _create_locked(path.parent, f"{temp_stem(path.name)}.", ".tmp", folder=False)
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+        os.close(fd)
     _fsync_dir(path.parent)
 
 
@@ -191,19 +332,40 @@ def atomic_directory(dest: Path, *, replaces: str | None = None) -> Iterator[Pat
     dest = Path(dest)
     check_destination(dest, replaces)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(temp_name(dest.name))
-    tmp.mkdir()
+    remove_leftovers(dest)
+    tmp, fd = _create_locked(dest.parent, f"{temp_stem(dest.name)}.", ".tmp", folder=True)
+    locks = [fd]  # closed at the end; the first, tmp's, as soon as tmp is the output
     try:
         yield tmp
         check_destination(dest, replaces)  # it may have appeared while the work ran
+        old = None
         if os.path.lexists(dest):
             old = dest.with_name(temp_name(dest.name, "old"))
+            held = _held(dest)  # the replaced output stays locked until it is removed
+            locks += [] if held is None else [held]
             os.replace(dest, old)
+        try:
             os.replace(tmp, dest)
+        except BaseException:
+            if old is not None:  # the previous output back, rather than left to be removed
+                os.replace(old, dest)
+            raise
+        os.close(locks.pop(0))  # the output is no temporary folder to keep for its writer
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
         _fsync_dir(dest.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        for lock in locks:
+            os.close(lock)
+
+
+def _held(folder: Path) -> int | None:
+    """A descriptor of ``folder`` holding its lock, or None when it cannot be locked now."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        if _lock(fd, wait=False):
+            return fd
+        os.close(fd)
+    return None

@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import stat
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from models.atomic import atomic_directory, check_destination, temp_prefix
+from models.atomic import atomic_directory, check_destination, remove_leftovers, scratch_folder
 from tasks.archive import (
     ARCHIVE_SUFFIXES,
     DEFAULT_MAX_BYTES,
@@ -79,6 +78,7 @@ from tasks.imagedir import (
     write_manifest,
 )
 from tasks.labelfiles import Listed, label_file_kind, read_label_file
+from tasks.parent_death import die_with_parent
 from tasks.step import step
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,9 @@ def convert(
     }
     _check_parameters(source, dest, workers, limits | caps)
     check_destination(dest, replaces=MANIFEST)
+    # A killed run's leftovers beside dest: removed even when the cache check below writes nothing.
+    remove_leftovers(dest)
+    remove_leftovers(dest, "extract")
     kind = _source_kind(source)
     params: dict[str, int] = dict(limits)
     if kind == "archive":
@@ -192,11 +195,8 @@ def convert(
         fingerprint = _fingerprint(head)
         if previous is not None and previous.fingerprint == fingerprint:
             return _unchanged(dest, previous)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        # Extract beside dest, not in /tmp: same disk as the result, and /tmp is often small.
-        prefix = f"{temp_prefix(dest.name)}.extract-"  # short: dest's name may be 255 bytes
-        with tempfile.TemporaryDirectory(prefix=prefix, dir=dest.parent) as tmp:
-            extracted = Path(tmp)
+        # Beside dest, locked while in use: a killed run's extraction is removed by the next.
+        with scratch_folder(dest, "extract") as extracted:
             refused = extract_archive(
                 source,
                 extracted,
@@ -728,7 +728,12 @@ def _check_all(jobs: list[CheckJob], workers: int | None) -> list[CheckResult]:
         chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
         mine: dict[int, list[CheckResult]] = {}
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers - 1, mp_context=context) as pool:
+        with ProcessPoolExecutor(
+            max_workers=workers - 1,
+            mp_context=context,
+            initializer=die_with_parent,  # a SIGKILLed convert leaves no worker behind
+            initargs=(os.getpid(),),
+        ) as pool:
             try:
                 futures = [pool.submit(check_files, chunk) for chunk in chunks]
                 for future, chunk in zip(futures, chunks, strict=True):

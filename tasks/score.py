@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from models.atomic import atomic_file, check_name_length, temp_prefix
+from models.atomic import atomic_file, check_name_length, remove_leftovers, scratch_folder
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from models.untrained import MODEL_JSON
 from tasks.errors import (
@@ -384,6 +383,8 @@ def score(
 score_task = step(score, name="score")
 SHARD_IMAGES = 20_000  # a shard per this many images: big enough that start-up is noise
 CHECKPOINTS = ".imageops-shards"  # beside the scored table: finished shards of unmerged runs
+# The kind of a private shard folder (.<table>.shards-<8>): a run that cannot share the checkpoint.
+SCRATCH = "shards"
 CHECKPOINT_FORMAT = 2  # part of the checkpoint key: raise it when a shard table changes shape
 
 
@@ -537,15 +538,16 @@ def score_in_shards(
     total = len(refs)
     count = max(1, -(-total // shard_images))
     kwargs = {"batch_size": batch_size, "quantized": quantized}
+    remove_leftovers(dest, SCRATCH)  # a killed run's private shards: they are never resumed
     if count == 1:
         run = score_task if in_prefect_run() else score
         return run(model, images, dest, threads=threads, **kwargs)
     log = step_logger(__name__)
     folder = checkpoint_dir(model, refs, labeled, dest, shard_images=shard_images, **kwargs)
     lock = _claim(folder)
+    private = contextlib.ExitStack()
     if lock is None:
-        prefix = f"{temp_prefix(dest.name)}.shards-"
-        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+        folder = private.enter_context(scratch_folder(dest, SCRATCH))
         log.info("Another run is scoring the same images beside %s; not sharing its shards", dest)
     parts = [folder / f"{i:05d}{dest.suffix}" for i in range(count)]
     resumable = True
@@ -582,7 +584,7 @@ def score_in_shards(
         resumable = False
     finally:
         if lock is None:
-            shutil.rmtree(folder, ignore_errors=True)  # a private folder is never resumed
+            private.close()  # removes the private folder: it is never resumed
         else:
             if not (resumable and any(part.is_file() for part in parts)):
                 _discard(folder)

@@ -20,7 +20,7 @@ import tarfile
 import zipfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 STEPS = (
@@ -57,6 +57,7 @@ class Run:
     dest: Path  # nothing may appear outside it; after a failure it holds nothing new
     made: str = ""  # after success, this file exists under dest ("" : dest itself is the file)
     forbidden: tuple[Path, ...] = ()  # paths an escape would write (../../x, absolute names)
+    removed: tuple[Path, ...] = ()  # a killed run's leftovers beside dest: gone after the run
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -590,6 +591,37 @@ def _score_oversized(io_: Inputs) -> Run:
     (images / "1" / "strip-2m.png").write_bytes(png_strip(1, 2_000_000))
     _sparse(images / "1" / "huge.png", 3 * GiB, b"\x89PNG\r\n\x1a\n")
     return _score(io_, str(io_.model), images)
+
+
+def _killed_leftovers(dest: Path, folders: list[str], files: list[str]) -> tuple[Path, ...]:
+    """What a SIGKILLed run writing ``dest`` leaves beside it (no live process holds them), and
+    names that look alike but are not its own (kept: the test sees any change outside dest)."""
+    names = {
+        "tmp": f".{dest.name}.0123abcd.tmp",
+        "old": f".{dest.name}.89abcdef.old",
+        "extract": f".{dest.name}.extract-k3j_h5g6",  # tempfile's letters: an older version's
+        "shards": f".{dest.name}.shards-0123abcd",
+    }
+    for name in [f".{dest.name}.tmp", f".{dest.name}X.0123abcd.tmp", f"{dest.name}.0123abcd.tmp"]:
+        (dest.parent / name).write_text("not imageops'")
+    for kind in folders:
+        (dest.parent / names[kind] / "0").mkdir(parents=True)
+        (dest.parent / names[kind] / "0" / "half.png").write_bytes(b"\x89PNG")
+    for kind in files:
+        (dest.parent / names[kind]).write_text("path,Scored Labels\nhalf")
+    return tuple(dest.parent / names[kind] for kind in folders + files)
+
+
+def _convert_after_kill(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "photos")
+    run = _convert(io_, io_.src / "photos", made="manifest.json")
+    return replace(run, removed=_killed_leftovers(run.dest, ["tmp", "old", "extract"], []))
+
+
+def _score_after_kill(io_: Inputs) -> Run:
+    _digits(io_, io_.src / "images", per_class=2)
+    run = _score(io_, str(io_.model), io_.src / "images")
+    return replace(run, removed=_killed_leftovers(run.dest, ["shards"], ["tmp"]))
 
 
 def _split_raw(io_: Inputs) -> Run:
@@ -1150,6 +1182,10 @@ CASES: list[Case] = [
          "PNGs of 1x600,000 and 1x2,000,000 px and a 3 GiB `.png` (sparse) among the images "
          "(each becomes an `ImageExceedsLimit` row, the others are scored)",
          _score_oversized, "ok: wrote", memory=True),
+    Case("convert-killed-leftovers", "convert",
+         "a killed run's `.images.<8>.tmp`, `.old` and `.extract-<8>` folders beside the "
+         "destination (removed) and look-alike names (kept)", _convert_after_kill,
+         "ok: 6 images, 2 classes"),
     Case("split-raw-folder", "split", "a raw image folder, not an ImageDirectory", _split_raw,
          "InvalidImageDirectoryError", "is not an ImageDirectory"),
     Case("split-bad-manifest", "split", "a manifest.json cut short", _split_bad_manifest,
@@ -1261,6 +1297,9 @@ CASES: list[Case] = [
          "RegistryError", "models:/"),
     Case("score-bad-table", "score", "a scored table named .txt", _score_bad_table,
          "InvalidParameterError", ".txt"),
+    Case("score-killed-leftovers", "score",
+         "a killed run's `.scores.csv.<8>.tmp` and `.shards-<8>` folder beside the table "
+         "(removed) and look-alike names (kept)", _score_after_kill, "ok: wrote"),
     Case("score-no-images", "score", "a folder with no image in it", _score_no_images,
          "NoUsableImagesError", "image"),
     Case("tune-bad-scale", "tune", "a parameter with scale: cubic", _tune_bad_scale,

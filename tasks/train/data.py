@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 from collections.abc import Callable, Iterator, Sized
+from functools import partial
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from torchvision.transforms import v2
 
 from tasks.errors import InvalidImageDirectoryError
 from tasks.imagedir import Manifest, load_rgb
+from tasks.parent_death import die_with
 from tasks.train.loop import derive_seed
 
 # Batches the loader processes of one loader prepare ahead, together: enough to ride out a slow
@@ -207,6 +209,11 @@ def loader_context() -> BaseContext:
     return context
 
 
+def _loader_started(trainer: int, worker_id: int) -> None:
+    """``worker_init_fn`` of every loader process: it ends when its training process ends."""
+    die_with(trainer)
+
+
 class RunAheadLoader(DataLoader):
     """A training DataLoader whose persistent loader processes start on the next epoch's batches
     as soon as the last batch of this one is handed out, while the model validates and saves.
@@ -321,6 +328,8 @@ def make_loader(
             "multiprocessing_context": loader_context(),
             "persistent_workers": True,
             "prefetch_factor": prefetch_factor(num_workers),
+            # Killed with this process, however it ends (a SIGKILL stops no loader itself).
+            "worker_init_fn": partial(_loader_started, os.getpid()),
         }
     kind = RunAheadLoader if run_ahead else DataLoader
     loader = kind(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options)

@@ -8,7 +8,9 @@ transform spec that would train and score at different sizes (InvalidTransformat
 
 torchrun runs as a subprocess in a session of its own (fork inside a Prefect task can deadlock on
 Prefect's threads), and on a timeout, an interrupt or any error the whole process tree is
-stopped, so no orphaned worker keeps a GPU or a port. A worker's ImageOpsError comes back as the
+stopped, so no orphaned worker keeps a GPU or a port. A launcher killed outright (SIGKILL, the
+OOM killer) stops nothing itself: torchrun and its workers die with it by a parent-death signal
+(:mod:`tasks.parent_death`). A worker's ImageOpsError comes back as the
 same error class; any other failure as a TrainingFailedError quoting the log.
 
 Which MLflow run a request trains in is decided here too (:func:`open_run`): an unfinished run of
@@ -63,6 +65,7 @@ from tasks.errors import (
 )
 from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
 from tasks.log_tail import tail
+from tasks.parent_death import dying_with_this_process
 from tasks.settings import Settings, get_settings, redact_uri
 from tasks.step import step, step_logger
 from tasks.tracking import configure_mlflow, run_url
@@ -897,7 +900,8 @@ def _run_torchrun(
 ) -> int:
     step_logger(__name__).info("starting: %s", " ".join(command))
     proc = subprocess.Popen(
-        command,
+        # SIGKILLed with this process; its workers die with it (tasks.train.worker's main).
+        dying_with_this_process(command),
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,

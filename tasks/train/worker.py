@@ -40,6 +40,7 @@ from models.untrained import ModelSpec
 from models.zoo import build_model
 from tasks.errors import InvalidDatasetError, TrainingFailedError
 from tasks.imagedir import read_manifest
+from tasks.parent_death import die_with_torchrun
 from tasks.settings import RedactingFormatter
 from tasks.train import distributed
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
@@ -503,4 +504,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    die_with_torchrun()  # torchrun, SIGKILLed with its launcher, cannot stop its workers itself
     main()
