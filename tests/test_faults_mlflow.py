@@ -82,7 +82,7 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    caplog.set_level(logging.INFO, logger="tasks.train.launch")
+    caplog.set_level(logging.INFO, logger="tasks.train.mlflow_run")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = [

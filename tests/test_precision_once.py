@@ -9,17 +9,17 @@ import pytest
 import tasks.train.precision as precision
 from models.untrained import resnet, write_untrained
 from tasks.settings import Settings
-from tasks.train.launch import CONFIG, _check_request, _Request
 from tasks.train.params import TrainParams
+from tasks.train.request import CONFIG, Request, check_request
 
 LARGE = {"resize_size": 64, "center_crop_size": 64}  # at 64 px and up, "auto" times bf16 on CPU
 
 
-def _request(tmp_path: Path, project: Settings, digits_split: tuple[Path, Path]) -> _Request:
+def _request(tmp_path: Path, project: Settings, digits_split: tuple[Path, Path]) -> Request:
     model = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
     train, val = digits_split
     params = TrainParams(epochs=1, batch_size=8, device="cpu", precision="auto")
-    return _check_request(model, train, val, tmp_path / "out", params, LARGE, project, None)
+    return check_request(model, train, val, tmp_path / "out", params, LARGE, project, None)
 
 
 def test_a_resumed_run_keeps_the_precision_auto_chose_and_does_not_measure_again(

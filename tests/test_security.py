@@ -320,7 +320,7 @@ def test_training_output_and_logs_mask_passwords(
 ) -> None:
     """torchrun's output and the rank logs: a worker's traceback may quote MLflow's URL."""
     from tasks.settings import RedactingFormatter
-    from tasks.train.launch import _pump
+    from tasks.train.torchrun import _pump
 
     line = "MlflowException: API request to http://u:s3cret@ml.example/api/2.0 failed\n"
     _pump(io.StringIO(line), tmp_path / "torchrun.log")
@@ -364,8 +364,9 @@ def test_library_servers_default_to_localhost() -> None:
 
     from flows import webhook
     from flows.stack import Stack
-    from tasks.train.launch import _torchrun_command, local_rendezvous_endpoint
+    from tasks.train.launch import local_rendezvous_endpoint
     from tasks.train.params import TrainParams
+    from tasks.train.torchrun import torchrun_command
 
     assert inspect.signature(webhook.serve).parameters["host"].default == "127.0.0.1"
     assert webhook._parser().parse_args(["serve"]).host == "127.0.0.1"  # python -m flows.webhook
@@ -376,5 +377,5 @@ def test_library_servers_default_to_localhost() -> None:
     assert runner.enable is False and runner.host in ("localhost", "127.0.0.1")
     # One-machine training: torchrun's rendezvous is addressed on this machine.
     assert local_rendezvous_endpoint().startswith("127.0.0.1:")
-    command = _torchrun_command(TrainParams(), Path("config.json"), "run", None, 0)
+    command = torchrun_command(TrainParams(), Path("config.json"), "run", None, 0)
     assert "--standalone" in command and "--rdzv-endpoint" not in command

@@ -36,9 +36,10 @@ from tasks.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from tasks.train.data import ManifestImageFolder
 from tasks.train.failure import read_failures, record_failure
-from tasks.train.launch import TrainResult, _run_torchrun, train
+from tasks.train.launch import TrainResult, train
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
+from tasks.train.torchrun import run_torchrun
 
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
 FAST = {"epochs": 2, "batch_size": 8, "learning_rate": 0.01, "device": "cpu"}
@@ -317,7 +318,7 @@ def test_a_timeout_stops_the_whole_process_tree(tmp_path: Path) -> None:
     )
     start = time.monotonic()
     with pytest.raises(TrainingFailedError, match="longer than timeout_s"):
-        _run_torchrun([sys.executable, "-c", script], {}, tmp_path, timeout_s=3)
+        run_torchrun([sys.executable, "-c", script], {}, tmp_path, timeout_s=3)
     assert time.monotonic() - start < 30
     grandchild = int((tmp_path / "torchrun.log").read_text().split()[0])
     assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == "zombie"
@@ -443,7 +444,7 @@ def test_a_diverging_loss_stops_training_with_advice(
 
 
 def test_a_finished_command_returns_its_exit_code_and_its_output_is_kept(tmp_path: Path) -> None:
-    code = _run_torchrun([sys.executable, "-c", "print('hi')"], {}, tmp_path, timeout_s=None)
+    code = run_torchrun([sys.executable, "-c", "print('hi')"], {}, tmp_path, timeout_s=None)
     assert code == 0
     assert (tmp_path / "torchrun.log").read_text() == "hi\n"
 

@@ -4,7 +4,7 @@ Rank 0 logs each epoch's metrics as the epoch ends, but the training never waits
 and never fails because of it: a record the server does not take is given up after rank 0's short
 budget (:data:`RANK0_MLFLOW_HTTP`) with a warning, and every epoch the run still lacks is written
 from the checkpointed history at the next epoch's end, and in the end by the launcher, which then
-waits for the server far longer (``_complete_run`` in :mod:`tasks.train.launch`). Records are
+waits for the server far longer (:func:`~tasks.train.mlflow_run.complete_run`). Records are
 written once: a backfill first reads what the run already has.
 
 Imported by rank 0 and the launcher only: the other ranks never import MLflow.

@@ -1,0 +1,279 @@
+"""The MLflow run of a training request: open it (or continue the unfinished one), then end it.
+
+Which run a request trains in is decided here: an unfinished run of the very same request is
+continued from its last per-epoch checkpoint (a Prefect retry, or the request run again after a
+crash), never a FINISHED one.
+
+An MLflow server that goes down loses no record. Before training, the run is created (or found)
+and its parameters logged: if the server does not answer within the client's retries, the
+request fails with nothing trained, and a retry starts it again. During training, rank 0 never
+waits long on MLflow (:mod:`tasks.train.tracker`); once training ends, the launcher writes what
+the run lacks and its status, waiting up to TRACKING_PATIENCE_S (10 minutes) for the server
+(:func:`complete_run`). Apart from the launch so that every talk with MLflow, and its retries,
+is in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
+
+from models.untrained import ModelSpec
+from tasks.artifacts import markdown_table, png_markdown, publish_markdown
+from tasks.errors import InvalidParameterError, TrainingFailedError
+from tasks.imagedir import Manifest
+from tasks.settings import Settings, redact_uri
+from tasks.step import step_logger
+from tasks.tracking import run_url
+from tasks.train.checkpoint import CHECKPOINT
+from tasks.train.loop import TOP1
+from tasks.train.params import RunConfig, TrainParams
+from tasks.train.request import CONFIG, Request
+from tasks.train.run_lock import in_training
+from tasks.train.tracker import log_missing, transient
+from tasks.train.worker import CURVES
+from tasks.transform import input_size
+from tasks.versioning import git_revision
+
+LOG_ARTIFACTS = "logs"
+# Tag of a training run: the request it trains (RunConfig.job_key), to find it again on a retry.
+RESUME_KEY_TAG = "imageops.resume_key"
+UNFINISHED = ("RUNNING", "FAILED", "KILLED")
+# Once training has ended, how long the launcher keeps trying to write the run's last records
+# while MLflow does not answer, and how long it pauses between tries (see complete_run).
+TRACKING_PATIENCE_S = 600.0
+TRACKING_PAUSE_S = 2.0
+
+
+def _default_run_name(spec: ModelSpec, params: TrainParams) -> str:
+    return (
+        f"{spec.arch} e{params.epochs} b{params.batch_size}x{params.world_size} "
+        f"lr{params.learning_rate:g}"
+    )
+
+
+def _tags(
+    spec: ModelSpec, params: TrainParams, device: str, data_version: dict[str, str]
+) -> dict[str, str]:
+    tags = {
+        "imageops.step": "train",
+        "imageops.architecture": spec.arch,
+        "imageops.pretrained": str(spec.pretrained).lower(),
+        "imageops.device": device,
+        "imageops.world_size": str(params.world_size),
+    }
+    tags |= {f"imageops.data_version.{name}": value for name, value in data_version.items()}
+    return tags
+
+
+def require_run(client: MlflowClient, run_id: str) -> None:
+    """A given ``run_id`` must name an MLflow run; an outage is raised as itself (a retry helps)."""
+    try:
+        client.get_run(run_id)
+    except MlflowException as exc:
+        if transient(exc):  # MLflow is down, not the run: a retry may get through
+            raise
+        raise InvalidParameterError(
+            f"run_id = {run_id!r}: no such MLflow run.",
+            "Leave run_id empty to start a new run.",
+        ) from exc
+
+
+def resume_or_create_run(
+    client: MlflowClient,
+    experiment_id: str,
+    request: Request,
+    settings: Settings,
+    run_name: str | None,
+) -> str:
+    """The unfinished run of this request to continue, else a new run (parameters logged)."""
+    key = request.config.job_key()
+    resumable = _resumable_run(client, experiment_id, key, settings.runs_dir)
+    if resumable is not None:
+        step_logger(__name__).info(
+            "continuing unfinished MLflow run %s of the same request from its checkpoint",
+            resumable,
+        )
+        return resumable
+    config = request.decided()
+    tags = _tags(request.spec, config.params, config.device, config.data_version)
+    # The data md5s above and the code's revision: together they say what this run learned from.
+    tags["imageops.git_revision"] = git_revision(settings.project_root)
+    run_id = client.create_run(
+        experiment_id,
+        run_name=run_name or _default_run_name(request.spec, config.params),
+        tags={**tags, RESUME_KEY_TAG: key},
+    ).info.run_id
+    # Once, here: a run that fails in its workers still shows what it was asked to do.
+    _log_params(client, run_id, config, request.train_manifest, request.val_manifest)
+    return run_id
+
+
+def _resumable_run(
+    client: MlflowClient, experiment_id: str, key: str, runs_dir: Path
+) -> str | None:
+    """The newest run of request ``key`` that ended unfinished with a checkpoint to resume from.
+
+    RUNNING counts as unfinished (a launcher killed hard never set the final status), but not
+    while a launcher holds the run's lock: that run is being trained now, by someone else.
+    """
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RESUME_KEY_TAG}` = '{key}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=50,
+    )
+    for run in runs:
+        run_dir = runs_dir / run.info.run_id
+        if run.info.status not in UNFINISHED or not (run_dir / CHECKPOINT).is_file():
+            continue
+        if not in_training(run_dir):
+            return run.info.run_id
+    return None
+
+
+def _log_params(
+    client: MlflowClient,
+    run_id: str,
+    config: RunConfig,
+    train_manifest: Manifest,
+    val_manifest: Manifest,
+) -> None:
+    """The parameters, once, from the launcher: a run that fails in its workers still has them."""
+    values: dict[str, Any] = {
+        **config.params.model_dump(),
+        "architecture": config.architecture.arch,
+        "pretrained": config.architecture.pretrained,
+        "memory_efficient": config.architecture.memory_efficient,
+        "zero_init_residual": config.architecture.zero_init_residual,
+        "world_size": config.world_size,
+        "effective_learning_rate": config.params.learning_rate * config.world_size,
+        "device": config.device,
+        "resolved_precision": config.precision,
+        "num_classes": len(config.classes),
+        "train_images": len(train_manifest.images),
+        "val_images": len(val_manifest.images),
+        "input_size": input_size(config.transform),
+        **{f"transform.{k}": v for k, v in config.transform.model_dump().items()},
+    }
+    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in values.items()])
+
+
+def publish_report(run_id: str, run_dir: Path, result: dict[str, Any], settings: Settings) -> None:
+    """The training curves, per-epoch metrics and where each rank's log is, as an artifact."""
+    rows = [{"epoch": int(h.pop("epoch")), **h} for h in map(dict, result.get("history", []))]
+    logs_page = run_url(settings, run_id, "artifacts")
+    logs = "\n".join(
+        f"- `{path.name}`: `{path}`"
+        for path in [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
+    )
+    if logs:
+        copies = (
+            f"[{LOG_ARTIFACTS}/ in the MLflow run]({logs_page})"
+            if logs_page
+            else (f"`{LOG_ARTIFACTS}/` in the MLflow run's artifacts")
+        )
+        logs = f"Per-rank logs (rank_0 is the master; copies in {copies}):\n\n{logs}"
+    markdown = "\n\n".join(
+        part
+        for part in (
+            f"### Training run `{run_id}` (best epoch {result['best_epoch']})",
+            png_markdown(run_dir / CURVES, "training curves"),
+            markdown_table(rows),
+            logs,
+        )
+        if part
+    )
+    publish_markdown("training-report", markdown, f"Training curves of MLflow run {run_id}")
+
+
+def complete_run(
+    client: MlflowClient,
+    run_id: str,
+    run_dir: Path,
+    result: dict[str, Any] | None,
+    status: str,
+) -> None:
+    """Write the run's last records to MLflow and end it with ``status``, outlasting an outage.
+
+    Rank 0 gives up on a record quickly when MLflow does not answer (the training must not wait
+    on it; :mod:`tasks.train.tracker`); here the training is over and the launcher can wait. A
+    trained run gets every epoch's metrics it still lacks (from the result's history, each step
+    once), the best epoch's, the curves and every rank's log, then FINISHED. Each call that fails
+    for a reason that may pass (server down, restarting, 5xx) is tried again every
+    TRACKING_PAUSE_S for TRACKING_PATIENCE_S (10 minutes, on top of the MLflow client's own
+    retries, MLFLOW_HTTP_REQUEST_*): an MLflow server that is down for up to 10 minutes when
+    training ends loses nothing. If it is down longer, the run, still RUNNING, is an error worth
+    a retry: the retry resumes this run, finds every epoch trained and completes the record.
+
+    A run that failed or was stopped gets one try of each: its own error is what counts, and a
+    retry attaches the logs again.
+    """
+    patience = TRACKING_PATIENCE_S if status == "FINISHED" else 0.0
+    deadline = time.monotonic() + patience
+    if result is not None:
+        best = {
+            "epoch": float(result["epochs_trained"]),
+            "best/val/top1": result["metrics"][TOP1],
+            "best/epoch": float(result["best_epoch"]),
+        }
+        history = [*result["history"], best]
+        _patiently(lambda: log_missing(client, run_id, history), "the metrics", deadline)
+        if (run_dir / CURVES).is_file():
+            curves = str(run_dir / CURVES)
+            _patiently(lambda: client.log_artifact(run_id, curves), CURVES, deadline)
+    # One torchrun log per node agent (torchrun.log, or torchrun_node_<k>.log on many nodes).
+    logs = [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
+    for path in [*logs, run_dir / CONFIG]:
+        if path.is_file():
+            _patiently(
+                lambda p=str(path): client.log_artifact(run_id, p, artifact_path=LOG_ARTIFACTS),
+                path.name,
+                deadline,
+            )
+    ended = _patiently(lambda: client.set_terminated(run_id, status), "the status", deadline)
+    if not ended and status == "FINISHED":
+        raise TrainingFailedError(
+            f"Training finished and wrote its model, but MLflow did not take the end of run "
+            f"{run_id} within {patience:.0f} s; the run stays RUNNING.",
+            "Check the MLflow server, then run the same request again: it resumes this run, "
+            "trains nothing more and completes its record.",
+        )
+
+
+def _patiently(call: Callable[[], object], what: str, deadline: float) -> bool:
+    """Call ``call`` until it succeeds, a failure is not transient, or ``deadline`` passes.
+
+    True when it succeeded. A failure is never raised, whatever it is (a record must never hide
+    the training's own outcome): it is a warning, and the caller decides what it means.
+    """
+    log = step_logger(__name__)
+    waited_since = None
+    while True:
+        try:
+            call()
+        except Exception as exc:
+            reason = redact_uri(str(exc))  # MLflow's errors quote the tracking URI
+            if not transient(exc) or time.monotonic() >= deadline:
+                log.warning("MLflow did not take %s; giving up: %s", what, reason)
+                return False
+            if waited_since is None:
+                waited_since = time.monotonic()
+                log.warning(
+                    "MLflow did not take %s; trying again every %g s for up to %.0f s: %s",
+                    what,
+                    TRACKING_PAUSE_S,
+                    deadline - waited_since,
+                    reason,
+                )
+            time.sleep(TRACKING_PAUSE_S)
+            continue
+        if waited_since is not None:
+            log.info("MLflow took %s after %.0f s", what, time.monotonic() - waited_since)
+        return True

@@ -1,0 +1,287 @@
+"""Check a training request in full, before any process starts or any MLflow run exists.
+
+Everything the seed refuses is refused here: a folder that is not an untrained model
+(InvalidModelDirectoryError), unlabeled training data (NotLabeledDatasetError), different classes
+in training and validation (InvalidDatasetError), a batch larger than the training set, CUDA
+without a GPU, more processes per node than GPUs, a transform spec that would train and score at
+different sizes (InvalidTransformationDirectoryError), launch options that cannot make a job.
+What passes is a :class:`Request`: the run configuration resolved, not yet bound to a run. Apart
+from the launch so that a reader finds every refusal in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.atomic import check_destination
+from models.transform_spec import AppliedTransform, TransformSpec
+from models.untrained import MODEL_JSON, ModelSpec, read_untrained
+from models.zoo import build_model, pretrained_weights_path
+from tasks.errors import InvalidDatasetError, InvalidParameterError
+from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
+from tasks.settings import Settings
+from tasks.step import step_logger
+from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
+from tasks.train.precision import resolve_precision
+from tasks.transform import (
+    check_applied,
+    data_transform,
+    input_size,
+    read_transformation,
+    transform_spec,
+)
+
+CONFIG = "config.json"
+
+
+@dataclass(frozen=True)
+class Request:
+    """A training request checked in full and resolved, before any MLflow run exists.
+
+    ``config`` is not bound to a run yet (``run_dir`` is the runs folder, no run id): its
+    :meth:`~tasks.train.params.RunConfig.job_key` is what finds an unfinished run to continue.
+    """
+
+    spec: ModelSpec
+    config: RunConfig  # with ``precision`` still to decide when "auto" (see :meth:`decided`)
+    train_manifest: Manifest
+    val_manifest: Manifest
+
+    def decided(self, run_dir: Path | None = None) -> RunConfig:
+        """The config with "auto" precision decided once per run, never again on a resume.
+
+        A run folder that already holds this job's ``config.json`` (a retry, a restart on a
+        busier machine) keeps the precision recorded there; else it is decided now, which on
+        CPU times a small convolution both ways.
+        """
+        params = self.config.params
+        if params.precision != "auto":
+            return self.config
+        recorded = _recorded_config(run_dir) if run_dir is not None else None
+        if recorded is not None and recorded.job_key() == self.config.job_key():
+            precision = recorded.precision
+        else:
+            size = input_size(self.config.transform)
+            precision = resolve_precision("auto", self.config.device, size)
+        return self.config.model_copy(update={"precision": precision})
+
+    def bind(self, run_id: str, run_dir: Path) -> RunConfig:
+        config = self.decided(run_dir)
+        return config.model_copy(update={"run_dir": run_dir, "mlflow_run_id": run_id})
+
+
+def _recorded_config(run_dir: Path) -> RunConfig | None:
+    """The config a run folder was started with, None when it has none (or an unreadable one)."""
+    try:
+        return RunConfig.load(run_dir / CONFIG)
+    except (OSError, ValueError):
+        return None
+
+
+def checked_params(params: TrainParams | Mapping[str, Any]) -> TrainParams:
+    """The parameters validated again, however they were built: a bad one fails here."""
+    values = params.model_dump() if isinstance(params, TrainParams) else dict(params)
+    return TrainParams.checked(**values)  # also catches model_construct()ed or dict params
+
+
+def check_launch(
+    params: TrainParams,
+    run_id: str | None,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    rdzv_timeout_s: int,
+    max_restarts: int,
+) -> None:
+    """The launch options, refused before anything starts when they cannot make a job."""
+    if max_restarts < 0:
+        raise InvalidParameterError(f"max_restarts = {max_restarts}, expected an integer >= 0.")
+    if not 0 <= node_rank < params.nodes:
+        raise InvalidParameterError(
+            f"node_rank = {node_rank}, expected 0 to {params.nodes - 1} (nodes = {params.nodes}).",
+            "Give each node agent its own rank, 0 for the one that owns the MLflow run.",
+        )
+    if rdzv_timeout_s <= 0:
+        raise InvalidParameterError(f"rdzv_timeout_s = {rdzv_timeout_s}, expected seconds > 0.")
+    if params.nodes == 1:
+        return
+    if not rdzv_endpoint:
+        raise InvalidParameterError(
+            f"nodes = {params.nodes} needs a rendezvous endpoint; none was given.",
+            "Pass rdzv_endpoint='host:port' of a machine every node reaches, the same on every "
+            "node.",
+        )
+    host, _, port = rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidParameterError(
+            f"rdzv_endpoint = {rdzv_endpoint!r}, expected host:port (port 1 to 65535).",
+            "For example 10.0.0.5:29400, the same on every node.",
+        )
+    if run_id is None:
+        raise InvalidParameterError(
+            f"nodes = {params.nodes}: every node agent needs the id of the job's MLflow run.",
+            "Open the run once with `imageops train ... --open-run` (the train flow does it "
+            "itself) and pass its id to every node agent with --run-id.",
+        )
+
+
+def check_request(
+    model: Path,
+    train_data: Path,
+    val_data: Path,
+    out: Path,
+    params: TrainParams,
+    transform: TransformSpec | Mapping[str, Any] | Path | None,
+    settings: Settings,
+    data_version: dict[str, str] | None,
+) -> Request:
+    """Everything the seed refuses, refused; the run configuration resolved (not yet bound)."""
+    spec = read_untrained(Path(model))
+    train_manifest, val_manifest = _check_datasets(Path(train_data), Path(val_data))
+    check_destination(Path(out), replaces=MODEL_JSON)  # before torchrun, not after the epochs
+    spec_transform = _check_transform(
+        transform,
+        {
+            "train": (Path(train_data), train_manifest.transform),
+            "val": (Path(val_data), val_manifest.transform),
+        },
+    )
+    _check_sizes(params, train_manifest)
+    device = _resolve_device(params)
+    # Refused here, before a run exists: fp16 on CPU, bf16 where the device cannot train in it.
+    # "auto" is decided later, once per run (Request.decided): a resume keeps what it recorded.
+    precision = (
+        resolve_precision(params.precision, device, input_size(spec_transform))
+        if params.precision != "auto"
+        else "fp32"  # a placeholder, outside the job's identity (RunConfig.job_key)
+    )
+    if spec.pretrained:
+        _ensure_pretrained_weights(spec, settings)
+    config = RunConfig(
+        params=params,
+        architecture=spec,
+        classes=train_manifest.classes,
+        transform=spec_transform,
+        train_data=Path(train_data).resolve(),
+        val_data=Path(val_data).resolve(),
+        data_fingerprint={
+            "train": manifest_fingerprint(train_data),
+            "val": manifest_fingerprint(val_data),
+        },
+        data_version=data_version or {},
+        out=Path(out).resolve(),
+        run_dir=settings.runs_dir,
+        mlflow_run_id=None,
+        device=device,
+        precision=precision,
+        world_size=params.world_size,
+    )
+    return Request(spec, config, train_manifest, val_manifest)
+
+
+def _check_datasets(train_data: Path, val_data: Path) -> tuple[Manifest, Manifest]:
+    train_manifest = read_manifest(train_data)
+    require_labeled(train_manifest, "training", train_data)
+    val_manifest = read_manifest(val_data)
+    require_labeled(val_manifest, "validation", val_data)
+    require_same_classes(train_manifest, val_manifest)
+    if len(train_manifest.classes) < 2:  # one class: nothing to learn, top-1 is 1.0 from the start
+        raise InvalidDatasetError(
+            f"The training dataset {train_data} has only the classes {train_manifest.classes}; "
+            "a classifier needs two or more.",
+            "Add a class folder for each other category, then convert and split again.",
+        )
+    if not val_manifest.images:
+        raise InvalidDatasetError(
+            f"The validation dataset {val_data} has no images.",
+            "Split with a fraction below 1 so the second half keeps some images.",
+        )
+    return train_manifest, val_manifest
+
+
+def _check_transform(
+    transform: TransformSpec | Mapping[str, Any] | Path | None,
+    data: Mapping[str, tuple[Path, AppliedTransform | None]],
+) -> TransformSpec:
+    """The run's spec, checked in full against what the data was prepared with.
+
+    The one given (read from a TransformationDirectory when a path is given); else the one Apply
+    Image Transformation prepared the data with; else Init Image Transformation's defaults.
+    Data prepared with another spec is refused, never resized again.
+    """
+    if transform is None:
+        spec = data_transform(data) or TransformSpec()
+    elif isinstance(transform, str | Path):
+        spec = read_transformation(Path(transform))
+    else:
+        values = transform.model_dump() if isinstance(transform, TransformSpec) else transform
+        spec = transform_spec(**values)
+    input_size(spec)  # training and scoring must feed the network one size
+    for role, (root, applied) in data.items():
+        check_applied(spec, applied, root, "training" if role == "train" else "inference")
+    return spec
+
+
+def _check_sizes(params: TrainParams, train_manifest: Manifest) -> None:
+    images = len(train_manifest.images)
+    if params.batch_size > images:
+        raise InvalidParameterError(
+            f"batch_size = {params.batch_size} is larger than the training set ({images} images).",
+            f"Use a batch size of at most {images}.",
+        )
+    if images <= params.world_size:
+        # Each process needs 2 images or more: BatchNorm cannot train on a batch of one.
+        raise InvalidParameterError(
+            f"{params.world_size} processes (nodes x nproc_per_node) need more than {images} "
+            "training images: each process trains on at least 2.",
+            "Use fewer processes, or more training data.",
+        )
+
+
+def _resolve_device(params: TrainParams) -> str:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = params.device if params.device != "auto" else ("cuda" if gpus else "cpu")
+    if device == "cuda" and gpus == 0:
+        raise InvalidParameterError(
+            "device = 'cuda', but no CUDA GPU is visible here (0 GPUs).",
+            "Use device='cpu' (or 'auto'), or run on a machine with a GPU.",
+        )
+    if device == "cuda" and params.nproc_per_node > gpus:
+        raise InvalidParameterError(
+            f"nproc_per_node = {params.nproc_per_node} is more than the {gpus} GPU(s) visible "
+            "on this node.",
+            f"Use at most {gpus} processes per node on GPU (one per GPU).",
+        )
+    if device == "cpu" and params.nproc_per_node > (os.cpu_count() or 1):
+        step_logger(__name__).warning(
+            "nproc_per_node = %d is more than the %s CPU cores here: training will be slow.",
+            params.nproc_per_node,
+            os.cpu_count(),
+        )
+    return device
+
+
+def _ensure_pretrained_weights(spec: ModelSpec, settings: Settings) -> None:
+    """Fetch the pretrained weights once, here, rather than in every worker at once.
+
+    A missing file then fails before any run exists, with PretrainedWeightsMissingError naming
+    the path, instead of as a worker traceback.
+    """
+    # Workers get TORCH_HOME = settings.torch_home, and torch.hub's cache is <TORCH_HOME>/hub.
+    cached = settings.torch_home / "hub" / "checkpoints" / pretrained_weights_path(spec.arch).name
+    if cached.is_file():
+        return
+    previous = os.environ.get("TORCH_HOME")
+    os.environ["TORCH_HOME"] = str(settings.torch_home)
+    try:
+        build_model(spec, num_classes=2)  # downloads into the cache, or raises with the path
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_HOME", None)
+        else:
+            os.environ["TORCH_HOME"] = previous

@@ -1,0 +1,246 @@
+"""Run torchrun for one node: its command, its environment, its process tree, its log, its error.
+
+torchrun runs as a subprocess in a session of its own (fork inside a Prefect task can deadlock on
+Prefect's threads), and on a timeout, an interrupt or any error the whole process tree is
+stopped, so no orphaned worker keeps a GPU or a port. A launcher killed outright (SIGKILL, the
+OOM killer) stops nothing itself: torchrun and its workers die with it by a parent-death signal
+(:mod:`tasks.parent_death`). A worker's ImageOpsError comes back as the same error class; any
+other failure as a TrainingFailedError quoting the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+import tasks
+from tasks.errors import ImageOpsError, TrainingFailedError
+from tasks.log_tail import tail
+from tasks.parent_death import dying_with_this_process
+from tasks.settings import Settings, redact_uri
+from tasks.step import step_logger
+from tasks.train.failure import read_failures
+from tasks.train.params import TrainParams
+from tasks.train.rendezvous import RDZV_CONNECTION_MARK, RDZV_TIMEOUT_S
+from tasks.train.worker import rank_log
+
+TORCHRUN_LOG = "torchrun.log"
+KILL_GRACE_S = 15.0
+
+
+def torchrun_environment(
+    settings: Settings, run_id: str, env: Mapping[str, str] | None
+) -> dict[str, str]:
+    """This process's environment, the settings', what the workers need, then ``env`` over all."""
+    return {
+        **os.environ,
+        **settings.environment(),
+        "MLFLOW_RUN_ID": run_id,
+        "PYTHONUNBUFFERED": "1",  # stream the workers' lines as they come
+        # By default the workers share the agent's store across restarts, and a
+        # restarted rank 0 can read the killed rank's stale gloo address from it and
+        # fail to connect ("Connection refused"); a store per attempt has no stale keys.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # Workers import `tasks` by module name, whatever the working folder.
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (_source_root(), os.environ.get("PYTHONPATH", "")) if p
+        ),
+        **(env or {}),
+    }
+
+
+def _source_root() -> str:
+    return str(Path(tasks.__file__).resolve().parent.parent)
+
+
+def torchrun_command(
+    params: TrainParams,
+    config_path: Path,
+    run_id: str,
+    rdzv_endpoint: str | None,
+    max_restarts: int,
+    rdzv_timeout_s: int = RDZV_TIMEOUT_S,
+) -> list[str]:
+    """torchrun's command line: standalone on one node, else c10d rendezvous at the endpoint."""
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    if params.nodes == 1:
+        command += ["--standalone", "--nnodes", "1"]
+    else:
+        # Every node runs this same command; c10d rendezvous at the endpoint assigns the ranks
+        # (global rank 0 may land on any node: every side effect keys on it, not on node 0).
+        command += [
+            "--nnodes",
+            str(params.nodes),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            str(rdzv_endpoint),
+            "--rdzv-id",
+            run_id,
+            "--rdzv-conf",
+            f"join_timeout={rdzv_timeout_s}",
+        ]
+    command += [
+        "--nproc-per-node",
+        str(params.nproc_per_node),
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        "tasks.train.worker",
+        "--config",
+        str(config_path),
+    ]
+    return command
+
+
+def _pump(stream: IO[str], path: Path) -> None:
+    """Copy torchrun's output to the console and to its log in the run folder, line by line.
+
+    A worker's traceback may quote a settings URI (MLflow's errors do): passwords are masked.
+    Tracebacks go to the log only: the console keeps the error line and says where the rest is,
+    as the CLI does for every error (the named error that ends the run says what to do).
+    """
+    in_traceback = False
+    with open(path, "a", encoding="utf-8") as sink:
+        for raw in stream:
+            line = redact_uri(raw)
+            sink.write(line)
+            sink.flush()
+            at = line.find("Traceback (most recent call last):")  # torchrun's report indents it
+            if at >= 0:
+                in_traceback, line = True, f"{line[:at]}(traceback in {path})\n"
+            elif in_traceback and (line[:1] in (" ", "\t") or not line.strip()):
+                continue  # a frame of the traceback
+            else:
+                in_traceback = False  # the exception's own line ends it, and is shown
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def run_torchrun(
+    command: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    timeout_s: float | None,
+    *,
+    log_name: str = TORCHRUN_LOG,
+) -> int:
+    step_logger(__name__).info("starting: %s", " ".join(command))
+    proc = subprocess.Popen(
+        # SIGKILLed with this process; its workers die with it (tasks.train.worker's main).
+        dying_with_this_process(command),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,  # its own process group: we can stop all of it, and only it
+    )
+    assert proc.stdout is not None
+    pump = threading.Thread(target=_pump, args=(proc.stdout, run_dir / log_name), daemon=True)
+    pump.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                # Short waits keep this thread responsive to an interrupt or a cancellation.
+                returncode = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TrainingFailedError(
+                        f"Training ran longer than timeout_s = {timeout_s} s and was stopped.",
+                        f"The checkpoint and logs are in {run_dir}; resume with run_id, or allow "
+                        "more time.",
+                    ) from None
+    except BaseException:
+        _stop_process_tree(proc)
+        raise
+    finally:
+        pump.join(timeout=10)
+    return returncode
+
+
+def _stop_process_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM torchrun's process group and every descendant, then SIGKILL what remains.
+
+    torchrun starts each worker in a session of its own, so the group alone would miss them: the
+    descendants are listed first, while torchrun still links them.
+    """
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    _signal_group(proc.pid, signal.SIGTERM)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(descendants, timeout=grace_s)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=1.0)
+    _signal_group(proc.pid, signal.SIGKILL)
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    proc.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
+        os.killpg(pgid, sig)
+
+
+def read_from(path: Path, offset: int) -> str:
+    """The text of ``path`` from byte ``offset`` on: this launch's part of an appended log."""
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read().decode("utf-8", errors="replace")
+
+
+def torchrun_failure(
+    run_dir: Path, returncode: int, torchrun_log: Path, output: str = ""
+) -> ImageOpsError:
+    """The error to raise for a failed torchrun: the worker's own error class when it had one.
+
+    ``output`` is what this launch's torchrun printed (its log holds earlier launches too).
+    """
+    if RDZV_CONNECTION_MARK in output:
+        return TrainingFailedError(
+            f"torchrun could not reach the rendezvous of run {run_dir.name}. Last lines of "
+            f"{torchrun_log}:\n{tail(torchrun_log)}",
+            "Check the rendezvous endpoint (host:port of a machine every node reaches, open in "
+            "its firewall) and start the agent on that host first.",
+        )
+    failures = read_failures(run_dir)
+    for failure in failures:
+        error = failure.as_error()
+        if error is not None:
+            return error
+    if failures:
+        first = failures[0]
+        where = rank_log(run_dir, first.rank)
+        what = f"rank {first.rank} failed with {first.type}: {first.message}"
+    else:  # killed by a signal, or died before its logging started
+        where = rank_log(run_dir, 0)
+        what = f"torchrun exited with code {returncode}"
+        if not where.is_file():
+            where = torchrun_log
+    return TrainingFailedError(
+        f"Training failed: {what}. Last lines of {where}:\n{tail(where)}",
+        f"Every rank's log is in {run_dir} (rank_0.log is the master's).",
+    )
