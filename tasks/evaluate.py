@@ -25,7 +25,7 @@ from tasks.imageformat import visible_name
 from tasks.score import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.settings import Settings, get_settings
 from tasks.step import in_prefect_run, step, step_logger
-from tasks.tables import CSV_FORMAT
+from tasks.tables import CSV_FORMAT, table_format
 from tasks.tracking import mlflow_run
 
 METRIC_PREFIX = "eval/"
@@ -73,13 +73,8 @@ def read_scored(path: Path) -> pd.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise InvalidParameterError(f"Scored table {path} does not exist.", "Run the score step.")
-    if path.suffix.lower() == ".parquet":
-        return pd.read_parquet(path)
-    return pd.read_csv(
-        path,
-        dtype={"path": str, "category": str, LABEL_COLUMN: str, ERROR_COLUMN: str},
-        keep_default_na=False,
-    )
+    text = ["path", "category", LABEL_COLUMN, ERROR_COLUMN]
+    return table_format(path, "scored table").read(path, text)
 
 
 def compute_metrics(table: pd.DataFrame) -> EvaluationResult:

@@ -35,7 +35,6 @@ import numpy as np
 import onnxruntime as ort
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from models.atomic import atomic_file, check_name_length, remove_leftovers, scratch_folder
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
@@ -59,14 +58,12 @@ from tasks.imagedir import (
     read_manifest,
 )
 from tasks.step import step, step_logger
-from tasks.tables import CSV_FORMAT
+from tasks.tables import table_format
 from tasks.transform import applied_to, input_size, transform_for
 
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
 ERROR_COLUMN = "Scoring Error"  # empty when the image was scored; else why it could not be
-OUTPUT_SUFFIXES = (".csv", ".parquet")
-ROW_GROUP_ROWS = 16_384
 
 
 @dataclass(frozen=True)
@@ -178,13 +175,6 @@ def _batches(refs: list[ImageRef], size: int) -> Iterator[tuple[int, list[ImageR
         yield start, refs[start : start + size]
 
 
-def table_columns(classes: Sequence[str], labeled: bool) -> list[str]:
-    """The Score Image Model table's columns, in order."""
-    probabilities = [f"{PROBABILITY_PREFIX}{c}" for c in classes]
-    category = ["category"] if labeled else []
-    return ["id", "path", *category, ERROR_COLUMN, *probabilities, LABEL_COLUMN]
-
-
 def shard_bounds(total: int, index: int, count: int) -> tuple[int, int]:
     """``[first, last)`` of the ``index``-th of ``count`` contiguous, near-equal slices."""
     if count < 1 or not 0 <= index < count:
@@ -194,54 +184,15 @@ def shard_bounds(total: int, index: int, count: int) -> tuple[int, int]:
     return total * index // count, total * (index + 1) // count
 
 
-class _TableWriter:
-    """Appends batches to a CSV or Parquet file, so no more than one batch is ever held."""
-
-    def __init__(self, path: Path, parquet: bool, columns: list[str], labeled: bool) -> None:
-        self.path, self.parquet, self.columns = path, parquet, columns
-        self._parquet: pq.ParquetWriter | None = None
-        self._pending: list[pd.DataFrame] = []
-        self._csv = None
-        if parquet:
-            fields = [pa.field("id", pa.int64()), pa.field("path", pa.string())]
-            if labeled:
-                fields.append(pa.field("category", pa.string()))
-            fields.append(pa.field(ERROR_COLUMN, pa.string()))
-            fields += [
-                pa.field(c, pa.float64()) for c in columns if c.startswith(PROBABILITY_PREFIX)
-            ]
-            fields.append(pa.field(LABEL_COLUMN, pa.string()))
-            self.schema = pa.schema(fields)
-            self._parquet = pq.ParquetWriter(str(path), self.schema)
-        else:
-            self._csv = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115
-            pd.DataFrame(columns=columns).to_csv(self._csv, index=False, **CSV_FORMAT)
-
-    def write(self, frame: pd.DataFrame) -> None:
-        if self._parquet is None:
-            frame.to_csv(self._csv, header=False, index=False, **CSV_FORMAT)
-            return
-        # Rows (not images) are buffered into row groups of a useful size: one tiny row group
-        # per batch would make the file slow to read.
-        self._pending.append(frame)
-        if sum(len(f) for f in self._pending) >= ROW_GROUP_ROWS:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._parquet is not None and self._pending:
-            frame = pd.concat(self._pending, ignore_index=True)
-            self._pending = []
-            table = pa.Table.from_pandas(frame, schema=self.schema, preserve_index=False)
-            self._parquet.write_table(table)
-
-    def close(self) -> None:
-        if self._parquet is not None:
-            self._flush()
-            self._parquet.close()
-        if self._csv is not None:
-            self._csv.flush()
-            os.fsync(self._csv.fileno())
-            self._csv.close()
+def table_schema(classes: Sequence[str], labeled: bool) -> pa.Schema:
+    """The Score Image Model table's columns, in order, with their types."""
+    fields = [pa.field("id", pa.int64()), pa.field("path", pa.string())]
+    if labeled:
+        fields.append(pa.field("category", pa.string()))
+    fields.append(pa.field(ERROR_COLUMN, pa.string()))
+    fields += [pa.field(f"{PROBABILITY_PREFIX}{c}", pa.float64()) for c in classes]
+    fields.append(pa.field(LABEL_COLUMN, pa.string()))
+    return pa.schema(fields)
 
 
 def _progress(total: int) -> contextlib.AbstractContextManager:
@@ -290,11 +241,7 @@ def score(
         raise InvalidParameterError(
             f"threads must be >= 1 (or unset for all cores), got {threads}."
         )
-    if dest.suffix.lower() not in OUTPUT_SUFFIXES:
-        raise InvalidParameterError(
-            f"dest must end in .csv or .parquet, got {dest.name!r}.",
-            "Name the scored table scores.csv or scores.parquet.",
-        )
+    table = table_format(dest, "scored table")
     check_name_length(dest, "scored table")
     info = read_model_info(model)
     onnx_path = model / (ONNX_INT8 if quantized else ONNX)
@@ -325,12 +272,13 @@ def score(
 
     transform = transform_for(info.transform, "inference", images, applied_to(images))
     prob_columns = [f"{PROBABILITY_PREFIX}{c}" for c in info.classes]
-    columns = table_columns(info.classes, labeled)
+    schema = table_schema(info.classes, labeled)
+    columns = schema.names
     classes = np.asarray(info.classes, dtype=object)
     scored, failed = 0, 0
     with atomic_file(dest) as tmp, _progress(len(refs)) as progress:
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
-        writer = _TableWriter(tmp, dest.suffix.lower() == ".parquet", columns, labeled)
+        writer = table.writer(tmp, schema)
         try:
             for start, batch in _batches(refs, batch_size):
                 tensors, kept, errors = [], [], [""] * len(batch)
@@ -391,45 +339,18 @@ CHECKPOINT_FORMAT = 2  # part of the checkpoint key: raise it when a shard table
 def merge_tables(parts: Sequence[Path], dest: Path) -> int:
     """Concatenate the shard tables ``parts`` into ``dest`` in the order given, atomically.
 
-    Streams a row group (Parquet) or a chunk of rows (CSV) at a time, so memory stays flat.
-    Returns how many rows were scored (not failed). Raises NoUsableImagesError when none was.
+    Streams (a row group or a block of lines at a time), so memory stays flat. Returns how many
+    rows were scored (not failed). Raises NoUsableImagesError when none was.
     """
     dest = Path(dest)
+    table = table_format(dest, "scored table")
     scored = rows = 0
     with atomic_file(dest) as tmp:
-        if dest.suffix.lower() == ".parquet":
-            writer = None
-            try:
-                for part in parts:
-                    source = pq.ParquetFile(part)
-                    writer = writer or pq.ParquetWriter(str(tmp), source.schema_arrow)
-                    for group in range(source.num_row_groups):
-                        table = source.read_row_group(group)
-                        errors = table.column(ERROR_COLUMN).to_pylist()
-                        scored += sum(1 for e in errors if not e)
-                        rows += len(errors)
-                        writer.write_table(table)
-            finally:
-                if writer is not None:
-                    writer.close()
-        else:
-            with open(tmp, "w", encoding="utf-8", newline="") as out:
-                for i, part in enumerate(parts):
-                    with open(part, encoding="utf-8", newline="") as src:
-                        header = src.readline()
-                        if i == 0:
-                            out.write(header)
-                        shutil.copyfileobj(src, out)
-                    errors = pd.read_csv(
-                        part,
-                        usecols=[ERROR_COLUMN],
-                        dtype=str,
-                        keep_default_na=False,
-                        chunksize=ROW_GROUP_ROWS,
-                    )
-                    for chunk in errors:
-                        scored += int((chunk[ERROR_COLUMN] == "").sum())
-                        rows += len(chunk)
+        table.concatenate(parts, tmp)
+        for part in parts:
+            errors = table.read(part, [ERROR_COLUMN], columns=[ERROR_COLUMN])[ERROR_COLUMN]
+            scored += int((errors == "").sum())
+            rows += len(errors)
         if not scored:
             raise NoUsableImagesError(
                 f"None of the {rows} image(s) could be read; nothing scored.",

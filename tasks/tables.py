@@ -1,18 +1,168 @@
-"""The one CSV format of every table imageops writes: RFC 4180 line ends, minimal quoting.
+"""The scored tables' file formats, one class per file suffix, and the one CSV format.
 
-The csv module (which pandas' ``to_csv`` uses too) quotes a field only when it holds the
-delimiter, the quote character or a character of its line end. With ``"\\n"`` as the line end a
-file or class name holding ``"\\r"`` was written bare, and a reader took it for the end of a row.
-With ``"\\r\\n"`` a field holding either is quoted, so every table reads back identically with
-``pandas.read_csv`` and the csv module, whatever names it holds.
+A format writes a table batch by batch (:meth:`TableFormat.writer`), concatenates shard tables
+in order, streaming (:meth:`TableFormat.concatenate`), and reads a table back with its text
+columns as strings (:meth:`TableFormat.read`). :data:`TABLE_FORMATS` maps a suffix to its format:
+adding one (say ``.jsonl``) is a subclass and a line there; score, the shard merge and evaluate
+find it by the table's name (:func:`table_format`).
 
-Pass it to any writer: ``frame.to_csv(path, index=False, **CSV_FORMAT)``,
-``csv.writer(fh, **CSV_FORMAT)`` (``fh`` opened with ``newline=""``).
+CSV: RFC 4180 line ends, minimal quoting (:data:`CSV_FORMAT`). The csv module (which pandas'
+``to_csv`` uses too) quotes a field only when it holds the delimiter, the quote character or a
+character of its line end. With ``"\\n"`` as the line end a file or class name holding ``"\\r"``
+was written bare, and a reader took it for the end of a row. With ``"\\r\\n"`` a field holding
+either is quoted, so every table reads back identically with ``pandas.read_csv`` and the csv
+module, whatever names it holds. Pass it to any writer: ``frame.to_csv(path, index=False,
+**CSV_FORMAT)``, ``csv.writer(fh, **CSV_FORMAT)`` (``fh`` opened with ``newline=""``).
 """
 
 from __future__ import annotations
 
 import csv
-from typing import Any
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from models.errors import InvalidParameterError
 
 CSV_FORMAT: dict[str, Any] = {"lineterminator": "\r\n", "quoting": csv.QUOTE_MINIMAL}
+ROW_GROUP_ROWS = 16_384  # Parquet: rows buffered into one row group (tiny groups read slowly)
+
+
+class TableWriter:
+    """Appends batches of rows to one table file; :meth:`close` completes it."""
+
+    def write(self, frame: pd.DataFrame) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class TableFormat:
+    """How the tables of one file suffix are written, concatenated and read."""
+
+    suffix = ""
+
+    def writer(self, path: Path, schema: pa.Schema) -> TableWriter:
+        """A writer of a new table at ``path`` with ``schema``'s columns, in its order."""
+        raise NotImplementedError
+
+    def concatenate(self, parts: Sequence[Path], dest: Path) -> None:
+        """Write the tables ``parts`` one after another into ``dest``, streaming."""
+        raise NotImplementedError
+
+    def read(
+        self, path: Path, text: Sequence[str], columns: Sequence[str] | None = None
+    ) -> pd.DataFrame:
+        """The table at ``path`` (only ``columns`` when given); the ``text`` columns as strings,
+        empty cells as ``""`` (a class "1" must not become the number 1)."""
+        raise NotImplementedError
+
+
+class _CsvWriter(TableWriter):
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        self._file: IO[str] = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115
+        pd.DataFrame(columns=schema.names).to_csv(self._file, index=False, **CSV_FORMAT)
+
+    def write(self, frame: pd.DataFrame) -> None:
+        frame.to_csv(self._file, header=False, index=False, **CSV_FORMAT)
+
+    def close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+class CsvTable(TableFormat):
+    suffix = ".csv"
+
+    def writer(self, path: Path, schema: pa.Schema) -> TableWriter:
+        return _CsvWriter(path, schema)
+
+    def concatenate(self, parts: Sequence[Path], dest: Path) -> None:
+        with open(dest, "w", encoding="utf-8", newline="") as out:
+            for i, part in enumerate(parts):
+                with open(part, encoding="utf-8", newline="") as src:
+                    header = src.readline()
+                    if i == 0:
+                        out.write(header)
+                    shutil.copyfileobj(src, out)
+
+    def read(
+        self, path: Path, text: Sequence[str], columns: Sequence[str] | None = None
+    ) -> pd.DataFrame:
+        return pd.read_csv(
+            path,
+            usecols=None if columns is None else list(columns),
+            dtype=dict.fromkeys(text, str),
+            keep_default_na=False,
+        )
+
+
+class _ParquetWriter(TableWriter):
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        self._schema = schema
+        self._file = pq.ParquetWriter(str(path), schema)
+        self._pending: list[pd.DataFrame] = []
+
+    def write(self, frame: pd.DataFrame) -> None:
+        self._pending.append(frame)
+        if sum(len(f) for f in self._pending) >= ROW_GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            frame = pd.concat(self._pending, ignore_index=True)
+            self._pending = []
+            table = pa.Table.from_pandas(frame, schema=self._schema, preserve_index=False)
+            self._file.write_table(table)
+
+    def close(self) -> None:
+        self._flush()
+        self._file.close()
+
+
+class ParquetTable(TableFormat):
+    suffix = ".parquet"
+
+    def writer(self, path: Path, schema: pa.Schema) -> TableWriter:
+        return _ParquetWriter(path, schema)
+
+    def concatenate(self, parts: Sequence[Path], dest: Path) -> None:
+        writer = None
+        try:
+            for part in parts:  # a row group at a time
+                source = pq.ParquetFile(part)
+                writer = writer or pq.ParquetWriter(str(dest), source.schema_arrow)
+                for group in range(source.num_row_groups):
+                    writer.write_table(source.read_row_group(group))
+        finally:
+            if writer is not None:
+                writer.close()
+
+    def read(
+        self, path: Path, text: Sequence[str], columns: Sequence[str] | None = None
+    ) -> pd.DataFrame:
+        return pd.read_parquet(path, columns=None if columns is None else list(columns))
+
+
+# One entry per format; the suffix of a table's name picks it.
+TABLE_FORMATS: dict[str, TableFormat] = {f.suffix: f for f in (CsvTable(), ParquetTable())}
+
+
+def table_format(path: Path, what: str = "table") -> TableFormat:
+    """The format of the table named ``path``; InvalidParameterError for another suffix."""
+    found = TABLE_FORMATS.get(Path(path).suffix.lower())
+    if found is None:
+        suffixes = " or ".join(TABLE_FORMATS)
+        raise InvalidParameterError(
+            f"The {what} must end in {suffixes}, got {Path(path).name!r}.",
+            f"Name it like scores{next(iter(TABLE_FORMATS))} (one of {suffixes}).",
+        )
+    return found

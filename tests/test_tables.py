@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pytest
 from hostile_inputs import LATIN1, LONG, ODD_NAMES, odd_folder, odd_model
 
 from tasks.convert import convert
-from tasks.evaluate import evaluate
-from tasks.score import LABEL_COLUMN, PROBABILITY_PREFIX, score
+from tasks.errors import InvalidParameterError
+from tasks.evaluate import compute_metrics, evaluate, read_scored
+from tasks.score import LABEL_COLUMN, PROBABILITY_PREFIX, score, score_in_shards
 from tasks.settings import Settings
 from tasks.split import split
+from tasks.tables import TABLE_FORMATS, TableFormat, TableWriter
 from tasks.tune.report import trial_rows, trials_csv
 from tasks.tune.study import TrialOutcome
 
@@ -107,3 +112,59 @@ def test_trials_table_of_odd_values_reads_back_identically(tmp_path: Path) -> No
     ]
     assert _column(table, "arch") == list(ODD_NAMES)
     assert _column(table, "unset") == [""] * len(ODD_NAMES)
+
+
+class _JsonLines(TableFormat):
+    """A toy format: one JSON object per row. One class and one registry line make it usable."""
+
+    suffix = ".jsonl"
+
+    def writer(self, path: Path, schema: pa.Schema) -> TableWriter:
+        class Lines(TableWriter):
+            def __init__(self) -> None:
+                self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115
+
+            def write(self, frame: pd.DataFrame) -> None:
+                frame.to_json(
+                    self.file, orient="records", lines=True, force_ascii=False, double_precision=15
+                )
+
+            def close(self) -> None:
+                self.file.close()
+
+        return Lines()
+
+    def concatenate(self, parts: Sequence[Path], dest: Path) -> None:
+        dest.write_bytes(b"".join(part.read_bytes() for part in parts))
+
+    def read(
+        self, path: Path, text: Sequence[str], columns: Sequence[str] | None = None
+    ) -> pd.DataFrame:
+        frame = pd.read_json(path, lines=True, dtype=dict.fromkeys(text, str))
+        return frame if columns is None else frame[list(columns)]
+
+
+def test_a_new_table_format_is_one_class_and_one_registry_line(
+    exported_model: Path,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, val = digits_split
+    reference = score(exported_model, val, tmp_path / "scores.csv")
+    with pytest.raises(InvalidParameterError, match=r"must end in \.csv or \.parquet"):
+        score(exported_model, val, tmp_path / "scores.jsonl")
+    monkeypatch.setitem(TABLE_FORMATS, ".jsonl", _JsonLines())
+
+    lines = score(exported_model, val, tmp_path / "scores.jsonl")  # score writes it
+    sharded = score_in_shards(exported_model, val, tmp_path / "merged.jsonl", shard_images=7)
+
+    expected = read_scored(reference)
+    assert len(expected) > 7  # so the merge joined several shards
+    for table in (lines, sharded):
+        got = read_scored(table)  # evaluate reads it: the probabilities and labels as scored
+        assert got["path"].tolist() == expected["path"].tolist()
+        assert got[LABEL_COLUMN].tolist() == expected[LABEL_COLUMN].tolist()
+        probabilities = [c for c in expected.columns if c.startswith(PROBABILITY_PREFIX)]
+        assert (got[probabilities] - expected[probabilities]).abs().max().max() < 1e-12
+    assert compute_metrics(read_scored(sharded)).metrics == compute_metrics(expected).metrics
