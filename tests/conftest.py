@@ -32,6 +32,17 @@ from server_processes import Processes  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with slow tests (torchrun, whole flows) first, each module kept together.
+
+    pytest-xdist hands tests out in this order: a minute-long test near the end keeps one worker
+    busy while the others have nothing left, so the long ones go first and the short ones fill
+    in behind them. Every worker sorts alike (the order must match across workers).
+    """
+    heavy = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in heavy)
+
+
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[None]:
     """A real, temporary Prefect API (server and SQLite database) for the whole session."""
