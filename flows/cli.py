@@ -226,7 +226,7 @@ def model_resnet(
         bool, typer.Option(help="Zero-init the last BN of each residual block.")
     ] = False,
 ) -> None:
-    """ResNet component (seed defaults: resnext101_32x8d, pretrained)."""
+    """ResNet component (Azure defaults: resnext101_32x8d, pretrained)."""
     from tasks.build_model import build_model
 
     build_model(
@@ -246,7 +246,7 @@ def model_densenet(
         bool, typer.Option(help="Checkpoint activations: less memory, slower.")
     ] = False,
 ) -> None:
-    """DenseNet component (seed defaults: densenet201, pretrained)."""
+    """DenseNet component (Azure defaults: densenet201, pretrained)."""
     from tasks.build_model import build_model
 
     build_model(
@@ -293,12 +293,12 @@ def transform_init(
         Path | None,
         typer.Option(
             help="params.yaml-shaped file: start from its `transform` section instead of the "
-            "seed's defaults."
+            "Azure design's defaults."
         ),
     ] = None,
     **options: Any,
 ) -> None:
-    """Init Image Transformation: save a transform spec (the seed's defaults, changed by the
+    """Init Image Transformation: save a transform spec (the Azure design's defaults, changed by the
     options given)."""
     from tasks.errors import InvalidTransformationDirectoryError
     from tasks.transform import init_transformation, input_size, read_transformation
@@ -941,7 +941,7 @@ def main() -> None:
     try:
         app()
     except ImageOpsError as exc:
-        # The error's name first (the seed's docs know errors by it); messages may quote a
+        # The error's name first (the Azure docs know errors by it); messages may quote a
         # settings URI or a library's error that echoes one: passwords masked, markup escaped.
         problem, hint = error_summary(exc)
         err.print(f"[bold red]error:[/] {escape(problem)}")

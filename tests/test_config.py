@@ -22,9 +22,9 @@ def test_params_yaml_equals_the_flow_defaults() -> None:
 
 def test_the_demo_keeps_the_seed_training_defaults() -> None:
     train = PipelineConfig().train
-    seed = TrainParams()
+    azure = TrainParams()
     for name in ("epochs", "batch_size", "warmup_epochs", "learning_rate", "seed", "patience"):
-        assert getattr(train, name) == getattr(seed, name), name
+        assert getattr(train, name) == getattr(azure, name), name
     assert (train.epochs, train.batch_size, train.learning_rate) == (5, 16, 0.001)
     assert (train.seed, train.patience, train.warmup_epochs, train.print_frequency) == (1, 3, 0, 10)
     assert train.nproc_per_node == 2

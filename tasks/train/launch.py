@@ -120,7 +120,7 @@ def train(
     ends early, with ``pruned`` set, when the study's pruner says so. ``env``: more environment
     for torchrun and its workers (a trial's ``CUDA_VISIBLE_DEVICES``: the GPUs lent to it).
 
-    Raises the seed's InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError,
+    Raises Azure's InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError,
     InvalidTransformationDirectoryError, InvalidParameterError before anything starts;
     RendezvousTimeoutError when not every node came; a worker's ImageOpsError as itself; any other
     failure as TrainingFailedError naming the log folder.

@@ -1,6 +1,6 @@
 """Check a training request in full, before any process starts or any MLflow run exists.
 
-Everything the seed refuses is refused here: a folder that is not an untrained model
+Everything the Azure design refuses is refused here: a folder that is not an untrained model
 (InvalidModelDirectoryError), unlabeled training data (NotLabeledDatasetError), different classes
 in training and validation (InvalidDatasetError), a batch larger than the training set, CUDA
 without a GPU, more processes per node than GPUs, a transform spec that would train and score at
@@ -140,7 +140,7 @@ def check_request(
     settings: Settings,
     data_version: dict[str, str] | None,
 ) -> Request:
-    """Everything the seed refuses, refused; the run configuration resolved (not yet bound)."""
+    """Everything Azure refuses, refused; the run configuration resolved (not yet bound)."""
     spec = read_untrained(Path(model))
     train_manifest, val_manifest = _check_datasets(Path(train_data), Path(val_data))
     check_destination(Path(out), replaces=MODEL_JSON)  # before torchrun, not after the epochs

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 RESULT = "result.json"
 BEST_WEIGHTS = "best.safetensors"
 CURVES = "training_curves.png"
-# The seed's optimizer: SGD with (Nesterov) momentum; weight decay as in torchvision's recipes.
+# Azure's optimizer: SGD with (Nesterov) momentum; weight decay as in torchvision's recipes.
 # The defaults of TrainParams.momentum / weight_decay (tunable per run).
 MOMENTUM = 0.9
 WEIGHT_DECAY = 1e-4
@@ -161,7 +161,7 @@ def build_optimizer(
     momentum: float = MOMENTUM,
     weight_decay: float = WEIGHT_DECAY,
 ) -> torch.optim.Optimizer:
-    """The seed's optimizer: SGD with Nesterov momentum (0.9) and weight decay (1e-4).
+    """The Azure design's optimizer: SGD with Nesterov momentum (0.9) and weight decay (1e-4).
 
     Nesterov needs a momentum above 0: a momentum of 0 (a tuning trial may ask for it) is plain
     SGD.
@@ -269,7 +269,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     configure_backends(device)
     amp = Amp.for_run(device.type, config.precision, input_size(config.transform))
     model = prepare_model(config.architecture, num_classes, device, params.seed, amp)
-    lr = params.learning_rate * dist.world_size  # the seed's rule: global batch = batch x world
+    lr = params.learning_rate * dist.world_size  # Azure's rule: global batch = batch x world
     optimizer = build_optimizer(model, lr, params.momentum, params.weight_decay)
     scaler = amp.grad_scaler()
     scheduler = build_scheduler(
