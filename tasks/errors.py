@@ -51,11 +51,11 @@ def error_text(exc: ImageOpsError) -> str:
 
 
 class NotLabeledDatasetError(ImageOpsError):
-    """Seed error: training (or evaluation) needs a labeled image directory."""
+    """Azure error: training (or evaluation) needs a labeled image directory."""
 
 
 class InvalidDatasetError(ImageOpsError):
-    """Seed error: training and validation data do not have the same label categories."""
+    """Azure error: training and validation data do not have the same label categories."""
 
 
 class InvalidImageDirectoryError(ImageOpsError):
@@ -63,7 +63,7 @@ class InvalidImageDirectoryError(ImageOpsError):
 
 
 class InvalidTransformationDirectoryError(ImageOpsError):
-    """Seed error: not a transform spec Init Image Transformation wrote, or one no network can use.
+    """Azure error: not a transform spec Init Image Transformation wrote, or one no network can use.
 
     Raised for a missing or unreadable ``transform.json``, a value out of range in it, and a spec
     whose training and inference transforms would feed the network images of different sizes.

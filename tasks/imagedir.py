@@ -194,7 +194,7 @@ def write_manifest(root: Path, manifest: Manifest) -> Path:
 
 
 def require_labeled(manifest: Manifest, role: str, root: Path | str = "") -> None:
-    """Seed rule: training needs a labeled image directory."""
+    """Azure rule: training needs a labeled image directory."""
     if not manifest.labeled or not manifest.classes:
         raise NotLabeledDatasetError(
             f"The {role} dataset {root} is not labeled (no class sub-folders).",
@@ -203,7 +203,7 @@ def require_labeled(manifest: Manifest, role: str, root: Path | str = "") -> Non
 
 
 def require_same_classes(train: Manifest, val: Manifest) -> None:
-    """Seed rule: training and validation data must have the same label categories."""
+    """Azure rule: training and validation data must have the same label categories."""
     if train.classes != val.classes:
         only_train = sorted(set(train.classes) - set(val.classes))
         only_val = sorted(set(val.classes) - set(train.classes))

@@ -2,7 +2,7 @@
 
 This module puts the steps in order; each job is in a module of its own:
 
-- :mod:`tasks.train.request`: everything the seed refuses, refused before a process starts or a
+- :mod:`tasks.train.request`: everything Azure refuses, refused before a process starts or a
   run is created; the run configuration resolved.
 - :mod:`tasks.train.mlflow_run`: which MLflow run a request trains in (an unfinished run of the
   very same request is continued from its last checkpoint), and its last records and status
