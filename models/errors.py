@@ -30,7 +30,7 @@ class ImageOpsError(Exception):
 
 
 class InvalidModelDirectoryError(ImageOpsError):
-    """Azure error: the untrained or trained model input is not a PyTorch model directory we know."""
+    """Azure error: the untrained or trained model input is no PyTorch model directory we know."""
 
 
 class InvalidParameterError(ImageOpsError):
