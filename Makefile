@@ -45,9 +45,10 @@ run: install
 serve: install
 	$(BIN)/imageops serve
 
-# One pytest worker per core: the slow tests mostly wait on processes and servers.
+# One pytest worker per core: the slow tests mostly wait on processes and servers. Work
+# stealing: a worker that runs out takes tests queued on the other, so neither idles at the end.
 test: install
-	$(BIN)/python -m pytest -n auto
+	$(BIN)/python -m pytest -n auto --dist worksteal
 
 lint: install
 	$(BIN)/ruff check .
