@@ -32,6 +32,8 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="resource is POS
 MARGIN = 300_000_000  # bytes: 300 MB
 MiB = 1024**2
 MEMORY_CASES = [c for c in CASES if c.memory]
+# Every other convert and score case of the corpus too: the bound holds for all of them.
+OTHER_CASES = [c for c in CASES if c.step in ("convert", "score") and not c.memory]
 
 
 # Measures the command it runs, from a small process of its own: on Linux a child's peak memory
@@ -48,11 +50,13 @@ sys.exit(code)
 """
 
 
-def peak_memory(argv: list[str], cwd: Path, timeout: float = 300) -> tuple[int, int, str]:
+def peak_memory(
+    argv: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> tuple[int, int, str]:
     """Run ``argv``: its exit status, peak resident memory in bytes (the process and every
     descendant it waited for) and its output (stdout and stderr)."""
     report = cwd / ".peak-memory"
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**os.environ, **(env or {}), "COLUMNS": "200"}
     proc = subprocess.Popen(
         [sys.executable, "-c", _MEASURE, str(report), *argv],
         cwd=cwd,
@@ -74,7 +78,7 @@ def peak_memory(argv: list[str], cwd: Path, timeout: float = 300) -> tuple[int, 
 
 
 def _imageops(run: Run, cwd: Path) -> tuple[int, int, str]:
-    return peak_memory([sys.executable, "-m", "flows.cli", *run.argv], cwd)
+    return peak_memory([sys.executable, "-m", "flows.cli", *run.argv], cwd, env=run.env)
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +172,25 @@ def test_peak_memory_stays_near_a_small_input(
         assert "aspect ratio of 600,000:1, over the limit of 100:1" in errors["0/strip-600k.png"]
         assert "the file is 3,221,225,472 bytes" in errors["1/huge.png"]
         assert len(errors) == 7
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in OTHER_CASES])
+def test_every_other_convert_and_score_case_stays_near_a_small_input(
+    case: Case,
+    tmp_path: Path,
+    baselines: dict[str, int],
+    digits_raw: Path,
+    digits_split: tuple[Path, Path],
+    exported_model: Path,
+) -> None:
+    inputs = Inputs(tmp_path, digits_raw, *digits_split, exported_model)
+    inputs.out.mkdir()
+    run = case.build(inputs)
+
+    code, peak, output = _imageops(run, tmp_path)
+
+    assert "Traceback" not in output, output
+    assert code == (0 if case.expect.startswith("ok:") else 2), output
+    measured = f"{case.id}: peak {peak / MiB:,.0f} MiB, baseline {baselines[case.step] / MiB:,.0f}"
+    print(measured)  # shown with pytest -rP
+    assert peak <= baselines[case.step] + MARGIN, measured
