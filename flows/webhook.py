@@ -1,44 +1,9 @@
 """Promotion starts scoring: MLflow's registry webhook, verified, becomes a Prefect event.
 
-An ``mlflow server`` (never a client writing to SQLite) sends a webhook when an alias is set on a
-model version. Prefect open-source has no inbound webhooks, so this small receiver takes it,
-checks MLflow's HMAC-SHA256 signature and timestamp, and emits the Prefect event of
-:mod:`tasks.promotion_events`; the scoring deployment's trigger (:mod:`flows.score`) runs on it.
-In embedded mode the promote step emits the same event itself and no receiver is needed.
-
-Run it (each in its own terminal; the same ``IMAGEOPS_WEBHOOK_SECRET`` for the receiver and the
-webhook)::
-
-    export IMAGEOPS_WEBHOOK_SECRET=$(python -c "import secrets; print(secrets.token_urlsafe(32))")
-    # 1. MLflow server. Webhooks need a SQL backend; a receiver on http:// or on a private
-    #    address (localhost, 10.x, ...) must be allowed explicitly (MLflow's SSRF guard), and the
-    #    key that encrypts webhook secrets must be fixed, or each server worker makes its own.
-    export MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY=$(python -c \
-        "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())")
-    MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true \
-        mlflow server --backend-store-uri sqlite:///.imageops/mlflow-server.db \
-        --artifacts-destination .imageops/mlartifacts-server --host 127.0.0.1 --port 5000
-    # 2. Prefect server (runs the event triggers) and the environment every process below shares
-    prefect server start --host 127.0.0.1 --port 4200
-    export PREFECT_API_URL=http://127.0.0.1:4200/api
-    export IMAGEOPS_MLFLOW_TRACKING_URI=http://127.0.0.1:5000
-    # 3. The receiver
-    python -m flows.webhook serve --host 127.0.0.1 --port 8765
-    # 4. The webhook in MLflow (answers MLflow's test delivery before it returns)
-    python -m flows.webhook register http://127.0.0.1:8765/mlflow/webhook
-    # 5. The scoring deployment with its trigger, served from this process ...
-    python -m flows.score serve --images data/digits/val
-    #    ... or deployed to a work pool and run by a worker
-    prefect work-pool create local --type process
-    prefect deploy --prefect-file deployments/prefect.yaml --name score
-    prefect worker start --pool local
-    # Promote: set @champion on a version (MLflow UI, client, or REST) and a scoring run starts.
-
-MLflow signs ``<delivery id>.<timestamp>.<body>`` with the secret (HMAC-SHA256, base64, sent as
-``X-MLflow-Signature: v1,<signature>``, the Standard Webhooks scheme). A request without a
-signature gets 401; a wrong signature or a timestamp older than :data:`TOLERANCE_S` gets 403; a
-delivery id seen before gets 200 and no second event. When Prefect cannot take the event the
-receiver answers 503, so MLflow retries (it retries 5xx and 429, three times by default).
+Prefect open-source has no inbound webhooks, so this receiver checks the signature and timestamp
+MLflow's server sends (HMAC-SHA256) and emits the event of :mod:`tasks.promotion_events` that the
+scoring deployment's trigger (:mod:`flows.score`) runs on. In embedded mode the promote step emits
+it itself. How to run it, and what it answers: docs/promotion.md#webhook-receiver.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Promote a model: the challenger takes the ``champion`` alias only by beating it on held-out data.
 
-Both versions are fetched from the registry and scored through their ONNX models (what batch
-scoring will run, not the PyTorch weights) on the same held-out ImageDirectory, and compared on
-one metric of Evaluate Model. The challenger wins when its score beats the champion's by more than
-``margin``; the first model becomes champion when there is none. The decision and both scores
-are written as tags on the challenger's version; the champion keeps the tags of its own promotion
-and gets ``promotion.defended_*`` or ``promotion.replaced_by`` beside them, so the registry says
-why each alias sits where it does.
-
-Moving ``champion`` is what starts the next batch-scoring run: with an MLflow server, its
-registry webhook does it (:mod:`flows.webhook`); in embedded mode (SQLite, no server, so no
-webhook) this step emits the same Prefect event itself.
+Both versions' ONNX models (what batch scoring runs) are scored on the same held-out images and
+compared on one Evaluate Model metric, with a ``margin``; the decision and both scores become
+registry tags, so the registry says why the alias sits where it does. Moving ``champion`` starts
+the next batch scoring. Details: docs/promotion.md#promotion.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Register a model: the exported ONNX model becomes a version in the MLflow model registry.
 
-The version is an MLflow pyfunc model that takes images and returns class labels and
-probabilities (models/image_pyfunc.py, logged as code: nothing pickled, no imageops needed to load
-it): ``mlflow.pyfunc.load_model("models:/<name>@<alias>").predict(...)`` and ``mlflow models
-serve`` work on images as they come, because the preprocessing of the model's transform spec
-travels with it (as ``model_config`` in its MLmodel file) beside the exported ``model.onnx``
-(``artifacts/model.onnx``: the raw network, for ONNX Runtime or ``imageops score``). It is logged
-into the run that trained it, with the ModelDirectory files beside it; the version is tagged with
-what it was made from (data md5s, git revision, training parameters, final metrics) and described
-(what it takes and returns, classes, input size, metrics).
+The version is a pyfunc model (models/image_pyfunc.py, logged as code: nothing pickled) that
+takes images as they come and returns labels and probabilities, so consumers need neither
+imageops nor torch. It is logged into the run that trained it, tagged with what it was made from
+and described. Details: docs/promotion.md#registration.
 """
 
 from __future__ import annotations
