@@ -1,29 +1,10 @@
 """The registered model as MLflow consumers call it: images in, class labels and probabilities out.
 
-``imageops register`` logs this file with the model ("models from code":
-``mlflow.pyfunc.log_model(python_model=<this file>)``). MLflow copies it into the model's folder
-and runs it wherever the model is loaded (``mlflow.pyfunc.load_model``, ``mlflow models serve``),
-so it imports only the model's own requirements (numpy, pandas, Pillow, ONNX Runtime, MLflow),
-never imageops or torch: a consumer needs neither. Nothing is unpickled.
-
-Input: a DataFrame with an ``image`` column; each value is an encoded image file (PNG, JPEG, BMP,
-PPM, TIFF, WebP bytes; base64 in a REST request, as MLflow expects binary columns) or a decoded
-image of any size (an HxWx3, HxWx4 or HxW array of uint8 pixels, or nested lists of integers
-0-255). Output: one row per image with the Score Image Model columns of ``imageops score``,
-``Scored Probabilities_<class>`` (softmax) and ``Scored Labels``. A value that is not a readable
-image (undecodable bytes, text, float pixels) refuses the whole call with an error naming it (a
-400 from ``mlflow models serve``): the model normalises itself, and pixels already scaled or
-normalised would otherwise give confident wrong labels.
-
-The preprocessing is the inference transform of the model's transform spec (imageops'
-``build_transform(spec, "inference")``), redone with Pillow and numpy step for step so the network
-gets the tensors ``imageops score`` gives it, to the bit (tests/test_image_pyfunc.py): decode to
-RGB as imageops reads files; resize the shorter side with the integer weights and rounding of
-torchvision's antialiased bilinear kernel for uint8 images (the one torchvision uses on AVX2,
-AVX-512 and ARM CPUs; on older x86 CPUs torchvision resizes in float and may differ by one
-level); center crop, zero-padded where the image is smaller; pad with zeros; grayscale with
-torchvision's weights and rounding; scale to [0, 1]; normalise by the spec's mean and std. The
-steps and their sizes are the ``model_config`` in the model's MLmodel file.
+Logged as code with the model by ``imageops register``, so it imports only the model's own
+requirements (numpy, pandas, Pillow, ONNX Runtime, MLflow), never imageops or torch, and
+unpickles nothing. Its preprocessing redoes the model's inference transform with Pillow and
+numpy, to the bit, and refuses values that are not images (pixels already scaled would give
+confident wrong labels). Inputs, outputs, the steps: docs/images.md#registered-model.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Ingest checks for one image file: is it what its name says, whole, decodable and not a bomb?
 
-This module runs inside the worker processes of :func:`tasks.convert.convert` (spawned, not
-forked), so it imports only Pillow and :mod:`tasks.imageformat` (no pydantic, no Prefect): a
-worker starts in a tenth of a second.
-
-Memory follows the work, never the input: a file is judged by its extension, then by its size
-(:func:`tasks.imageformat.max_file_bytes`), then by its header (pixels, aspect ratio), and only
-an image within the limits is decoded. A non-image or an oversized file is never read. Files of
-up to ``IN_MEMORY_BYTES`` are read once and checked in memory; a bigger one is hashed while it is
-streamed to a scratch file beside the output, and that copy is what is checked and kept.
+It runs in convert's spawned workers, so it imports only Pillow and :mod:`tasks.imageformat`.
+Memory follows the work, never the input: extension, then file size, then header are checked
+before a pixel is decoded; large files are hashed while streamed to a scratch copy, which is
+what is checked and kept. Details: docs/images.md#ingest-checks.
 """
 
 from __future__ import annotations

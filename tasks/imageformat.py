@@ -1,17 +1,9 @@
 """What imageops reads as an image, how it becomes RGB, and why a file is left out.
 
-Part of the ImageDirectory contract (:mod:`tasks.imagedir` re-exports every name here), kept apart
-because it needs Pillow only: convert's worker processes import it, and a worker that does not
-import pydantic starts several times faster.
-
-The image limits live here, once, for every step that decodes a file: convert refuses an image
-over them (``ImageExceedsLimit``) and :func:`load_rgb` (score, train, transform, export,
-quantize) refuses it the same way, from the header, before a pixel is decoded. Decoded size is
-bounded by ``MAX_PIXELS``; the aspect ratio by ``MAX_ASPECT_RATIO``, because every step after
-convert resizes the shorter side to a fixed size, so a 1x600,000 strip (1.2 KB as a PNG) would
-become a 32x19,200,000 image, gigabytes of memory; and the file itself by
-:func:`max_file_bytes`, since no image within the pixel limit needs more bytes and a larger file
-is never read.
+Part of the ImageDirectory contract (:mod:`tasks.imagedir` re-exports it), kept apart so convert's
+workers import Pillow only and start fast. The image limits live here, once, for every step that
+decodes a file: pixels, aspect ratio and file size, checked from the header before a pixel is
+decoded. Details: docs/images.md#image-formats-and-limits.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Init / Apply Image Transformation, and the one place an image becomes the network's input.
 
-Init Image Transformation saves a :class:`~models.transform_spec.TransformSpec` as a
-TransformationDirectory (``transform.json``). Apply Image Transformation runs it over an
-ImageDirectory and writes a new one. Training, export and scoring build their transforms here too,
-from the spec the ModelDirectory stores, so scoring cannot drift from training.
-
-Two modes, as in the Azure component. **inference** keeps the deterministic steps (resize, center
-crop, pad, grayscale) and drops every random one. **training** adds the random steps that are on;
-its crop decides the network's input size (:func:`input_size`), which inference crops to as well.
-Apply's output records the spec and mode in its manifest, so training and scoring run only the
-steps not yet applied (:func:`transform_for`).
-
-Torchrun workers import this module for :func:`build_transform`, so it does not import Prefect;
-``init_transformation_task`` and ``apply_transformation_task`` are made on first use.
+Init saves a TransformSpec (``transform.json``); Apply runs it over an ImageDirectory. Training,
+export and scoring build their transforms here too, from the ModelDirectory's spec, so scoring
+cannot drift from training. Two modes, as in the Azure component: inference (deterministic steps)
+and training (random steps too). No Prefect import: torchrun workers import this module.
+Details: docs/images.md#transforms.
 """
 
 from __future__ import annotations
@@ -201,15 +193,10 @@ def build_transform(
 ) -> v2.Compose:
     """The torchvision v2 pipeline of ``spec`` in ``mode``: PIL image in, tensor out.
 
-    ``normalize`` (for the network): a float tensor scaled to [0, 1] and normalised by the spec's
-    mean and std, random erasing (training) after that. Without it (Apply Image Transformation):
-    a uint8 image tensor that can be saved as a picture.
-
-    ``prepared``: the mode Apply Image Transformation already ran on the images (their
-    manifest's ``transform``), whose steps are not run again. After ``inference``, the images
-    are finished inputs: training adds only its random steps (a random resized crop at the input
-    size, flips, rotations, color jitter, ...). After ``training`` they carry one draw of every
-    step, and go to the network as they are.
+    ``normalize``: a float tensor normalised by the spec's mean and std, for the network; without
+    it, a uint8 tensor that can be saved as a picture. ``prepared``: the mode Apply Image
+    Transformation already ran on the images, whose steps are not run again. Raises
+    InvalidParameterError for an unknown mode. Details: docs/images.md#transforms.
     """
     if mode not in MODES:
         raise InvalidParameterError(
@@ -339,13 +326,11 @@ def apply_transformation(
 ) -> Manifest:
     """Apply Image Transformation: ``images`` through the spec in ``transform``, into ``dest``.
 
-    ``dest`` becomes an ImageDirectory with the same layout and classes, every image saved as PNG
-    with a new manifest entry (sha256, width, height), written atomically. ``mode``: "training"
-    (random steps on, drawn from ``seed`` and each image's path, so a re-run gives the same
-    images) or "inference" (random steps dropped). An image that no longer loads is skipped and
-    listed in the manifest. Returns the new manifest. Raises InvalidTransformationDirectoryError,
-    InvalidImageDirectoryError for bad inputs, InvalidParameterError for a bad mode or a ``dest``
-    that overlaps an input, NoUsableImagesError when no image could be transformed.
+    ``dest`` becomes an ImageDirectory (PNG images, new manifest; unreadable images skipped and
+    listed), written atomically. ``mode``: "training" (random steps drawn from ``seed`` and each
+    path) or "inference". Returns the new manifest. Raises InvalidTransformationDirectoryError,
+    InvalidImageDirectoryError, InvalidParameterError (bad mode, ``dest`` overlapping an input),
+    NoUsableImagesError. Details: docs/images.md#transforms.
     """
     transform, images, dest = Path(transform), Path(images), Path(dest)
     spec = read_transformation(transform)
