@@ -1,15 +1,9 @@
 """Export to ONNX: ``model.onnx`` beside the weights, proven to answer as the PyTorch model does.
 
-The network is rebuilt from the ModelDirectory (safetensors, nothing unpickled), exported with a
-dynamic batch axis as one self-contained file (input ``input``, output ``logits``), checked by
-``onnx.checker`` and then run in ONNX Runtime against PyTorch on the same batch: real images
-through the inference transform of the model's own spec (:func:`tasks.transform.build_transform`)
-when a sample ImageDirectory is given, else a seeded random batch. Only a model that passes (max
-abs difference <= :data:`PARITY_TOLERANCE`, identical argmax, at two batch sizes) replaces
-``model.onnx``; a failing export leaves nothing behind.
-
-The file records the sha256 of the weights it came from, so a later step (registration) can tell a
-stale ``model.onnx`` from a current one.
+The network is rebuilt from the ModelDirectory (safetensors, nothing unpickled), exported, and
+replaces ``model.onnx`` only if ONNX Runtime matches PyTorch on the same batch (within
+:data:`PARITY_TOLERANCE`, same argmax, two batch sizes). The file records the sha256 of its
+weights, so registration can tell a stale ``model.onnx``. Details: docs/precision.md#onnx-export.
 """
 
 from __future__ import annotations

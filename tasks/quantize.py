@@ -1,20 +1,9 @@
 """Static INT8 quantization: ``model.int8.onnx`` beside ``model.onnx``, kept if accurate enough.
 
-A CNN on CPU gains from static quantization, not dynamic: dynamic quantization only touches the
-classifier's Gemm, static quantization runs every convolution in int8. ONNX Runtime's
-``quantize_static`` writes the QDQ format (QuantizeLinear/DequantizeLinear pairs around each
-quantized op, which ORT's CPU kernels fuse into int8 convolutions) with per-channel weights. The
-activation ranges come from calibration: training images, spread evenly over the classes, fed
-through the model's own inference transform (:func:`tasks.transform.build_transform`), so the
-ranges are the ones scoring will see.
-
-Then both models score the labeled validation ImageDirectory with ONNX Runtime (the session
-scoring uses, :func:`tasks.score.inference_session`) and the top-1 drop, in percentage points, is
-the gate: above ``max_top1_drop`` the INT8 model is refused with
-:class:`~tasks.errors.QuantizationAccuracyError` and no ``model.int8.onnx`` is left behind (an
-earlier one is removed too, so scoring can never pick up an INT8 model the gate did not pass for
-the current threshold). An accepted model is written atomically, with ``model.int8.json`` beside
-it: both top-1 values, the drop, and what it was calibrated and validated on.
+Static, not dynamic: it runs every convolution in int8 (QDQ, per-channel weights), calibrated on
+training images through the model's inference transform. Both models score the validation set
+and an INT8 model losing more than ``max_top1_drop`` top-1 points is refused and removed, so
+scoring never picks up one the gate did not pass. Details: docs/precision.md#int8-quantization.
 """
 
 from __future__ import annotations
@@ -210,18 +199,12 @@ def quantize(
 ) -> QuantizeResult:
     """Quantize ``model_dir/model.onnx`` to static INT8 (QDQ); keep it if top-1 holds up.
 
-    ``calibration``: an ImageDirectory (the training split) from which ``calibration_images``
-    images, evenly spread over its classes, set the activation ranges. ``validation``: the labeled
-    ImageDirectory both models are measured on. ``max_top1_drop``: the most validation top-1, in
-    percentage points (0..100), INT8 may lose against fp32. ``batch_size``, ``threads``: for the
-    calibration and validation runs. Returns the measured result with the path of
-    ``model_dir/model.int8.onnx``, written atomically with ``model.int8.json`` beside it.
-
-    Raises QuantizationAccuracyError when the drop exceeds ``max_top1_drop`` (no
-    ``model.int8.onnx`` is left, an earlier one included), InvalidParameterError for a value out
-    of range, InvalidModelDirectoryError without ``model.onnx``, NotLabeledDatasetError or
-    InvalidDatasetError for a validation set that cannot measure top-1, NoUsableImagesError when
-    no calibration or validation image can be read.
+    ``calibration_images`` images of ``calibration`` set the activation ranges; ``validation``
+    (labeled) measures both models; ``max_top1_drop``: the most top-1 points (0..100) INT8 may lose.
+    Returns the result; ``model.int8.onnx`` and ``model.int8.json`` are written atomically. Raises
+    QuantizationAccuracyError over the drop (none is left behind), InvalidParameterError,
+    InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError, NoUsableImagesError
+    (when each: docs/precision.md#quantize-arguments-and-errors).
     """
     model_dir, calibration, validation = Path(model_dir), Path(calibration), Path(validation)
     _check_parameters(max_top1_drop, calibration_images, batch_size)

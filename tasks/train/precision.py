@@ -1,27 +1,10 @@
 """Mixed precision and memory layout: how the training step computes, decided once per run.
 
-A person asks for ``auto``, ``fp32``, ``bf16`` or ``fp16`` (``TrainParams.precision``); the
-launcher resolves that to ``fp32``, ``bf16`` or ``fp16`` once per run and stores it in the run's
-config, so every rank, every restart of a rank and every resume of the run trains in the same
-format (a resumed run must compute exactly what the uninterrupted one would have), even where
-the machine would now measure otherwise.
-
-- **CPU**: bfloat16 autocast where the CPU computes it natively (AVX-512 BF16, AMX): convolutions
-  and matrix products run in bf16, about twice as fast, while weights, gradients, optimizer state
-  and the loss stay float32. bfloat16 has float32's exponent range, so no loss scaling is needed.
-  On a CPU without native support, PyTorch emulates bf16 and is *slower* than float32, so ``auto``
-  measures a small convolution both ways (:func:`cpu_bf16_speedup`) and picks bf16 only when it
-  runs and is not slower. float16 on CPU is refused: it is emulated almost everywhere, and its
-  narrow range would need a gradient scaler that PyTorch provides for GPUs. ``auto`` keeps
-  inputs under ``CPU_FAST_PATH_INPUT`` pixels in float32 and NCHW (see there), and ``bf16``
-  refuses inputs under ``MIN_CPU_BF16_INPUT``.
-- **CUDA**: ``auto`` is bf16 on GPUs that have bf16 tensor cores (compute capability 8.0 and up:
-  A100, H100, RTX 30xx and later), else float16 with a :class:`torch.amp.GradScaler`, which scales
-  the loss so small gradients do not underflow float16 and skips the steps whose gradients
-  overflowed.
-
-The model and its batches are channels-last (NHWC), the layout oneDNN and cuDNN's tensor-core
-kernels compute convolutions in, except for small inputs on CPU (:meth:`Amp.for_run`).
+The requested ``auto``/``fp32``/``bf16``/``fp16`` is resolved once per run and stored in its
+config, so every rank, restart and resume trains in the same format. CPU: bf16 autocast only where
+it runs natively and is not slower, fp16 refused. CUDA: bf16 from compute capability 8.0, else
+fp16 with a GradScaler. Channels-last, except small inputs on CPU.
+Details: docs/precision.md#training-precision.
 """
 
 from __future__ import annotations
@@ -60,13 +43,10 @@ def resolve_precision(requested: str, device: str, input_size: int | None = None
     """The format a run on ``device`` ("cpu" or "cuda") trains in when ``requested`` is asked.
 
     ``input_size``: the side of the network's input in pixels (None: not known, taken as large).
-    On CPU, ``auto`` is bf16 when bf16 autocast runs and is not slower (:func:`cpu_bf16_speedup`)
-    and the input has at least ``CPU_FAST_PATH_INPUT`` pixels, else fp32; on CUDA it is bf16
-    from compute capability 8.0, else fp16.
-
-    Raises InvalidParameterError for a format the device cannot train in: fp16 on CPU, bf16 on a
-    CPU where bf16 autocast does not run or for inputs under ``MIN_CPU_BF16_INPUT`` pixels, bf16
-    on a GPU older than compute capability 8.0.
+    ``auto`` on CPU: bf16 where it runs, is not slower and the input is at least
+    ``CPU_FAST_PATH_INPUT``, else fp32; on CUDA: bf16 from compute capability 8.0, else fp16.
+    Raises InvalidParameterError for a format the device cannot train in (which:
+    docs/precision.md#resolve_precision).
     """
     if requested not in PRECISIONS:
         raise InvalidParameterError(
