@@ -288,13 +288,10 @@ def evaluate(
 ) -> EvaluationResult:
     """Evaluate the labeled scored table ``scored`` (and ``compare`` beside it); write and log.
 
-    Files beside each table (``<stem>.metrics.json``, ``<stem>.per_class.csv``,
-    ``<stem>.per_class.json``, ``<stem>.confusion.png``, ``<stem>.confusion.json``) are written
-    atomically; metrics are logged as ``eval/<name>`` (``eval/compare/<name>`` for ``compare``)
-    into MLflow run ``run_id`` (resumed) or a new run. The second table's result is
-    ``result.compared``. Raises NotLabeledDatasetError when a table has no ``category`` column,
-    and InvalidParameterError when both arguments name the same file or a table's name is too
-    long to name its outputs after.
+    Metrics files are written atomically beside each table and logged as ``eval/<name>``
+    (``eval/compare/<name>``) into run ``run_id`` (resumed) or a new run; the second table's
+    result is ``result.compared``. Raises NotLabeledDatasetError (no ``category`` column) and
+    InvalidParameterError (same file twice, a name too long). Details: docs/internals.md#evaluation.
     """
     settings = settings or get_settings()
     scored = Path(scored)

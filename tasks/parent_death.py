@@ -1,25 +1,9 @@
 """Child processes die with the process that started them, even when it is SIGKILLed.
 
-A SIGKILLed command runs no cleanup: without this, its process pool, torchrun with its workers and
-the temporary Prefect API server would run on forever, holding memory, GPUs, ports and the
-caller's stdout. Linux's ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks the kernel to SIGKILL a process
-when its parent ends, however it ends. Each child asks for it itself, first thing:
-
-- a process pool's workers in the pool's initializer (:func:`die_with_parent`);
-- a program we start (torchrun, uvicorn) through :func:`dying_with_this_process`, a small Python
-  step that sets it and then ``exec``s the program (the setting survives ``exec``);
-- torchrun's workers at the start of their ``main`` (:func:`die_with_torchrun`): torchrun starts
-  them in sessions of their own and, SIGKILLed, cannot stop them;
-- a training process's DataLoader workers, in their ``worker_init_fn``, watch that process
-  instead (:func:`die_with`): their parent is a fork server.
-
-Caveats. The signal comes when the *thread* that started the child ends, not the process: start
-children from a thread that outlives them (every caller here waits for its children in the thread
-that started them). A child that sets it after its parent already died would wait for the wrong
-parent, so each one then compares ``os.getppid()`` with the parent it was told and, if they
-differ, kills itself. It is Linux only: elsewhere these are no-ops and a SIGKILL leaves orphans as
-before. multiprocessing's resource tracker and fork server need nothing: each exits once the last
-holder of its pipe (the parent and the processes started through it) is gone.
+A SIGKILLed command runs no cleanup, so its pools, torchrun and servers would run on, holding
+memory, GPUs and ports. Each child asks Linux itself (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) to be
+killed when its parent ends, and dies at once if the parent is already gone. Linux only
+(elsewhere no-ops). Who calls what, and the caveats: docs/internals.md#parent-death.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The scored tables' file formats, one class per file suffix, and the one CSV format.
 
-A format writes a table batch by batch (:meth:`TableFormat.writer`), concatenates shard tables
-in order, streaming (:meth:`TableFormat.concatenate`), and reads a table back with its text
-columns as strings (:meth:`TableFormat.read`). :data:`TABLE_FORMATS` maps a suffix to its format:
-adding one (say ``.jsonl``) is a subclass and a line there; score, the shard merge and evaluate
-find it by the table's name (:func:`table_format`).
-
-CSV: RFC 4180 line ends, minimal quoting (:data:`CSV_FORMAT`). The csv module (which pandas'
-``to_csv`` uses too) quotes a field only when it holds the delimiter, the quote character or a
-character of its line end. With ``"\\n"`` as the line end a file or class name holding ``"\\r"``
-was written bare, and a reader took it for the end of a row. With ``"\\r\\n"`` a field holding
-either is quoted, so every table reads back identically with ``pandas.read_csv`` and the csv
-module, whatever names it holds. Pass it to any writer: ``frame.to_csv(path, index=False,
-**CSV_FORMAT)``, ``csv.writer(fh, **CSV_FORMAT)`` (``fh`` opened with ``newline=""``).
+:data:`TABLE_FORMATS` maps a suffix to a :class:`TableFormat` (write in batches, concatenate
+shards, read back): a new format is a subclass and a line there. :data:`CSV_FORMAT` (RFC 4180
+``"\\r\\n"`` line ends) quotes names holding ``"\\r"``, so every table reads back identically.
+Details: docs/internals.md#table-formats.
 """
 
 from __future__ import annotations

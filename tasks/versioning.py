@@ -1,16 +1,9 @@
 """Data versioning: a data folder becomes a DVC-tracked, pushed version identified by its md5.
 
-The md5 that ``dvc add`` gives a folder is the data version recorded with every training run, so
-a model can always be traced to the exact images it learned from, and ``dvc pull`` brings them
-back. DVC runs through its Python API in this process. Two DVC commands at once in one repository
-fail on DVC's own lock, so every DVC operation imageops makes holds a file lock in the project's
-working folder first: parallel flows wait their turn instead of failing.
-
-A versioning killed mid-way (``kill -9``, a lost machine) is finished by the next one: DVC writes
-cache and remote objects through a temporary file and a rename, so an object is whole or absent,
-the next ``dvc add`` copies only the missing ones and ``dvc push`` sends only what the remote
-lacks; DVC drops a dead process's entry from its lock record itself. The two states a kill leaves
-that DVC does not get past on its own are repaired here: an init cut short and an emptied record.
+That md5 is recorded with every training run, so a model traces to the images it learned from.
+Every DVC operation holds a file lock first (two DVC commands in one repository fail), and the
+two states a kill leaves that DVC does not get past itself are repaired here: an init cut short
+and an emptied record. Details: docs/internals.md#data-versioning.
 """
 
 from __future__ import annotations
