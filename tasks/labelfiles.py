@@ -22,7 +22,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -31,8 +31,6 @@ from typing import Any
 from tasks.errors import InvalidLabelFileError
 from tasks.imagedir import SkippedFile, SkipReason, is_utf8, printable_name
 
-CSV_SUFFIXES = (".csv",)
-COCO_SUFFIXES = (".json",)
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # A label file is read whole: refuse one larger than this before reading it. 1M COCO entries
@@ -75,11 +73,18 @@ class Listing:
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
+    """One entry of a label file, as written: checked and resolved by :func:`read_label_file`."""
+
     raw: str  # the path as written
     label: str | None
     where: str  # "line 7", "images[3]": where to look in the file
     problem: str = ""  # a skip reason found while reading (COCO: several or unknown categories)
+
+
+# A label file format: its text (path, for messages) to its rows, and the classes it declares
+# (None: the classes are the labels the rows name).
+RowReader = Callable[[Path, str], tuple[list[Row], list[str] | None]]
 
 
 class _Refused(Exception):
@@ -88,34 +93,15 @@ class _Refused(Exception):
         self.reason = reason
 
 
-def label_file_kind(path: Path) -> str | None:
-    """``"csv"`` or ``"coco"`` from the file name, or None when it is not a label file."""
-    name = Path(path).name.lower()
-    if name.endswith(CSV_SUFFIXES):
-        return "csv"
-    if name.endswith(COCO_SUFFIXES):
-        return "coco"
-    return None
-
-
-def read_label_file(path: Path, *, exclude: Path | None = None) -> Listing:
-    """Read the CSV manifest or COCO JSON ``path`` and find the images it lists.
+def read_label_file(path: Path, read_rows: RowReader, *, exclude: Path | None = None) -> Listing:
+    """Read the label file ``path`` with ``read_rows`` (its format) and find the images it lists.
 
     Entries that resolve inside ``exclude`` (the destination being written) are refused too.
     Raises :class:`InvalidLabelFileError` when the file cannot be read as a whole.
     """
     path = Path(path)
-    kind = label_file_kind(path)
-    if kind is None:
-        raise InvalidLabelFileError(
-            f"{path} is not a label file.", "Pass a .csv manifest or a COCO .json file."
-        )
-    text = _read_text(path)
-    if kind == "csv":
-        rows, classes = _csv_rows(path, text), None
-    else:
-        rows, classes = _coco_rows(path, text)
-    return _resolve(path.parent, rows, classes, exclude)
+    rows, declared = read_rows(path, _read_text(path))
+    return _resolve(path.parent, rows, declared, exclude)
 
 
 def _read_text(path: Path) -> str:
@@ -147,11 +133,12 @@ def _read_text(path: Path) -> str:
 # --- CSV ----------------------------------------------------------------------------------------
 
 
-def _csv_rows(path: Path, text: str) -> list[_Row]:
+def csv_rows(path: Path, text: str) -> tuple[list[Row], None]:
+    """The rows of a CSV manifest (header ``path,label``)."""
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     header: list[str] | None = None
     columns: tuple[int, int] = (0, 0)
-    rows: list[_Row] = []
+    rows: list[Row] = []
     try:
         for record in reader:
             if not any(cell.strip() for cell in record):
@@ -170,7 +157,7 @@ def _csv_rows(path: Path, text: str) -> list[_Row]:
             raw, label = record[columns[0]].strip(), record[columns[1]].strip()
             if not raw:
                 raise InvalidLabelFileError(f"{path}, line {line}: the path is empty.", _CSV_HINT)
-            rows.append(_Row(raw, label or None, f"line {line}"))
+            rows.append(Row(raw, label or None, f"line {line}"))
     except csv.Error as exc:
         raise InvalidLabelFileError(
             f"{path}, line {reader.line_num}: {exc}.",
@@ -178,7 +165,7 @@ def _csv_rows(path: Path, text: str) -> list[_Row]:
         ) from exc
     if header is None:
         raise InvalidLabelFileError(f"{path} is empty: it has not even a header.", _CSV_HINT)
-    return rows
+    return rows, None
 
 
 def _csv_columns(path: Path, header: list[str], line: int) -> tuple[int, int]:
@@ -207,7 +194,8 @@ def _json_depth(text: str) -> int:
     return max(accumulate(_BRACKET_STEP[c] for c in brackets), default=0)
 
 
-def _coco_rows(path: Path, text: str) -> tuple[list[_Row], list[str]]:
+def coco_rows(path: Path, text: str) -> tuple[list[Row], list[str]]:
+    """The rows of a COCO classification JSON, and its categories' names."""
     depth = _json_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise InvalidLabelFileError(
@@ -276,7 +264,7 @@ def _coco_rows(path: Path, text: str) -> tuple[list[_Row], list[str]]:
             )
         annotated.setdefault(image_ids[iid], {}).setdefault(cid, i)
 
-    rows: list[_Row] = []
+    rows: list[Row] = []
     for i, image in enumerate(images):
         raw = image["file_name"].strip()
         cats = annotated.get(i, {})
@@ -294,7 +282,7 @@ def _coco_rows(path: Path, text: str) -> tuple[list[_Row], list[str]]:
             )
         elif cats:
             label = names[next(iter(cats))]
-        rows.append(_Row(raw, label, f"images[{i}]", problem))
+        rows.append(Row(raw, label, f"images[{i}]", problem))
     return rows, list(names.values())
 
 
@@ -351,7 +339,7 @@ def _json_type(value: Any) -> str:
 
 
 def _resolve(
-    base: Path, rows: list[_Row], declared: list[str] | None, exclude: Path | None
+    base: Path, rows: list[Row], declared: list[str] | None, exclude: Path | None
 ) -> Listing:
     """Check each row's path and label; keep one row per file; report the rest."""
     base_real = os.path.realpath(base)
@@ -360,10 +348,10 @@ def _resolve(
     labeled = any(row.label or row.problem for row in rows)
     listing = Listing(base=Path(base_real), labeled=labeled)
 
-    def skip(row: _Row, reason: str) -> None:
+    def skip(row: Row, reason: str) -> None:
         listing.skipped.append(SkippedFile(path=printable_name(row.raw), reason=reason))
 
-    by_file: dict[str, list[tuple[_Row, Path]]] = {}
+    by_file: dict[str, list[tuple[Row, Path]]] = {}
     for row in rows:
         try:
             if row.problem:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tasks.convert import convert
+from tasks.convert import ConvertLimits, convert
 from tasks.errors import InvalidLabelFileError, NoUsableImagesError
 from tasks.imagedir import MANIFEST, Manifest, load_rgb, read_manifest
 from tasks.settings import Settings
@@ -484,7 +484,7 @@ def test_changed_parameters_or_a_damaged_dest_convert_again(
     first = convert(src, dest, workers=1)
 
     # A smaller pixel limit refuses the big images: it must not be answered from the cache.
-    limited = convert(src, dest, max_pixels=1_000_000, workers=1)
+    limited = convert(src, dest, ConvertLimits(max_pixels=1_000_000), workers=1)
     assert {s.path for s in limited.skipped} == {f"0/big{i}.png" for i in range(3)}
     assert limited.fingerprint != first.fingerprint
 
