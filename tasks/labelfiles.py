@@ -26,7 +26,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, PlainValidator, ValidationError
 
 from tasks.errors import InvalidLabelFileError
 from tasks.imagedir import SkippedFile, SkipReason, is_utf8, printable_name
@@ -214,59 +216,56 @@ def coco_rows(path: Path, text: str) -> tuple[list[Row], list[str]]:
         raise InvalidLabelFileError(
             f"{path}: the top level is {_json_type(doc)}, not an object.", _COCO_HINT
         )
-    images = _section(path, doc, "images", required=True)
-    # COCO test sets list images only: no annotations (and maybe no categories) means unlabeled.
-    annotations = _section(path, doc, "annotations", required=False)
-    categories = _section(path, doc, "categories", required=False)
+    try:
+        coco = _CocoFile.model_validate(doc)
+    except ValidationError as exc:
+        raise InvalidLabelFileError(f"{path}: {_coco_problem(doc, exc)}", _COCO_HINT) from exc
+    categories, images = coco.categories, coco.images
 
     names: dict[Hashable, str] = {}
     first_with_name: dict[str, int] = {}
     for i, category in enumerate(categories):
         where = f"categories[{i}]"
-        cid = _id(path, category, where, "id")
-        name = _text(path, category, where, "name")
-        if cid in names:
+        if category.id in names:
             raise InvalidLabelFileError(
-                f"{path}: {where}.id {cid!r} is used by another category too.",
+                f"{path}: {where}.id {category.id!r} is used by another category too.",
                 "Give every category its own id.",
             )
-        if name in first_with_name:
+        if category.name in first_with_name:
             raise InvalidLabelFileError(
-                f"{path}: {where}.name {name!r} is the name of categories"
-                f"[{first_with_name[name]}] too.",
+                f"{path}: {where}.name {category.name!r} is the name of categories"
+                f"[{first_with_name[category.name]}] too.",
                 "Give every category its own name (each becomes one class folder).",
             )
-        names[cid] = name
-        first_with_name[name] = i
+        names[category.id] = category.name
+        first_with_name[category.name] = i
 
     image_ids: dict[Hashable, int] = {}
     for i, image in enumerate(images):
-        where = f"images[{i}]"
-        iid = _id(path, image, where, "id")
-        _text(path, image, where, "file_name")
-        if iid in image_ids:
+        if image.id in image_ids:
             raise InvalidLabelFileError(
-                f"{path}: {where}.id {iid!r} is the id of images[{image_ids[iid]}] too.",
+                f"{path}: images[{i}].id {image.id!r} is the id of images[{image_ids[image.id]}] "
+                "too.",
                 "Give every image its own id.",
             )
-        image_ids[iid] = i
+        image_ids[image.id] = i
 
     # Per image, its categories in the order annotated, with the first annotation naming each.
     annotated: dict[int, dict[Hashable, int]] = {}
-    for i, annotation in enumerate(annotations):
-        where = f"annotations[{i}]"
-        iid = _id(path, annotation, where, "image_id")
-        cid = _id(path, annotation, where, "category_id")
-        if iid not in image_ids:
+    for i, annotation in enumerate(coco.annotations):
+        if annotation.image_id not in image_ids:
             raise InvalidLabelFileError(
-                f"{path}: {where}.image_id {iid!r} is not the id of any image.",
+                f"{path}: annotations[{i}].image_id {annotation.image_id!r} is not the id of any "
+                "image.",
                 "Remove the annotation or add its image to `images`.",
             )
-        annotated.setdefault(image_ids[iid], {}).setdefault(cid, i)
+        annotated.setdefault(image_ids[annotation.image_id], {}).setdefault(
+            annotation.category_id, i
+        )
 
     rows: list[Row] = []
     for i, image in enumerate(images):
-        raw = image["file_name"].strip()
+        raw = image.file_name
         cats = annotated.get(i, {})
         unknown = [(cid, n) for cid, n in cats.items() if cid not in names]
         problem, label = "", None
@@ -286,44 +285,86 @@ def coco_rows(path: Path, text: str) -> tuple[list[Row], list[str]]:
     return rows, list(names.values())
 
 
-def _section(path: Path, doc: dict[str, Any], key: str, *, required: bool) -> list[Any]:
-    if key not in doc and not required:
-        return []
-    value = doc.get(key)
-    if not isinstance(value, list):
-        problem = "is missing" if key not in doc else f"is {_json_type(value)}, not a list"
-        raise InvalidLabelFileError(f"{path}: `{key}` {problem}.", _COCO_HINT)
-    return value
-
-
-def _field(path: Path, obj: Any, where: str, key: str) -> Any:
-    if not isinstance(obj, dict):
-        raise InvalidLabelFileError(
-            f"{path}: {where} is {_json_type(obj)}, not an object.", _COCO_HINT
-        )
-    if key not in obj:
-        raise InvalidLabelFileError(f"{path}: {where} has no `{key}`.", _COCO_HINT)
-    return obj[key]
-
-
-def _id(path: Path, obj: Any, where: str, key: str) -> Hashable:
-    value = _field(path, obj, where, key)
+def _an_id(value: Any) -> int | str:
+    # Not pydantic's str: a JSON "\udce9" is a str it refuses, and an entry refused later.
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise InvalidLabelFileError(
-            f"{path}: {where}.{key} is {_json_type(value)}; an id is a whole number or a string.",
-            _COCO_HINT,
-        )
+        raise ValueError("an id is a whole number or a string")
     return value
 
 
-def _text(path: Path, obj: Any, where: str, key: str) -> str:
-    value = _field(path, obj, where, key)
+def _a_text(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        got = "an empty string" if isinstance(value, str) else _json_type(value)
-        raise InvalidLabelFileError(
-            f"{path}: {where}.{key} is {got}; it must be a non-empty string.", _COCO_HINT
-        )
+        raise ValueError("it must be a non-empty string")
     return value.strip()
+
+
+_Id = Annotated[int | str, PlainValidator(_an_id)]
+_Text = Annotated[str, PlainValidator(_a_text)]
+
+
+class _CocoImage(BaseModel):
+    id: _Id
+    file_name: _Text
+
+
+class _CocoAnnotation(BaseModel):
+    image_id: _Id
+    category_id: _Id
+
+
+class _CocoCategory(BaseModel):
+    id: _Id
+    name: _Text
+
+
+class _CocoFile(BaseModel):
+    """The part of a COCO file classification reads; other keys (bbox, licenses...) are kept
+    out. Test sets list images only: no annotations (and maybe no categories) is unlabeled."""
+
+    images: list[_CocoImage]
+    annotations: list[_CocoAnnotation] = []
+    categories: list[_CocoCategory] = []
+
+
+# Which problem is told when there are several: a section's type first, then the entries of
+# categories, images and annotations in that order (the names an image's label refers to first).
+_SECTIONS = ("images", "annotations", "categories")
+_ENTRIES = ("categories", "images", "annotations")
+_ENTRY_FIELDS = {
+    "images": tuple(_CocoImage.model_fields),
+    "annotations": tuple(_CocoAnnotation.model_fields),
+    "categories": tuple(_CocoCategory.model_fields),
+}
+
+
+def _coco_problem(doc: dict[str, Any], exc: ValidationError) -> str:
+    """The first problem pydantic found, told with the field's path and the value found."""
+
+    def order(error: Any) -> tuple[bool, int, int, int]:
+        loc = error["loc"]
+        if len(loc) == 1:
+            return False, _SECTIONS.index(loc[0]), 0, 0
+        fields = _ENTRY_FIELDS[loc[0]]
+        return True, _ENTRIES.index(loc[0]), loc[1], fields.index(loc[2]) if len(loc) > 2 else -1
+
+    error = min(exc.errors(), key=order)
+    section, *rest = error["loc"][:3]
+    if not rest:
+        if error["type"] == "missing":
+            return f"`{section}` is missing."
+        return f"`{section}` is {_json_type(doc[section])}, not a list."
+    where = f"{section}[{rest[0]}]"
+    entry = doc[section][rest[0]]
+    if len(rest) == 1:
+        return f"{where} is {_json_type(entry)}, not an object."
+    key = rest[1]
+    if error["type"] == "missing":
+        return f"{where} has no `{key}`."
+    value = entry[key]
+    if key in ("id", "image_id", "category_id"):
+        return f"{where}.{key} is {_json_type(value)}; an id is a whole number or a string."
+    got = "an empty string" if isinstance(value, str) else _json_type(value)
+    return f"{where}.{key} is {got}; it must be a non-empty string."
 
 
 def _json_type(value: Any) -> str:

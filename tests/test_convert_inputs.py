@@ -283,6 +283,10 @@ _CATEGORY = {"id": 1, "name": "zero"}
         (_coco([_IMAGE], [{"image_id": 1}], [_CATEGORY]), r"annotations\[0\] has no `category_id`"),
         (_coco([_IMAGE], [], [_CATEGORY, {"id": 2, "name": "zero"}]), r"categories\[1\].name"),
         (_coco([_IMAGE], [], [{"id": True, "name": "zero"}]), r"categories\[0\].id is true/false"),
+        ({"images": {}}, "`images` is an object, not a list"),
+        (_coco(["img0.png"], [], []), r"images\[0\] is a string, not an object"),
+        (_coco([{"id": 1, "file_name": " "}], [], []), r"images\[0\].file_name is an empty string"),
+        (_coco([{}], [], []), r"images\[0\] has no `id`"),  # the first field, as written
     ],
 )
 def test_malformed_coco_names_the_field(
