@@ -285,8 +285,9 @@ def coco_rows(path: Path, text: str) -> tuple[list[Row], list[str]]:
     return rows, list(names.values())
 
 
+# Plain validators, not pydantic's str: a JSON "\udce9" is a str it refuses, while here it is an
+# entry refused later (BadFileName), not a bad file.
 def _an_id(value: Any) -> int | str:
-    # Not pydantic's str: a JSON "\udce9" is a str it refuses, and an entry refused later.
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError("an id is a whole number or a string")
     return value
@@ -360,11 +361,9 @@ def _coco_problem(doc: dict[str, Any], exc: ValidationError) -> str:
     key = rest[1]
     if error["type"] == "missing":
         return f"{where} has no `{key}`."
-    value = entry[key]
-    if key in ("id", "image_id", "category_id"):
-        return f"{where}.{key} is {_json_type(value)}; an id is a whole number or a string."
+    value = entry[key]  # refused by _an_id or _a_text, which say what it should be
     got = "an empty string" if isinstance(value, str) else _json_type(value)
-    return f"{where}.{key} is {got}; it must be a non-empty string."
+    return f"{where}.{key} is {got}; {error['ctx']['error']}."
 
 
 def _json_type(value: Any) -> str:
