@@ -66,23 +66,23 @@ def convert(
     # A killed run's leftovers beside dest: removed even when the cache check below writes nothing.
     remove_leftovers(dest)
     remove_leftovers(dest, "extract")
-    kind = find_source(source)
+    reader = find_source(source)
     head = {
         "converter": _CONVERTER_VERSION,
         "format_version": FORMAT_VERSION,
-        "kind": kind.name,
-        "parameters": kind.parameters(limits),
+        "kind": reader.name,
+        "parameters": reader.parameters(limits),
         # A file read whole anyway (an archive, a label file): its own bytes are part of the key.
-        "input_sha256": cache.sha256_file(source)[1] if kind.whole_file else None,
+        "input_sha256": cache.sha256_file(source)[1] if reader.whole_file else None,
     }
     previous = cache.previous(dest, source)
-    if kind.self_contained:  # the key is known before planning: an unchanged source is not read
+    if reader.self_contained:  # the key is known before planning: an unchanged source is not read
         key = cache.fingerprint(head)
         if previous is not None and previous.fingerprint == key:
             return cache.unchanged(dest, previous)
-        with kind.plan(source, dest, limits) as plan:
+        with reader.plan(source, dest, limits) as plan:
             return _convert_plan(plan, dest, source, limits, workers, key)
-    with kind.plan(source, dest, limits) as plan:
+    with reader.plan(source, dest, limits) as plan:
         if previous is not None and previous.fingerprint == cache.fingerprint(
             head, plan, cache.hash_all(plan.items, limits.max_pixels)
         ):

@@ -177,7 +177,7 @@ def label_file_sources() -> str:
 
 def find_source(path: Path) -> InputSource:
     """The source that reads ``path``; NoUsableImagesError for a missing path or one none reads."""
-    if not path.is_dir() and not path.exists():
+    if not path.exists():
         raise NoUsableImagesError(f"{path} does not exist.", f"Pass {supported()}.")
     for source in INPUT_SOURCES:
         if source.detect(path):
