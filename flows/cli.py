@@ -164,18 +164,17 @@ def convert(
     Images over IMAGEOPS_MAX_PIXELS pixels (default 40,000,000) or an aspect ratio of
     IMAGEOPS_MAX_ASPECT_RATIO:1 (default 100) are skipped, as every other step refuses them.
     """
+    from tasks.convert import ConvertLimits
     from tasks.convert import convert as run
     from tasks.imageformat import visible_name
 
-    manifest = run(
-        source,
-        dest,
-        workers=workers,
+    limits = ConvertLimits(
         max_archive_members=max_archive_members,
         max_archive_bytes=max_archive_bytes,
         max_archive_member_bytes=max_archive_member_bytes,
         max_archive_ratio=max_archive_ratio,
     )
+    manifest = run(source, dest, limits, workers=workers)
     kind = f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled"
     # Names are the user's (a file may be called "[red].png"): printed as they are, not as markup.
     out.print(

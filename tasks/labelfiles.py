@@ -22,17 +22,17 @@ import io
 import json
 import os
 import re
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, PlainValidator, ValidationError
 
 from tasks.errors import InvalidLabelFileError
 from tasks.imagedir import SkippedFile, SkipReason, is_utf8, printable_name
 
-CSV_SUFFIXES = (".csv",)
-COCO_SUFFIXES = (".json",)
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # A label file is read whole: refuse one larger than this before reading it. 1M COCO entries
@@ -75,11 +75,18 @@ class Listing:
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
+    """One entry of a label file, as written: checked and resolved by :func:`read_label_file`."""
+
     raw: str  # the path as written
     label: str | None
     where: str  # "line 7", "images[3]": where to look in the file
     problem: str = ""  # a skip reason found while reading (COCO: several or unknown categories)
+
+
+# A label file format: its text (path, for messages) to its rows, and the classes it declares
+# (None: the classes are the labels the rows name).
+RowReader = Callable[[Path, str], tuple[list[Row], list[str] | None]]
 
 
 class _Refused(Exception):
@@ -88,34 +95,15 @@ class _Refused(Exception):
         self.reason = reason
 
 
-def label_file_kind(path: Path) -> str | None:
-    """``"csv"`` or ``"coco"`` from the file name, or None when it is not a label file."""
-    name = Path(path).name.lower()
-    if name.endswith(CSV_SUFFIXES):
-        return "csv"
-    if name.endswith(COCO_SUFFIXES):
-        return "coco"
-    return None
-
-
-def read_label_file(path: Path, *, exclude: Path | None = None) -> Listing:
-    """Read the CSV manifest or COCO JSON ``path`` and find the images it lists.
+def read_label_file(path: Path, read_rows: RowReader, *, exclude: Path | None = None) -> Listing:
+    """Read the label file ``path`` with ``read_rows`` (its format) and find the images it lists.
 
     Entries that resolve inside ``exclude`` (the destination being written) are refused too.
     Raises :class:`InvalidLabelFileError` when the file cannot be read as a whole.
     """
     path = Path(path)
-    kind = label_file_kind(path)
-    if kind is None:
-        raise InvalidLabelFileError(
-            f"{path} is not a label file.", "Pass a .csv manifest or a COCO .json file."
-        )
-    text = _read_text(path)
-    if kind == "csv":
-        rows, classes = _csv_rows(path, text), None
-    else:
-        rows, classes = _coco_rows(path, text)
-    return _resolve(path.parent, rows, classes, exclude)
+    rows, declared = read_rows(path, _read_text(path))
+    return _resolve(path.parent, rows, declared, exclude)
 
 
 def _read_text(path: Path) -> str:
@@ -147,11 +135,12 @@ def _read_text(path: Path) -> str:
 # --- CSV ----------------------------------------------------------------------------------------
 
 
-def _csv_rows(path: Path, text: str) -> list[_Row]:
+def csv_rows(path: Path, text: str) -> tuple[list[Row], None]:
+    """The rows of a CSV manifest (header ``path,label``)."""
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     header: list[str] | None = None
     columns: tuple[int, int] = (0, 0)
-    rows: list[_Row] = []
+    rows: list[Row] = []
     try:
         for record in reader:
             if not any(cell.strip() for cell in record):
@@ -170,7 +159,7 @@ def _csv_rows(path: Path, text: str) -> list[_Row]:
             raw, label = record[columns[0]].strip(), record[columns[1]].strip()
             if not raw:
                 raise InvalidLabelFileError(f"{path}, line {line}: the path is empty.", _CSV_HINT)
-            rows.append(_Row(raw, label or None, f"line {line}"))
+            rows.append(Row(raw, label or None, f"line {line}"))
     except csv.Error as exc:
         raise InvalidLabelFileError(
             f"{path}, line {reader.line_num}: {exc}.",
@@ -178,7 +167,7 @@ def _csv_rows(path: Path, text: str) -> list[_Row]:
         ) from exc
     if header is None:
         raise InvalidLabelFileError(f"{path} is empty: it has not even a header.", _CSV_HINT)
-    return rows
+    return rows, None
 
 
 def _csv_columns(path: Path, header: list[str], line: int) -> tuple[int, int]:
@@ -207,7 +196,8 @@ def _json_depth(text: str) -> int:
     return max(accumulate(_BRACKET_STEP[c] for c in brackets), default=0)
 
 
-def _coco_rows(path: Path, text: str) -> tuple[list[_Row], list[str]]:
+def coco_rows(path: Path, text: str) -> tuple[list[Row], list[str]]:
+    """The rows of a COCO classification JSON, and its categories' names."""
     depth = _json_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise InvalidLabelFileError(
@@ -226,59 +216,56 @@ def _coco_rows(path: Path, text: str) -> tuple[list[_Row], list[str]]:
         raise InvalidLabelFileError(
             f"{path}: the top level is {_json_type(doc)}, not an object.", _COCO_HINT
         )
-    images = _section(path, doc, "images", required=True)
-    # COCO test sets list images only: no annotations (and maybe no categories) means unlabeled.
-    annotations = _section(path, doc, "annotations", required=False)
-    categories = _section(path, doc, "categories", required=False)
+    try:
+        coco = _CocoFile.model_validate(doc)
+    except ValidationError as exc:
+        raise InvalidLabelFileError(f"{path}: {_coco_problem(doc, exc)}", _COCO_HINT) from exc
+    categories, images = coco.categories, coco.images
 
     names: dict[Hashable, str] = {}
     first_with_name: dict[str, int] = {}
     for i, category in enumerate(categories):
         where = f"categories[{i}]"
-        cid = _id(path, category, where, "id")
-        name = _text(path, category, where, "name")
-        if cid in names:
+        if category.id in names:
             raise InvalidLabelFileError(
-                f"{path}: {where}.id {cid!r} is used by another category too.",
+                f"{path}: {where}.id {category.id!r} is used by another category too.",
                 "Give every category its own id.",
             )
-        if name in first_with_name:
+        if category.name in first_with_name:
             raise InvalidLabelFileError(
-                f"{path}: {where}.name {name!r} is the name of categories"
-                f"[{first_with_name[name]}] too.",
+                f"{path}: {where}.name {category.name!r} is the name of categories"
+                f"[{first_with_name[category.name]}] too.",
                 "Give every category its own name (each becomes one class folder).",
             )
-        names[cid] = name
-        first_with_name[name] = i
+        names[category.id] = category.name
+        first_with_name[category.name] = i
 
     image_ids: dict[Hashable, int] = {}
     for i, image in enumerate(images):
-        where = f"images[{i}]"
-        iid = _id(path, image, where, "id")
-        _text(path, image, where, "file_name")
-        if iid in image_ids:
+        if image.id in image_ids:
             raise InvalidLabelFileError(
-                f"{path}: {where}.id {iid!r} is the id of images[{image_ids[iid]}] too.",
+                f"{path}: images[{i}].id {image.id!r} is the id of images[{image_ids[image.id]}] "
+                "too.",
                 "Give every image its own id.",
             )
-        image_ids[iid] = i
+        image_ids[image.id] = i
 
     # Per image, its categories in the order annotated, with the first annotation naming each.
     annotated: dict[int, dict[Hashable, int]] = {}
-    for i, annotation in enumerate(annotations):
-        where = f"annotations[{i}]"
-        iid = _id(path, annotation, where, "image_id")
-        cid = _id(path, annotation, where, "category_id")
-        if iid not in image_ids:
+    for i, annotation in enumerate(coco.annotations):
+        if annotation.image_id not in image_ids:
             raise InvalidLabelFileError(
-                f"{path}: {where}.image_id {iid!r} is not the id of any image.",
+                f"{path}: annotations[{i}].image_id {annotation.image_id!r} is not the id of any "
+                "image.",
                 "Remove the annotation or add its image to `images`.",
             )
-        annotated.setdefault(image_ids[iid], {}).setdefault(cid, i)
+        annotated.setdefault(image_ids[annotation.image_id], {}).setdefault(
+            annotation.category_id, i
+        )
 
-    rows: list[_Row] = []
+    rows: list[Row] = []
     for i, image in enumerate(images):
-        raw = image["file_name"].strip()
+        raw = image.file_name
         cats = annotated.get(i, {})
         unknown = [(cid, n) for cid, n in cats.items() if cid not in names]
         problem, label = "", None
@@ -294,48 +281,89 @@ def _coco_rows(path: Path, text: str) -> tuple[list[_Row], list[str]]:
             )
         elif cats:
             label = names[next(iter(cats))]
-        rows.append(_Row(raw, label, f"images[{i}]", problem))
+        rows.append(Row(raw, label, f"images[{i}]", problem))
     return rows, list(names.values())
 
 
-def _section(path: Path, doc: dict[str, Any], key: str, *, required: bool) -> list[Any]:
-    if key not in doc and not required:
-        return []
-    value = doc.get(key)
-    if not isinstance(value, list):
-        problem = "is missing" if key not in doc else f"is {_json_type(value)}, not a list"
-        raise InvalidLabelFileError(f"{path}: `{key}` {problem}.", _COCO_HINT)
-    return value
-
-
-def _field(path: Path, obj: Any, where: str, key: str) -> Any:
-    if not isinstance(obj, dict):
-        raise InvalidLabelFileError(
-            f"{path}: {where} is {_json_type(obj)}, not an object.", _COCO_HINT
-        )
-    if key not in obj:
-        raise InvalidLabelFileError(f"{path}: {where} has no `{key}`.", _COCO_HINT)
-    return obj[key]
-
-
-def _id(path: Path, obj: Any, where: str, key: str) -> Hashable:
-    value = _field(path, obj, where, key)
+# Plain validators, not pydantic's str: a JSON "\udce9" is a str it refuses, while here it is an
+# entry refused later (BadFileName), not a bad file.
+def _an_id(value: Any) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise InvalidLabelFileError(
-            f"{path}: {where}.{key} is {_json_type(value)}; an id is a whole number or a string.",
-            _COCO_HINT,
-        )
+        raise ValueError("an id is a whole number or a string")
     return value
 
 
-def _text(path: Path, obj: Any, where: str, key: str) -> str:
-    value = _field(path, obj, where, key)
+def _a_text(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        got = "an empty string" if isinstance(value, str) else _json_type(value)
-        raise InvalidLabelFileError(
-            f"{path}: {where}.{key} is {got}; it must be a non-empty string.", _COCO_HINT
-        )
+        raise ValueError("it must be a non-empty string")
     return value.strip()
+
+
+_Id = Annotated[int | str, PlainValidator(_an_id)]
+_Text = Annotated[str, PlainValidator(_a_text)]
+
+
+class _CocoImage(BaseModel):
+    id: _Id
+    file_name: _Text
+
+
+class _CocoAnnotation(BaseModel):
+    image_id: _Id
+    category_id: _Id
+
+
+class _CocoCategory(BaseModel):
+    id: _Id
+    name: _Text
+
+
+class _CocoFile(BaseModel):
+    """The part of a COCO file classification reads; other keys (bbox, licenses...) are kept
+    out. Test sets list images only: no annotations (and maybe no categories) is unlabeled."""
+
+    images: list[_CocoImage]
+    annotations: list[_CocoAnnotation] = []
+    categories: list[_CocoCategory] = []
+
+
+# Which problem is told when there are several: a section's type first, then the entries of
+# categories, images and annotations in that order (the names an image's label refers to first).
+_SECTIONS = ("images", "annotations", "categories")
+_ENTRIES = ("categories", "images", "annotations")
+_ENTRY_FIELDS = {
+    "images": tuple(_CocoImage.model_fields),
+    "annotations": tuple(_CocoAnnotation.model_fields),
+    "categories": tuple(_CocoCategory.model_fields),
+}
+
+
+def _coco_problem(doc: dict[str, Any], exc: ValidationError) -> str:
+    """The first problem pydantic found, told with the field's path and the value found."""
+
+    def order(error: Any) -> tuple[bool, int, int, int]:
+        loc = error["loc"]
+        if len(loc) == 1:
+            return False, _SECTIONS.index(loc[0]), 0, 0
+        fields = _ENTRY_FIELDS[loc[0]]
+        return True, _ENTRIES.index(loc[0]), loc[1], fields.index(loc[2]) if len(loc) > 2 else -1
+
+    error = min(exc.errors(), key=order)
+    section, *rest = error["loc"][:3]
+    if not rest:
+        if error["type"] == "missing":
+            return f"`{section}` is missing."
+        return f"`{section}` is {_json_type(doc[section])}, not a list."
+    where = f"{section}[{rest[0]}]"
+    entry = doc[section][rest[0]]
+    if len(rest) == 1:
+        return f"{where} is {_json_type(entry)}, not an object."
+    key = rest[1]
+    if error["type"] == "missing":
+        return f"{where} has no `{key}`."
+    value = entry[key]  # refused by _an_id or _a_text, which say what it should be
+    got = "an empty string" if isinstance(value, str) else _json_type(value)
+    return f"{where}.{key} is {got}; {error['ctx']['error']}."
 
 
 def _json_type(value: Any) -> str:
@@ -351,7 +379,7 @@ def _json_type(value: Any) -> str:
 
 
 def _resolve(
-    base: Path, rows: list[_Row], declared: list[str] | None, exclude: Path | None
+    base: Path, rows: list[Row], declared: list[str] | None, exclude: Path | None
 ) -> Listing:
     """Check each row's path and label; keep one row per file; report the rest."""
     base_real = os.path.realpath(base)
@@ -360,10 +388,10 @@ def _resolve(
     labeled = any(row.label or row.problem for row in rows)
     listing = Listing(base=Path(base_real), labeled=labeled)
 
-    def skip(row: _Row, reason: str) -> None:
+    def skip(row: Row, reason: str) -> None:
         listing.skipped.append(SkippedFile(path=printable_name(row.raw), reason=reason))
 
-    by_file: dict[str, list[tuple[_Row, Path]]] = {}
+    by_file: dict[str, list[tuple[Row, Path]]] = {}
     for row in rows:
         try:
             if row.problem:

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from tasks import imagecheck
-from tasks.convert import convert
+from tasks.convert import ConvertLimits, convert
 from tasks.errors import InvalidParameterError, NoUsableImagesError, UnsafeArchiveError
 from tasks.imagedir import MANIFEST, ImageRefused, Manifest, load_rgb, read_manifest
 
@@ -205,14 +205,14 @@ def test_images_over_the_pixel_limit_are_refused_from_the_header(
     global_limit = Image.MAX_IMAGE_PIXELS
 
     manifest = convert(src, tmp_path / "out")
-    at_the_limit = convert(src, tmp_path / "at_the_limit", max_pixels=16 * 16)
+    at_the_limit = convert(src, tmp_path / "at_the_limit", ConvertLimits(max_pixels=16 * 16))
 
     assert _codes(manifest) == {"0/big.png": "ImageExceedsLimit", "0/bomb.png": "ImageExceedsLimit"}
     big = next(s for s in manifest.skipped if s.path == "0/big.png")
     assert "64,000,000 pixels is over the limit of 40,000,000" in big.reason
     assert len(manifest.images) == len(at_the_limit.images) == 6
     with pytest.raises(NoUsableImagesError, match="8 ImageExceedsLimit"):
-        convert(src, tmp_path / "none", max_pixels=16 * 16 - 1)
+        convert(src, tmp_path / "none", ConvertLimits(max_pixels=16 * 16 - 1))
     assert global_limit == Image.MAX_IMAGE_PIXELS  # Pillow's global state is untouched
 
 
@@ -229,7 +229,7 @@ def test_convert_and_every_reader_refuse_the_same_slivers(digits_raw: Path, tmp_
     (src / "0" / "sliver.png").write_bytes(_strip(101, 1))
 
     manifest = convert(src, tmp_path / "out")
-    wide = convert(src, tmp_path / "wide", max_aspect_ratio=101)
+    wide = convert(src, tmp_path / "wide", ConvertLimits(max_aspect_ratio=101))
 
     assert _codes(manifest) == {"0/sliver.png": "ImageExceedsLimit"}
     (reason,) = [s.reason for s in manifest.skipped]
@@ -384,8 +384,10 @@ def test_a_failed_convert_keeps_the_previous_directory(digits_raw: Path, tmp_pat
 def test_parameters_out_of_range_are_refused(
     digits_raw: Path, tmp_path: Path, kwargs: dict, message: str
 ) -> None:
+    kwargs = dict(kwargs)
+    workers = kwargs.pop("workers", None)
     with pytest.raises(InvalidParameterError, match=message):
-        convert(digits_raw, tmp_path / "out", **kwargs)
+        convert(digits_raw, tmp_path / "out", ConvertLimits(**kwargs), workers=workers)
     assert not (tmp_path / "out").exists()
 
 
@@ -556,13 +558,13 @@ def test_archive_over_the_caps_is_refused_whole(digits_raw: Path, tmp_path: Path
         tf.add(src, arcname=".")
 
     with pytest.raises(UnsafeArchiveError, match="more than 5 members"):
-        convert(archive, tmp_path / "out", max_archive_members=5)
+        convert(archive, tmp_path / "out", ConvertLimits(max_archive_members=5))
     with pytest.raises(UnsafeArchiveError, match="more than 5 members"):
-        convert(tar, tmp_path / "out", max_archive_members=5)
+        convert(tar, tmp_path / "out", ConvertLimits(max_archive_members=5))
     with pytest.raises(UnsafeArchiveError, match="unpacks to more than 1,000 bytes"):
-        convert(archive, tmp_path / "out", max_archive_bytes=1_000)
+        convert(archive, tmp_path / "out", ConvertLimits(max_archive_bytes=1_000))
     with pytest.raises(UnsafeArchiveError, match="unpacks to more than 1,000 bytes"):
-        convert(tar, tmp_path / "out", max_archive_bytes=1_000)
+        convert(tar, tmp_path / "out", ConvertLimits(max_archive_bytes=1_000))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["digits.tar", "digits.zip", "src"]
 
 
@@ -583,8 +585,10 @@ def test_archive_members_over_the_member_caps_are_skipped(digits_raw: Path, tmp_
         tf.addfile(info, io.BytesIO(noise))
 
     zipped = convert(archive, tmp_path / "zip")
-    capped = convert(archive, tmp_path / "zip-capped", max_archive_member_bytes=100_000)
-    tarred = convert(tar, tmp_path / "tar", max_archive_member_bytes=100_000)
+    capped = convert(
+        archive, tmp_path / "zip-capped", ConvertLimits(max_archive_member_bytes=100_000)
+    )
+    tarred = convert(tar, tmp_path / "tar", ConvertLimits(max_archive_member_bytes=100_000))
 
     assert _codes(zipped) == {"0/zeros.png": "UnsafeArchiveMember", "1/noise.bin": "NotAnImage"}
     zeros = next(s.reason for s in zipped.skipped if s.path == "0/zeros.png")
@@ -617,7 +621,7 @@ def test_a_tar_that_inflates_past_the_ratio_is_refused_as_it_is_read(
 
     with pytest.raises(UnsafeArchiveError, match="unpacks to more than 200 times its size"):
         convert(archive, tmp_path / "out")
-    allowed = convert(archive, tmp_path / "allowed", max_archive_ratio=10_000)
+    allowed = convert(archive, tmp_path / "allowed", ConvertLimits(max_archive_ratio=10_000))
 
     assert _codes(allowed) == {f"0/zeros{i}.png": "NotAnImage" for i in range(3)}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["allowed", "src", "zeros.tar.gz"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tasks.convert import convert
+from tasks.convert import ConvertLimits, convert
 from tasks.errors import InvalidLabelFileError, NoUsableImagesError
 from tasks.imagedir import MANIFEST, Manifest, load_rgb, read_manifest
 from tasks.settings import Settings
@@ -283,6 +283,10 @@ _CATEGORY = {"id": 1, "name": "zero"}
         (_coco([_IMAGE], [{"image_id": 1}], [_CATEGORY]), r"annotations\[0\] has no `category_id`"),
         (_coco([_IMAGE], [], [_CATEGORY, {"id": 2, "name": "zero"}]), r"categories\[1\].name"),
         (_coco([_IMAGE], [], [{"id": True, "name": "zero"}]), r"categories\[0\].id is true/false"),
+        ({"images": {}}, "`images` is an object, not a list"),
+        (_coco(["img0.png"], [], []), r"images\[0\] is a string, not an object"),
+        (_coco([{"id": 1, "file_name": " "}], [], []), r"images\[0\].file_name is an empty string"),
+        (_coco([{}], [], []), r"images\[0\] has no `id`"),  # the first field, as written
     ],
 )
 def test_malformed_coco_names_the_field(
@@ -484,7 +488,7 @@ def test_changed_parameters_or_a_damaged_dest_convert_again(
     first = convert(src, dest, workers=1)
 
     # A smaller pixel limit refuses the big images: it must not be answered from the cache.
-    limited = convert(src, dest, max_pixels=1_000_000, workers=1)
+    limited = convert(src, dest, ConvertLimits(max_pixels=1_000_000), workers=1)
     assert {s.path for s in limited.skipped} == {f"0/big{i}.png" for i in range(3)}
     assert limited.fingerprint != first.fingerprint
 
