@@ -32,12 +32,11 @@ from tasks.settings import get_settings, redact_uri
 from tasks.step import name_flow_run, step
 from tasks.transform import applied_to, data_transform
 from tasks.tune.gpus import check_study_gpus, local_gpus
-from tasks.tune.records import AskedTrial, TrialJob, TrialOutcome, outcome_of
+from tasks.tune.records import AskedTrial, TrialJob, TrialOutcome
 from tasks.tune.report import StudyResult, report_study
 from tasks.tune.spec import MAX_PARALLEL_TRIALS, TuningSpec
-from tasks.tune.storage import open_storage
 from tasks.tune.study import open_study
-from tasks.tune.trial import run_trial
+from tasks.tune.trial import recorded_outcome, run_trial
 
 
 # The pool bounds nothing here (the flow keeps parallel_trial_count running); it only must not
@@ -66,13 +65,10 @@ def run_trial_anywhere(
         timeout=None,  # wait for it, however long the training takes
         flow_run_name=f"{job.study_name}-trial-{asked.number}",
     )
-    storage = open_storage(job.storage)
-    study_id = storage.get_study_id_from_name(job.study_name)
-    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, asked.number)
     state = flow_run.state
     if state is not None and not state.is_completed():
         raise RuntimeError(f"flow run {flow_run.name} ended {state.name}: {state.message}")
-    return outcome_of(storage.get_trial(trial_id))
+    return recorded_outcome(job, asked.number)
 
 
 # No retries: a trial's failure is counted by the study, and a crash is settled by the flow.

@@ -137,6 +137,14 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
     return outcome
 
 
+def recorded_outcome(job: TrialJob, number: int) -> TrialOutcome:
+    """Trial ``number`` of ``job``'s study as the study recorded it (it ran elsewhere)."""
+    storage = open_storage(job.storage)
+    study_id = storage.get_study_id_from_name(job.study_name)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
+    return outcome_of(storage.get_trial(trial_id))
+
+
 def _since(started: float) -> float:
     return time.monotonic() - started
 
