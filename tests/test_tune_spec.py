@@ -256,6 +256,26 @@ def test_a_trial_value_is_its_best_or_last_epoch(
     assert measure(history, spec) == expected
 
 
+@pytest.mark.parametrize(
+    ("parameter", "recorded"),
+    [
+        (LR, {**LR, "values": None}),
+        (BATCH, {**BATCH, "min": None, "max": None, "scale": "linear"}),
+        (
+            {"name": "precision", "type": "categorical", "values": ["fp32", "bf16"]},
+            {"name": "precision", "type": "categorical", "values": ["fp32", "bf16"],
+             "min": None, "max": None, "scale": "linear"},
+        ),
+    ],
+)  # fmt: skip
+def test_each_parameter_type_records_every_field_so_a_study_started_earlier_continues(
+    parameter: dict[str, Any], recorded: dict[str, Any]
+) -> None:
+    # The identity a stored study is compared with was one model's dump with every field.
+    unset = {"parent": None, "parent_values": None}
+    assert spec_with(parameter).identity()["parameters"] == [{**unset, **recorded}]
+
+
 def test_a_study_started_with_another_search_space_is_not_continued(
     project: Settings, digits_split: tuple[Path, Path]
 ) -> None:
