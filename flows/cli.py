@@ -522,7 +522,44 @@ def _with_model_name(name: str | None) -> Settings:
     return settings.model_copy(update={"registered_model_name": name}) if name else settings
 
 
+# What replaces the spec file's own fields: one group of options, one argument of ``tune``.
+_STUDY_OVERRIDES = {
+    "study": Annotated[
+        str | None,
+        typer.Option(
+            help="Study name (replaces the file's); the same name continues a stopped study."
+        ),
+    ],
+    "max_trials": Annotated[int | None, typer.Option(help="Replace max_trial_count.")],
+    "parallel": Annotated[int | None, typer.Option(help="Replace parallel_trial_count.")],
+}
+
+
+def _with_options(
+    options: dict[str, Any], after: str
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the ``--options`` of ``options`` (each None unless given) as ``**kwargs``.
+
+    They are listed in ``--help`` after the parameter ``after``.
+    """
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        at = [p.name for p in params].index(after) + 1
+        params[at:at] = [
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                              annotation=kind)
+            for name, kind in options.items()
+        ]  # fmt: skip
+        command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
 @app.command()
+@_with_options(_STUDY_OVERRIDES, after="val_data")
 def tune(
     spec: Annotated[Path, typer.Argument(help="Tuning spec (YAML, the shape of tuning.yaml).")],
     train_data: Annotated[Path, typer.Option(help="Labeled training ImageDirectory.")] = Path(
@@ -532,14 +569,6 @@ def tune(
         Path,
         typer.Option(help="Labeled validation ImageDirectory (the metric is measured on it)."),
     ] = Path("data/digits/val"),
-    study: Annotated[
-        str | None,
-        typer.Option(
-            help="Study name (replaces the file's); the same name continues a stopped study."
-        ),
-    ] = None,
-    max_trials: Annotated[int | None, typer.Option(help="Replace max_trial_count.")] = None,
-    parallel: Annotated[int | None, typer.Option(help="Replace parallel_trial_count.")] = None,
     transform: Annotated[
         Path | None,
         typer.Option(
@@ -558,6 +587,7 @@ def tune(
             "(imageops-tune-trial/tune-trial; needs IMAGEOPS_TUNING_STORAGE and a Prefect server)."
         ),
     ] = None,
+    **overrides: Any,  # _STUDY_OVERRIDES: --study, --max-trials, --parallel
 ) -> None:
     """Tune hyperparameters with Optuna: each trial a training run; best model -> @challenger."""
     api_ready = _start_prefect_api(get_settings())
@@ -566,7 +596,10 @@ def tune(
     from tasks.transform import input_size, read_transformation
 
     study_spec = tune_spec_file(
-        spec, study_name=study, max_trial_count=max_trials, parallel_trial_count=parallel
+        spec,
+        study_name=overrides.get("study"),
+        max_trial_count=overrides.get("max_trials"),
+        parallel_trial_count=overrides.get("parallel"),
     )
     given = read_transformation(transform) if transform is not None else None
     chosen = study_transform(given, train_data, val_data)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated
 
 from prefect import flow
+from prefect.deployments import run_deployment
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
@@ -28,13 +29,14 @@ from tasks.export import export_task
 from tasks.promote import CHALLENGER
 from tasks.registry import register_task
 from tasks.settings import get_settings, redact_uri
-from tasks.step import name_flow_run
+from tasks.step import name_flow_run, step
 from tasks.transform import applied_to, data_transform
 from tasks.tune.gpus import check_study_gpus, local_gpus
+from tasks.tune.records import AskedTrial, TrialJob, TrialOutcome
 from tasks.tune.report import StudyResult, report_study
 from tasks.tune.spec import MAX_PARALLEL_TRIALS, TuningSpec
-from tasks.tune.study import AskedTrial, TrialJob, TrialOutcome, open_study
-from tasks.tune.trial import run_trial, trial_task
+from tasks.tune.study import open_study
+from tasks.tune.trial import recorded_outcome, run_trial
 
 
 # The pool bounds nothing here (the flow keeps parallel_trial_count running); it only must not
@@ -43,6 +45,34 @@ def study_transform(transform: TransformSpec | None, train: Path, val: Path) -> 
     """The given transform, else the one the data was prepared with, else the demo's."""
     prepared = data_transform({"train": (train, applied_to(train)), "val": (val, applied_to(val))})
     return transform or prepared or DEMO_TRANSFORM
+
+
+def run_trial_anywhere(
+    job: TrialJob, asked: AskedTrial, deployment: str | None = None
+) -> TrialOutcome:
+    """The trial here, or, with ``deployment`` (``<flow>/<deployment>``), as a flow run of it.
+
+    A deployed trial runs on the deployment's work pool (a worker on another machine, sharing
+    the study's database, the MLflow server and the storage of ``job.folder``); this waits for
+    it and reads the outcome from the study. A flow run that ended without telling the study
+    is failed by the tune flow (:meth:`tasks.tune.study.Study.settle`).
+    """
+    if deployment is None:
+        return run_trial(job, asked)
+    flow_run = run_deployment(
+        deployment,
+        parameters={"job": job.model_dump(mode="json"), "asked": asked.model_dump(mode="json")},
+        timeout=None,  # wait for it, however long the training takes
+        flow_run_name=f"{job.study_name}-trial-{asked.number}",
+    )
+    state = flow_run.state
+    if state is not None and not state.is_completed():
+        raise RuntimeError(f"flow run {flow_run.name} ended {state.name}: {state.message}")
+    return recorded_outcome(job, asked.number)
+
+
+# No retries: a trial's failure is counted by the study, and a crash is settled by the flow.
+trial_task = step(run_trial_anywhere, name="tune-trial", retries=0)
 
 
 @flow(

@@ -17,11 +17,12 @@ import psutil
 import pytest
 from pydantic import Field
 
-import tasks.tune.spec as spec_module
+import tasks.tune.tunable as tunable_module
 from tasks.errors import InvalidParameterError, InvalidTuningSpecError, TuningFailedError
 from tasks.settings import Settings
 from tasks.train.loop import EPOCH_METRICS
 from tasks.train.params import TrainParams
+from tasks.tune.parameters import PARAMETER_TYPES
 from tasks.tune.search import make_sampler, suggest
 from tasks.tune.spec import TuningSpec, tunable
 from tasks.tune.study import OWNER, open_study
@@ -54,7 +55,7 @@ def test_the_spec_is_the_flow_form_with_a_title_for_every_field() -> None:
     assert {"spec", "train_data", "val_data", "transform", "trial_deployment"} <= set(
         schema["properties"]
     )
-    for model in (TuningSpec, TuningSpec.model_fields["parameters"].annotation.__args__[0]):
+    for model in (TuningSpec, *PARAMETER_TYPES):
         fields = model.model_json_schema()["properties"]
         assert all(field.get("title") for field in fields.values()), model
     assert TuningSpec().check() == TuningSpec()  # the form's defaults are a valid study
@@ -255,6 +256,26 @@ def test_a_trial_value_is_its_best_or_last_epoch(
     assert measure(history, spec) == expected
 
 
+@pytest.mark.parametrize(
+    ("parameter", "recorded"),
+    [
+        (LR, {**LR, "values": None}),
+        (BATCH, {**BATCH, "min": None, "max": None, "scale": "linear"}),
+        (
+            {"name": "precision", "type": "categorical", "values": ["fp32", "bf16"]},
+            {"name": "precision", "type": "categorical", "values": ["fp32", "bf16"],
+             "min": None, "max": None, "scale": "linear"},
+        ),
+    ],
+)  # fmt: skip
+def test_each_parameter_type_records_every_field_so_a_study_started_earlier_continues(
+    parameter: dict[str, Any], recorded: dict[str, Any]
+) -> None:
+    # The identity a stored study is compared with was one model's dump with every field.
+    unset = {"parent": None, "parent_values": None}
+    assert spec_with(parameter).identity()["parameters"] == [{**unset, **recorded}]
+
+
 def test_a_study_started_with_another_search_space_is_not_continued(
     project: Settings, digits_split: tuple[Path, Path]
 ) -> None:
@@ -360,7 +381,7 @@ def test_a_field_added_to_the_training_parameters_is_tunable_within_its_range(
     class Extended(TrainParams):  # a field the tuning code has never heard of
         label_smoothing: float = Field(0.0, ge=0, lt=1, title="Label smoothing")
 
-    monkeypatch.setattr(spec_module, "TrainParams", Extended)
+    monkeypatch.setattr(tunable_module, "TrainParams", Extended)
     spec = spec_with({"name": "label_smoothing", "type": "double", "min": 0.0, "max": 0.2})
     assert spec.trial_params({"label_smoothing": 0.1}) == Extended(label_smoothing=0.1)
     with pytest.raises(InvalidTuningSpecError) as err:

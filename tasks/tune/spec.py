@@ -2,16 +2,9 @@
 
 The shape of Vertex AI's StudySpec, flattened so a YAML file and the Prefect form read alike:
 
-- ``parameters``: one entry per parameter to tune: any field of ``train`` (TrainParams) but
-  ``nodes``, the ``architecture``, or a network option (``pretrained``; ``memory_efficient`` for
-  DenseNets, ``zero_init_residual`` for ResNets). Each is checked against its field: an int
-  field takes ``integer``, ``discrete`` or ``categorical`` ints, a float ``double``, ``discrete``
-  or ``categorical``, a bool or a choice (``device``, ``precision``) ``categorical`` values it
-  allows; every bound and value must be one the field accepts. Of type ``double`` or ``integer``
-  (``min``, ``max``, ``scale``: linear, log or reverse_log), ``categorical`` (``values``) or
-  ``discrete`` (increasing numeric ``values``, ``scale``). A conditional child names its
-  ``parent`` (an integer, categorical or discrete parameter declared before it) and the
-  ``parent_values`` under which it is tuned; otherwise it keeps its value from ``train``.
+- ``parameters``: one entry per parameter to tune (:mod:`tasks.tune.parameters`, by type):
+  any field of ``train`` (TrainParams) but ``nodes``, the ``architecture``, or a network option,
+  each checked against the field it sets (:mod:`tasks.tune.tunable`).
 - ``metric`` (any per-epoch metric of the training run, tasks.train.loop.EPOCH_METRICS, e.g.
   ``val/top1``) and ``goal``;
   ``measurement``: a trial's value is its ``best`` epoch's metric or its ``last``.
@@ -22,7 +15,8 @@ The shape of Vertex AI's StudySpec, flattened so a YAML file and the Prefect for
   tuned ``architecture`` overrides it).
 
 Structure (types, bounds) is checked when the model is built; :meth:`TuningSpec.check` refuses,
-before any trial runs, what cannot make a study, with InvalidTuningSpecError saying why.
+before any trial runs, what cannot make a study (:mod:`tasks.tune.spec_checks`), with
+InvalidTuningSpecError saying why.
 
 Scales: ``log`` samples uniformly in log space; ``reverse_log`` samples more densely near
 ``max`` (for values like momentum 0.9 to 0.999): the value is ``min + max - m`` where ``m`` is
@@ -33,121 +27,28 @@ log-uniform on [min, max]. Optuna holds ``m`` (so the sampler models a log-unifo
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import re
-import types
-import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
-from models.untrained import FAMILIES, Family, ModelChoice, architectures
-from tasks.errors import InvalidParameterError, InvalidTuningSpecError
-from tasks.train.loop import EPOCH_METRICS, TOP1
+from models.untrained import ModelChoice
+from tasks.errors import InvalidTuningSpecError
+from tasks.train.loop import TOP1
 from tasks.train.params import TrainParams
-from tasks.validation import describe, expected
+from tasks.tune.parameters import REFUSED, ParameterSpec, Value, default_parameters
+from tasks.tune.spec_checks import METRICS, check_spec
+from tasks.tune.tunable import ARCHITECTURE, FAMILY_OPTIONS, MODEL_OPTIONS, train_with
+from tasks.tune.tunable import tunable as tunable  # where tests and callers have found it
+from tasks.validation import describe
 
-# bool first: pydantic's smart union keeps True a bool (int would take it too).
-Value = bool | int | float | str
-ARCHITECTURE = "architecture"
-# The network's options (TuningSpec fields, for build_model), each for the family that has it.
-MODEL_OPTIONS = ("pretrained", "memory_efficient", "zero_init_residual")
-# Each family's own switch, and the family that has it.
-FAMILY_OPTIONS = {f.switch: f for f in FAMILIES.values() if f.switch}
-# Training parameters no trial can vary, and why.
-FIXED = {
-    "nodes": "a trial trains on one node (torchrun --standalone); several trials use several "
-    "machines",
-}
-
-
-def tunable() -> tuple[str, ...]:
-    """What a study may tune: TrainParams' fields but FIXED, the architecture, network options.
-
-    Read from TrainParams when asked, so a field added there is tunable; each parameter spec is
-    checked against its field's type and range (:func:`_check_parameter`).
-    """
-    fields = (name for name in TrainParams.model_fields if name not in FIXED)
-    return (*fields, ARCHITECTURE, *MODEL_OPTIONS)
-
-
-TUNABLE = tunable()
-# What a training run reports after every epoch (tasks.train.loop): any of it may be the metric.
-METRICS = EPOCH_METRICS
 MAX_GRID = 10_000
 MAX_PARALLEL_TRIALS = 64  # the tune flow's thread pool: one thread waits on each running trial
-STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-class ParameterSpec(BaseModel):
-    """One tuned training parameter: its type, range or values, and its parent if conditional."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(
-        title="Training parameter",
-        description="Any training parameter but nodes, the architecture, or a network option: "
-        f"{', '.join(TUNABLE)}.",
-    )
-    type: Literal["double", "integer", "categorical", "discrete"] = Field(
-        title="Type",
-        description="double / integer: a range (min, max, scale); categorical: a set of values; "
-        "discrete: increasing numbers.",
-    )
-    min: float | None = Field(None, title="Minimum", description="double and integer only.")
-    max: float | None = Field(None, title="Maximum", description="double and integer only.")
-    scale: Literal["linear", "log", "reverse_log"] = Field(
-        "linear",
-        title="Scale",
-        description="How values are sampled: linear; log (uniform in log space, min > 0); "
-        "reverse_log (denser near max, min > 0).",
-    )
-    values: list[Value] | None = Field(
-        None, title="Values", description="categorical and discrete only."
-    )
-    parent: str | None = Field(
-        None,
-        title="Parent",
-        description="Tune this parameter only when this (earlier, non-double) parameter takes "
-        "one of parent_values.",
-    )
-    parent_values: list[Value] | None = Field(
-        None, title="Parent values", description="The parent's values that switch this one on."
-    )
-
-    def training_value(self, internal: Any) -> Value:
-        """The value trained with, from the value Optuna holds (see the module's reverse_log)."""
-        if self.type in ("double", "integer") and self.scale == "reverse_log":
-            assert self.min is not None and self.max is not None
-            # Clamped: float rounding must not step past a bound (momentum < 1).
-            internal = min(max(self.min + self.max - internal, self.min), self.max)
-        if self.type == "integer":
-            return round(internal)
-        return internal
-
-    def grid_values(self) -> list[Value]:
-        """Every value a grid visits (in Optuna's terms); a double has no grid."""
-        if self.type == "integer":
-            assert self.min is not None and self.max is not None
-            return list(range(int(self.min), int(self.max) + 1))
-        if self.type in ("categorical", "discrete"):
-            return list(self.values or [])
-        raise InvalidTuningSpecError(
-            f"Parameter {self.name!r} is a double: it has no grid.",
-            "Use algorithm bayesian or random, or make it discrete (a list of values).",
-        )
-
-
-def _default_parameters() -> list[ParameterSpec]:
-    return [
-        ParameterSpec(name="learning_rate", type="double", min=1e-4, max=0.1, scale="log"),
-        ParameterSpec(name="batch_size", type="discrete", values=[8, 16, 32]),
-    ]
 
 
 class TuningSpec(BaseModel):
@@ -168,7 +69,7 @@ class TuningSpec(BaseModel):
     )
     goal: Literal["maximize", "minimize"] = Field("maximize", title="Goal")
     parameters: list[ParameterSpec] = Field(
-        default_factory=_default_parameters,
+        default_factory=default_parameters,
         min_length=1,
         title="Parameters",
         description="The training parameters to tune and their ranges or values.",
@@ -248,6 +149,10 @@ class TuningSpec(BaseModel):
         try:
             spec = cls(**values)
         except ValidationError as exc:
+            errors = exc.errors()
+            if all(err["type"] == REFUSED for err in errors):  # a parameter's shape, and why
+                ctx = errors[0].get("ctx") or {}
+                raise InvalidTuningSpecError(ctx["message"], ctx["hint"]) from exc
             message, hint = describe(cls, exc)
             raise InvalidTuningSpecError(f"Invalid tuning spec: {message}.", hint) from exc
         return spec.check()
@@ -275,68 +180,8 @@ class TuningSpec(BaseModel):
 
     def check(self) -> TuningSpec:
         """Refuse what cannot make a study; returns the spec. Raises InvalidTuningSpecError."""
-        if self.study_name is not None and not STUDY_NAME.match(self.study_name):
-            raise InvalidTuningSpecError(
-                f"study_name = {self.study_name!r} is not a usable study name.",
-                "Use letters, digits, '_', '.' and '-' (up to 128, starting with a letter or "
-                "digit): it names the study's journal file and folder.",
-            )
-        if self.metric not in METRICS:
-            raise InvalidTuningSpecError(
-                f"metric = {self.metric!r} is not a metric the training run reports.",
-                f"Use one of: {', '.join(METRICS)}.",
-            )
-        _check_model_name(self.model, "model")
-        if self.train.nodes > 1:
-            raise InvalidTuningSpecError(
-                f"train.nodes = {self.train.nodes}: a trial trains on one node.",
-                "Give each trial nproc_per_node processes on one machine, and run trials in "
-                "parallel (parallel_trial_count, on the work pool) to use more machines.",
-            )
-        seen: dict[str, ParameterSpec] = {}
-        for param in self.parameters:
-            if param.name in seen:
-                raise InvalidTuningSpecError(
-                    f"Parameter {param.name!r} is tuned twice.",
-                    "Name each training parameter once; use a categorical or discrete parent "
-                    "for values that depend on another parameter.",
-                )
-            _check_parameter(param)
-            _check_parent(param, seen)
-            seen[param.name] = param
-        self._check_model_options()
-        if self.algorithm == "grid":
-            doubles = [p.name for p in self.parameters if p.type == "double"]
-            if doubles:
-                raise InvalidTuningSpecError(
-                    f"A grid search cannot enumerate the double parameter {doubles[0]!r}: it has "
-                    "infinitely many values.",
-                    f"Make {doubles[0]} discrete (type: discrete, values: [...]), or use "
-                    "algorithm random or bayesian.",
-                )
-            size = self.grid_size()
-            if size > self.max_trial_count:
-                raise InvalidTuningSpecError(
-                    f"The grid has {size} points, more than max_trial_count = "
-                    f"{self.max_trial_count}: part of a grid is a biased search.",
-                    f"Raise max_trial_count to {size}, shrink the grid, or use algorithm random "
-                    "or bayesian.",
-                )
+        check_spec(self)
         return self
-
-    def _check_model_options(self) -> None:
-        """A network option is on only for architectures of the family that has it."""
-        tuned = self.by_name()
-        for option, family in FAMILY_OPTIONS.items():
-            param = tuned.get(option)
-            # The spec's own value holds wherever the option is not tuned.
-            if getattr(self, option) and (param is None or param.parent is not None):
-                _check_family(
-                    option, self.architectures(None), family, f"{option} = true", tuned=False
-                )
-            if param is not None and True in (param.values or []):
-                where = f"Parameter {option!r} (true among its values)"
-                _check_family(option, self.architectures(param), family, where, tuned=True)
 
     def architectures(self, param: ParameterSpec | None) -> list[str]:
         """The architectures a trial may train while ``param`` is tuned (None: in any trial)."""
@@ -401,8 +246,7 @@ class TuningSpec(BaseModel):
 
     def trial_params(self, values: Mapping[str, Value]) -> TrainParams:
         """``train`` with a trial's tuned values; refused like any training parameter."""
-        tuned = {k: v for k, v in values.items() if k in TrainParams.model_fields}
-        return TrainParams.checked(**{**self.train.model_dump(), **tuned})
+        return train_with(self.train, values)
 
     def trial_model(self, values: Mapping[str, Value]) -> ModelChoice:
         """The network of a trial: its architecture and options, tuned or the spec's."""
@@ -421,12 +265,13 @@ class TuningSpec(BaseModel):
                 "metric",
                 "goal",
                 "measurement",
-                "parameters",
                 "model",
                 "train",
                 *MODEL_OPTIONS,
             },
         )
+        # Every parameter with every field, as when one model held all types.
+        identity["parameters"] = [to_jsonable_python(p.record()) for p in self.parameters]
         # Options that came later count only when on: a study started before them continues.
         for option in FAMILY_OPTIONS:
             if not identity[option]:
@@ -436,219 +281,6 @@ class TuningSpec(BaseModel):
 
 def identity_digest(identity: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-
-def _check_model_name(name: object, where: str) -> None:
-    if name not in architectures():
-        raise InvalidTuningSpecError(
-            f"{where}: {name!r} is not an architecture of the zoo.",
-            f"Choose from: {', '.join(architectures())}.",
-        )
-
-
-def _field(name: str) -> FieldInfo:
-    """The field a tuned parameter sets: a training parameter, or the spec's own (model options)."""
-    return TrainParams.model_fields.get(name) or TuningSpec.model_fields[name]
-
-
-def _kind(name: str) -> Literal["int", "float", "bool", "choice"]:
-    """What values a parameter takes, from its field's type (``int | None``: an int)."""
-    if name == ARCHITECTURE:
-        return "choice"
-    annotation = _field(name).annotation
-    others = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if isinstance(annotation, types.UnionType) and len(others) == 1:
-        annotation = others[0]
-    kinds: dict[Any, Literal["int", "float", "bool"]] = {int: "int", float: "float", bool: "bool"}
-    return kinds.get(annotation, "choice")  # a Literal, a string, ...: a list of values
-
-
-def _allowed(name: str) -> str:
-    """What a parameter takes, in words (its field's type and range)."""
-    if name == ARCHITECTURE:
-        return "one of " + ", ".join(architectures())
-    return expected(_field(name))
-
-
-def _check_parameter(param: ParameterSpec) -> None:
-    """The parameter against its field: a type that fits, values and bounds within its range."""
-    name, kind = param.name, param.type
-    where = f"Parameter {name!r}"
-    if name in FIXED:
-        raise InvalidTuningSpecError(
-            f"{where} cannot vary between trials: {FIXED[name]}.",
-            f"Set it in the spec's train section. Tunable: {', '.join(tunable())}.",
-        )
-    if name not in tunable():
-        raise InvalidTuningSpecError(
-            f"{where} is not a training parameter that can be tuned.",
-            f"Tunable: {', '.join(tunable())}.",
-        )
-    ranged = kind in ("double", "integer")
-    if ranged and (param.min is None or param.max is None or param.values is not None):
-        raise InvalidTuningSpecError(
-            f"{where} ({kind}) needs min and max, and no values.",
-            "Give min and max; use type categorical or discrete for a list of values.",
-        )
-    if not ranged and (not param.values or param.min is not None or param.max is not None):
-        raise InvalidTuningSpecError(
-            f"{where} ({kind}) needs a non-empty list of values, and no min or max.",
-            "Give values: [...]; use type double or integer for a range.",
-        )
-    if kind == "categorical" and param.scale != "linear":
-        raise InvalidTuningSpecError(
-            f"{where} is categorical: its values have no scale.",
-            "Leave scale out, or make it discrete (increasing numbers) to give one.",
-        )
-    field_kind = _kind(name)
-    if field_kind in ("bool", "choice"):
-        _check_choices(param, field_kind)
-        return
-    if kind == "double" and field_kind == "int":
-        raise InvalidTuningSpecError(
-            f"{where} is an integer training parameter: it cannot be a double.",
-            "Use type integer, discrete or categorical.",
-        )
-    if kind == "integer" and field_kind == "float":
-        raise InvalidTuningSpecError(
-            f"{where} takes fractions: use type double (or discrete) rather than integer."
-        )
-    if ranged:
-        assert param.min is not None and param.max is not None
-        if kind == "integer" and not (param.min.is_integer() and param.max.is_integer()):
-            raise InvalidTuningSpecError(
-                f"{where} is an integer range: min = {param.min:g} and max = {param.max:g} must "
-                "be whole numbers.",
-                "Round min and max, or make the parameter a double.",
-            )
-        if param.min >= param.max:
-            raise InvalidTuningSpecError(
-                f"{where}: min = {param.min:g} must be below max = {param.max:g}.",
-                "Swap min and max, or make the range wider.",
-            )
-        candidates: list[tuple[str, Value]] = [("min", param.min), ("max", param.max)]
-    else:
-        values = list(param.values or [])
-        _check_distinct(param, values)
-        words = [v for v in values if isinstance(v, str | bool)]
-        if words:
-            raise InvalidTuningSpecError(
-                f"{where} takes numbers; got {words}.",
-                "Write numbers without quotes (1e-4 and 0.0001 both read as numbers).",
-            )
-        candidates = [("value", v) for v in values]
-    numbers = [float(v) for _, v in candidates]
-    if kind == "discrete" and any(b <= a for a, b in itertools.pairwise(numbers)):
-        raise InvalidTuningSpecError(
-            f"{where} is discrete: its values must increase; got {param.values}.",
-            "Sort the values and drop duplicates.",
-        )
-    if param.scale != "linear" and min(numbers) <= 0:
-        raise InvalidTuningSpecError(
-            f"{where} has a {param.scale} scale, which needs values > 0; its minimum is "
-            f"{min(numbers):g}.",
-            "Raise min above 0, or use scale linear.",
-        )
-    for label, value in candidates:
-        if field_kind == "int" and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        _check_in_range(name, label, value)
-
-
-def _check_choices(param: ParameterSpec, field_kind: str) -> None:
-    """A bool, Literal or other non-numeric parameter: categorical, each value one it takes."""
-    name, where = param.name, f"Parameter {param.name!r}"
-    if param.type != "categorical":
-        raise InvalidTuningSpecError(
-            f"{where} takes {_allowed(name)}: it must be categorical.",
-            f"type: categorical, values: [...] ({_allowed(name)}).",
-        )
-    values = list(param.values or [])
-    _check_distinct(param, values)
-    for value in values:
-        if name == ARCHITECTURE:
-            _check_model_name(value, where)
-        elif field_kind == "bool" and not isinstance(value, bool):
-            raise InvalidTuningSpecError(
-                f"{where} is true or false; got {value!r}.",
-                "values: [true, false], without quotes.",
-            )
-        elif name in TrainParams.model_fields:
-            _check_in_range(name, "value", value)
-
-
-def _check_distinct(param: ParameterSpec, values: list[Value]) -> None:
-    if len({(type(v), v) for v in values}) != len(values):
-        raise InvalidTuningSpecError(
-            f"Parameter {param.name!r} lists a value twice: {values}.", "List each value once."
-        )
-
-
-def _check_in_range(name: str, label: str, value: Value) -> None:
-    """``value`` is one the training takes for ``name`` (validated by TrainParams itself)."""
-    try:
-        TrainParams.checked(**{name: value})
-    except InvalidParameterError as exc:
-        raise InvalidTuningSpecError(
-            f"Parameter {name!r}: {label} = {value!r} is out of range; {name} takes "
-            f"{_allowed(name)}.",
-            exc.hint,
-        ) from exc
-
-
-def _check_family(option: str, trained: list[str], family: Family, where: str, tuned: bool) -> None:
-    outside = [a for a in trained if a not in family.archs]
-    if outside:
-        kind = f"{family.title}s"
-        raise InvalidTuningSpecError(
-            f"{where}: {option} applies to {kind} only, and trials may train {outside}.",
-            f"Make {option} a child of architecture (parent: architecture, parent_values: "
-            f"[the {kind}]), or tune only {kind}."
-            if tuned
-            else f"Set {option} to false, or train only {kind} (model, architecture's values).",
-        )
-
-
-def _check_parent(param: ParameterSpec, seen: Mapping[str, ParameterSpec]) -> None:
-    where = f"Parameter {param.name!r}"
-    if param.parent is None:
-        if param.parent_values is not None:
-            raise InvalidTuningSpecError(
-                f"{where} has parent_values but no parent.",
-                "Name the parent parameter, or leave parent_values out.",
-            )
-        return
-    if param.parent == param.name:
-        raise InvalidTuningSpecError(
-            f"{where} names itself as its parent.", "Name another parameter, declared above it."
-        )
-    parent = seen.get(param.parent)
-    if parent is None:
-        raise InvalidTuningSpecError(
-            f"{where} names the parent {param.parent!r}, which is not a parameter declared "
-            "before it.",
-            "Declare the parent in parameters, above its children.",
-        )
-    if parent.type == "double":
-        raise InvalidTuningSpecError(
-            f"{where} names the double parameter {param.parent!r} as its parent: a double has "
-            "no values to switch a child on.",
-            f"Make {param.parent} integer, categorical or discrete.",
-        )
-    if not param.parent_values:
-        raise InvalidTuningSpecError(
-            f"{where} has a parent but no parent_values.",
-            f"List the values of {param.parent} under which {param.name} is tuned.",
-        )
-    allowed = parent.grid_values()
-    if parent.scale == "reverse_log" and parent.type == "integer":
-        allowed = [parent.training_value(v) for v in allowed]
-    wrong = [v for v in param.parent_values if v not in allowed]
-    if wrong:
-        raise InvalidTuningSpecError(
-            f"{where}: parent_values {wrong} are not values of {param.parent!r}.",
-            f"{param.parent} takes: {allowed[:20]}{' ...' if len(allowed) > 20 else ''}.",
-        )
 
 
 class _Loader(yaml.SafeLoader):

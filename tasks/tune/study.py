@@ -18,33 +18,39 @@ flow that continues the study; each trial's training run is nested under it.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import os
-import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import optuna
-import psutil
 from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 from optuna.storages import BaseStorage
-from optuna.trial import FrozenTrial, TrialState
-from pydantic import BaseModel
+from optuna.trial import TrialState
 
 from models.transform_spec import TransformSpec
-from tasks.errors import InvalidParameterError, InvalidTuningSpecError, TuningFailedError
+from tasks.errors import TuningFailedError
 from tasks.imagedir import read_manifest
 from tasks.settings import Settings
 from tasks.step import step_logger
-from tasks.tracking import configure_mlflow
 from tasks.train.params import manifest_fingerprint
+from tasks.tune.parent_run import parent_run
+from tasks.tune.records import (
+    ERROR,
+    FINISHED,
+    REGISTERED,
+    RESUMES,
+    VALUES,
+    AskedTrial,
+    Tally,
+    TrialJob,
+    TrialOutcome,
+    interrupted,
+    outcome_of,
+)
+from tasks.tune.records import OWNER as OWNER  # where tests have found it
+from tasks.tune.resume import check_identity, queue_grid, recover_interrupted, take_ownership
 from tasks.tune.search import make_pruner, make_sampler, suggest
-from tasks.tune.spec import TuningSpec, Value, identity_digest
+from tasks.tune.spec import TuningSpec
 from tasks.tune.storage import (
     describe_storage,
     open_storage,
@@ -52,95 +58,6 @@ from tasks.tune.storage import (
     storage_ref,
     study_dir,
 )
-
-# Study attributes.
-IDENTITY = "imageops.identity"
-IDENTITY_DIGEST = "imageops.identity_digest"
-OWNER = "imageops.owner"
-PARENT_RUN = "imageops.mlflow_parent_run_id"
-REGISTERED = "imageops.registered"
-# Trial attributes.
-VALUES = "imageops.values"  # the values trained with (reverse_log undone)
-RESUMES = "imageops.resumes"  # the number of the interrupted trial whose run this one continues
-INTERRUPTED = "imageops.interrupted"
-ERROR = "imageops.error"
-RUN_ID = "imageops.mlflow_run_id"
-MODEL_DIR = "imageops.model_dir"
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-
-
-class AskedTrial(BaseModel):
-    """A trial the study handed out: its number and the values to train with."""
-
-    number: int
-    values: dict[str, Value]
-    resumes: int | None = None  # continue the run of this (interrupted) trial
-
-    @property
-    def folder_number(self) -> int:
-        return self.number if self.resumes is None else self.resumes
-
-
-class TrialJob(BaseModel):
-    """Everything a trial needs besides its values; JSON-able, so a remote flow run takes it."""
-
-    study_name: str
-    storage: str | None  # the journal file; None: the settings' database
-    spec: TuningSpec
-    train_data: Path
-    val_data: Path
-    transform: TransformSpec
-    data_version: dict[str, str] = {}
-    parent_run_id: str
-    folder: Path
-
-    def trial_folder(self, asked: AskedTrial) -> Path:
-        return self.folder / f"trial_{asked.folder_number:04d}"
-
-
-class TrialOutcome(BaseModel):
-    """One trial as it stands in the study: a row of the trials table."""
-
-    number: int
-    state: str  # COMPLETE, PRUNED, FAIL, RUNNING, WAITING
-    value: float | None
-    values: dict[str, Value]
-    duration_s: float | None
-    run_id: str | None = None
-    model_dir: Path | None = None
-    error: str | None = None
-    interrupted: bool = False
-
-
-@dataclass(frozen=True)
-class Tally:
-    """How far the study is: finished trials (an interrupted one is not) and failures."""
-
-    complete: int
-    pruned: int
-    failed: int
-    last_error: str | None
-
-    @property
-    def finished(self) -> int:
-        return self.complete + self.pruned + self.failed
-
-
-def outcome_of(trial: FrozenTrial) -> TrialOutcome:
-    duration = trial.duration.total_seconds() if trial.duration is not None else None
-    attrs = trial.user_attrs
-    model_dir = attrs.get(MODEL_DIR)
-    return TrialOutcome(
-        number=trial.number,
-        state=trial.state.name,
-        value=trial.value if trial.value is not None and math.isfinite(trial.value) else None,
-        values=attrs.get(VALUES, {}),
-        duration_s=duration,
-        run_id=attrs.get(RUN_ID),
-        model_dir=Path(model_dir) if model_dir else None,
-        error=attrs.get(ERROR),
-        interrupted=bool(attrs.get(INTERRUPTED, False)),
-    )
 
 
 class Study:
@@ -175,7 +92,7 @@ class Study:
 
     def tally(self) -> Tally:
         trials = self.optuna.get_trials(deepcopy=False, states=FINISHED)
-        failed = [t for t in trials if t.state == TrialState.FAIL and not _interrupted(t)]
+        failed = [t for t in trials if t.state == TrialState.FAIL and not interrupted(t)]
         last = max(failed, key=lambda t: t.number, default=None)
         return Tally(
             complete=sum(t.state == TrialState.COMPLETE for t in trials),
@@ -332,15 +249,15 @@ def open_study(
             spec.early_stopping, spec.early_stopping_min_trials, spec.early_stopping_min_epochs
         ),
     )
-    _check_identity(study, name, identity)
-    _take_ownership(study, name)
+    check_identity(study, name, identity)
+    take_ownership(study, name)
     study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
     log = step_logger(__name__)
-    recovered = _recover_interrupted(study, storage)
+    recovered = recover_interrupted(study, storage)
     if recovered:
         log.info("study %s: trials %s were interrupted; queued again", name, recovered)
     if spec.algorithm == "grid":
-        _queue_grid(study, spec)
+        queue_grid(study, spec)
     job = TrialJob(
         study_name=name,
         storage=ref,
@@ -349,7 +266,7 @@ def open_study(
         val_data=Path(val_data).resolve(),
         transform=transform,
         data_version=dict(data_version or {}),
-        parent_run_id=_parent_run(study, spec, settings),
+        parent_run_id=parent_run(study, spec, settings),
         folder=study_dir(settings, name),
     )
     opened = Study(spec, study, storage, job, settings)
@@ -370,140 +287,3 @@ def open_study(
 def _fingerprint(root: Path) -> str:
     read_manifest(Path(root))  # a clear InvalidImageDirectoryError for a folder that is not one
     return manifest_fingerprint(Path(root))
-
-
-def _interrupted(trial: FrozenTrial) -> bool:
-    return bool(trial.user_attrs.get(INTERRUPTED, False))
-
-
-def _check_identity(study: optuna.Study, name: str, identity: dict[str, Any]) -> None:
-    digest = identity_digest(identity)
-    stored = study.user_attrs.get(IDENTITY_DIGEST)
-    if stored is None:
-        study.set_user_attr(IDENTITY, json.dumps(identity, sort_keys=True))
-        study.set_user_attr(IDENTITY_DIGEST, digest)
-        return
-    if stored == digest:
-        return
-    before = json.loads(study.user_attrs.get(IDENTITY, "{}"))
-    changed = sorted(k for k in identity.keys() | before.keys() if identity.get(k) != before.get(k))
-    raise InvalidTuningSpecError(
-        f"Study {name!r} was started with another setup (differs in: {', '.join(changed)}); its "
-        "trials would not be comparable with new ones.",
-        "Continue it with the spec and data it was started with (only the counts, the "
-        "algorithm, early stopping and the seed may change), or use another study_name.",
-    )
-
-
-def _me() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": psutil.Process().create_time(),
-    }
-
-
-def _alive(owner: dict[str, Any]) -> bool:
-    """Whether the process that owned the study still runs (only knowable on this host)."""
-    if owner.get("host") != socket.gethostname():
-        return False
-    try:
-        return abs(psutil.Process(int(owner["pid"])).create_time() - owner["started"]) < 1.0
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
-
-
-def _take_ownership(study: optuna.Study, name: str) -> None:
-    """One flow tunes a study at a time: its RUNNING trials are then all that flow's."""
-    me, owner = _me(), study.user_attrs.get(OWNER)
-    if owner and owner.get("pid") != me["pid"] and _alive(owner):
-        raise InvalidParameterError(
-            f"Study {name!r} is being tuned right now by process {owner['pid']} on this machine.",
-            "Wait for that flow to end (or stop it), or tune under another study_name.",
-        )
-    if owner and owner.get("host") != me["host"]:
-        step_logger(__name__).warning(
-            "study %s was last tuned on %s; taking it over (its running trials count as "
-            "interrupted)",
-            name,
-            owner.get("host"),
-        )
-    study.set_user_attr(OWNER, me)
-
-
-def _recover_interrupted(study: optuna.Study, storage: BaseStorage) -> list[int]:
-    """Mark trials left RUNNING as interrupted FAILs and queue their parameters again."""
-    study_id = storage.get_study_id_from_name(study.study_name)
-    recovered = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-        storage.set_trial_user_attr(trial_id, INTERRUPTED, True)
-        storage.set_trial_user_attr(trial_id, ERROR, "interrupted: its flow stopped")
-        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-        if trial.params:
-            resumes = trial.user_attrs.get(RESUMES, trial.number)
-            study.enqueue_trial(dict(trial.params), user_attrs={RESUMES: resumes})
-        recovered.append(trial.number)
-    return recovered
-
-
-def _queue_grid(study: optuna.Study, spec: TuningSpec) -> None:
-    """Queue every grid point no trial has taken (finished, running or queued)."""
-    taken = []
-    for trial in study.get_trials(deepcopy=False):
-        if trial.state == TrialState.WAITING:
-            taken.append(trial.system_attrs.get("fixed_params", {}))
-        elif not _interrupted(trial):
-            taken.append(trial.params)
-    for point in spec.grid():
-        if point not in taken:
-            study.enqueue_trial(point)
-
-
-def _parent_run(study: optuna.Study, spec: TuningSpec, settings: Settings) -> str:
-    """The study's MLflow run: created on the first flow, found again by every later one."""
-    experiment_id = configure_mlflow(settings)
-    client = MlflowClient(settings.tracking_uri, settings.registry_uri)
-    run_id = study.user_attrs.get(PARENT_RUN)
-    if run_id is not None:
-        with contextlib.suppress(MlflowException):
-            client.get_run(run_id)
-            _tag_counts(client, run_id, spec)
-            return run_id
-    run_id = client.create_run(
-        experiment_id,
-        run_name=study.study_name,
-        tags={"imageops.step": "tune", "imageops.study": study.study_name},
-    ).info.run_id
-    # Parameters are immutable in MLflow: only what a continued study keeps (its identity).
-    fixed = {
-        "metric": spec.metric,
-        "goal": spec.goal,
-        "measurement": spec.measurement,
-        "model": spec.model,
-        "pretrained": spec.pretrained,
-        "memory_efficient": spec.memory_efficient,
-        "zero_init_residual": spec.zero_init_residual,
-        "parameters": json.dumps([p.model_dump(exclude_none=True) for p in spec.parameters]),
-        **{f"train.{k}": v for k, v in spec.train.model_dump().items()},
-    }
-    for key, value in fixed.items():
-        client.log_param(run_id, key, str(value)[:6000])
-    _tag_counts(client, run_id, spec)
-    study.set_user_attr(PARENT_RUN, run_id)
-    return run_id
-
-
-def _tag_counts(client: MlflowClient, run_id: str, spec: TuningSpec) -> None:
-    """What may change between flows of a study, as tags (the latest flow's)."""
-    for key in (
-        "algorithm",
-        "max_trial_count",
-        "parallel_trial_count",
-        "max_failed_trial_count",
-        "early_stopping",
-        "early_stopping_min_trials",
-        "early_stopping_min_epochs",
-        "seed",
-    ):
-        client.set_tag(run_id, f"tune.{key}", str(getattr(spec, key)))

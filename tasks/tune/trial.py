@@ -6,7 +6,8 @@ run (:func:`tasks.train.launch.open_run`: an interrupted trial's unfinished run 
 from its checkpoint) and trains through torchrun with a :class:`~tasks.train.params.TrialHook`,
 so rank 0 reports the metric after every epoch and the run stops early when the study prunes
 it. The trial then tells the study itself (COMPLETE with its value, PRUNED, or FAIL with the
-error), so it can run anywhere: a task of the tune flow, or a flow run on a work pool.
+error), so it can run anywhere: a task of the tune flow, or a flow run on a work pool
+(both wired in flows.tune).
 
 A pruned trial's model is still written (its best epoch so far): it is never the study's best,
 since only completed trials are compared, but it can be looked at.
@@ -23,13 +24,11 @@ from optuna.trial import TrialState
 
 from tasks.build_model import build_model
 from tasks.settings import get_settings, redact_uri
-from tasks.step import step, step_logger
+from tasks.step import step_logger
 from tasks.train.launch import open_run, train
 from tasks.train.params import TrialHook
 from tasks.tune.gpus import gpu_environment, gpus_for, local_gpus
-from tasks.tune.spec import TuningSpec
-from tasks.tune.storage import open_storage, quiet_optuna
-from tasks.tune.study import (
+from tasks.tune.records import (
     ERROR,
     MODEL_DIR,
     RUN_ID,
@@ -38,6 +37,8 @@ from tasks.tune.study import (
     TrialOutcome,
     outcome_of,
 )
+from tasks.tune.spec import TuningSpec
+from tasks.tune.storage import open_storage, quiet_optuna
 
 UNTRAINED = "untrained"
 MODEL = "model"
@@ -136,6 +137,14 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
     return outcome
 
 
+def recorded_outcome(job: TrialJob, number: int) -> TrialOutcome:
+    """Trial ``number`` of ``job``'s study as the study recorded it (it ran elsewhere)."""
+    storage = open_storage(job.storage)
+    study_id = storage.get_study_id_from_name(job.study_name)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
+    return outcome_of(storage.get_trial(trial_id))
+
+
 def _since(started: float) -> float:
     return time.monotonic() - started
 
@@ -158,36 +167,3 @@ def _tag_run(
         tags[GPUS_TAG] = ",".join(gpus)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
-
-
-def run_trial_anywhere(
-    job: TrialJob, asked: AskedTrial, deployment: str | None = None
-) -> TrialOutcome:
-    """The trial here, or, with ``deployment`` (``<flow>/<deployment>``), as a flow run of it.
-
-    A deployed trial runs on the deployment's work pool (a worker on another machine, sharing
-    the study's database, the MLflow server and the storage of ``job.folder``); this waits for
-    it and reads the outcome from the study. A flow run that ended without telling the study
-    is failed by the tune flow (:meth:`tasks.tune.study.Study.settle`).
-    """
-    if deployment is None:
-        return run_trial(job, asked)
-    from prefect.deployments import run_deployment
-
-    flow_run = run_deployment(
-        deployment,
-        parameters={"job": job.model_dump(mode="json"), "asked": asked.model_dump(mode="json")},
-        timeout=None,  # wait for it, however long the training takes
-        flow_run_name=f"{job.study_name}-trial-{asked.number}",
-    )
-    storage = open_storage(job.storage)
-    study_id = storage.get_study_id_from_name(job.study_name)
-    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, asked.number)
-    state = flow_run.state
-    if state is not None and not state.is_completed():
-        raise RuntimeError(f"flow run {flow_run.name} ended {state.name}: {state.message}")
-    return outcome_of(storage.get_trial(trial_id))
-
-
-# No retries: a trial's failure is counted by the study, and a crash is settled by the flow.
-trial_task = step(run_trial_anywhere, name="tune-trial", retries=0)
