@@ -15,8 +15,8 @@ CUDA context or warm caches:
 
 1. **step**: the model step alone on a synthetic batch already on the GPU (batch 128, 224 px), for
    resnet18 and resnet50: ``fp32 NCHW`` (the plain loop's step: float32, NCHW, SGD with momentum)
-   and ``bf16 channels-last`` (imageops's step: :func:`tasks.train.worker.prepare_model`,
-   autocast, the fused SGD of :func:`~tasks.train.worker.build_optimizer`). The bf16 resnet50
+   and ``bf16 channels-last`` (imageops's step: :func:`tasks.train.build.prepare_model`,
+   autocast, the fused SGD of :func:`~tasks.train.build.build_optimizer`). The bf16 resnet50
    figure is the ceiling the training epochs are held to.
 2. **loader**: imageops's training loader alone (:func:`tasks.train.data.training_loader`, the
    ImageNet-style transform, the default loader count): the first batch's wait from the loader's
@@ -267,8 +267,8 @@ def part_step(plan: Plan, data: Path) -> dict:
     import torchvision
 
     from models.untrained import resnet
+    from tasks.train.build import build_optimizer, configure_backends, prepare_model
     from tasks.train.precision import Amp
-    from tasks.train.worker import build_optimizer, configure_backends, prepare_model
 
     device = _device(plan)
     configure_backends(device)
@@ -315,7 +315,13 @@ def part_loader(plan: Plan, data: Path) -> dict:
     """The training loader alone: first batch (fork server's start included), then images/s."""
     from torch.utils.data import DataLoader
 
-    from tasks.train.data import ShardSampler, loader_workers, make_loader, training_loader
+    from tasks.train.data import (
+        LoaderSetup,
+        ShardSampler,
+        loader_workers,
+        make_loader,
+        training_loader,
+    )
 
     device = _device(plan)
     train_set, val_set = _datasets(plan, data)
@@ -327,8 +333,7 @@ def part_loader(plan: Plan, data: Path) -> dict:
         seed=SEED,
         rank=0,
         world_size=1,
-        device=device,
-        num_workers=workers,
+        setup=LoaderSetup(device, workers),
     )
     result: dict = {"workers": workers, "epochs": []}
     for epoch in (1, 2):
@@ -349,8 +354,7 @@ def part_loader(plan: Plan, data: Path) -> dict:
         val_set,
         batch_size=plan.batch,
         sampler=ShardSampler(len(val_set), 0, 1),
-        device=device,
-        num_workers=workers,
+        setup=LoaderSetup(device, workers),
     )
     next(iter(val_loader))
     result["val_first_batch_s"] = time.perf_counter() - began
@@ -381,9 +385,17 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     import torch
 
     from models.untrained import resnet
+    from tasks.train.build import build_optimizer, configure_backends, prepare_model
     from tasks.train.checkpoint import save_checkpoint
-    from tasks.train.data import ShardSampler, loader_workers, make_loader, training_loader
+    from tasks.train.data import (
+        LoaderSetup,
+        ShardSampler,
+        loader_workers,
+        make_loader,
+        training_loader,
+    )
     from tasks.train.loop import (
+        StepParts,
         check_weights,
         derive_seed,
         evaluate,
@@ -393,7 +405,6 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     from tasks.train.params import TrainParams
     from tasks.train.precision import Amp
     from tasks.train.schedule import build_scheduler
-    from tasks.train.worker import build_optimizer, configure_backends, prepare_model
     from tasks.transform import input_size
 
     began = time.perf_counter()
@@ -407,15 +418,13 @@ def part_imageops(plan: Plan, data: Path) -> dict:
         seed=SEED,
         rank=0,
         world_size=1,
-        device=device,
-        num_workers=workers,
+        setup=LoaderSetup(device, workers),
     )
     val_loader = make_loader(
         val_set,
         batch_size=plan.batch,
         sampler=ShardSampler(len(val_set), 0, 1),
-        device=device,
-        num_workers=workers,
+        setup=LoaderSetup(device, workers),
     )
     configure_backends(device)
     amp = Amp.for_run(device.type, _precision(plan), input_size(_spec(plan)))  # type: ignore[arg-type]
@@ -435,12 +444,7 @@ def part_imageops(plan: Plan, data: Path) -> dict:
         stats = train_one_epoch(
             model,
             loader,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            criterion=criterion,
-            device=device,
-            amp=amp,
-            scaler=scaler,
+            StepParts(optimizer, scheduler, criterion, scaler, amp, device),
             epoch=epoch,
             epochs=plan.epochs,
             print_frequency=params.print_frequency,

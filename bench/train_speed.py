@@ -157,11 +157,11 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
     from models.transform_spec import TransformSpec
     from models.untrained import resnet
     from tasks.imagedir import read_manifest
-    from tasks.train.data import ManifestImageFolder, training_loader
-    from tasks.train.loop import train_one_epoch
+    from tasks.train.build import build_optimizer, configure_backends, prepare_model
+    from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
+    from tasks.train.loop import StepParts, train_one_epoch
     from tasks.train.precision import Amp
     from tasks.train.schedule import build_scheduler
-    from tasks.train.worker import build_optimizer, configure_backends, prepare_model
     from tasks.transform import build_transform
 
     device = torch.device("cpu")
@@ -185,20 +185,14 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
             seed=1,
             rank=0,
             world_size=1,
-            device=device,
-            num_workers=0,  # what loader_workers() gives on CPU
+            setup=LoaderSetup(device, 0),  # 0: what loader_workers() gives on CPU
         )
         sampler.set_epoch(1)
         scheduler = build_scheduler(optimizer, steps_per_epoch=steps, epochs=1, warmup_epochs=0)
         stats = train_one_epoch(
             model,
             loader,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            criterion=criterion,
-            device=device,
-            amp=amp,
-            scaler=scaler,
+            StepParts(optimizer, scheduler, criterion, scaler, amp, device),
             epoch=1,
             epochs=1,
             print_frequency=10**9,

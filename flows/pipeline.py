@@ -16,6 +16,7 @@ from prefect.context import FlowRunContext
 from pydantic import BaseModel, Field
 
 from flows.config import PipelineConfig
+from flows.score import score_in_flow
 from flows.train import train_flow
 from tasks.artifacts import markdown_table, publish_markdown
 from tasks.build_model import build_model_task
@@ -26,7 +27,7 @@ from tasks.export import export_task
 from tasks.promote import CHALLENGER, Promotion, promote_task
 from tasks.quantize import quantize_task
 from tasks.registry import register_task
-from tasks.score import score_in_shards
+from tasks.score import ShardedScoring
 from tasks.settings import Settings, get_settings, redact_uri
 from tasks.split import split_task
 from tasks.step import name_flow_run
@@ -107,9 +108,11 @@ def pipeline(
             metric=config.promotion.metric, margin=config.promotion.margin,
         )  # fmt: skip
         # One score task, or parallel ones over shards for a large input.
-        scored = score_in_shards(
-            trained.model_dir, data / "val", outputs / "scored.csv",
-            batch_size=config.score_batch_size,
+        scored = score_in_flow(
+            ShardedScoring(
+                trained.model_dir, data / "val", outputs / "scored.csv",
+                batch_size=config.score_batch_size,
+            )
         )  # fmt: skip
         evaluation = evaluate_task(scored, run_id=trained.run_id)
 

@@ -1,7 +1,8 @@
 """Batch scoring as a flow, and its deployment that a promotion in the MLflow registry starts.
 
 Composition only: resolve the model (a ModelDirectory path, or a ``models:/`` URI fetched from the
-registry into the local cache), then the score task. The deployment carries a trigger on the
+registry into the local cache), then the score task, or one per shard of a large input
+(:func:`score_in_flow`). The deployment carries a trigger on the
 alias event of :mod:`tasks.promotion_events`, so a version becoming ``@champion`` runs this flow
 with ``model="models:/<name>@champion"``, whether the event came from MLflow's webhook (through
 ``flows/webhook.py``) or from the promote step in embedded mode.
@@ -10,23 +11,60 @@ with ``model="models:/<name>@champion"``, whether the event came from MLflow's w
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 from prefect import flow, serve
 from prefect.deployments.runner import RunnerDeployment
+from prefect.futures import wait
 from pydantic import BaseModel, Field
 
 from tasks.errors import ImageOpsError, error_text
 from tasks.model_uri import fetch_registered_model_task, is_registry_uri
 from tasks.promotion_events import CHAMPION, alias_trigger
-from tasks.score import SHARD_IMAGES, score_in_shards
+from tasks.score import (
+    SHARD_IMAGES,
+    ShardedScoring,
+    ShardJob,
+    default_threads,
+    run_in_turn,
+    score_sharded,
+    score_task,
+)
 from tasks.settings import Settings, get_settings, redact_uri
-from tasks.step import name_flow_run
+from tasks.step import in_prefect_run, name_flow_run
 
 DEPLOYMENT_NAME = "score"
 SCORES_DIR = "scores"
+
+
+def submit_shards(jobs: Sequence[ShardJob]) -> None:
+    """Score the jobs as ``score`` tasks of the running flow, side by side.
+
+    ONNX Runtime and image decoding release the GIL, so the flow's threads run the shards at once,
+    the cores split between them. A whole input (one job, no shard) is one task run here; outside
+    a flow the jobs run one after another. Raises the first shard's error, if any.
+    """
+    if not in_prefect_run():
+        run_in_turn(jobs)
+        return
+    if len(jobs) == 1 and jobs[0].shard is None:
+        score_task(**jobs[0].arguments())
+        return
+    threads = jobs[0].threads if jobs else None
+    per_shard = max(1, (threads or default_threads()) // max(1, len(jobs)))
+    futures = [score_task.submit(**replace(job, threads=per_shard).arguments()) for job in jobs]
+    wait(futures)
+    for future in futures:
+        future.result()  # raises the first shard's error, if any
+
+
+def score_in_flow(scoring: ShardedScoring) -> Path:
+    """:func:`tasks.score.score_sharded` with each missing shard a parallel ``score`` task."""
+    return score_sharded(scoring, submit_shards)
 
 
 class ScoreResult(BaseModel):
@@ -91,13 +129,15 @@ def score_flow(
     else:
         out = settings.project_root / dest
     # One score task, or parallel ones over shards for a large input, merged in order.
-    scored = score_in_shards(
-        model_dir,
-        settings.project_root / images,
-        out,
-        shard_images=shard_images,
-        batch_size=batch_size,
-        threads=threads,
+    scored = score_in_flow(
+        ShardedScoring(
+            model_dir,
+            settings.project_root / images,
+            out,
+            shard_images=shard_images,
+            batch_size=batch_size,
+            threads=threads,
+        )
     )
     print(f"Scored {images} with {model} ({model_dir}) into {scored}")
     return ScoreResult(model=model, model_dir=model_dir, version=version, scored=scored)

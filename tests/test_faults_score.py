@@ -22,6 +22,7 @@ from tasks.sample import write_digits
 from tasks.score import (
     CHECKPOINTS,
     PROBABILITY_PREFIX,
+    ShardedScoring,
     checkpoint_dir,
     list_images,
     score,
@@ -187,13 +188,17 @@ def test_in_a_flow_only_the_missing_shards_become_tasks(
 ) -> None:
     from prefect import flow
 
+    from flows.score import score_in_flow
+
     images = _photos(digits_raw, tmp_path / "photos")
     dest = tmp_path / "out" / "scores.csv"
     _plant(exported_model, images, dest)
 
     @flow(name="score-resumed")
     def resumed() -> Path:
-        return score_in_shards(exported_model, images, dest, shard_images=6, batch_size=2)
+        return score_in_flow(
+            ShardedScoring(exported_model, images, dest, shard_images=6, batch_size=2)
+        )
 
     state = resumed(return_state=True)
     table = pd.read_csv(state.result(), dtype=str, keep_default_na=False)

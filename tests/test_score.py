@@ -19,7 +19,7 @@ from models.atomic import write_json
 from models.directory import ONNX, read_model_info
 from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
 from tasks.imagedir import load_rgb, read_manifest
-from tasks.score import score, score_in_shards
+from tasks.score import ShardedScoring, score, score_in_shards
 from tasks.transform import build_transform
 
 pytest_plugins = ["model_fixtures"]
@@ -179,13 +179,17 @@ def test_in_a_flow_the_shards_are_parallel_prefect_tasks(
 ) -> None:
     from prefect import flow
 
+    from flows.score import score_in_flow
+
     folder = tmp_path / "photos"
     _plain_folder(digits_raw, folder, count=9)
     whole = score(exported_model, folder, tmp_path / "whole.csv")
 
     @flow(name="score-in-shards")
     def sharded_flow() -> Path:
-        return score_in_shards(exported_model, folder, tmp_path / "sharded.csv", shard_images=3)
+        return score_in_flow(
+            ShardedScoring(exported_model, folder, tmp_path / "sharded.csv", shard_images=3)
+        )
 
     state = sharded_flow(return_state=True)
     pd.testing.assert_frame_equal(_read_csv(state.result()), _read_csv(whole), atol=1e-9)

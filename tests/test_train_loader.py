@@ -25,7 +25,7 @@ from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
 from tasks.imagedir import read_manifest
 from tasks.settings import Settings
-from tasks.train.data import ManifestImageFolder, split_finish, training_loader
+from tasks.train.data import LoaderSetup, ManifestImageFolder, split_finish, training_loader
 from tasks.train.launch import train
 from tasks.train.loop import model_input
 from tasks.train.params import TrainParams
@@ -48,7 +48,13 @@ import torch
 
 from models.transform_spec import TransformSpec
 from tasks.imagedir import read_manifest
-from tasks.train.data import ManifestImageFolder, ShardSampler, make_loader, training_loader
+from tasks.train.data import (
+    LoaderSetup,
+    ManifestImageFolder,
+    ShardSampler,
+    make_loader,
+    training_loader,
+)
 from tasks.transform import build_transform
 
 
@@ -65,7 +71,7 @@ def main():
     val_set = ManifestImageFolder(val, read_manifest(val), build_transform(spec, "inference"))
     began = time.perf_counter()
     loader, sampler = training_loader(
-        train_set, batch_size=8, seed=1, rank=0, world_size=1, device=cpu, num_workers=workers
+        train_set, batch_size=8, seed=1, rank=0, world_size=1, setup=LoaderSetup(cpu, workers)
     )
     sampler.set_epoch(1)
     train_batches = iter(loader)
@@ -73,8 +79,8 @@ def main():
     cold = time.perf_counter() - began
     began = time.perf_counter()
     val_loader = make_loader(
-        val_set, batch_size=8, sampler=ShardSampler(len(val_set), 0, 1), device=cpu,
-        num_workers=workers,
+        val_set, batch_size=8, sampler=ShardSampler(len(val_set), 0, 1),
+        setup=LoaderSetup(cpu, workers),
     )
     val_batches = iter(val_loader)
     next(val_batches)
@@ -161,8 +167,8 @@ def test_finishing_on_the_device_gives_the_same_images_from_uint8_batches(
     seen = {}
     for finish in (False, True):
         loader, sampler = training_loader(
-            dataset, batch_size=8, seed=3, rank=0, world_size=1, device=cpu, num_workers=0,
-            finish_on_device=finish,
+            dataset, batch_size=8, seed=3, rank=0, world_size=1,
+            setup=LoaderSetup(cpu, 0, finish_on_device=finish),
         )  # fmt: skip
         sampler.set_epoch(1)
         raw = [images for images, _ in loader]
@@ -193,7 +199,7 @@ def test_running_ahead_to_the_next_epoch_keeps_every_epochs_images(
 
     def epochs(workers: int, order: list[int], stop_early: bool = False) -> list[torch.Tensor]:
         loader, sampler = training_loader(
-            dataset, batch_size=8, seed=3, rank=0, world_size=1, device=cpu, num_workers=workers
+            dataset, batch_size=8, seed=3, rank=0, world_size=1, setup=LoaderSetup(cpu, workers)
         )
         seen = []
         for epoch in order:

@@ -18,7 +18,7 @@ from tasks.errors import InvalidParameterError, TrainingDivergedError
 from tasks.imagedir import read_manifest
 from tasks.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT
-from tasks.train.data import ManifestImageFolder, training_loader
+from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import THROUGHPUT_PER_PROCESS, check_weights, to_device
 from tasks.train.params import TrainParams
@@ -164,8 +164,7 @@ def batches(dataset: ManifestImageFolder, workers: int, epochs: int) -> list[tor
         seed=3,
         rank=0,
         world_size=1,
-        device=torch.device("cpu"),
-        num_workers=workers,
+        setup=LoaderSetup(torch.device("cpu"), workers),
     )
     seen = []
     for epoch in range(1, epochs + 1):

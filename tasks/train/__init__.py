@@ -10,9 +10,12 @@
   MLflow outage), ``run_lock`` (the run's lock while a launcher trains it), ``rendezvous``
   (where a multi-node job's agents meet, which came) and ``torchrun`` (the process tree, its log,
   its error).
-- ``worker``: the torchrun entry (``python -m tasks.train.worker``); ``loop``: one epoch and one
-  evaluation; ``schedule``: warm-up then polynomial decay; ``distributed``: ranks, process group,
-  reductions; ``data``, ``checkpoint``, ``curves``, ``failure``: the pieces they share.
+- ``worker``: the torchrun entry (``python -m tasks.train.worker``) and its epoch loop, over
+  ``build`` (datasets, loaders, model, optimizer), ``progress`` (best epoch, early stop, pruning,
+  checkpoint state, resume) and ``finish`` (rank 0 writes the ModelDirectory and the summary);
+  ``loop``: one epoch and one evaluation; ``schedule``: warm-up then polynomial decay;
+  ``distributed``: ranks, process group, reductions; ``data``, ``checkpoint``, ``curves``,
+  ``failure``: the pieces they share.
 
 Nothing is imported here, so a worker loads torch and its own modules only, never Prefect or
 MLflow (rank 0 imports MLflow when it needs it).

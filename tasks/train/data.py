@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 from collections.abc import Callable, Iterator, Sized
+from dataclasses import dataclass
 from functools import partial
 from multiprocessing.context import BaseContext
 from pathlib import Path
@@ -293,15 +294,22 @@ def split_finish(dataset: Dataset) -> tuple[Dataset, DeviceFinish | None]:
     return dataset, None
 
 
+@dataclass(frozen=True)
+class LoaderSetup:
+    """How this process's loaders are made: the same for its training and validation loaders."""
+
+    device: torch.device
+    num_workers: int  # loader processes (:func:`loader_workers`); 0: load in this process
+    finish_on_device: bool | None = None  # default: on CUDA (see :func:`make_loader`)
+
+
 def make_loader(
     dataset: Dataset,
     *,
     batch_size: int,
     sampler: Sampler,
-    device: torch.device,
-    num_workers: int,
+    setup: LoaderSetup,
     drop_last: bool = False,
-    finish_on_device: bool | None = None,
     run_ahead: bool = False,
 ) -> DataLoader:
     """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
@@ -311,11 +319,12 @@ def make_loader(
     forks), persistent across epochs, about ``BATCHES_AHEAD`` batches ahead. On CUDA, batches come
     in pinned memory, so the copy to the GPU is asynchronous (``non_blocking=True`` in the
     training step) and overlaps the previous step, and as uint8: the transform's to-float and
-    normalise steps run on the GPU (:class:`DeviceFinish`, ``finish_on_device``, default: on
-    CUDA). The loader's ``finish_on_device`` attribute is then those steps, which
+    normalise steps run on the GPU (:class:`DeviceFinish`, ``setup.finish_on_device``, default:
+    on CUDA). The loader's ``finish_on_device`` attribute is then those steps, which
     :func:`tasks.train.loop.model_input` applies; None otherwise. ``run_ahead`` (a
     :class:`SeededSampler` only): a :class:`RunAheadLoader`.
     """
+    device, num_workers, finish_on_device = setup.device, setup.num_workers, setup.finish_on_device
     if finish_on_device is None:
         finish_on_device = device.type == "cuda"
     finish = None
@@ -344,9 +353,7 @@ def training_loader(
     seed: int,
     rank: int,
     world_size: int,
-    device: torch.device,
-    num_workers: int,
-    finish_on_device: bool | None = None,
+    setup: LoaderSetup,
 ) -> tuple[DataLoader, SeededSampler]:
     """The training loader of one rank: its shard, reshuffled per epoch, augmented per image.
 
@@ -367,9 +374,7 @@ def training_loader(
         SeededDataset(dataset),
         batch_size=batch_size,
         sampler=sampler,
-        device=device,
-        num_workers=num_workers,
-        finish_on_device=finish_on_device,
+        setup=setup,
         run_ahead=True,
         # A last batch of one image breaks BatchNorm in training mode (one value per channel
         # after the final pooling): drop exactly that case, never a real batch.

@@ -121,16 +121,23 @@ def _check_finite(loss: float, epoch: int, step: int, lr: float) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What every optimisation step uses besides the model and the batch: built once per run."""
+
+    optimizer: Optimizer
+    scheduler: LRScheduler  # stepped per batch
+    criterion: nn.Module
+    scaler: torch.amp.GradScaler  # from ``amp.grad_scaler()``
+    amp: Amp
+    device: torch.device
+
+
 def train_one_epoch(
     model: nn.Module,
     loader: DataLoader,
+    parts: StepParts,
     *,
-    optimizer: Optimizer,
-    scheduler: LRScheduler,
-    criterion: nn.Module,
-    device: torch.device,
-    amp: Amp,
-    scaler: torch.amp.GradScaler,
     epoch: int,
     epochs: int,
     print_frequency: int,
@@ -138,16 +145,18 @@ def train_one_epoch(
 ) -> TrainStats:
     """Train one epoch; the scheduler steps per batch. Raises TrainingDivergedError on NaN/inf.
 
-    The forward pass runs under ``amp``'s autocast; the loss is taken in float32 from the
-    logits. ``scaler`` (from ``amp.grad_scaler()``) scales the loss for float16 and is a
-    pass-through otherwise. Images/s counts from the first batch requested to the last step done,
-    so loading time that the loader did not hide counts against it; the wait for the first batch
-    is logged and returned on its own.
+    The forward pass runs under ``parts.amp``'s autocast; the loss is taken in float32 from the
+    logits. ``parts.scaler`` scales the loss for float16 and is a pass-through otherwise.
+    Images/s counts from the first batch requested to the last step done, so loading time that
+    the loader did not hide counts against it; the wait for the first batch is logged and
+    returned on its own.
 
     The loss is summed on the device and read back only every ``print_frequency`` steps: reading
     it every step would make the CPU wait for each step to finish before it queues the next,
     leaving the GPU idle while Python launches the next step's kernels.
     """
+    optimizer, scheduler, criterion = parts.optimizer, parts.scheduler, parts.criterion
+    scaler, amp, device = parts.scaler, parts.amp, parts.device
     model.train()
     # float64 sums of float32 losses: the same arithmetic as summing their Python floats.
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

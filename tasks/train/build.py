@@ -1,0 +1,135 @@
+"""What a training worker builds before its first epoch: data, loaders, model, optimizer.
+
+Every rank builds the same: the datasets from the manifests the launcher checked, its shard's
+loaders, the network initialised from the run's seed, SGD with the Azure design's settings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from models.untrained import ModelSpec
+from models.zoo import build_model
+from tasks.errors import InvalidDatasetError
+from tasks.imagedir import read_manifest
+from tasks.train import distributed
+from tasks.train.data import (
+    LoaderSetup,
+    ManifestImageFolder,
+    SeededSampler,
+    ShardSampler,
+    loader_workers,
+    make_loader,
+    training_loader,
+)
+from tasks.train.loop import derive_seed, seed_everything
+from tasks.train.params import RunConfig, manifest_fingerprint
+from tasks.train.precision import Amp
+from tasks.transform import transform_for
+
+# Azure's optimizer: SGD with (Nesterov) momentum; weight decay as in torchvision's recipes.
+# The defaults of TrainParams.momentum / weight_decay (tunable per run).
+MOMENTUM = 0.9
+WEIGHT_DECAY = 1e-4
+
+
+def configure_backends(device: torch.device) -> None:
+    """Backend switches for speed on ``device``.
+
+    On CUDA, cuDNN's autotuner (``cudnn.benchmark``) stays off: measured on an H100 for resnet50
+    in bf16 channels-last (docs/benchmarks.md, "GPU (H100)"), its search cost 14.5 s in the first
+    three steps and 7.9 s more for the last, smaller batch of an epoch, and the algorithms it
+    found were no faster than cuDNN's own choice (3,715 against 3,746 images/s). GPU runs repeat
+    a seed up to float rounding (some kernels add in a varying order); CPU runs bit for bit.
+    """
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = False
+
+
+def prepare_model(
+    spec: ModelSpec, num_classes: int, device: torch.device, seed: int, amp: Amp
+) -> nn.Module:
+    """The network for ``spec``, initialised from ``seed``, on ``device`` in ``amp``'s layout.
+
+    Every rank passes the same seed: identical initial weights everywhere (DDP would broadcast
+    rank 0's anyway, but a 1-process run must match too).
+    """
+    seed_everything(derive_seed(seed, "init"))
+    return build_model(spec, num_classes).to(device, memory_format=amp.memory_format)
+
+
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    momentum: float = MOMENTUM,
+    weight_decay: float = WEIGHT_DECAY,
+) -> torch.optim.Optimizer:
+    """The Azure design's optimizer: SGD with Nesterov momentum (0.9) and weight decay (1e-4).
+
+    Nesterov needs a momentum above 0: a momentum of 0 (a tuning trial may ask for it) is plain
+    SGD.
+
+    Fused: one kernel updates every parameter, where the default (foreach) makes a pass over all
+    weights per term (decay, momentum, Nesterov); on CPU that saves about 5 ms a step for resnet18,
+    which counts at small image sizes (docs/benchmarks.md).
+    """
+    return torch.optim.SGD(
+        model.parameters(),
+        lr=lr,
+        momentum=momentum,
+        nesterov=momentum > 0,
+        weight_decay=weight_decay,
+        fused=True,
+    )
+
+
+def load_datasets(config: RunConfig) -> dict[str, ManifestImageFolder]:
+    """The ``train`` and ``val`` datasets, refused if their manifests changed since the launch.
+
+    The manifests must be the ones the launcher checked: a resumed run sees the same data.
+    """
+    datasets = {}
+    for role, root in (("train", config.train_data), ("val", config.val_data)):
+        if manifest_fingerprint(root) != config.data_fingerprint[role]:
+            raise InvalidDatasetError(
+                f"The {role} dataset {root} changed after this run was configured.",
+                "Start a new run on the data as it is now.",
+            )
+        manifest = read_manifest(root)
+        # Validation sees exactly what scoring will: the inference mode of the same spec.
+        mode = "training" if role == "train" else "inference"
+        transform = transform_for(config.transform, mode, root, manifest.transform)
+        datasets[role] = ManifestImageFolder(root, manifest, transform)
+    return datasets
+
+
+def loader_setup(config: RunConfig, device: torch.device) -> LoaderSetup:
+    """How this process makes its loaders: the run's loader processes, or the device's default."""
+    return LoaderSetup(device, loader_workers(device, config.params.num_workers))
+
+
+def build_loaders(
+    datasets: dict[str, ManifestImageFolder],
+    config: RunConfig,
+    dist: distributed.DistInfo,
+    setup: LoaderSetup,
+) -> tuple[DataLoader, SeededSampler, DataLoader]:
+    """This rank's training loader and its sampler, and its validation loader."""
+    params = config.params
+    train_loader, sampler = training_loader(
+        datasets["train"],
+        batch_size=params.batch_size,
+        seed=params.seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        setup=setup,
+    )
+    val_loader = make_loader(
+        datasets["val"],
+        batch_size=params.batch_size,
+        sampler=ShardSampler(len(datasets["val"]), dist.rank, dist.world_size),
+        setup=setup,
+    )
+    return train_loader, sampler, val_loader
