@@ -74,6 +74,30 @@ def _options_from(model: type[BaseModel]) -> Callable[[Callable[..., None]], Cal
     to the model is an option here too. Every option defaults to None (not given), so only the
     options a person types replace the values the command starts from.
     """
+    options = []
+    for name, field in model.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        kind: Any = field.annotation
+        if isinstance(default, list):  # mean, std: three numbers after the option
+            kind = tuple[float, float, float]
+            default = " ".join(str(v) for v in default)
+        elif typing.get_origin(kind) is types.UnionType:  # int | None: None is the default
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        help_text = f"{field.title}: {field.description} Default: {default}."
+        options.append(_option(name, None, kind | None, typer.Option(help=help_text)))
+    return _with_options(*options)
+
+
+def _option(name: str, default: Any, kind: Any, option: Any) -> inspect.Parameter:
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option]
+    )
+
+
+def _with_options(
+    *options: inspect.Parameter,
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Add ``options`` after a command's own parameters: they reach it in its ``**options``."""
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         params = [
@@ -81,24 +105,7 @@ def _options_from(model: type[BaseModel]) -> Callable[[Callable[..., None]], Cal
             for p in inspect.signature(command, eval_str=True).parameters.values()
             if p.kind is not inspect.Parameter.VAR_KEYWORD
         ]
-        for name, field in model.model_fields.items():
-            default = field.get_default(call_default_factory=True)
-            kind: Any = field.annotation
-            if isinstance(default, list):  # mean, std: three numbers after the option
-                kind = tuple[float, float, float]
-                default = " ".join(str(v) for v in default)
-            elif typing.get_origin(kind) is types.UnionType:  # int | None: None is the default
-                kind = next(a for a in typing.get_args(kind) if a is not type(None))
-            help_text = f"{field.title}: {field.description} Default: {default}."
-            params.append(
-                inspect.Parameter(
-                    name,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[kind | None, typer.Option(help=help_text)],
-                )
-            )
-        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__signature__ = inspect.Signature([*params, *options])  # type: ignore[attr-defined]
         return command
 
     return decorate
@@ -342,8 +349,54 @@ def transform_apply(
         out.print(escape(visible_name(f"  skipped {item.path}: {item.reason}")))
 
 
+# How one `imageops train` joins a multi-node job: options of its own, beside TrainParams'.
+_NODE_OPTIONS = (
+    _option(
+        "node_rank",
+        None,
+        int | None,
+        typer.Option(
+            help="Run only this node's agent (0 to nodes-1), one per machine; needs --run-id "
+            "and --rdzv-endpoint. Without it, --nodes N runs all N agents on this machine."
+        ),
+    ),
+    _option(
+        "run_id",
+        None,
+        str | None,
+        typer.Option(help="MLflow run of a multi-node job (print it with --open-run)."),
+    ),
+    _option(
+        "rdzv_endpoint",
+        None,
+        str | None,
+        typer.Option(
+            help="host:port where the nodes meet (c10d rendezvous), the same on every node. "
+            "Default for agents on this machine: 127.0.0.1 and a free port."
+        ),
+    ),
+    _option(
+        "rdzv_timeout",
+        600,
+        int,
+        typer.Option(help="Seconds a node waits at the rendezvous for the others."),
+    ),
+    _option(
+        "open_run",
+        False,
+        bool,
+        typer.Option(
+            "--open-run",
+            help="Check everything, open the job's MLflow run (or find its unfinished one), "
+            "print the run id and exit: the id every --node-rank agent needs.",
+        ),
+    ),
+)
+
+
 @app.command()
 @_options_from(TrainParams)
+@_with_options(*_NODE_OPTIONS)
 def train(
     model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
     train_data: Annotated[Path, typer.Argument(help="Labeled training ImageDirectory.")],
@@ -365,35 +418,6 @@ def train(
             "prepared with another transform is refused."
         ),
     ] = None,
-    node_rank: Annotated[
-        int | None,
-        typer.Option(
-            help="Run only this node's agent (0 to nodes-1), one per machine; needs --run-id "
-            "and --rdzv-endpoint. Without it, --nodes N runs all N agents on this machine."
-        ),
-    ] = None,
-    run_id: Annotated[
-        str | None,
-        typer.Option(help="MLflow run of a multi-node job (print it with --open-run)."),
-    ] = None,
-    rdzv_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="host:port where the nodes meet (c10d rendezvous), the same on every node. "
-            "Default for agents on this machine: 127.0.0.1 and a free port."
-        ),
-    ] = None,
-    rdzv_timeout: Annotated[
-        int, typer.Option(help="Seconds a node waits at the rendezvous for the others.")
-    ] = 600,
-    open_run: Annotated[
-        bool,
-        typer.Option(
-            "--open-run",
-            help="Check everything, open the job's MLflow run (or find its unfinished one), "
-            "print the run id and exit: the id every --node-rank agent needs.",
-        ),
-    ] = False,
     **options: Any,
 ) -> None:
     """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow.
@@ -402,15 +426,22 @@ def train(
     machine; on N machines, run --open-run once, then one --node-rank agent on each machine.
     """
     from tasks.train import launch
+    from tasks.train.request import TrainRequest
 
+    node = {p.name: options.pop(p.name) for p in _NODE_OPTIONS}
     base = _config(config).train.model_dump() if config is not None else {}
-    params = TrainParams.checked(**{**base, **_given(options)})
+    request = TrainRequest.checked(
+        model=model, train_data=train_data, val_data=val_data, out=dest, transform=transform,
+        params={**base, **_given(options)}, run_id=node["run_id"],
+        node_rank=node["node_rank"] or 0, rdzv_endpoint=node["rdzv_endpoint"],
+        rdzv_timeout_s=node["rdzv_timeout"],
+    )  # fmt: skip
     out.print(_transform_note(transform, train_data, val_data))
-    if open_run:
-        out.print(launch.open_run(model, train_data, val_data, dest, params, transform=transform))
+    if node["open_run"]:
+        out.print(launch.open_run(request))
         return
-    if params.nodes > 1 and node_rank is None:
-        if run_id is not None:
+    if request.params.nodes > 1 and node["node_rank"] is None:
+        if request.run_id is not None:
             from tasks.errors import InvalidParameterError
 
             raise InvalidParameterError(
@@ -420,16 +451,9 @@ def train(
             )
         from flows.train import train_flow
 
-        result = train_flow(
-            model, train_data, val_data, dest, params, transform,
-            rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
-        )  # fmt: skip
+        result = train_flow(request)
     else:
-        result = launch.train(
-            model, train_data, val_data, dest, params,
-            transform=transform, run_id=run_id, node_rank=node_rank or 0,
-            rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
-        )  # fmt: skip
+        result = launch.train(request)
     out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
 
 
