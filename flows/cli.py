@@ -547,7 +547,34 @@ def _with_model_name(name: str | None) -> Settings:
     return settings.model_copy(update={"registered_model_name": name}) if name else settings
 
 
+# What `imageops tune` may replace in the spec file, by the spec's own field names.
+_SPEC_OPTIONS = (
+    _option(
+        "study_name",
+        None,
+        str | None,
+        typer.Option(
+            "--study",
+            help="Study name (replaces the file's); the same name continues a stopped study.",
+        ),
+    ),
+    _option(
+        "max_trial_count",
+        None,
+        int | None,
+        typer.Option("--max-trials", help="Replace max_trial_count."),
+    ),
+    _option(
+        "parallel_trial_count",
+        None,
+        int | None,
+        typer.Option("--parallel", help="Replace parallel_trial_count."),
+    ),
+)
+
+
 @app.command()
+@_with_options(*_SPEC_OPTIONS)
 def tune(
     spec: Annotated[Path, typer.Argument(help="Tuning spec (YAML, the shape of tuning.yaml).")],
     train_data: Annotated[Path, typer.Option(help="Labeled training ImageDirectory.")] = Path(
@@ -557,14 +584,6 @@ def tune(
         Path,
         typer.Option(help="Labeled validation ImageDirectory (the metric is measured on it)."),
     ] = Path("data/digits/val"),
-    study: Annotated[
-        str | None,
-        typer.Option(
-            help="Study name (replaces the file's); the same name continues a stopped study."
-        ),
-    ] = None,
-    max_trials: Annotated[int | None, typer.Option(help="Replace max_trial_count.")] = None,
-    parallel: Annotated[int | None, typer.Option(help="Replace parallel_trial_count.")] = None,
     transform: Annotated[
         Path | None,
         typer.Option(
@@ -583,6 +602,7 @@ def tune(
             "(imageops-tune-trial/tune-trial; needs IMAGEOPS_TUNING_STORAGE and a Prefect server)."
         ),
     ] = None,
+    **replaced: Any,
 ) -> None:
     """Tune hyperparameters with Optuna: each trial a training run; best model -> @challenger."""
     api_ready = _start_prefect_api(get_settings())
@@ -590,9 +610,7 @@ def tune(
     from flows.tune import study_transform, tune_flow, tune_spec_file
     from tasks.transform import input_size, read_transformation
 
-    study_spec = tune_spec_file(
-        spec, study_name=study, max_trial_count=max_trials, parallel_trial_count=parallel
-    )
+    study_spec = tune_spec_file(spec, **replaced)
     given = read_transformation(transform) if transform is not None else None
     chosen = study_transform(given, train_data, val_data)
     side = input_size(chosen)
