@@ -8,6 +8,7 @@ parameter is added once.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from projects import imageops
 from flows.config import PipelineConfig
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice, resnet, write_untrained
+from tasks.errors import InvalidParameterError
 from tasks.settings import Settings
 from tasks.train.params import TrainParams, TrialHook
 from tasks.train.request import TrainRequest
@@ -154,19 +156,27 @@ def test_a_node_agent_gets_the_request_whole_as_its_one_parameter(
 
 
 @pytest.mark.parametrize(
-    ("options", "error"),
+    ("given", "error"),
     [
-        (("--epochs", "0"), "epochs = 0, expected an integer > 0"),
-        (("--nodes", "2", "--node-rank", "2"), "node_rank = 2, expected 0 to 1 (nodes = 2)"),
-        (("--nodes", "2", "--node-rank", "0", "--rdzv-endpoint", "nohost"), "'nohost'"),
+        ({"params": {"epochs": 0}}, "epochs = 0, expected an integer > 0"),
+        ({"node_rank": 2}, "node_rank = 2, expected 0 to 1 (nodes = 2)"),
+        ({"rdzv_endpoint": "nohost"}, "rdzv_endpoint = 'nohost', expected host:port"),
+        ({"rdzv_timeout_s": 0}, "rdzv_timeout_s = 0, expected seconds > 0"),
+        ({"max_restarts": -1}, "max_restarts = -1, expected an integer >= 0"),
     ],
 )
-def test_an_invalid_request_is_refused_at_the_edge_with_one_error(
-    tmp_path: Path, options: tuple[str, ...], error: str
+def test_an_invalid_request_is_refused_when_it_is_built(given: dict, error: str) -> None:
+    values = {**_job(Path("t")).model_dump(), "params": {"nodes": 2}, **given}
+    with pytest.raises(InvalidParameterError, match=re.escape(error)):
+        TrainRequest.checked(**values)
+
+
+def test_the_cli_refuses_an_invalid_request_with_one_error_before_reading_anything(
+    tmp_path: Path,
 ) -> None:
-    """Refused when the request is built, before its model or data is even read."""
+    options = ("--nodes", "2", "--node-rank", "2")
     result = imageops("train", "nowhere", "t", "v", "out", *options, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.count("error: InvalidParameterError") == 1, result.stderr
-    assert error in result.stderr
+    assert "node_rank = 2, expected 0 to 1 (nodes = 2)" in result.stderr
     assert "nowhere" not in result.stderr  # the model folder was never looked at
