@@ -63,6 +63,7 @@ def plain_steps(epochs: int) -> dict[str, float]:
     from tasks.score import score
     from tasks.split import split
     from tasks.train.launch import train
+    from tasks.train.request import TrainRequest
     from tasks.versioning import version
 
     times["imports"] = time.perf_counter() - began
@@ -84,9 +85,10 @@ def plain_steps(epochs: int) -> dict[str, float]:
                     for name in ("images", "train", "val")}  # fmt: skip
     step("build model", build_model, config.model.name, outputs / "untrained",
          pretrained=config.model.pretrained)  # fmt: skip
-    trained = step("train (torchrun)", train, outputs / "untrained", data / "train", data / "val",
-                   outputs / "model", params, transform=config.transform,
-                   data_version=data_version)  # fmt: skip
+    request = TrainRequest(model=outputs / "untrained", train_data=data / "train",
+                           val_data=data / "val", out=outputs / "model", params=params,
+                           transform=config.transform, data_version=data_version)  # fmt: skip
+    trained = step("train (torchrun)", train, request)
     step("export ONNX", export_onnx, trained.model_dir, sample=data / "val")
     registered = step("register (MLflow)", register, trained.model_dir,
                       data_version=data_version, alias=CHALLENGER)  # fmt: skip

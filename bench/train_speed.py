@@ -307,6 +307,7 @@ def scaling(plan: Plan, work: Path) -> Scaling:
     from tasks.train.launch import train
     from tasks.train.loop import THROUGHPUT
     from tasks.train.params import TrainParams
+    from tasks.train.request import TrainRequest
 
     root = work / "scaling"
     settings = Settings(project_root=root / "project", home=Path(".imageops")).apply()
@@ -339,15 +340,15 @@ def scaling(plan: Plan, work: Path) -> Scaling:
             began = time.perf_counter()
             try:
                 with contextlib.redirect_stdout(output):  # torchrun's and the workers' lines
-                    result = train(
-                        untrained,
-                        root / "train",
-                        root / "val",
-                        root / f"model-{processes}-{round_}",
-                        params,
+                    request = TrainRequest(
+                        model=untrained,
+                        train_data=root / "train",
+                        val_data=root / "val",
+                        out=root / f"model-{processes}-{round_}",
+                        params=params,
                         transform=transform,
-                        settings=settings,
                     )
+                    result = train(request, settings)
             except BaseException:
                 print(output.getvalue()[-4000:], flush=True)
                 raise

@@ -74,6 +74,30 @@ def _options_from(model: type[BaseModel]) -> Callable[[Callable[..., None]], Cal
     to the model is an option here too. Every option defaults to None (not given), so only the
     options a person types replace the values the command starts from.
     """
+    options = []
+    for name, field in model.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        kind: Any = field.annotation
+        if isinstance(default, list):  # mean, std: three numbers after the option
+            kind = tuple[float, float, float]
+            default = " ".join(str(v) for v in default)
+        elif typing.get_origin(kind) is types.UnionType:  # int | None: None is the default
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        help_text = f"{field.title}: {field.description} Default: {default}."
+        options.append(_option(name, None, kind | None, typer.Option(help=help_text)))
+    return _with_options(*options)
+
+
+def _option(name: str, default: Any, kind: Any, option: Any) -> inspect.Parameter:
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option]
+    )
+
+
+def _with_options(
+    *options: inspect.Parameter,
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Add ``options`` after a command's own parameters: they reach it in its ``**options``."""
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         params = [
@@ -81,24 +105,7 @@ def _options_from(model: type[BaseModel]) -> Callable[[Callable[..., None]], Cal
             for p in inspect.signature(command, eval_str=True).parameters.values()
             if p.kind is not inspect.Parameter.VAR_KEYWORD
         ]
-        for name, field in model.model_fields.items():
-            default = field.get_default(call_default_factory=True)
-            kind: Any = field.annotation
-            if isinstance(default, list):  # mean, std: three numbers after the option
-                kind = tuple[float, float, float]
-                default = " ".join(str(v) for v in default)
-            elif typing.get_origin(kind) is types.UnionType:  # int | None: None is the default
-                kind = next(a for a in typing.get_args(kind) if a is not type(None))
-            help_text = f"{field.title}: {field.description} Default: {default}."
-            params.append(
-                inspect.Parameter(
-                    name,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[kind | None, typer.Option(help=help_text)],
-                )
-            )
-        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__signature__ = inspect.Signature([*params, *options])  # type: ignore[attr-defined]
         return command
 
     return decorate
@@ -341,8 +348,54 @@ def transform_apply(
         out.print(escape(visible_name(f"  skipped {item.path}: {item.reason}")))
 
 
+# How one `imageops train` joins a multi-node job: options of its own, beside TrainParams'.
+_NODE_OPTIONS = (
+    _option(
+        "node_rank",
+        None,
+        int | None,
+        typer.Option(
+            help="Run only this node's agent (0 to nodes-1), one per machine; needs --run-id "
+            "and --rdzv-endpoint. Without it, --nodes N runs all N agents on this machine."
+        ),
+    ),
+    _option(
+        "run_id",
+        None,
+        str | None,
+        typer.Option(help="MLflow run of a multi-node job (print it with --open-run)."),
+    ),
+    _option(
+        "rdzv_endpoint",
+        None,
+        str | None,
+        typer.Option(
+            help="host:port where the nodes meet (c10d rendezvous), the same on every node. "
+            "Default for agents on this machine: 127.0.0.1 and a free port."
+        ),
+    ),
+    _option(
+        "rdzv_timeout",
+        600,
+        int,
+        typer.Option(help="Seconds a node waits at the rendezvous for the others."),
+    ),
+    _option(
+        "open_run",
+        False,
+        bool,
+        typer.Option(
+            "--open-run",
+            help="Check everything, open the job's MLflow run (or find its unfinished one), "
+            "print the run id and exit: the id every --node-rank agent needs.",
+        ),
+    ),
+)
+
+
 @app.command()
 @_options_from(TrainParams)
+@_with_options(*_NODE_OPTIONS)
 def train(
     model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
     train_data: Annotated[Path, typer.Argument(help="Labeled training ImageDirectory.")],
@@ -364,35 +417,6 @@ def train(
             "prepared with another transform is refused."
         ),
     ] = None,
-    node_rank: Annotated[
-        int | None,
-        typer.Option(
-            help="Run only this node's agent (0 to nodes-1), one per machine; needs --run-id "
-            "and --rdzv-endpoint. Without it, --nodes N runs all N agents on this machine."
-        ),
-    ] = None,
-    run_id: Annotated[
-        str | None,
-        typer.Option(help="MLflow run of a multi-node job (print it with --open-run)."),
-    ] = None,
-    rdzv_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="host:port where the nodes meet (c10d rendezvous), the same on every node. "
-            "Default for agents on this machine: 127.0.0.1 and a free port."
-        ),
-    ] = None,
-    rdzv_timeout: Annotated[
-        int, typer.Option(help="Seconds a node waits at the rendezvous for the others.")
-    ] = 600,
-    open_run: Annotated[
-        bool,
-        typer.Option(
-            "--open-run",
-            help="Check everything, open the job's MLflow run (or find its unfinished one), "
-            "print the run id and exit: the id every --node-rank agent needs.",
-        ),
-    ] = False,
     **options: Any,
 ) -> None:
     """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow.
@@ -401,15 +425,22 @@ def train(
     machine; on N machines, run --open-run once, then one --node-rank agent on each machine.
     """
     from tasks.train import launch
+    from tasks.train.request import TrainRequest
 
+    node = {p.name: options.pop(p.name) for p in _NODE_OPTIONS}
     base = _config(config).train.model_dump() if config is not None else {}
-    params = TrainParams.checked(**{**base, **_given(options)})
+    request = TrainRequest.checked(
+        model=model, train_data=train_data, val_data=val_data, out=dest, transform=transform,
+        params={**base, **_given(options)}, run_id=node["run_id"],
+        node_rank=node["node_rank"] or 0, rdzv_endpoint=node["rdzv_endpoint"],
+        rdzv_timeout_s=node["rdzv_timeout"],
+    )  # fmt: skip
     out.print(_transform_note(transform, train_data, val_data))
-    if open_run:
-        out.print(launch.open_run(model, train_data, val_data, dest, params, transform=transform))
+    if node["open_run"]:
+        out.print(launch.open_run(request))
         return
-    if params.nodes > 1 and node_rank is None:
-        if run_id is not None:
+    if request.params.nodes > 1 and node["node_rank"] is None:
+        if request.run_id is not None:
             from tasks.errors import InvalidParameterError
 
             raise InvalidParameterError(
@@ -419,16 +450,9 @@ def train(
             )
         from flows.train import train_flow
 
-        result = train_flow(
-            model, train_data, val_data, dest, params, transform,
-            rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
-        )  # fmt: skip
+        result = train_flow(request)
     else:
-        result = launch.train(
-            model, train_data, val_data, dest, params,
-            transform=transform, run_id=run_id, node_rank=node_rank or 0,
-            rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
-        )  # fmt: skip
+        result = launch.train(request)
     out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
 
 
@@ -522,44 +546,34 @@ def _with_model_name(name: str | None) -> Settings:
     return settings.model_copy(update={"registered_model_name": name}) if name else settings
 
 
-# What replaces the spec file's own fields: one group of options, one argument of ``tune``.
-_STUDY_OVERRIDES = {
-    "study": Annotated[
+# What `imageops tune` may replace in the spec file, by the spec's own field names.
+_SPEC_OPTIONS = (
+    _option(
+        "study_name",
+        None,
         str | None,
         typer.Option(
-            help="Study name (replaces the file's); the same name continues a stopped study."
+            "--study",
+            help="Study name (replaces the file's); the same name continues a stopped study.",
         ),
-    ],
-    "max_trials": Annotated[int | None, typer.Option(help="Replace max_trial_count.")],
-    "parallel": Annotated[int | None, typer.Option(help="Replace parallel_trial_count.")],
-}
-
-
-def _with_options(
-    options: dict[str, Any], after: str
-) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command the ``--options`` of ``options`` (each None unless given) as ``**kwargs``.
-
-    They are listed in ``--help`` after the parameter ``after``.
-    """
-
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
-        signature = inspect.signature(command, eval_str=True)
-        params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        at = [p.name for p in params].index(after) + 1
-        params[at:at] = [
-            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
-                              annotation=kind)
-            for name, kind in options.items()
-        ]  # fmt: skip
-        command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-        return command
-
-    return decorate
+    ),
+    _option(
+        "max_trial_count",
+        None,
+        int | None,
+        typer.Option("--max-trials", help="Replace max_trial_count."),
+    ),
+    _option(
+        "parallel_trial_count",
+        None,
+        int | None,
+        typer.Option("--parallel", help="Replace parallel_trial_count."),
+    ),
+)
 
 
 @app.command()
-@_with_options(_STUDY_OVERRIDES, after="val_data")
+@_with_options(*_SPEC_OPTIONS)
 def tune(
     spec: Annotated[Path, typer.Argument(help="Tuning spec (YAML, the shape of tuning.yaml).")],
     train_data: Annotated[Path, typer.Option(help="Labeled training ImageDirectory.")] = Path(
@@ -587,7 +601,7 @@ def tune(
             "(imageops-tune-trial/tune-trial; needs IMAGEOPS_TUNING_STORAGE and a Prefect server)."
         ),
     ] = None,
-    **overrides: Any,  # _STUDY_OVERRIDES: --study, --max-trials, --parallel
+    **replaced: Any,
 ) -> None:
     """Tune hyperparameters with Optuna: each trial a training run; best model -> @challenger."""
     api_ready = _start_prefect_api(get_settings())
@@ -595,12 +609,7 @@ def tune(
     from flows.tune import study_transform, tune_flow, tune_spec_file
     from tasks.transform import input_size, read_transformation
 
-    study_spec = tune_spec_file(
-        spec,
-        study_name=overrides.get("study"),
-        max_trial_count=overrides.get("max_trials"),
-        parallel_trial_count=overrides.get("parallel"),
-    )
+    study_spec = tune_spec_file(spec, **replaced)
     given = read_transformation(transform) if transform is not None else None
     chosen = study_transform(given, train_data, val_data)
     side = input_size(chosen)

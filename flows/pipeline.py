@@ -32,6 +32,7 @@ from tasks.settings import Settings, get_settings, redact_uri
 from tasks.split import split_task
 from tasks.step import name_flow_run
 from tasks.tracking import model_version_url, run_url
+from tasks.train.request import TrainRequest
 from tasks.versioning import version_task
 
 
@@ -90,13 +91,14 @@ def pipeline(
                 data_version[part] = version_task(data / part)
             name_flow_run(f"{run_name}-data-{data_version['images'][:8]}")
 
-        build_model_task(config.model, outputs / "untrained")
-        # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
-        trained = train_flow(
-            outputs / "untrained", data / "train", data / "val", outputs / "model", config.train,
-            transform=config.transform,
+        request = TrainRequest(
+            model=outputs / "untrained", train_data=data / "train", val_data=data / "val",
+            out=outputs / "model", params=config.train, transform=config.transform,
             data_version=data_version,
         )  # fmt: skip
+        build_model_task(config.model, request.model)
+        # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
+        trained = train_flow(request)
         export_task(trained.model_dir, sample=data / "val")
         if config.quantize:
             quantize_task(

@@ -26,7 +26,6 @@ from flows.config import (
     DemoTrainParams,
     DemoTransform,
 )
-from models.transform_spec import TransformSpec
 from tasks.build_model import build_model_task
 from tasks.export import export_task
 from tasks.promote import CHALLENGER
@@ -34,14 +33,13 @@ from tasks.registry import register_task
 from tasks.settings import get_settings
 from tasks.step import name_flow_run
 from tasks.train.launch import (
-    RDZV_TIMEOUT_S,
     TrainResult,
     finished_result,
     local_rendezvous_endpoint,
     open_run_task,
     train_task,
 )
-from tasks.train.params import TrainParams
+from tasks.train.request import TrainRequest
 from tasks.versioning import version_task
 
 # Node agents wait for each other at the rendezvous, so each needs a thread of its own: a pool
@@ -54,51 +52,28 @@ MAX_LOCAL_NODES = 16
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_LOCAL_NODES),
     log_prints=True,
 )
-def train_flow(
-    model: Path,
-    train_data: Path,
-    val_data: Path,
-    out: Path,
-    params: TrainParams,
-    transform: TransformSpec | Path | None = None,
-    data_version: dict[str, str] | None = None,
-    run_name: str | None = None,
-    rdzv_endpoint: str | None = None,
-    rdzv_timeout_s: int = RDZV_TIMEOUT_S,
-    node_deployment: str | None = None,
-) -> TrainResult:
-    """Train ``model`` into ``out`` with ``params.nodes`` x ``params.nproc_per_node`` processes.
+def train_flow(request: TrainRequest, node_deployment: str | None = None) -> TrainResult:
+    """Train ``request`` with ``params.nodes`` x ``params.nproc_per_node`` processes.
 
-    ``rdzv_endpoint`` (host:port) is where the node agents meet; default: a free port on
-    127.0.0.1. ``rdzv_timeout_s``: how long an agent waits for the others before it fails with
-    RendezvousTimeoutError. ``node_deployment`` (``imageops-train-node/train-node``): each node
-    agent is a flow run of that deployment, so the pool's workers (one per machine) run them.
-    Returns node 0's result (all nodes share one run and one model).
+    ``request.rdzv_endpoint`` (host:port) is where the node agents meet; default: a free port on
+    127.0.0.1. ``request.rdzv_timeout_s``: how long an agent waits for the others before it
+    fails with RendezvousTimeoutError. ``node_deployment`` (``imageops-train-node/train-node``):
+    each node agent is a flow run of that deployment, so the pool's workers (one per machine)
+    run them. Returns node 0's result (all nodes share one run and one model).
     """
-    if params.nodes == 1:
-        return train_task(
-            model, train_data, val_data, out, params,
-            transform=transform, data_version=data_version, run_name=run_name,
-        )  # fmt: skip
-    endpoint = rdzv_endpoint or local_rendezvous_endpoint()
-    run_id = open_run_task(
-        model, train_data, val_data, out, params,
-        transform=transform, data_version=data_version, run_name=run_name,
-    )  # fmt: skip
+    nodes = request.params.nodes
+    if nodes == 1:
+        return train_task(request)
+    endpoint = request.rdzv_endpoint or local_rendezvous_endpoint()
+    run_id = open_run_task(request)
+    job = request.model_copy(update={"run_id": run_id, "rdzv_endpoint": endpoint})
     if node_deployment:
-        _run_node_deployments(
-            node_deployment, model, train_data, val_data, out, params, transform,
-            data_version, run_id, endpoint, rdzv_timeout_s,
-        )  # fmt: skip
-        return finished_result(run_id, out)
+        _run_node_deployments(node_deployment, job)
+        return finished_result(run_id, request.out)
     agents = []
-    for node_rank in range(params.nodes):
+    for node_rank in range(nodes):
         agent = train_task.with_options(task_run_name=f"train-node-{node_rank}")
-        agents.append(agent.submit(
-            model, train_data, val_data, out, params,
-            transform=transform, data_version=data_version, run_id=run_id,
-            node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_timeout_s=rdzv_timeout_s,
-        ))  # fmt: skip
+        agents.append(agent.submit(job.model_copy(update={"node_rank": node_rank})))
     results = [agent.result() for agent in agents]
     return results[0]
 
@@ -182,12 +157,13 @@ def train_model_flow(
                         (("train", train_data), ("val", val_data))}  # fmt: skip
         name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
     out = settings.home_dir / "outputs" / datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
-    build_model_task(model, out / "untrained")
-    trained = train_flow(
-        out / "untrained", root / train_data, root / val_data, out / "model", params,
-        transform=transform, data_version=data_version, rdzv_endpoint=rdzv_endpoint,
-        node_deployment=node_deployment,
+    request = TrainRequest(
+        model=out / "untrained", train_data=root / train_data, val_data=root / val_data,
+        out=out / "model", params=params, transform=transform, data_version=data_version,
+        rdzv_endpoint=rdzv_endpoint,
     )  # fmt: skip
+    build_model_task(model, request.model)
+    trained = train_flow(request, node_deployment=node_deployment)
     version = None
     if register_model:
         export_task(trained.model_dir, sample=root / val_data)
@@ -202,19 +178,7 @@ def train_model_flow(
     )
 
 
-def _run_node_deployments(
-    deployment: str,
-    model: Path,
-    train_data: Path,
-    val_data: Path,
-    out: Path,
-    params: TrainParams,
-    transform: TransformSpec | Path | None,
-    data_version: dict[str, str] | None,
-    run_id: str,
-    endpoint: str,
-    rdzv_timeout_s: int,
-) -> None:
+def _run_node_deployments(deployment: str, job: TrainRequest) -> None:
     """One flow run of ``deployment`` per node, all at once; raise if any did not complete."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -222,67 +186,38 @@ def _run_node_deployments(
 
     from tasks.errors import TrainingFailedError
 
-    shared = {
-        "model": str(model), "train_data": str(train_data), "val_data": str(val_data),
-        "out": str(out), "params": params.model_dump(mode="json"),
-        "transform": transform.model_dump(mode="json") if isinstance(transform, TransformSpec)
-        else None if transform is None else str(transform),
-        "data_version": data_version, "run_id": run_id, "rdzv_endpoint": endpoint,
-        "rdzv_timeout_s": rdzv_timeout_s,
-    }  # fmt: skip
+    nodes = job.params.nodes
 
     def agent(node_rank: int) -> str | None:
         run = run_deployment(
             deployment,
-            parameters={**shared, "node_rank": node_rank},
+            parameters={
+                "request": job.model_copy(update={"node_rank": node_rank}).model_dump(mode="json")
+            },
             timeout=None,  # as long as the training takes
-            flow_run_name=f"train-node-{node_rank}-of-{params.nodes}",
+            flow_run_name=f"train-node-{node_rank}-of-{nodes}",
         )
         if run.state is not None and run.state.is_completed():
             return None
         state = run.state.type.value if run.state else "unknown"
         return f"node {node_rank} ({run.name}): {state} {run.state.message if run.state else ''}"
 
-    with ThreadPoolExecutor(max_workers=params.nodes) as pool:
-        failed = [f for f in pool.map(agent, range(params.nodes)) if f]
+    with ThreadPoolExecutor(max_workers=nodes) as pool:
+        failed = [f for f in pool.map(agent, range(nodes)) if f]
     if failed:
         raise TrainingFailedError(
-            f"Node agents of run {run_id} did not complete: {'; '.join(failed)}.",
+            f"Node agents of run {job.run_id} did not complete: {'; '.join(failed)}.",
             "Open the failed flow runs in the Prefect UI: each has its node's torchrun log.",
         )
 
 
 @flow(name="imageops-train-node", log_prints=True)
-def train_node_flow(
-    model: str,
-    train_data: str,
-    val_data: str,
-    out: str,
-    params: TrainParams,
-    transform: TransformSpec | str | None,
-    run_id: Annotated[str, Field(title="MLflow run", description="The job's run (open-run).")],
-    node_rank: Annotated[int, Field(ge=0, title="Node rank", description="0 to nodes - 1.")],
-    rdzv_endpoint: Annotated[
-        str,
-        Field(
-            title="Rendezvous endpoint",
-            description="host:port every node reaches (node 0's machine, port open).",
-            pattern=r"^[^:\s]+:\d+$",
-        ),
-    ],
-    rdzv_timeout_s: Annotated[int, Field(gt=0, title="Rendezvous timeout (s)")] = RDZV_TIMEOUT_S,
-    data_version: dict[str, str] | None = None,
-) -> TrainResult:
+def train_node_flow(request: TrainRequest) -> TrainResult:
     """One node of a multi-node job: torchrun for this node, against the job's MLflow run.
 
     Started by the train flow (``node_deployment``) once per node, or by hand from the UI with
-    each node rank; paths are on storage every node shares, relative to the project root.
+    each node rank; paths are on storage every node shares, relative paths taken under the
+    project root.
     """
-    name_flow_run(f"train-node-{node_rank}-of-{params.nodes}")
-    root = get_settings().project_root
-    return train_task(
-        root / model, root / train_data, root / val_data, root / out, params,
-        transform=root / transform if isinstance(transform, str) else transform,
-        data_version=data_version, run_id=run_id, node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout_s,
-    )  # fmt: skip
+    name_flow_run(f"train-node-{request.node_rank}-of-{request.params.nodes}")
+    return train_task(request.under(get_settings().project_root))

@@ -24,6 +24,7 @@ from tasks.score import score
 from tasks.settings import Settings
 from tasks.split import split
 from tasks.train.launch import open_run, train
+from tasks.train.request import TrainRequest
 from tasks.transform import (
     apply_transformation,
     build_transform,
@@ -113,8 +114,9 @@ def test_a_transform_that_disagrees_with_the_data_is_refused(
     untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
     other = init_transformation(tmp_path / "other", {**SPEC, "center_crop_size": 16})
     with pytest.raises(InvalidTransformationDirectoryError, match="center_crop_size 20 vs 16"):
-        train(untrained, train_dir, val_dir, tmp_path / "model", {"epochs": 1},
-              transform=other, settings=project)  # fmt: skip
+        train(TrainRequest(model=untrained, train_data=train_dir, val_data=val_dir,
+                           out=tmp_path / "model", params={"epochs": 1}, transform=other),
+              project)  # fmt: skip
     assert not project.runs_dir.exists()  # refused before any run or process
 
 
@@ -126,8 +128,8 @@ def test_validation_data_with_a_training_draw_is_refused(
     apply_transformation(transform, val_dir, tmp_path / "val", mode="training")
     untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
     with pytest.raises(InvalidTransformationDirectoryError, match="prepared in training mode"):
-        train(untrained, train_dir, tmp_path / "val", tmp_path / "model", {"epochs": 1},
-              settings=project)  # fmt: skip
+        train(TrainRequest(model=untrained, train_data=train_dir, val_data=tmp_path / "val",
+                           out=tmp_path / "model", params={"epochs": 1}), project)  # fmt: skip
 
 
 def test_apply_refuses_images_that_were_already_transformed(
@@ -143,8 +145,9 @@ def test_raw_data_without_a_transform_gets_the_azure_defaults(
 ) -> None:
     """Not the demo's 32 px: the demo default belongs to the demo."""
     untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
-    run_id = open_run(untrained, *digits_split, tmp_path / "model", {"epochs": 1},
-                      settings=project)  # fmt: skip
+    run_id = open_run(TrainRequest(model=untrained, train_data=digits_split[0],
+                                   val_data=digits_split[1], out=tmp_path / "model",
+                                   params={"epochs": 1}), project)  # fmt: skip
     params = mlflow.MlflowClient(project.tracking_uri).get_run(run_id).data.params
     assert params["input_size"] == "224"
     assert params["transform.resize_size"] == "256"

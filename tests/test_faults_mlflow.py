@@ -32,6 +32,7 @@ from tasks.settings import Settings
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import LOSS
 from tasks.train.params import TrainParams
+from tasks.train.request import TrainRequest
 
 OUTAGE_S = 30.0  # the figure
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
@@ -41,7 +42,12 @@ PARAMS = TrainParams.checked(epochs=2, batch_size=8, learning_rate=0.01, seed=7,
 def run_train(
     settings: Settings, untrained: Path, data: tuple[Path, Path], out: Path
 ) -> TrainResult:
-    return train(untrained, *data, out, PARAMS, transform=PRE, settings=settings)
+    train_data, val_data = data
+    request = TrainRequest(
+        model=untrained, train_data=train_data, val_data=val_data, out=out, params=PARAMS,
+        transform=PRE,
+    )  # fmt: skip
+    return train(request, settings)
 
 
 def worker_of(run_dir: Path) -> psutil.Process | None:

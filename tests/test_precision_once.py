@@ -10,7 +10,7 @@ import tasks.train.precision as precision
 from models.untrained import resnet, write_untrained
 from tasks.settings import Settings
 from tasks.train.params import TrainParams
-from tasks.train.request import CONFIG, Request, check_request
+from tasks.train.request import CONFIG, Request, TrainRequest, check_request
 
 LARGE = {"resize_size": 64, "center_crop_size": 64}  # at 64 px and up, "auto" times bf16 on CPU
 
@@ -19,7 +19,11 @@ def _request(tmp_path: Path, project: Settings, digits_split: tuple[Path, Path])
     model = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
     train, val = digits_split
     params = TrainParams(epochs=1, batch_size=8, device="cpu", precision="auto")
-    return check_request(model, train, val, tmp_path / "out", params, LARGE, project, None)
+    request = TrainRequest(
+        model=model, train_data=train, val_data=val, out=tmp_path / "out", params=params,
+        transform=LARGE,
+    )  # fmt: skip
+    return check_request(request, project)
 
 
 def test_a_resumed_run_keeps_the_precision_auto_chose_and_does_not_measure_again(

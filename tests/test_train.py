@@ -39,6 +39,7 @@ from tasks.train.failure import read_failures, record_failure
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
+from tasks.train.request import TrainRequest
 from tasks.train.torchrun import run_torchrun
 
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
@@ -54,15 +55,15 @@ def run_train(
     settings: Settings, untrained: Path, data: tuple[Path, Path], out: Path, **params: object
 ) -> TrainResult:
     train_data, val_data = data
-    return train(
-        untrained,
-        train_data,
-        val_data,
-        out,
-        TrainParams.checked(**{**FAST, **params}),
+    request = TrainRequest(
+        model=untrained,
+        train_data=train_data,
+        val_data=val_data,
+        out=out,
+        params={**FAST, **params},
         transform=PRE,
-        settings=settings,
     )
+    return train(request, settings)
 
 
 def assert_nothing_started(settings: Settings) -> None:
@@ -143,13 +144,12 @@ def test_a_bad_parameter_is_refused_naming_value_and_range(
         run_train(project, untrained, digits_split, tmp_path / "out", epochs=0)
     # A plain dict (as a form or a CLI sends it) is checked the same way.
     with pytest.raises(InvalidParameterError, match=r"epochs = 0"):
-        train(
-            untrained,
-            *digits_split,
-            tmp_path / "out",
-            {"epochs": 0},
-            transform=PRE,
-            settings=project,
+        TrainRequest(
+            model=untrained,
+            train_data=digits_split[0],
+            val_data=digits_split[1],
+            out=tmp_path / "out",
+            params={"epochs": 0},
         )
     assert_nothing_started(project)
 
@@ -457,16 +457,16 @@ def test_a_crash_in_a_worker_quotes_its_log(
     broken = train_data / read_manifest(train_data).images[0].path
     broken.write_bytes(b"not a png any more")  # after conversion: only the worker finds out
     with pytest.raises(TrainingFailedError) as err:
-        train(
-            untrained,
-            train_data,
-            digits_split[1],
-            tmp_path / "model",
-            TrainParams.checked(**FAST),
+        request = TrainRequest(
+            model=untrained,
+            train_data=train_data,
+            val_data=digits_split[1],
+            out=tmp_path / "model",
+            params=FAST,
             transform=PRE,
-            settings=project,
             max_restarts=0,
         )
+        train(request, project)
     message = str(err.value)
     assert "rank 0 failed with UnidentifiedImageError" in message
     assert "Last lines of" in message and "rank_0.log" in message

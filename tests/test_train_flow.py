@@ -33,6 +33,7 @@ from tasks.train.launch import (
 )
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
+from tasks.train.request import TrainRequest
 
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
 # fp32: on this machine's CPU (torch 2.14.1) bf16 autocast's convolution backward returns garbage
@@ -43,6 +44,17 @@ FAST = {"batch_size": 8, "learning_rate": 0.01, "device": "cpu", "precision": "f
 @pytest.fixture
 def untrained(tmp_path: Path) -> Path:
     return write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
+
+
+def request(
+    untrained: Path, data: tuple[Path, Path], out: Path, params: TrainParams, **launch: object
+) -> TrainRequest:
+    """The request of these tests: the digits at 16 px, and how this launch joins the job."""
+    train_data, val_data = data
+    return TrainRequest.model_validate(
+        {"model": untrained, "train_data": train_data, "val_data": val_data, "out": out,
+         "params": params, "transform": PRE, **launch}
+    )  # fmt: skip
 
 
 def runs(settings: Settings) -> list:
@@ -65,7 +77,7 @@ def test_two_nodes_on_localhost_train_one_run(
     tmp_path: Path,
 ) -> None:
     params = TrainParams.checked(**FAST, epochs=1, nodes=2, nproc_per_node=1)
-    result = train_flow(untrained, *digits_split, tmp_path / "model", params, PRE)
+    result = train_flow(request(untrained, digits_split, tmp_path / "model", params))
 
     (run,) = runs(project)  # one run for the job, not one per node or rank
     assert run.info.run_id == result.run_id and run.info.status == "FINISHED"
@@ -87,16 +99,15 @@ def test_many_nodes_need_a_run_and_an_endpoint(
     project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
     params = TrainParams.checked(**FAST, epochs=1, nodes=2)
-    common = {"transform": PRE, "settings": project}
     out = tmp_path / "model"
     with pytest.raises(InvalidParameterError, match="needs a rendezvous endpoint"):
-        train(untrained, *digits_split, out, params, run_id="x", **common)
+        train(request(untrained, digits_split, out, params, run_id="x"), project)
     with pytest.raises(InvalidParameterError, match=r"rdzv_endpoint = 'nohost'"):
-        train(untrained, *digits_split, out, params, run_id="x", rdzv_endpoint="nohost", **common)
+        request(untrained, digits_split, out, params, run_id="x", rdzv_endpoint="nohost")
     with pytest.raises(InvalidParameterError, match="needs the id of the job's MLflow run"):
-        train(untrained, *digits_split, out, params, rdzv_endpoint="127.0.0.1:1", **common)
+        train(request(untrained, digits_split, out, params, rdzv_endpoint="127.0.0.1:1"), project)
     with pytest.raises(InvalidParameterError, match=r"node_rank = 2, expected 0 to 1"):
-        train(untrained, *digits_split, out, params, node_rank=2, **common)
+        request(untrained, digits_split, out, params, node_rank=2)
     assert not project.runs_dir.exists()
 
 
@@ -105,15 +116,12 @@ def test_a_node_that_never_comes_ends_in_a_rendezvous_timeout(
     project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
     params = TrainParams.checked(**FAST, epochs=1, nodes=2)
-    options = {"transform": PRE, "settings": project}
-    out = tmp_path / "model"
-    run_id = open_run(untrained, *digits_split, out, params, **options)
+    job = request(untrained, digits_split, tmp_path / "model", params)
+    run_id = open_run(job, project)
     endpoint = local_rendezvous_endpoint()
+    node = {"run_id": run_id, "node_rank": 0, "rdzv_endpoint": endpoint, "rdzv_timeout_s": 3}
     with pytest.raises(RendezvousTimeoutError) as err:  # node 1's agent is never started
-        train(
-            untrained, *digits_split, out, params, **options,
-            run_id=run_id, node_rank=0, rdzv_endpoint=endpoint, rdzv_timeout_s=3,
-        )  # fmt: skip
+        train(job.model_copy(update=node), project)
     message = str(err.value)
     assert f"at {endpoint} timed out after 3 s: 1 of 2 nodes arrived" in message
     assert "missing: 1" in message and "rdzv_timeout_s" in message
@@ -122,7 +130,7 @@ def test_a_node_that_never_comes_ends_in_a_rendezvous_timeout(
     assert run.info.status == "FAILED"
     assert "torchrun_node_0.log" in artifact_names(project, run_id, "logs")
     # An unfinished run with no checkpoint has nothing to resume: asking again opens a new run.
-    assert open_run(untrained, *digits_split, out, params, **options) != run_id
+    assert open_run(job, project) != run_id
 
 
 def kill_torchrun_after_first_checkpoint(
@@ -165,14 +173,12 @@ def test_a_prefect_retry_continues_the_run_of_the_killed_attempt(
     tmp_path: Path,
 ) -> None:
     params = TrainParams.checked(**FAST, epochs=2, seed=7)
-    reference = train(
-        untrained, *digits_split, tmp_path / "reference", params, transform=PRE, settings=project
-    )
+    reference = train(request(untrained, digits_split, tmp_path / "reference", params), project)
     quick = train_task.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
 
     @flow(name="train-with-retries")
     def train_once() -> TrainResult:
-        return quick(untrained, *digits_split, tmp_path / "model", params, transform=PRE)
+        return quick(request(untrained, digits_split, tmp_path / "model", params))
 
     done, killed = threading.Event(), []
     killer = threading.Thread(
@@ -207,7 +213,5 @@ def test_a_prefect_retry_continues_the_run_of_the_killed_attempt(
     for name, (a, b) in pairs.items():
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     # A FINISHED run is never reused: the same request again is a new training run.
-    again = open_run(
-        untrained, *digits_split, tmp_path / "model", params, transform=PRE, settings=project
-    )
+    again = open_run(request(untrained, digits_split, tmp_path / "model", params), project)
     assert again not in {reference.run_id, result.run_id}

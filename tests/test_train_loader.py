@@ -29,6 +29,7 @@ from tasks.train.data import LoaderSetup, ManifestImageFolder, split_finish, tra
 from tasks.train.launch import train
 from tasks.train.loop import model_input
 from tasks.train.params import TrainParams
+from tasks.train.request import TrainRequest
 from tasks.transform import build_transform
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,9 +145,12 @@ def test_a_torchrun_worker_trains_with_loader_processes_and_logs_the_first_batch
         epochs=2, batch_size=8, learning_rate=0.01, device="cpu", num_workers=2
     )
     transform = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
-    result = train(
-        untrained, *digits_split, tmp_path / "model", params, transform=transform, settings=project
-    )
+    train_data, val_data = digits_split
+    request = TrainRequest(
+        model=untrained, train_data=train_data, val_data=val_data, out=tmp_path / "model",
+        params=params, transform=transform,
+    )  # fmt: skip
+    result = train(request, project)
     log = (result.run_dir / "rank_0.log").read_text()
     assert "2 loader process(es)" in log
     waits = [float(w) for w in re.findall(r"first batch after ([0-9.]+) s", log)]

@@ -23,6 +23,7 @@ from tasks.train.launch import TrainResult, train
 from tasks.train.loop import THROUGHPUT_PER_PROCESS, check_weights, to_device
 from tasks.train.params import TrainParams
 from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision
+from tasks.train.request import TrainRequest
 from tasks.transform import build_transform
 
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
@@ -46,14 +47,16 @@ def run_train(
     transform: TransformSpec = PRE,
     **params: object,
 ) -> TrainResult:
-    return train(
-        untrained,
-        *data,
-        out,
-        TrainParams.checked(**{**FAST, **params}),
+    train_data, val_data = data
+    request = TrainRequest(
+        model=untrained,
+        train_data=train_data,
+        val_data=val_data,
+        out=out,
+        params={**FAST, **params},
         transform=transform,
-        settings=settings,
     )
+    return train(request, settings)
 
 
 def run_config(result: TrainResult) -> dict:

@@ -7,6 +7,8 @@ parameter is added once.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,9 +18,12 @@ import yaml
 from projects import imageops
 
 from flows.config import PipelineConfig
+from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice, resnet, write_untrained
+from tasks.errors import InvalidParameterError
 from tasks.settings import Settings
-from tasks.train.params import TrainParams
+from tasks.train.params import TrainParams, TrialHook
+from tasks.train.request import TrainRequest
 
 pytest_plugins = ["model_fixtures"]
 
@@ -119,3 +124,59 @@ def test_register_takes_a_model_name(
     assert "registered digits-net version 1" in result.stdout
     client = mlflow.MlflowClient(project.tracking_uri, project.registry_uri)
     assert str(client.get_model_version_by_alias("digits-net", "challenger").version) == "1"
+
+
+def _job(transform: TransformSpec | Path) -> TrainRequest:
+    """One node's request of a tuning trial's 2-node job: every kind of field set."""
+    hook = TrialHook(study_name="s", trial_number=3, metric="val/top1", early_stopping=True)
+    return TrainRequest(
+        model=Path("outputs/x/untrained"), train_data=Path("data/digits/train"),
+        val_data=Path("data/digits/val"), out=Path("outputs/x/model"),
+        params={"epochs": 2, "nodes": 2, "learning_rate": 0.03}, transform=transform,
+        data_version={"train": "0" * 32}, run_id="run-1", node_rank=1,
+        rdzv_endpoint="10.0.0.5:29400", tuning=hook, env={"CUDA_VISIBLE_DEVICES": "1"},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "transform", [TransformSpec(resize_size=32, center_crop_size=32), Path("transforms/t")]
+)
+def test_a_node_agent_gets_the_request_whole_as_its_one_parameter(
+    transform: TransformSpec | Path,
+) -> None:
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train_node_flow
+
+    job = _job(transform)
+    assert set(parameter_schema(train_node_flow).properties) == {"request"}
+    # What the train flow sends run_deployment, as the Prefect server stores it (JSON).
+    sent = json.loads(json.dumps({"request": job.model_dump(mode="json")}))
+    assert train_node_flow.validate_parameters(sent)["request"] == job
+
+
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        ({"params": {"epochs": 0}}, "epochs = 0, expected an integer > 0"),
+        ({"node_rank": 2}, "node_rank = 2, expected 0 to 1 (nodes = 2)"),
+        ({"rdzv_endpoint": "nohost"}, "rdzv_endpoint = 'nohost', expected host:port"),
+        ({"rdzv_timeout_s": 0}, "rdzv_timeout_s = 0, expected seconds > 0"),
+        ({"max_restarts": -1}, "max_restarts = -1, expected an integer >= 0"),
+    ],
+)
+def test_an_invalid_request_is_refused_when_it_is_built(given: dict, error: str) -> None:
+    values = {**_job(Path("t")).model_dump(), "params": {"nodes": 2}, **given}
+    with pytest.raises(InvalidParameterError, match=re.escape(error)):
+        TrainRequest.checked(**values)
+
+
+def test_the_cli_refuses_an_invalid_request_with_one_error_before_reading_anything(
+    tmp_path: Path,
+) -> None:
+    options = ("--nodes", "2", "--node-rank", "2")
+    result = imageops("train", "nowhere", "t", "v", "out", *options, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("error: InvalidParameterError") == 1, result.stderr
+    assert "node_rank = 2, expected 0 to 1 (nodes = 2)" in result.stderr
+    assert "nowhere" not in result.stderr  # the model folder was never looked at

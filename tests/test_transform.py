@@ -32,6 +32,7 @@ from tasks.score import score
 from tasks.settings import Settings
 from tasks.train.data import ManifestImageFolder
 from tasks.train.launch import train
+from tasks.train.request import TrainRequest
 from tasks.transform import (
     TRANSFORM_JSON,
     apply_transformation,
@@ -302,8 +303,11 @@ def test_training_with_a_crop_of_another_size_scores_at_that_size(
     spec = init_transformation(
         tmp_path / "t", {**SMALL, "pad": False, "random_crop": True, "random_crop_size": 12}
     )
-    result = train(untrained, *digits_split, tmp_path / "model", {"epochs": 1, "batch_size": 8},
-                   transform=spec, settings=project)  # fmt: skip
+    request = TrainRequest(
+        model=untrained, train_data=digits_split[0], val_data=digits_split[1],
+        out=tmp_path / "model", params={"epochs": 1, "batch_size": 8}, transform=spec,
+    )  # fmt: skip
+    result = train(request, project)
     assert input_size(read_model_info(result.model_dir).transform) == 12
     export_onnx(result.model_dir, sample=digits_split[1])
     session = ort.InferenceSession(str(result.model_dir / ONNX), providers=["CPUExecutionProvider"])

@@ -20,31 +20,24 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
-from models.transform_spec import TransformSpec
 from tasks.errors import InvalidParameterError, TrainingFailedError
 from tasks.settings import Settings, get_settings
 from tasks.step import step, step_logger
 from tasks.tracking import configure_mlflow
 from tasks.train.failure import clear_failures
 from tasks.train.mlflow_run import complete_run, publish_report, require_run, resume_or_create_run
-from tasks.train.params import RunConfig, TrainParams, TrialHook
-from tasks.train.rendezvous import (
-    RDZV_TIMEOUT_MARK,
-    RDZV_TIMEOUT_S,
-    mark_node,
-    rendezvous_timeout,
-)
+from tasks.train.params import RunConfig
+from tasks.train.rendezvous import RDZV_TIMEOUT_MARK, mark_node, rendezvous_timeout
 
 # Re-exported: flows and tests get it with train and open_run.
 from tasks.train.rendezvous import local_rendezvous_endpoint as local_rendezvous_endpoint
-from tasks.train.request import CONFIG, check_launch, check_request, checked_params
+from tasks.train.request import CONFIG, TrainRequest, check_request
 from tasks.train.run_lock import launch_lock
 from tasks.train.torchrun import (
     TORCHRUN_LOG,
@@ -71,54 +64,28 @@ class TrainResult(BaseModel):
     pruned: bool = False
 
 
-def train(
-    model: Path,
-    train_data: Path,
-    val_data: Path,
-    out: Path,
-    params: TrainParams | Mapping[str, Any],
-    *,
-    transform: TransformSpec | Mapping[str, Any] | Path | None = None,
-    settings: Settings | None = None,
-    data_version: dict[str, str] | None = None,
-    run_name: str | None = None,
-    run_id: str | None = None,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    rdzv_timeout_s: int = RDZV_TIMEOUT_S,
-    max_restarts: int = 1,
-    timeout_s: float | None = None,
-    tuning: TrialHook | None = None,
-    env: Mapping[str, str] | None = None,
-) -> TrainResult:
-    """Train the untrained ``model`` on ``train_data``, validating on ``val_data``; write ``out``.
+def train(request: TrainRequest, settings: Settings | None = None) -> TrainResult:
+    """Train ``request.model`` on its training data, validating on its validation data.
 
-    ``out`` receives the ModelDirectory of the epoch with the best validation top-1. The MLflow run
-    gets the parameters, per-epoch metrics, the training curves and every rank's log; its folder
-    ``settings.runs_dir/<run id>`` keeps config, checkpoint and logs. ``transform``: the image
-    transformation spec (or the TransformationDirectory holding it); None: the one the data was
-    prepared with by Apply Image Transformation, else Init Image Transformation's defaults. The
-    training set goes through its training mode, the validation set through its inference mode,
-    and the ModelDirectory stores it for scoring.
+    ``request.out`` receives the ModelDirectory of the epoch with the best validation top-1. The
+    MLflow run gets the parameters, per-epoch metrics, the training curves and every rank's log;
+    its folder ``settings.runs_dir/<run id>`` keeps config, checkpoint and logs. The training
+    set goes through the transform's training mode, the validation set through its inference
+    mode, and the ModelDirectory stores it for scoring.
 
-    Which run: ``run_id`` when given (resume after a crash from its last checkpoint, or one node
-    of a multi-node job). Otherwise (one node only) :func:`open_run` picks it: an unfinished run
-    of this very request (same model, data, parameters, transform and ``out``) whose folder holds
-    a checkpoint is continued, so a Prefect retry or a re-run of a crashed request trains only
-    the epochs it lacks; else a new run, named ``run_name``, is created.
+    Which run: ``request.run_id`` when given (resume after a crash from its last checkpoint, or
+    one node of a multi-node job). Otherwise (one node only) :func:`open_run` picks it: an
+    unfinished run of this very request (same model, data, parameters, transform and ``out``)
+    whose folder holds a checkpoint is continued, so a Prefect retry or a re-run of a crashed
+    request trains only the epochs it lacks; else a new run, named ``request.run_name``.
 
-    Multi-node (``params.nodes`` > 1): call this once per node, each with its ``node_rank`` (0 to
-    nodes - 1), the same ``run_id`` (from :func:`open_run`) and the same ``rdzv_endpoint``
-    (host:port of a machine every node reaches); the torchruns meet there by c10d rendezvous and
-    wait at most ``rdzv_timeout_s`` for each other. The run folder and ``out`` must be on storage
-    every node shares. Node 0's agent owns the run: it sets its status and attaches the logs;
-    global rank 0, wherever it lands, alone logs metrics and writes the model.
-
-    torchrun restarts crashed workers up to ``max_restarts`` times, resuming from the checkpoint;
-    ``timeout_s`` bounds the whole run. ``tuning``: set for a trial of a tuning study
-    (:mod:`tasks.tune`): rank 0 reports the metric to the study after every epoch and the run
-    ends early, with ``pruned`` set, when the study's pruner says so. ``env``: more environment
-    for torchrun and its workers (a trial's ``CUDA_VISIBLE_DEVICES``: the GPUs lent to it).
+    Multi-node (``params.nodes`` > 1): call this once per node, each request with its
+    ``node_rank``, the same ``run_id`` (from :func:`open_run`) and ``rdzv_endpoint``; the
+    torchruns meet there by c10d rendezvous. The run folder and ``out`` must be on storage every
+    node shares. Node 0's agent owns the run: it sets its status and attaches the logs; global
+    rank 0, wherever it lands, alone logs metrics and writes the model. ``request.tuning``: a
+    tuning trial's rank 0 reports the metric to the study after every epoch, and the run ends
+    early, with ``pruned`` set, when the study's pruner says so.
 
     Raises Azure's InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError,
     InvalidTransformationDirectoryError, InvalidParameterError before anything starts;
@@ -127,21 +94,19 @@ def train(
     """
     settings = settings or get_settings()
     log = step_logger(__name__)  # inside a Prefect run, these lines reach the UI
-    params = checked_params(params)
-    check_launch(params, run_id, node_rank, rdzv_endpoint, rdzv_timeout_s, max_restarts)
-    request = check_request(
-        model, train_data, val_data, out, params, transform, settings, data_version
-    )
+    checked = check_request(request.joins(), settings)
+    params, node_rank, out = request.params, request.node_rank, request.out
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
+    run_id = request.run_id
     if run_id is None:
-        run_id = resume_or_create_run(client, experiment_id, request, settings, run_name)
+        run_id = resume_or_create_run(client, experiment_id, checked, settings, request.run_name)
     else:
         require_run(client, run_id)
     run_dir = settings.runs_dir / run_id
-    config = request.bind(run_id, run_dir)
-    if tuning is not None:
-        config = config.model_copy(update={"tuning": tuning})
+    config = checked.bind(run_id, run_dir)
+    if request.tuning is not None:
+        config = config.model_copy(update={"tuning": request.tuning})
     lead = node_rank == 0
     log.info(
         "MLflow run %s, run folder %s (node %d of %d)", run_id, run_dir, node_rank, params.nodes
@@ -156,17 +121,15 @@ def train(
         result: dict[str, Any] | None = None
         try:
             config_path = _write_config(run_dir, config)
-            command = torchrun_command(
-                params, config_path, run_id, rdzv_endpoint, max_restarts, rdzv_timeout_s
-            )
-            env = torchrun_environment(settings, run_id, env)
+            command = torchrun_command(request, config_path, run_id)
+            env = torchrun_environment(settings, run_id, request.env)
             offset = torchrun_log.stat().st_size if torchrun_log.is_file() else 0
             started = time.time()
             if params.nodes > 1:
                 mark_node(run_dir, node_rank, started)
             try:
                 returncode = run_torchrun(
-                    command, env, run_dir, timeout_s, log_name=torchrun_log.name
+                    command, env, run_dir, request.timeout_s, log_name=torchrun_log.name
                 )
             finally:
                 if params.nodes > 1:
@@ -174,9 +137,7 @@ def train(
             if returncode != 0:
                 output = read_from(torchrun_log, offset)
                 if RDZV_TIMEOUT_MARK in output:
-                    raise rendezvous_timeout(
-                        run_dir, run_id, params, node_rank, rdzv_endpoint, rdzv_timeout_s, started
-                    )
+                    raise rendezvous_timeout(run_dir, run_id, request, started)
                 raise torchrun_failure(run_dir, returncode, torchrun_log, output)
             if not (run_dir / RESULT).is_file():  # e.g. rank 0 ran on another node's disk
                 raise TrainingFailedError(
@@ -228,36 +189,23 @@ def finished_result(run_id: str, out: Path, settings: Settings | None = None) ->
 train_task = step(train, name="train")
 
 
-def open_run(
-    model: Path,
-    train_data: Path,
-    val_data: Path,
-    out: Path,
-    params: TrainParams | Mapping[str, Any],
-    *,
-    transform: TransformSpec | Mapping[str, Any] | Path | None = None,
-    settings: Settings | None = None,
-    data_version: dict[str, str] | None = None,
-    run_name: str | None = None,
-) -> str:
+def open_run(request: TrainRequest, settings: Settings | None = None) -> str:
     """Check the training request in full and return the id of the MLflow run to train it in.
 
     An unfinished run (RUNNING, FAILED or KILLED) of the same request whose run folder holds a
     checkpoint, and that no launcher is training right now, is continued: a retry then resumes
     instead of starting over. A FINISHED run is never reused: asking again for a trained model
-    trains a new one. Otherwise a new run is created, with its parameters logged. A multi-node
-    job opens its run once with this and hands the id to every node's :func:`train`.
+    trains a new one. Otherwise a new run, named ``request.run_name``, is created, with its
+    parameters logged. A multi-node job opens its run once with this and hands the id to every
+    node's :func:`train`.
 
     Raises what :func:`train` raises before it starts.
     """
     settings = settings or get_settings()
-    params = checked_params(params)
-    request = check_request(
-        model, train_data, val_data, out, params, transform, settings, data_version
-    )
+    checked = check_request(request, settings)
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
-    return resume_or_create_run(client, experiment_id, request, settings, run_name)
+    return resume_or_create_run(client, experiment_id, checked, settings, request.run_name)
 
 
 open_run_task = step(open_run, name="open-training-run")

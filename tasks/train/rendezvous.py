@@ -10,10 +10,13 @@ import json
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from models.atomic import write_json
 from tasks.errors import RendezvousTimeoutError
-from tasks.train.params import TrainParams
+
+if TYPE_CHECKING:
+    from tasks.train.request import TrainRequest
 
 # torchrun's own default for how long nodes wait for each other at the rendezvous.
 RDZV_TIMEOUT_S = 600
@@ -75,15 +78,11 @@ def _arrived_nodes(run_dir: Path, nodes: int, started: float, timeout_s: int) ->
 
 
 def rendezvous_timeout(
-    run_dir: Path,
-    run_id: str,
-    params: TrainParams,
-    node_rank: int,
-    endpoint: str | None,
-    timeout_s: int,
-    started: float,
+    run_dir: Path, run_id: str, request: TrainRequest, started: float
 ) -> RendezvousTimeoutError:
-    arrived = _arrived_nodes(run_dir, params.nodes, started, timeout_s) | {node_rank}
+    """A timed-out rendezvous, naming the nodes that came and those that did not."""
+    params, endpoint, timeout_s = request.params, request.rdzv_endpoint, request.rdzv_timeout_s
+    arrived = _arrived_nodes(run_dir, params.nodes, started, timeout_s) | {request.node_rank}
     missing = [rank for rank in range(params.nodes) if rank not in arrived]
     return RendezvousTimeoutError(
         f"The rendezvous of training run {run_id} at {endpoint} timed out after {timeout_s} s: "

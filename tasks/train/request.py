@@ -1,12 +1,15 @@
-"""Check a training request in full, before any process starts or any MLflow run exists.
+"""The training request, and its checks in full, before any process or MLflow run exists.
 
-Everything the Azure design refuses is refused here: a folder that is not an untrained model
-(InvalidModelDirectoryError), unlabeled training data (NotLabeledDatasetError), different classes
-in training and validation (InvalidDatasetError), a batch larger than the training set, CUDA
-without a GPU, more processes per node than GPUs, a transform spec that would train and score at
-different sizes (InvalidTransformationDirectoryError), launch options that cannot make a job.
-What passes is a :class:`Request`: the run configuration resolved, not yet bound to a run. Apart
-from the launch so that a reader finds every refusal in one place.
+:class:`TrainRequest` is the request whole (model, data, output, parameters, transform, how this
+launch joins its job), built once where it comes in and passed whole; its validators refuse bad
+values and launch options that cannot make a job. :func:`check_request` reads the files:
+everything else the Azure design refuses is refused there: a folder that is not an untrained
+model (InvalidModelDirectoryError), unlabeled training data (NotLabeledDatasetError), different
+classes in training and validation (InvalidDatasetError), a batch larger than the training set,
+CUDA without a GPU, more processes per node than GPUs, a transform spec that would train and
+score at different sizes (InvalidTransformationDirectoryError). What passes is a
+:class:`Request`: the run configuration resolved, not yet bound to a run. Apart from the launch
+so that a reader finds every refusal in one place.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from models.atomic import check_destination
 from models.transform_spec import AppliedTransform, TransformSpec
@@ -27,8 +31,9 @@ from tasks.errors import InvalidDatasetError, InvalidParameterError
 from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
 from tasks.settings import Settings
 from tasks.step import step_logger
-from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
+from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
 from tasks.train.precision import resolve_precision
+from tasks.train.rendezvous import RDZV_TIMEOUT_S
 from tasks.transform import (
     check_applied,
     data_transform,
@@ -36,6 +41,7 @@ from tasks.transform import (
     read_transformation,
     transform_spec,
 )
+from tasks.validation import checked
 
 CONFIG = "config.json"
 
@@ -84,73 +90,132 @@ def _recorded_config(run_dir: Path) -> RunConfig | None:
         return None
 
 
-def checked_params(params: TrainParams | Mapping[str, Any]) -> TrainParams:
-    """The parameters validated again, however they were built: a bad one fails here."""
-    values = params.model_dump() if isinstance(params, TrainParams) else dict(params)
-    return TrainParams.checked(**values)  # also catches model_construct()ed or dict params
+class TrainRequest(BaseModel):
+    """One training request, whole: what to train, and how this launch joins the job.
+
+    Built once where a request comes in (the CLI, the flows' parameters, params.yaml, a tuning
+    trial) and passed whole to the launch, the node agents and the deployments that run them
+    (as its JSON). Its validators refuse, before anything starts, parameters out of range and
+    launch options that cannot make a job; the data, the model and the device are checked by
+    :func:`check_request`, where the files are read.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Path  # the UntrainedModelDirectory
+    train_data: Path
+    val_data: Path
+    out: Path  # the ModelDirectory to write: the epoch with the best validation top-1
+    params: TrainParams
+    # The spec, or the TransformationDirectory holding it; None: the one the data was prepared
+    # with (Apply Image Transformation), else Init Image Transformation's defaults.
+    transform: TransformSpec | Path | None = None
+    data_version: dict[str, str] = Field(default_factory=dict)  # DVC md5s: tags of the run
+    run_name: str | None = None  # a new run's name
+    # Which run: None opens one (an unfinished run of the same request is continued).
+    run_id: str | None = None
+    node_rank: int = 0  # 0 owns the MLflow run
+    rdzv_endpoint: str | None = None  # host:port where the nodes meet, the same on every node
+    rdzv_timeout_s: int = RDZV_TIMEOUT_S  # how long a node waits there for the others
+    max_restarts: int = 1  # torchrun restarts of crashed workers, resuming from the checkpoint
+    timeout_s: float | None = None  # bounds the whole run
+    tuning: TrialHook | None = None  # set for a trial of a tuning study
+    # More environment for torchrun and its workers (a trial's CUDA_VISIBLE_DEVICES).
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _checked_params(cls, params: Any) -> TrainParams:
+        """Every value checked, however the parameters were built (a dict, model_construct())."""
+        values = params.model_dump() if isinstance(params, TrainParams) else dict(params)
+        return TrainParams.checked(**values)  # InvalidParameterError naming value and range
+
+    @field_validator("transform", mode="before")
+    @classmethod
+    def _checked_transform(cls, transform: Any) -> Any:
+        """A spec given as values: each checked, a bad one named with its range."""
+        if isinstance(transform, Mapping):
+            return transform_spec(**transform)  # InvalidParameterError
+        return transform
+
+    @model_validator(mode="after")
+    def _launchable(self) -> TrainRequest:
+        """Launch options that cannot make a job, refused before anything starts."""
+        _check_launch(self)
+        return self
+
+    @classmethod
+    def checked(cls, **values: Any) -> TrainRequest:
+        """Validate ``values``; a bad one raises InvalidParameterError naming value and range."""
+        return checked(cls, values, "training request")
+
+    def joins(self) -> TrainRequest:
+        """This request, refused unless it can join its job: a node of a multi-node job needs
+        the job's run and the rendezvous endpoint (:func:`~tasks.train.launch.open_run` opens
+        the run without them)."""
+        if self.params.nodes == 1:
+            return self
+        if not self.rdzv_endpoint:
+            raise InvalidParameterError(
+                f"nodes = {self.params.nodes} needs a rendezvous endpoint; none was given.",
+                "Pass rdzv_endpoint='host:port' of a machine every node reaches, the same on "
+                "every node.",
+            )
+        if self.run_id is None:
+            raise InvalidParameterError(
+                f"nodes = {self.params.nodes}: every node agent needs the id of the job's MLflow "
+                "run.",
+                "Open the run once with `imageops train ... --open-run` (the train flow does it "
+                "itself) and pass its id to every node agent with --run-id.",
+            )
+        return self
+
+    def under(self, root: Path) -> TrainRequest:
+        """The request with its relative paths taken under ``root`` (the project root)."""
+        paths = {k: root / v for k, v in self if isinstance(v, Path)}
+        return self.model_copy(update=paths)
 
 
-def check_launch(
-    params: TrainParams,
-    run_id: str | None,
-    node_rank: int,
-    rdzv_endpoint: str | None,
-    rdzv_timeout_s: int,
-    max_restarts: int,
-) -> None:
-    """The launch options, refused before anything starts when they cannot make a job."""
-    if max_restarts < 0:
-        raise InvalidParameterError(f"max_restarts = {max_restarts}, expected an integer >= 0.")
+def _check_launch(request: TrainRequest) -> None:
+    params, node_rank = request.params, request.node_rank
+    if request.max_restarts < 0:
+        raise InvalidParameterError(
+            f"max_restarts = {request.max_restarts}, expected an integer >= 0."
+        )
     if not 0 <= node_rank < params.nodes:
         raise InvalidParameterError(
             f"node_rank = {node_rank}, expected 0 to {params.nodes - 1} (nodes = {params.nodes}).",
             "Give each node agent its own rank, 0 for the one that owns the MLflow run.",
         )
-    if rdzv_timeout_s <= 0:
-        raise InvalidParameterError(f"rdzv_timeout_s = {rdzv_timeout_s}, expected seconds > 0.")
-    if params.nodes == 1:
-        return
-    if not rdzv_endpoint:
+    if request.rdzv_timeout_s <= 0:
         raise InvalidParameterError(
-            f"nodes = {params.nodes} needs a rendezvous endpoint; none was given.",
-            "Pass rdzv_endpoint='host:port' of a machine every node reaches, the same on every "
-            "node.",
+            f"rdzv_timeout_s = {request.rdzv_timeout_s}, expected seconds > 0."
         )
-    host, _, port = rdzv_endpoint.rpartition(":")
+    endpoint = request.rdzv_endpoint
+    if params.nodes == 1 or not endpoint:
+        return
+    host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidParameterError(
-            f"rdzv_endpoint = {rdzv_endpoint!r}, expected host:port (port 1 to 65535).",
+            f"rdzv_endpoint = {endpoint!r}, expected host:port (port 1 to 65535).",
             "For example 10.0.0.5:29400, the same on every node.",
         )
-    if run_id is None:
-        raise InvalidParameterError(
-            f"nodes = {params.nodes}: every node agent needs the id of the job's MLflow run.",
-            "Open the run once with `imageops train ... --open-run` (the train flow does it "
-            "itself) and pass its id to every node agent with --run-id.",
-        )
 
 
-def check_request(
-    model: Path,
-    train_data: Path,
-    val_data: Path,
-    out: Path,
-    params: TrainParams,
-    transform: TransformSpec | Mapping[str, Any] | Path | None,
-    settings: Settings,
-    data_version: dict[str, str] | None,
-) -> Request:
+def check_request(request: TrainRequest, settings: Settings) -> Request:
     """Everything Azure refuses, refused; the run configuration resolved (not yet bound)."""
-    spec = read_untrained(Path(model))
-    train_manifest, val_manifest = _check_datasets(Path(train_data), Path(val_data))
-    check_destination(Path(out), replaces=MODEL_JSON)  # before torchrun, not after the epochs
+    spec = read_untrained(request.model)
+    train_data, val_data, out = request.train_data, request.val_data, request.out
+    train_manifest, val_manifest = _check_datasets(train_data, val_data)
+    check_destination(out, replaces=MODEL_JSON)  # before torchrun, not after the epochs
     spec_transform = _check_transform(
-        transform,
+        request.transform,
         {
-            "train": (Path(train_data), train_manifest.transform),
-            "val": (Path(val_data), val_manifest.transform),
+            "train": (train_data, train_manifest.transform),
+            "val": (val_data, val_manifest.transform),
         },
     )
+    params = request.params
     _check_sizes(params, train_manifest)
     device = _resolve_device(params)
     # Refused here, before a run exists: fp16 on CPU, bf16 where the device cannot train in it.
@@ -167,14 +232,14 @@ def check_request(
         architecture=spec,
         classes=train_manifest.classes,
         transform=spec_transform,
-        train_data=Path(train_data).resolve(),
-        val_data=Path(val_data).resolve(),
+        train_data=train_data.resolve(),
+        val_data=val_data.resolve(),
         data_fingerprint={
             "train": manifest_fingerprint(train_data),
             "val": manifest_fingerprint(val_data),
         },
-        data_version=data_version or {},
-        out=Path(out).resolve(),
+        data_version=request.data_version,
+        out=out.resolve(),
         run_dir=settings.runs_dir,
         mlflow_run_id=None,
         device=device,
@@ -205,7 +270,7 @@ def _check_datasets(train_data: Path, val_data: Path) -> tuple[Manifest, Manifes
 
 
 def _check_transform(
-    transform: TransformSpec | Mapping[str, Any] | Path | None,
+    transform: TransformSpec | Path | None,
     data: Mapping[str, tuple[Path, AppliedTransform | None]],
 ) -> TransformSpec:
     """The run's spec, checked in full against what the data was prepared with.
@@ -216,11 +281,10 @@ def _check_transform(
     """
     if transform is None:
         spec = data_transform(data) or TransformSpec()
-    elif isinstance(transform, str | Path):
-        spec = read_transformation(Path(transform))
+    elif isinstance(transform, Path):
+        spec = read_transformation(transform)
     else:
-        values = transform.model_dump() if isinstance(transform, TransformSpec) else transform
-        spec = transform_spec(**values)
+        spec = transform
     input_size(spec)  # training and scoring must feed the network one size
     for role, (root, applied) in data.items():
         check_applied(spec, applied, root, "training" if role == "train" else "inference")

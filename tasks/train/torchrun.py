@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import psutil
 
@@ -30,9 +30,11 @@ from tasks.parent_death import dying_with_this_process
 from tasks.settings import Settings, redact_uri
 from tasks.step import step_logger
 from tasks.train.failure import read_failures
-from tasks.train.params import TrainParams
-from tasks.train.rendezvous import RDZV_CONNECTION_MARK, RDZV_TIMEOUT_S
+from tasks.train.rendezvous import RDZV_CONNECTION_MARK
 from tasks.train.worker import rank_log
+
+if TYPE_CHECKING:
+    from tasks.train.request import TrainRequest
 
 TORCHRUN_LOG = "torchrun.log"
 KILL_GRACE_S = 15.0
@@ -63,15 +65,9 @@ def _source_root() -> str:
     return str(Path(tasks.__file__).resolve().parent.parent)
 
 
-def torchrun_command(
-    params: TrainParams,
-    config_path: Path,
-    run_id: str,
-    rdzv_endpoint: str | None,
-    max_restarts: int,
-    rdzv_timeout_s: int = RDZV_TIMEOUT_S,
-) -> list[str]:
+def torchrun_command(request: TrainRequest, config_path: Path, run_id: str) -> list[str]:
     """torchrun's command line: standalone on one node, else c10d rendezvous at the endpoint."""
+    params = request.params
     command = [sys.executable, "-m", "torch.distributed.run"]
     if params.nodes == 1:
         command += ["--standalone", "--nnodes", "1"]
@@ -84,17 +80,17 @@ def torchrun_command(
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
-            str(rdzv_endpoint),
+            str(request.rdzv_endpoint),
             "--rdzv-id",
             run_id,
             "--rdzv-conf",
-            f"join_timeout={rdzv_timeout_s}",
+            f"join_timeout={request.rdzv_timeout_s}",
         ]
     command += [
         "--nproc-per-node",
         str(params.nproc_per_node),
         "--max-restarts",
-        str(max_restarts),
+        str(request.max_restarts),
         "-m",
         "tasks.train.worker",
         "--config",

@@ -27,6 +27,7 @@ from tasks.settings import get_settings, redact_uri
 from tasks.step import step_logger
 from tasks.train.launch import open_run, train
 from tasks.train.params import TrialHook
+from tasks.train.request import TrainRequest
 from tasks.tune.gpus import gpu_environment, gpus_for, local_gpus
 from tasks.tune.records import (
     ERROR,
@@ -78,23 +79,23 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
         params = spec.trial_params(asked.values)
         untrained = folder / UNTRAINED
         build_model(spec.trial_model(asked.values), untrained)
-        request = {
-            "model": untrained,
-            "train_data": job.train_data,
-            "val_data": job.val_data,
-            "out": folder / MODEL,
-            "params": params,
-            "transform": job.transform,
-            "settings": settings,
-            "data_version": job.data_version,
-        }
+        request = TrainRequest(
+            model=untrained,
+            train_data=job.train_data,
+            val_data=job.val_data,
+            out=folder / MODEL,
+            params=params,
+            transform=job.transform,
+            data_version=job.data_version,
+            run_name=f"{job.study_name} trial {asked.number}",
+        )
         slots = local_gpus()
         need = gpus_for(params, len(slots))
         if need > slots.free:
             log.info("trial %d waits for %d GPUs (%d free)", asked.number, need, slots.free)
         # Released however the trial ends: completed, pruned, failed.
         with slots.take(need, f"Trial {asked.number} (nproc_per_node {need} on CUDA)") as gpus:
-            run_id = open_run(**request, run_name=f"{job.study_name} trial {asked.number}")
+            run_id = open_run(request, settings)
             storage.set_trial_user_attr(trial_id, RUN_ID, run_id)
             _tag_run(client, run_id, job, asked, gpus)
             hook = TrialHook(
@@ -106,7 +107,8 @@ def run_trial(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
                 min_trials=spec.early_stopping_min_trials,
                 min_epochs=spec.early_stopping_min_epochs,
             )
-            result = train(**request, run_id=run_id, tuning=hook, env=gpu_environment(gpus))
+            launch = {"run_id": run_id, "tuning": hook, "env": gpu_environment(gpus)}
+            result = train(request.model_copy(update=launch), settings)
     except Exception as exc:  # the trial's failure, counted by the study; never the flow's
         error = redact_uri(f"{type(exc).__name__}: {exc}")
         log.warning("trial %d failed after %.0f s: %s", asked.number, _since(started), error)
