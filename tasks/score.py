@@ -21,7 +21,6 @@ The output is the Score Image Model table: ``id`` (the image's place in the list
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -38,6 +37,7 @@ import pyarrow as pa
 
 from models.atomic import atomic_file, check_name_length, remove_leftovers, scratch_folder
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
+from models.locks import lock_fd
 from models.untrained import MODEL_JSON
 from tasks.errors import (
     ImageOpsError,
@@ -405,13 +405,12 @@ def _claim(folder: Path) -> int | None:
             folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if not lock_fd(fd, wait=False):
+                    os.close(fd)
+                    return None
                 # Locked: but the run we waited for may have removed the folder before it let go.
                 if os.path.samestat(os.fstat(fd), os.stat(folder)):
                     return fd
-            except BlockingIOError:
-                os.close(fd)
-                return None
             except BaseException:
                 os.close(fd)
                 raise
