@@ -19,20 +19,17 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
-
-import httpx
 
 from flows.deployments import DEPLOYMENTS_FILE, TRAINING_QUEUE, register_deployments
 from flows.webhook import DEFAULT_PORT as RECEIVER_PORT
 from flows.webhook import PATH as RECEIVER_PATH
+from tasks import servers
 from tasks.errors import ImageOpsError
 from tasks.log_tail import tail
 from tasks.settings import Settings
@@ -56,7 +53,6 @@ class _Service:
     env: dict[str, str]
     process: subprocess.Popen | None = None
     log: Path | None = None
-    _handle: IO[bytes] | None = field(default=None, repr=False)
 
 
 def _kept_secret(path: Path, make: Callable[[], str]) -> str:
@@ -71,15 +67,6 @@ def _kept_secret(path: Path, make: Callable[[], str]) -> str:
         handle.write(value)
     temporary.replace(path)
     return value
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class Stack:
@@ -146,7 +133,7 @@ class Stack:
                 ("MLflow", self.ports.mlflow),
                 ("receiver", self.ports.receiver),
             )
-            if not _port_free(self.host, port)
+            if not servers.port_free(self.host, port)
         ]
         if busy:
             raise ImageOpsError(
@@ -229,19 +216,9 @@ class Stack:
         )  # fmt: skip
 
     def _launch(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        logs = self.dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        service = _Service(name, args, env, log=logs / f"{name}.log")
-        service._handle = service.log.open("ab")
-        service.process = subprocess.Popen(
-            args,
-            cwd=self.settings.project_root,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=service._handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches us; we stop them in order
-        )
+        service = _Service(name, args, env, log=self.dir / "logs" / f"{name}.log")
+        # In a group of its own: Ctrl-C reaches us, and we stop them in order.
+        service.process = servers.start(args, service.log, env, cwd=self.settings.project_root)
         self.services.append(service)
 
     def _wait(self, timeout_s: float) -> None:
@@ -252,19 +229,14 @@ class Stack:
         }
         deadline = time.monotonic() + timeout_s
         for what, url in checks.items():
-            while True:
-                self.check_alive()
-                try:
-                    if httpx.get(url, timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ImageOpsError(
-                        f"The {what} did not answer at {url} within {timeout_s:.0f} s.",
-                        f"Read its log in {self.dir / 'logs'}.",
-                    )
-                time.sleep(0.5)
+            left = deadline - time.monotonic()
+            if not servers.wait_until(
+                lambda url=url: self.check_alive() or servers.healthy(url), left, interval_s=0.5
+            ):
+                raise ImageOpsError(
+                    f"The {what} did not answer at {url} within {timeout_s:.0f} s.",
+                    f"Read its log in {self.dir / 'logs'}.",
+                )
 
     def _create_pool(self) -> None:
         from prefect.client.orchestration import get_client
@@ -331,18 +303,8 @@ class Stack:
     def stop(self) -> None:
         """Stop every service, last started first: the worker before the servers it calls."""
         for service in reversed(self.services):
-            process = service.process
-            if process is not None and process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGTERM)
-                    process.wait(timeout=STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                except ProcessLookupError:
-                    pass
-            if service._handle is not None:
-                service._handle.close()
+            if service.process is not None:
+                servers.stop(service.process, STOP_TIMEOUT_S)
         self.services.clear()
 
     def __enter__(self) -> Stack:

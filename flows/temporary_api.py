@@ -29,21 +29,18 @@ import atexit
 import contextlib
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 from models.errors import ImageOpsError
+from models.locks import acquire
+from tasks import servers
 from tasks.log_tail import tail
-from tasks.parent_death import dying_with_this_process
 
 STARTUP_TIMEOUT_S = 120.0  # a new project's database migrations on a slow, busy machine
 
@@ -91,12 +88,6 @@ def _backup(source: Path, tmp: Path) -> None:
         live.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(port: int, log: Path) -> subprocess.Popen[bytes]:
     import importlib.util
 
@@ -115,11 +106,8 @@ def _launch(port: int, log: Path) -> subprocess.Popen[bytes]:
         "--host", "127.0.0.1", "--port", str(port),
         "--log-level", "error", "--lifespan", "on",
     ]  # fmt: skip
-    with log.open("ab") as sink:
-        # Started from the main thread; SIGKILLed with this process, which cannot stop it then.
-        return subprocess.Popen(
-            dying_with_this_process(command), env=env, stdout=sink, stderr=subprocess.STDOUT
-        )
+    # Started from the main thread; SIGKILLed with this process, which cannot stop it then.
+    return servers.start(command, log, env)
 
 
 class TemporaryAPI:
@@ -131,25 +119,23 @@ class TemporaryAPI:
         self.log = log
         self.save_template_to = save_template_to  # a new database: keep a copy once migrated
         self.creating = creating  # held while this server migrates a new database
-        self.port = _free_port()
+        self.port = servers.free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.process = _launch(self.port, log)
 
     def wait(self, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
         """Return the API URL once it answers; raise with the server's log tail if it cannot."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:  # exited: uvicorn's 3 is any start-up failure
-                break
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        self._save_template()
-                        self._created()
-                        return self.url
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
+        # Exited ends the wait too: uvicorn's status 3 is any start-up failure.
+        exited = self.process.poll
+        up = servers.wait_until(
+            lambda: exited() is not None or servers.healthy(f"{self.url}/health", timeout_s=2),
+            timeout_s,
+            interval_s=0.1,
+        )
+        if up and exited() is None:
+            self._save_template()
+            self._created()
+            return self.url
         self.stop()
         raise ImageOpsError(
             f"Prefect's temporary API server on {self.url} did not start within {timeout_s:.0f} s "
@@ -175,28 +161,21 @@ class TemporaryAPI:
 
     def stop(self) -> None:
         self._created()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        servers.stop(self.process)
 
 
 def _creation_lock(database: Path) -> FileLock:
     """The lock on creating ``database``, acquired; another command may hold it while migrating."""
-    database.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(database.with_name(f"{database.name}.lock"))
-    try:
-        lock.acquire(timeout=STARTUP_TIMEOUT_S)
-    except Timeout as exc:
-        raise ImageOpsError(
+    lock = database.with_name(f"{database.name}.lock")
+    return acquire(
+        lock,
+        STARTUP_TIMEOUT_S,
+        ImageOpsError(
             f"Waited {STARTUP_TIMEOUT_S:.0f} s for another imageops command to create Prefect's "
-            f"database {database} (it holds {lock.lock_file}).",
+            f"database {database} (it holds {lock}).",
             "Check for a stuck `imageops` command in this project and stop it, then run again.",
-        ) from exc
-    return lock
+        ),
+    )
 
 
 def start_temporary_api(log: Path) -> TemporaryAPI | None:

@@ -22,7 +22,6 @@ leftovers: what cannot be proven abandoned is not removed.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import InvalidParameterError
+from models.locks import lock_fd
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +115,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _lock(fd: int, *, wait: bool) -> bool:
-    """``flock`` ``fd`` exclusively: True when held, False when another holds it or the
-    filesystem cannot lock it (NFS cannot lock a folder)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except OSError:  # BlockingIOError: held by another; EBADF, ENOLCK, EINVAL: cannot lock
-        return False
-    return True
-
-
 def _create_locked(
     parent: Path, prefix: str, suffix: str, *, folder: bool, mode: int = 0o777
 ) -> tuple[Path, int]:
@@ -150,7 +140,7 @@ def _create_locked(
         except FileNotFoundError:
             continue  # removed between mkdir and open
         try:
-            _lock(fd, wait=True)  # a remover holds it only while it removes
+            lock_fd(fd, wait=True)  # a remover holds it only while it removes
             if os.path.samestat(os.fstat(fd), os.lstat(path)):
                 return path, fd
         except FileNotFoundError:
@@ -204,7 +194,7 @@ def _remove_unowned(path: Path) -> bool:
     except OSError:
         return False
     try:
-        if not _lock(fd, wait=False):
+        if not lock_fd(fd, wait=False):
             return False  # a live writer's (or a filesystem that cannot prove otherwise)
         if not os.path.samestat(os.fstat(fd), os.lstat(path)):
             return False
@@ -365,7 +355,7 @@ def _held(folder: Path) -> int | None:
     """A descriptor of ``folder`` holding its lock, or None when it cannot be locked now."""
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        if _lock(fd, wait=False):
+        if lock_fd(fd, wait=False):
             return fd
         os.close(fd)
     return None

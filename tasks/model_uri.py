@@ -23,7 +23,6 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from filelock import FileLock
 from mlflow.artifacts import download_artifacts
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
@@ -31,6 +30,7 @@ from mlflow.tracking import MlflowClient
 
 from models.atomic import atomic_directory, write_json
 from models.directory import ONNX
+from models.locks import holding
 from models.untrained import MODEL_JSON
 from tasks.errors import RegistryError, RegistryUnreachableError
 from tasks.export import sha256_file
@@ -254,8 +254,13 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
         path=cache_path(settings, name, int(version.version)),
     )
     log = step_logger(__name__)
-    cached.path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cached.path) + ".lock", timeout=LOCK_TIMEOUT_S):
+    lock = cached.path.with_name(cached.path.name + ".lock")
+    busy = RegistryError(
+        f"Waited {LOCK_TIMEOUT_S:.0f} s for {lock}: another process has been downloading "
+        f"{uri} into the cache all that time.",
+        "Check for a stuck `imageops` process using this cache and stop it, then run again.",
+    )
+    with holding(lock, LOCK_TIMEOUT_S, busy):
         if _is_cached(cached.path, cached.run_id, cached.source):
             log.info("%s is version %s, cached in %s", uri, cached.version, cached.path)
             return cached

@@ -8,16 +8,13 @@ stuck, not slow, and ends in the caller's error with what to do.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
 from models.errors import ImageOpsError
+from models.locks import holding
 
 
-@contextmanager
 def taking_turns(
     path: Path,
     timeout_s: float,
@@ -25,28 +22,19 @@ def taking_turns(
     holder: str,
     hint: str,
     waiting: str | None = None,
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """Hold the lock file ``path`` for the block; wait up to ``timeout_s`` for another holder.
 
     ``waiting`` is logged when another process holds it; past the timeout, ``error`` says that
     ``holder`` (e.g. "another promotion in this project") has had it all that time, and ``hint``.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path)
-    try:
-        lock.acquire(blocking=False)
-    except Timeout:
-        if waiting:
-            from tasks.step import step_logger  # Prefect: only when someone has to wait
 
-            step_logger(__name__).info("%s (it holds %s)", waiting, path)
-        try:
-            lock.acquire(timeout=timeout_s)
-        except Timeout as exc:
-            raise error(
-                f"Waited {timeout_s:.0f} s for {path}: {holder} has held it all that time.", hint
-            ) from exc
-    try:
-        yield
-    finally:
-        lock.release()
+    def log_waiting() -> None:
+        from tasks.step import step_logger  # Prefect: only when someone has to wait
+
+        step_logger(__name__).info("%s (it holds %s)", waiting, path)
+
+    refusal = error(
+        f"Waited {timeout_s:.0f} s for {path}: {holder} has held it all that time.", hint
+    )
+    return holding(path, timeout_s, refusal, log_waiting if waiting else None)

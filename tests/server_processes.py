@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,13 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tasks import servers
+from tasks.servers import free_port, healthy
+
+__all__ = ["Processes", "base_env", "free_port", "healthy"]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def base_env() -> dict[str, str]:
@@ -43,10 +39,6 @@ def base_env() -> dict[str, str]:
     }
 
 
-def healthy(url: str) -> bool:
-    return httpx.get(url, timeout=5).status_code == 200
-
-
 class Processes:
     """Subprocesses in their own process groups, logging to files; all killed at the end."""
 
@@ -55,10 +47,7 @@ class Processes:
         logs.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = servers.start(args, self.logs / f"{name}.log", env, cwd=ROOT)
         self.started.append((name, proc))
         return proc
 
@@ -73,14 +62,7 @@ class Processes:
     def stop(self) -> None:
         """Last started, first stopped: clients go before the servers they would call."""
         for _, proc in reversed(self.started):
-            with contextlib.suppress(ProcessLookupError):
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:  # nothing here needs a clean exit
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            servers.stop(proc)
 
     def crash(self, proc: subprocess.Popen) -> None:
         """SIGKILL ``proc``'s whole process group, as a crash would; it is not waited for again.
@@ -93,13 +75,17 @@ class Processes:
 
     def wait(self, what: str, ready: Callable[[], Any], timeout_s: float = 120.0) -> Any:
         """Poll ``ready`` until it returns something truthy; fail with every log if never."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def attempt() -> Any:
             with contextlib.suppress(httpx.HTTPError):
                 if result := ready():
                     return result
             dead = [name for name, proc in self.started if proc.poll() is not None]
             if dead:
                 pytest.fail(f"{', '.join(dead)} exited while waiting for {what}\n{self.report()}")
-            time.sleep(0.3)
-        pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
+            return None
+
+        result = servers.wait_until(attempt, timeout_s, interval_s=0.3)
+        if not result:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
+        return result

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from server_processes import Processes, base_env
 
 from flows.config import PipelineConfig
+from tasks import servers
 from tasks.datasets import dataset_lock
 from tasks.errors import DatasetBusyError, InvalidParameterError
 from tasks.imagedir import read_manifest
@@ -174,10 +175,10 @@ def test_two_runs_on_different_data_sets_at_once(project: Settings, tmp_path: Pa
             name: processes.start(name, [*run, str(source)], env)
             for name, source in (("low", low), ("high", high))
         }
-        deadline = time.monotonic() + 600
-        while any(proc.poll() is None for proc in runs.values()):
-            assert time.monotonic() < deadline, f"runs still going\n{processes.report()}"
-            time.sleep(0.5)
+        ended = servers.wait_until(
+            lambda: all(proc.poll() is not None for proc in runs.values()), 600, interval_s=0.5
+        )
+        assert ended, f"runs still going\n{processes.report()}"
         assert all(proc.returncode == 0 for proc in runs.values()), processes.report()
     finally:
         processes.stop()

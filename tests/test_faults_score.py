@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ from model_helpers import copy_model
 from prefect_runs import task_runs_of
 
 from models.directory import ONNX
+from models.locks import lock_fd
 from tasks.sample import write_digits
 from tasks.score import (
     CHECKPOINTS,
@@ -162,7 +162,7 @@ def test_a_checkpoint_is_reused_only_by_the_same_scoring(
         onnx.save(proto, model / ONNX)
     elif change == "in use":  # another scoring of the same images holds the checkpoint
         held = os.open(planted.parent, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(held, fcntl.LOCK_EX)
+        assert lock_fd(held, wait=True)
     try:
         score_in_shards(model, images, dest, shard_images=6, batch_size=2, threads=1)
     finally:

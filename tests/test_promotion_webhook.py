@@ -33,6 +33,7 @@ from server_processes import Processes, base_env, free_port, healthy
 
 from flows import webhook
 from flows.webhook import PATH, create_app
+from tasks import servers
 from tasks.errors import ImageOpsError
 from tasks.imagedir import read_manifest
 from tasks.promotion_events import (
@@ -76,18 +77,20 @@ def _events(resource_id: str, want: int, timeout_s: float = 30.0) -> list[dict]:
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    deadline = time.monotonic() + timeout_s
+    events: list[dict] = []
     with get_client(sync_client=True) as client:
-        while True:
+
+        def enough() -> bool:
             query = EventFilter(
                 event=EventNameFilter(name=[ALIAS_CREATED_EVENT]),
                 resource=EventResourceFilter(id=[resource_id]),
             )  # made anew each time: its time window ends when it is made
             page = client.read_events(filter=query, limit=50)
-            events = [event.model_dump(mode="json") for event in page.events]
-            if len(events) >= want or time.monotonic() > deadline:
-                return events
-            time.sleep(0.5)
+            events[:] = [event.model_dump(mode="json") for event in page.events]
+            return len(events) >= want
+
+        servers.wait_until(enough, timeout_s, interval_s=0.5)
+    return events
 
 
 def test_unsigned_wrongly_signed_and_stale_deliveries_are_refused() -> None:

@@ -10,13 +10,13 @@ nothing is left running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +29,9 @@ from uuid import UUID
 import httpx
 import psutil
 import pytest
-from server_processes import free_port
+
+from tasks import servers
+from tasks.servers import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -56,17 +58,16 @@ class Served:
         )
 
     def wait(self, what: str, ready: Callable[[], Any], timeout_s: float = 240.0) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def attempt() -> Any:
             if self.process.poll() is not None:
                 pytest.fail(f"imageops serve exited while waiting for {what}\n{self.report()}")
-            try:
-                if result := ready():
-                    return result
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
+            with contextlib.suppress(httpx.HTTPError):
+                return ready()
+
+        result = servers.wait_until(attempt, timeout_s, interval_s=0.5)
+        if not result:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
+        return result
 
     @contextmanager
     def client(self) -> Iterator[Any]:
@@ -159,13 +160,12 @@ def served(
         "PREFECT_WORKER_QUERY_SECONDS": "1",
     }
     log = root / "serve.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", "--no-ui",
-             "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
-             "--receiver-port", str(ports["receiver"])],
-            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    process = servers.start(
+        [sys.executable, "-m", "flows.cli", "serve", "--no-ui",
+         "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
+         "--receiver-port", str(ports["receiver"])],
+        log, env, cwd=root,
+    )  # fmt: skip
     served = Served(
         process,
         log,

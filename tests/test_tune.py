@@ -6,12 +6,10 @@ few seconds; the flows run under the session's real Prefect API.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from prefect.client.schemas.filters import (
 from flows.tune import tune_flow
 from models.directory import read_model_info
 from models.transform_spec import TransformSpec
+from tasks import servers
 from tasks.errors import InvalidTuningSpecError, TuningFailedError
 from tasks.settings import Settings
 from tasks.tune.gpus import local_gpus
@@ -298,24 +297,17 @@ def test_trials_run_as_flow_runs_of_the_trial_deployment(
         "PYTHONPATH": str(ROOT),
     }
     serve = "from flows.tune import trial_flow; trial_flow.serve(name='tune-trial')"
-    worker = subprocess.Popen(
-        [sys.executable, "-c", serve],
-        env=env,
-        cwd=project.project_root,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log = project.home_dir / "trial-worker.log"
+    worker = servers.start([sys.executable, "-c", serve], log, env, cwd=project.project_root)
     try:
-        deadline = time.monotonic() + 120
-        with get_client(sync_client=True) as prefect:
-            while True:  # until the worker has registered the deployment
-                try:
-                    prefect.read_deployment_by_name("imageops-tune-trial/tune-trial")
-                    break
-                except Exception:
-                    assert time.monotonic() < deadline and worker.poll() is None
-                    time.sleep(0.5)
+
+        def registered() -> bool:  # the worker has registered the deployment
+            assert worker.poll() is None, log.read_text()
+            with contextlib.suppress(Exception), get_client(sync_client=True) as prefect:
+                return bool(prefect.read_deployment_by_name("imageops-tune-trial/tune-trial"))
+            return False
+
+        assert servers.wait_until(registered, 120, interval_s=0.5), log.read_text()
         spec = make_spec(
             study_name="on-the-pool",
             algorithm="random",
@@ -329,12 +321,7 @@ def test_trials_run_as_flow_runs_of_the_trial_deployment(
             trial_deployment="imageops-tune-trial/tune-trial",
         )
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        servers.stop(worker, timeout_s=30)
     (trial,) = result.trials
     assert trial.state == "COMPLETE" and trial.run_id is not None
     with get_client(sync_client=True) as prefect:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from filelock import FileLock
 
+from models.locks import holding
 from tasks.errors import VersioningError
 from tasks.settings import Settings
 from tasks.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, uncommitted, version
@@ -136,7 +136,8 @@ def test_version_waits_while_another_step_holds_the_dvc_lock(
     data = _data(project, digits_split[1])
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        with FileLock(project.home_dir / LOCK_FILE):  # as another imageops process would
+        # Held as another imageops process would hold it.
+        with holding(project.home_dir / LOCK_FILE, 0, VersioningError("held", "")):
             pending = pool.submit(version, data, project)
             time.sleep(1.0)
             assert not pending.done()

@@ -13,7 +13,6 @@ by side as Prefect tasks in a flow (``flows.score.submit_shards``).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from models.atomic import check_name_length, remove_leftovers, scratch_folder
 from models.directory import ONNX, ONNX_INT8
+from models.locks import lock_fd
 from models.untrained import MODEL_JSON
 from tasks.errors import ImageOpsError, InvalidParameterError
 from tasks.export import sha256_file
@@ -124,13 +124,12 @@ def _claim(folder: Path) -> int | None:
             folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if not lock_fd(fd, wait=False):
+                    os.close(fd)
+                    return None
                 # Locked: but the run we waited for may have removed the folder before it let go.
                 if os.path.samestat(os.fstat(fd), os.stat(folder)):
                     return fd
-            except BlockingIOError:
-                os.close(fd)
-                return None
             except BaseException:
                 os.close(fd)
                 raise

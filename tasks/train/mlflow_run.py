@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import tenacity
 from mlflow import MlflowClient
 from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
@@ -254,26 +255,31 @@ def _patiently(call: Callable[[], object], what: str, deadline: float) -> bool:
     the training's own outcome): it is a warning, and the caller decides what it means.
     """
     log = step_logger(__name__)
-    waited_since = None
-    while True:
-        try:
-            call()
-        except Exception as exc:
-            reason = redact_uri(str(exc))  # MLflow's errors quote the tracking URI
-            if not transient(exc) or time.monotonic() >= deadline:
-                log.warning("MLflow did not take %s; giving up: %s", what, reason)
-                return False
-            if waited_since is None:
-                waited_since = time.monotonic()
-                log.warning(
-                    "MLflow did not take %s; trying again every %g s for up to %.0f s: %s",
-                    what,
-                    TRACKING_PAUSE_S,
-                    deadline - waited_since,
-                    reason,
-                )
-            time.sleep(TRACKING_PAUSE_S)
-            continue
-        if waited_since is not None:
-            log.info("MLflow took %s after %.0f s", what, time.monotonic() - waited_since)
-        return True
+    waited_since: list[float] = []  # when the first transient failure came
+
+    def waiting(state: tenacity.RetryCallState) -> None:
+        if not waited_since:
+            waited_since.append(time.monotonic())
+            log.warning(
+                "MLflow did not take %s; trying again every %g s for up to %.0f s: %s",
+                what,
+                TRACKING_PAUSE_S,
+                deadline - waited_since[0],
+                redact_uri(str(state.outcome.exception())),  # MLflow quotes the tracking URI
+            )
+
+    retrying = tenacity.Retrying(
+        stop=lambda _: time.monotonic() >= deadline,
+        wait=tenacity.wait_fixed(TRACKING_PAUSE_S),
+        retry=tenacity.retry_if_exception(transient),
+        before_sleep=waiting,
+        reraise=True,
+    )
+    try:
+        retrying(call)
+    except Exception as exc:
+        log.warning("MLflow did not take %s; giving up: %s", what, redact_uri(str(exc)))
+        return False
+    if waited_since:
+        log.info("MLflow took %s after %.0f s", what, time.monotonic() - waited_since[0])
+    return True

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from models.atomic import write_json
 from tasks.errors import RendezvousTimeoutError
+from tasks.servers import free_port
 
 if TYPE_CHECKING:
     from tasks.train.request import TrainRequest
@@ -34,9 +35,7 @@ def local_rendezvous_endpoint() -> str:
     chance (torch's store itself listens on the port on every interface: the port is free only
     for a moment before torchrun takes it). Real multi-node jobs name a host all machines reach.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def mark_node(run_dir: Path, node_rank: int, started: float, ended: float | None = None) -> None:
