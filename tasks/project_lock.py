@@ -15,6 +15,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from models.errors import ImageOpsError
+from tasks import faults
 
 
 @contextmanager
@@ -46,7 +47,9 @@ def taking_turns(
             raise error(
                 f"Waited {timeout_s:.0f} s for {path}: {holder} has held it all that time.", hint
             ) from exc
+    faults.point("lock.acquired", name=path.stem)
     try:
         yield
     finally:
+        faults.point("lock.released", name=path.stem)
         lock.release()

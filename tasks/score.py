@@ -39,6 +39,7 @@ import pyarrow as pa
 from models.atomic import atomic_file, check_name_length, remove_leftovers, scratch_folder
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from models.untrained import MODEL_JSON
+from tasks import faults
 from tasks.errors import (
     ImageOpsError,
     InvalidModelDirectoryError,
@@ -325,6 +326,8 @@ def score(
                 "Check the files open in an image viewer (the log names each one).",
             )
     log.info("Scored %d image(s) into %s (%d could not be read)", scored, dest, failed)
+    if shard is not None:
+        faults.point("score.shard_written", shard=shard[0], count=shard[1])
     return dest
 
 

@@ -38,6 +38,7 @@ from models.atomic import atomic_file, write_json
 from models.directory import ModelInfo, save_model_directory
 from models.untrained import ModelSpec
 from models.zoo import build_model
+from tasks import faults
 from tasks.errors import InvalidDatasetError, TrainingFailedError
 from tasks.imagedir import read_manifest
 from tasks.parent_death import die_with_torchrun
@@ -391,6 +392,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
                 },
             )
         distributed.barrier()
+        faults.point("train.epoch_end", rank=dist.rank, epoch=epoch, attempt=_attempt())
         # After the checkpoint: a kill between the two leaves an epoch trained and saved but not
         # in MLflow, which the next record (or the launcher) backfills from the history.
         if tracker is not None:
