@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 FAULT = "IMAGEOPS_FAULT"
 TRACE = "IMAGEOPS_FAULT_TRACE"
@@ -54,6 +55,16 @@ def point(name: str, /, **fields: object) -> None:
             action = _matching_action(spec.strip(), name, fields)
             if action is not None:
                 _fire(action, spec)
+
+
+def reached(trace: Path, name: str) -> list[dict[str, str]]:
+    """The fields (and ``pid``) of each time point ``name`` was reached, from the ``trace`` file."""
+    found = []
+    for line in trace.read_text().splitlines():
+        pid, where, *fields = line.split(" ")
+        if where == name:
+            found.append({"pid": pid, **dict(f.split("=", 1) for f in fields)})
+    return found
 
 
 def _trace(path: str, name: str, fields: dict[str, object]) -> None:

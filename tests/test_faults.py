@@ -87,6 +87,7 @@ def test_the_trace_lists_the_points_reached_in_order(
     with dataset_lock(project, "a"), dataset_lock(project, "b"):
         pass
     lines = [line.split(" ", 1)[1] for line in trace.read_text().splitlines()]
+    assert faults.reached(trace, "lock.released")[0]["name"] == "data-b"
     assert lines == [
         "lock.acquired name=data-a",
         "lock.acquired name=data-b",
