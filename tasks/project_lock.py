@@ -8,13 +8,16 @@ stuck, not slow, and ends in the caller's error with what to do.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from models.errors import ImageOpsError
 from models.locks import holding
+from tasks import faults
 
 
+@contextmanager
 def taking_turns(
     path: Path,
     timeout_s: float,
@@ -22,7 +25,7 @@ def taking_turns(
     holder: str,
     hint: str,
     waiting: str | None = None,
-) -> AbstractContextManager[None]:
+) -> Iterator[None]:
     """Hold the lock file ``path`` for the block; wait up to ``timeout_s`` for another holder.
 
     ``waiting`` is logged when another process holds it; past the timeout, ``error`` says that
@@ -37,4 +40,9 @@ def taking_turns(
     refusal = error(
         f"Waited {timeout_s:.0f} s for {path}: {holder} has held it all that time.", hint
     )
-    return holding(path, timeout_s, refusal, log_waiting if waiting else None)
+    with holding(path, timeout_s, refusal, log_waiting if waiting else None):
+        faults.point("lock.acquired", name=path.stem)
+        try:
+            yield
+        finally:
+            faults.point("lock.released", name=path.stem)

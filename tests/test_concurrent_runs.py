@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from server_processes import Processes, base_env
 
 from flows.config import PipelineConfig
-from tasks import servers
+from tasks import faults, servers
 from tasks.datasets import dataset_lock
 from tasks.errors import DatasetBusyError, InvalidParameterError
 from tasks.imagedir import read_manifest
@@ -139,8 +139,15 @@ def _prefect_rows(database: Path, query: str) -> list[tuple]:
         return db.execute(query).fetchall()
 
 
-def _time(value: str) -> datetime:
-    return datetime.fromisoformat(value)
+def _lock_order(trace: Path) -> Callable[[str, str], int]:
+    """Where in the fault trace (tasks.faults) data set ``name``'s lock was taken or given back."""
+    lines = [line.split(" ", 1)[1] for line in trace.read_text().splitlines()]
+
+    def at(point: str, name: str) -> int:
+        (index,) = [i for i, line in enumerate(lines) if line == f"lock.{point} name=data-{name}"]
+        return index
+
+    return at
 
 
 @pytest.mark.slow
@@ -163,9 +170,11 @@ def test_two_runs_on_different_data_sets_at_once(project: Settings, tmp_path: Pa
             }
         )
     )
+    trace = tmp_path / "trace"  # every lock taken and given back, in order, by both runs
     env = base_env() | {
         "IMAGEOPS_PROJECT_ROOT": str(project.project_root),
         "IMAGEOPS_HOME": str(project.home_dir),
+        faults.TRACE: str(trace),
     }
     run = [sys.executable, "-m", "flows.cli", "run", "--config", str(params),
            "--epochs", "1", "--nproc-per-node", "1"]  # fmt: skip
@@ -190,17 +199,11 @@ def test_two_runs_on_different_data_sets_at_once(project: Settings, tmp_path: Pa
         database, "SELECT id, name, state_type FROM flow_run WHERE name LIKE 'pipeline-%'"
     )
     assert sorted(state for _, _, state in flows) == ["COMPLETED", "COMPLETED"], flows
-    # They overlapped: each converted its data before the other had evaluated its model (run one
-    # after the other, the second would convert after the first evaluated).
-    steps = {
-        (flow, task.rsplit("-", 1)[0]): (_time(start), _time(end))
-        for flow, task, start, end in _prefect_rows(
-            database, "SELECT flow_run_id, name, start_time, end_time FROM task_run"
-        )
-    }
-    (a, _, _), (b, _, _) = flows
-    assert steps[(a, "convert")][0] < steps[(b, "evaluate")][1]
-    assert steps[(b, "convert")][0] < steps[(a, "evaluate")][1]
+    # They overlapped: each took its data set's lock before the other gave its own back (one after
+    # the other, the second would take its lock after the first gave its lock back).
+    at = _lock_order(trace)
+    assert at("acquired", "low") < at("released", "high")
+    assert at("acquired", "high") < at("released", "low")
 
     client = MlflowClient(project.tracking_uri, project.registry_uri)
     experiment = client.get_experiment_by_name(project.mlflow_experiment)

@@ -1,16 +1,16 @@
 """Fault injection: the MLflow tracking server crashes during training and stays down for 30 s.
 
 A real ``mlflow server`` (SQLite store, artifacts proxied to a folder) is killed, its whole process
-group with SIGKILL, once the first epoch's metrics are in it, and started again on the same port
-with the same store 30 s later. MLflow's own client retries are turned off in the launcher
-(MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so the run survives by the training's design, not by the
-client's retry budget: rank 0 warns and trains on, the launcher waits for the server, then writes
-the epochs it missed and ends the run. The undisturbed reference trains while the server is down.
+group with SIGKILL, while rank 0 stands stopped (tasks.faults) between epoch 2's checkpoint and its
+metrics, and started again on the same port with the same store 30 s later. MLflow's own client
+retries are turned off in the launcher (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so the run survives by
+the training's design, not by the client's retry budget: rank 0 warns and trains on, the launcher
+waits for the server, then writes the epochs it missed and ends the run. The undisturbed reference
+trains while the server is down.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
@@ -22,12 +22,12 @@ import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 from safetensors.torch import load_file
 from server_processes import Processes, base_env, free_port, healthy
 
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
+from tasks import faults
 from tasks.settings import Settings
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import LOSS
@@ -50,31 +50,17 @@ def run_train(
     return train(request, settings)
 
 
-def worker_of(run_dir: Path) -> psutil.Process | None:
-    """The torchrun worker (not torchrun itself) training in ``run_dir``."""
-    config = str(run_dir / "config.json")
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "tasks.train.worker" in cmd and "torch.distributed.run" not in cmd and config in cmd:
-            return proc
-    return None
-
-
-def first_epoch_logged(
-    client: MlflowClient, runs_dir: Path, training: threading.Thread
-) -> str | None:
-    """The id of the run in ``runs_dir`` once its first epoch's metrics are in MLflow; None if
-    the training ended first.
-
-    Polled every 10 ms: the crash must come before the next epoch's metrics.
-    """
+def stopped_worker(trace: Path, training: threading.Thread) -> psutil.Process | None:
+    """Rank 0's worker once it has stopped itself at epoch 2's end; None if the training ended."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and training.is_alive():
-        for run_dir in runs_dir.glob("*"):
-            with contextlib.suppress(MlflowException):  # a busy SQLite store: ask again
-                if client.get_metric_history(run_dir.name, LOSS):
-                    return run_dir.name
-        time.sleep(0.01)
+        for reached in faults.reached(trace, "train.epoch_end") if trace.exists() else []:
+            if reached["epoch"] == "2":
+                worker = psutil.Process(int(reached["pid"]))
+                # SIGCONT before the SIGSTOP has landed would be lost: wait until it has.
+                if worker.status() == psutil.STATUS_STOPPED:
+                    return worker
+        time.sleep(0.1)  # the state waited for lasts until the test ends it: no window to miss
     return None
 
 
@@ -88,6 +74,11 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    # Rank 0 stops itself (SIGSTOP) at epoch 2's end, after its checkpoint and before its
+    # metrics: epoch 1's are in MLflow, epoch 2's not yet. The server crashes while it stands.
+    trace = tmp_path / "trace"
+    monkeypatch.setenv(faults.FAULT, "train.epoch_end:rank=0:epoch=2:attempt=0:stop")
+    monkeypatch.setenv(faults.TRACE, str(trace))
     caplog.set_level(logging.INFO, logger="tasks.train.mlflow_run")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -115,18 +106,17 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
     processes.wait("the MLflow server", lambda: healthy(f"{url}/health"))
     client = MlflowClient(url)
     training.start()
-    run_id = first_epoch_logged(client, tracked.runs_dir, training)
-    assert run_id is not None, f"no first epoch in MLflow: {outcome}"
-    # Stopped while the server dies, so we know exactly which epochs got in before.
-    worker = worker_of(tracked.runs_dir / run_id)
-    assert worker is not None, "the training ended before the crash"
-    worker.suspend()
+    worker = stopped_worker(trace, training)
+    assert worker is not None, f"the worker did not stop at epoch 2's end: {outcome}"
+    (run_dir,) = tracked.runs_dir.iterdir()
+    run_id = run_dir.name
     try:
         logged = sorted(m.step for m in client.get_metric_history(run_id, LOSS))
         processes.crash(first)
         crashed = time.monotonic()
     finally:
         worker.resume()
+    monkeypatch.delenv(faults.FAULT)  # the undisturbed reference
     reference = run_train(project, untrained, digits_split, tmp_path / "reference")
     time.sleep(max(0.0, crashed + OUTAGE_S - time.monotonic()))
     processes.start("mlflow-server-again", server, server_env)
@@ -138,9 +128,9 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
     result: TrainResult = outcome["result"]
 
     # The outage hit the training: rank 0 trained on without the server, the launcher waited.
-    assert logged and logged[-1] < PARAMS.epochs, f"epochs logged before the crash: {logged}"
+    assert logged == [1], f"epochs logged before the crash: {logged}"
     rank0 = (result.run_dir / "rank_0.log").read_text()
-    assert f"MLflow did not take the metrics of epoch {logged[-1] + 1}" in rank0
+    assert "MLflow did not take the metrics of epoch 2" in rank0
     assert "MLflow did not take the metrics; trying again" in caplog.text
     assert "MLflow took the metrics after" in caplog.text
 

@@ -3,11 +3,9 @@ tracked in a real MLflow (SQLite), reproducibility, and the pieces a resumed run
 
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
 from models.untrained import MODEL_JSON, resnet, write_untrained
 from models.zoo import PretrainedWeightsMissingError
+from tasks import faults
 from tasks.convert import convert
 from tasks.errors import (
     InvalidDatasetError,
@@ -368,45 +367,28 @@ def test_two_process_gloo_run(
 
 
 @pytest.mark.slow
-def kill_worker_after_first_checkpoint(runs_dir: Path, skip: Path, done: threading.Event) -> None:
-    """SIGKILL rank 1 of the new run once its first checkpoint exists, as an OOM kill would."""
-    deadline = time.monotonic() + 120
-    while not done.is_set() and time.monotonic() < deadline:
-        for run_dir in runs_dir.glob("*"):
-            if run_dir == skip or not (run_dir / CHECKPOINT).is_file():
-                continue
-            config = str(run_dir / "config.json")
-            for proc in psutil.process_iter(["cmdline"]):
-                cmd = proc.info["cmdline"] or []
-                # The worker, not torchrun (whose command line names the worker too).
-                is_worker = "tasks.train.worker" in cmd and "torch.distributed.run" not in cmd
-                if not (is_worker and config in cmd):
-                    continue
-                with contextlib.suppress(psutil.Error):  # it may be gone between the two looks
-                    if proc.environ().get("RANK") == "1":
-                        proc.kill()  # mid-epoch 2: rank 0 is left waiting in a collective
-                        return
-        time.sleep(0.02)
-
-
-@pytest.mark.slow
 def test_same_seed_gives_the_same_model_even_across_a_crash(
-    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+    project: Settings,
+    untrained: Path,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ddp = {"seed": 7, "epochs": 3, "nproc_per_node": 2}
     first = run_train(project, untrained, digits_split, tmp_path / "a", **ddp)
-    # The second run's rank 1 is killed in epoch 2: torchrun restarts both workers, and they resume
-    # from epoch 1's checkpoint; reseeding per epoch makes the rest draw what it would have.
-    done = threading.Event()
-    killer = threading.Thread(
-        target=kill_worker_after_first_checkpoint, args=(project.runs_dir, first.run_dir, done)
+    # The second run's rank 1 kills itself (SIGKILL, as an OOM kill would) right after epoch 1's
+    # checkpoint: rank 0 is left waiting in epoch 2's first collective, torchrun restarts both
+    # workers, and they resume from the checkpoint; reseeding per epoch makes the rest draw what
+    # it would have.
+    trace = tmp_path / "trace"
+    monkeypatch.setenv(faults.FAULT, "train.epoch_end:rank=1:epoch=1:attempt=0:kill")
+    monkeypatch.setenv(faults.TRACE, str(trace))
+    second = run_train(project, untrained, digits_split, tmp_path / "b", **ddp)
+    # Killed at the point and nowhere else; the restart (attempt 1) trained epochs 2 and 3 only.
+    ended = sorted(
+        (e["attempt"], e["epoch"], e["rank"]) for e in faults.reached(trace, "train.epoch_end")
     )
-    killer.start()
-    try:
-        second = run_train(project, untrained, digits_split, tmp_path / "b", **ddp)
-    finally:
-        done.set()
-        killer.join()
+    assert ended == [(a, e, r) for a, e in [("0", "1"), ("1", "2"), ("1", "3")] for r in "01"]
     assert "resumed from the checkpoint after epoch" in (second.run_dir / "rank_0.log").read_text()
     assert first.run_id != second.run_id
     # Throughput is the one metric that depends on the machine, not on the seed.

@@ -4,13 +4,8 @@ killed first attempt started (real torchrun processes, SIGKILLed; no mocks)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -21,6 +16,7 @@ from flows.train import train_flow
 from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
+from tasks import faults
 from tasks.errors import InvalidParameterError, RendezvousTimeoutError
 from tasks.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT
@@ -133,37 +129,6 @@ def test_a_node_that_never_comes_ends_in_a_rendezvous_timeout(
     assert open_run(job, project) != run_id
 
 
-def kill_torchrun_after_first_checkpoint(
-    runs_dir: Path, skip: str, done: threading.Event, killed: list[str]
-) -> None:
-    """SIGKILL the new run's torchrun and every process under it once a checkpoint exists.
-
-    The whole tree, as the machine dying would: torchrun (which would restart its workers) and
-    its workers, which run in sessions of their own and would outlive a signal to the group.
-    """
-    deadline = time.monotonic() + 180
-    target: tuple[Path, psutil.Process] | None = None
-    while not done.is_set() and time.monotonic() < deadline:
-        if target is None:  # find torchrun first, so the kill follows the checkpoint at once
-            for run_dir in runs_dir.glob("*"):
-                config = run_dir / "config.json"
-                if run_dir.name == skip or not config.is_file():
-                    continue
-                for proc in psutil.process_iter(["cmdline"]):
-                    cmd = proc.info["cmdline"] or []
-                    if "torch.distributed.run" in cmd and str(config) in cmd:
-                        target = (run_dir, proc)
-        elif (target[0] / CHECKPOINT).is_file():
-            run_dir, proc = target
-            tree = proc.children(recursive=True)
-            os.killpg(proc.pid, signal.SIGKILL)
-            for child in tree:
-                child.kill()
-            killed.append(run_dir.name)
-            return
-        time.sleep(0.01)
-
-
 @pytest.mark.slow
 def test_a_prefect_retry_continues_the_run_of_the_killed_attempt(
     prefect_api: None,
@@ -171,6 +136,7 @@ def test_a_prefect_retry_continues_the_run_of_the_killed_attempt(
     untrained: Path,
     digits_split: tuple[Path, Path],
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     params = TrainParams.checked(**FAST, epochs=2, seed=7)
     reference = train(request(untrained, digits_split, tmp_path / "reference", params), project)
@@ -180,19 +146,17 @@ def test_a_prefect_retry_continues_the_run_of_the_killed_attempt(
     def train_once() -> TrainResult:
         return quick(request(untrained, digits_split, tmp_path / "model", params))
 
-    done, killed = threading.Event(), []
-    killer = threading.Thread(
-        target=kill_torchrun_after_first_checkpoint,
-        args=(project.runs_dir, reference.run_id, done, killed),
-    )
-    killer.start()
-    try:
-        result = train_once()
-    finally:
-        done.set()
-        killer.join()
+    # Right after epoch 1's checkpoint the worker SIGKILLs torchrun, then itself: the machine dying
+    # (torchrun, which would restart its worker, goes first). Only the retry can go on.
+    trace = tmp_path / "trace"
+    monkeypatch.setenv(faults.FAULT, "train.epoch_end:epoch=1:kill_parent")
+    monkeypatch.setenv(faults.TRACE, str(trace))
+    result = train_once()
 
-    assert killed == [result.run_id]  # the first attempt was killed; the retry used its run
+    # The first attempt's worker died at epoch 1's end; another process (the retry) trained
+    # epoch 2 and only that.
+    ended = [(e["pid"], e["epoch"]) for e in faults.reached(trace, "train.epoch_end")]
+    assert [epoch for _, epoch in ended] == ["1", "2"] and ended[0][0] != ended[1][0]
     assert {r.info.run_id for r in runs(project)} == {reference.run_id, result.run_id}
     log = (result.run_dir / "rank_0.log").read_text()
     # Two torchruns (the Prefect task's two attempts), not a torchrun restarting its worker.

@@ -22,6 +22,7 @@ import pandas as pd
 
 from models.atomic import atomic_file, check_name_length
 from models.directory import ONNX, ONNX_INT8, read_model_info
+from tasks import faults
 from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
 from tasks.export import INPUT_NAME, OUTPUT_NAME
 from tasks.imagedir import IMAGE_EXTENSIONS, ImageRefused, load_rgb
@@ -193,6 +194,8 @@ def score(
                 "Check the files open in an image viewer (the log names each one).",
             )
     log.info("Scored %d image(s) into %s (%d could not be read)", scored, dest, failed)
+    if shard is not None:
+        faults.point("score.shard_written", shard=shard[0], count=shard[1])
     return dest
 
 

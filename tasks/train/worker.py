@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+from tasks import faults
 from tasks.errors import TrainingFailedError
 from tasks.parent_death import die_with_torchrun
 from tasks.settings import RedactingFormatter
@@ -256,6 +257,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
                 config.run_dir / CHECKPOINT, checkpoint_state(config, model, parts, progress)
             )
         distributed.barrier()
+        faults.point("train.epoch_end", rank=dist.rank, epoch=epoch, attempt=_attempt())
         # After the checkpoint: a kill between the two leaves an epoch trained and saved but not
         # in MLflow, which the next record (or the launcher) backfills from the history.
         if tracker is not None:
