@@ -19,8 +19,8 @@ PATH_HOOK := $(VENV)/lib/python3.11/site-packages/imageops-venv-bin.pth
 install: $(STAMP) $(PATH_HOOK)
 	@# A cached environment (CI keeps one per lock) may hold the editable install of another
 	@# clone: its subprocesses (torchrun, the CLI) would run that clone's code. Point it here.
-	@$(BIN)/python -I -c "import flows, pathlib, sys; \
-	sys.exit(pathlib.Path(flows.__file__).resolve().parents[1] != pathlib.Path('$(CURDIR)').resolve())" \
+	@$(BIN)/python -I -c "import app, pathlib, sys; \
+	sys.exit(pathlib.Path(app.__file__).resolve().parents[1] != pathlib.Path('$(CURDIR)').resolve())" \
 	2>/dev/null || $(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --editable .
 
 $(PATH_HOOK): imageops-venv-bin.pth | $(STAMP)

@@ -8,7 +8,7 @@ Past 1,797 the scans come back in the other format, and every file carries its n
 comment, so no two files are identical and each decodes like its scan. Then, on the same files,
 it times
 
-- ``convert``: :func:`tasks.convert.convert` as a user runs it (default ``workers``: every core
+- ``convert``: :func:`tasks.data.convert.convert` as a user runs it (default ``workers``: every core
   this process may use, once the input is big enough to gain from them; the workers' start-up is
   timed too),
 - ``PIL loop``: the same work done by the simplest correct single-process loop: read the bytes,
@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # `python bench/convert_speed.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Only light imports at module level: convert's spawned workers import this file again (as
-# __mp_main__), and importing tasks.convert here would make each of them import Prefect.
+# __mp_main__), and importing tasks.data.convert here would make each of them import Prefect.
 from bench.report import Plot, Section, Series, Stat, Table, run_main, usable_cores
 
 # A digit upscaled to 256 px compresses to a few KB as PNG: save JPEGs at a photo's quality.
@@ -116,7 +116,7 @@ def make_images(work: Path, counts: Sequence[int], px: int) -> dict[int, Path]:
     """
     from PIL import Image
 
-    from tasks.sample import write_digits
+    from tasks.data.sample import write_digits
 
     scans = write_digits(work / "scans", size=px)
     by_digit = [sorted(folder.glob("*.png")) for folder in sorted(scans.iterdir())]
@@ -180,7 +180,7 @@ def measure(
     source: Path, work: Path, count: int, rounds: int, hit: bool
 ) -> dict[str, list[Timing]]:
     """``rounds`` paired runs of convert (then, with ``hit``, convert again) and the PIL loop."""
-    from tasks.convert import convert
+    from tasks.data.convert import convert
 
     times: dict[str, list[Timing]] = {CONVERT: [], LOOP: []} | ({HIT: []} if hit else {})
 
@@ -229,7 +229,7 @@ def processes(runs: list[Timing]) -> str:
 
 def run(full: bool, work: Path) -> Section:
     """Time convert, its cache hit and the PIL loop on the main set, then at each scaling size."""
-    from tasks.convert import MIN_BYTES_FOR_POOL, MIN_FILES_FOR_POOL
+    from tasks.data.convert import MIN_BYTES_FOR_POOL, MIN_FILES_FOR_POOL
 
     sizes = FULL if full else QUICK
     counts = sorted({sizes.main, *sizes.scaling})
@@ -328,10 +328,11 @@ def run(full: bool, work: Path) -> Section:
             "number of images; in each, `convert` and the PIL loop run one right after the "
             "other (which goes first alternates) into fresh folders, and the speed-up is the "
             f"loop's time over convert's in that round.{shared}",
-            "`convert` is `tasks.convert.convert` as a user calls it: it checks images on every "
-            f"core this process may use ({usable_cores()} here: itself and spawned workers, "
-            f"whose start-up is timed) once the input has at least {MIN_FILES_FOR_POOL} files "
-            f"and {MIN_BYTES_FOR_POOL / 1024**2:.0f} MiB, and in this process alone below that, "
+            "`convert` is `tasks.data.convert.convert` as a user calls it: it checks images "
+            f"on every core this process may use ({usable_cores()} here: itself and spawned "
+            f"workers, whose start-up is timed) once the input has at least "
+            f"{MIN_FILES_FOR_POOL} files and {MIN_BYTES_FOR_POOL / 1024**2:.0f} MiB, and in this "
+            "process alone below that, "
             "where starting workers would cost more than it saves. The PIL loop does the same "
             "work one file after another: read, `verify()`, decode to RGB, sha256, write the "
             "copy. The cache hit is `convert` run again into its own output: it reads and "

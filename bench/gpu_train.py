@@ -163,7 +163,7 @@ def make_image_directory(root: Path, count: int, first: int, plan: Plan) -> Path
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from tasks.imagedir import ImageEntry, Manifest, write_manifest
+    from tasks.data.imagedir import ImageEntry, Manifest, write_manifest
 
     classes = [f"class_{i}" for i in range(CLASSES)]
     jobs = [
@@ -299,9 +299,9 @@ def part_step(plan: Plan, data: Path) -> dict:
 
 
 def _datasets(plan: Plan, data: Path):
-    from tasks.imagedir import read_manifest
+    from tasks.data.imagedir import read_manifest
+    from tasks.data.transform import build_transform
     from tasks.train.data import ManifestImageFolder
-    from tasks.transform import build_transform
 
     spec = _spec(plan)
     train, val = data / "train", data / "val"
@@ -385,6 +385,7 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     import torch
 
     from models.untrained import resnet
+    from tasks.data.transform import input_size
     from tasks.train.build import build_optimizer, configure_backends, prepare_model
     from tasks.train.checkpoint import save_checkpoint
     from tasks.train.data import (
@@ -405,7 +406,6 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     from tasks.train.params import TrainParams
     from tasks.train.precision import Amp
     from tasks.train.schedule import build_scheduler
-    from tasks.transform import input_size
 
     began = time.perf_counter()
     device = _device(plan)

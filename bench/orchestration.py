@@ -50,21 +50,21 @@ def plain_steps(epochs: int) -> dict[str, float]:
     """
     times: dict[str, float] = {}
     began = time.perf_counter()
-    from tasks.settings import get_settings
+    from tasks.shared.settings import get_settings
 
     settings = get_settings().apply()
     from flows.config import PipelineConfig
-    from tasks.build_model import build_model
-    from tasks.convert import convert
-    from tasks.evaluate import evaluate
-    from tasks.export import export_onnx
-    from tasks.promote import CHALLENGER, promote
-    from tasks.registry import register
-    from tasks.score import score
-    from tasks.split import split
+    from tasks.data.convert import convert
+    from tasks.data.split import split
+    from tasks.data.versioning import version
+    from tasks.inference.evaluate import evaluate
+    from tasks.inference.export import export_onnx
+    from tasks.inference.score import score
+    from tasks.registry.promote import CHALLENGER, promote
+    from tasks.registry.register import register
+    from tasks.train.build_model import build_model
     from tasks.train.launch import train
     from tasks.train.request import TrainRequest
-    from tasks.versioning import version
 
     times["imports"] = time.perf_counter() - began
     config = PipelineConfig()
@@ -124,7 +124,7 @@ def _new_project(path: Path, sample: Path) -> Path:
 def run_side(side: str, project: Path, epochs: int, cache: Path) -> float:
     """Wall seconds of one side in ``project``, interpreter start to exit, as a user sees it."""
     if side == "pipeline":
-        command = [sys.executable, "-m", "flows.cli", "run", "--epochs", str(epochs)]
+        command = [sys.executable, "-m", "app.cli", "run", "--epochs", str(epochs)]
     else:
         command = [sys.executable, "-m", "bench.orchestration", "--plain-steps", str(epochs)]
     log = project / f"{side}.log"
@@ -165,7 +165,7 @@ PROBES = {
 
 def _api_start(home: Path) -> str:
     return (
-        "import time, pathlib; from flows.temporary_api import start_temporary_api; "
+        "import time, pathlib; from app.temporary_api import start_temporary_api; "
         f"s = time.perf_counter(); api = start_temporary_api(pathlib.Path({str(home)!r}) / 'log'); "
         "api.wait(); "
         "print(time.perf_counter() - s)"
@@ -181,7 +181,7 @@ def _mlflow_store(db: Path) -> str:
 
 def _dvc_first(project: Path) -> str:
     return (
-        "import time; s = time.perf_counter(); from tasks.versioning import version; "
+        "import time; s = time.perf_counter(); from tasks.data.versioning import version; "
         f"version({str(project / 'data' / 'raw' / 'digits')!r}); print(time.perf_counter() - s)"
     )
 
@@ -219,7 +219,7 @@ def startup_costs(work: Path, sample: Path, repeats: int) -> dict[str, Stat]:
 
 
 def run(full: bool, work: Path) -> Section:
-    from tasks.sample import write_digits
+    from tasks.data.sample import write_digits
 
     epochs, warm_rounds, probe_repeats = (5, 3, 3) if full else (1, 2, 2)
     sample = write_digits(work / "sample")

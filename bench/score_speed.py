@@ -4,20 +4,19 @@ Usage: ``python -m bench.score_speed [--full] [--json PATH]``
 
 Engines: scikit-learn's 1,797 real handwritten digits are written as an ImageDirectory and split
 80/20 (seeded, stratified); the validation images are split again in four stratified quarters.
-resnet18 is exported to ONNX (:func:`tasks.export.export_onnx`, parity-checked) and quantized
-(:func:`tasks.quantize.quantize`: static INT8, QDQ, calibrated on training images). Then,
-decoding and the inference transform included, batch 64, it times torch eager fp32 (the
-ModelDirectory's model under ``torch.inference_mode()``, the same reader and transform),
-ONNX Runtime fp32 (:func:`tasks.score.score` as a user runs it, session start-up and the CSV
-included) and ONNX Runtime INT8 (``quantized=True``). After an untimed torch warm-up, each round
-has every engine score one quarter, one right after the other, so each per-round ratio compares
-runs seconds apart; top-1 is counted over all rounds. The engines alone (one decoded batch, no
-decoding, transform or table) are timed in interleaved runs, and their fp32 images/s times the
-forward FLOPs (``torch.utils.flop_counter``) give the FLOP/s the runner sets against the
-matmul peak.
+resnet18 is exported to ONNX (:func:`tasks.inference.export.export_onnx`, parity-checked) and
+quantized (:func:`tasks.inference.quantize.quantize`: static INT8, QDQ, calibrated on training
+images). Then, decoding and the inference transform included, batch 64, it times torch eager fp32
+(the ModelDirectory's model under ``torch.inference_mode()``, the same reader and transform), ONNX
+Runtime fp32 (:func:`tasks.inference.score.score` as a user runs it, session start-up and the CSV
+included) and ONNX Runtime INT8 (``quantized=True``). After an untimed torch warm-up, each round has
+every engine score one quarter, one right after the other, so each per-round ratio compares runs
+seconds apart; top-1 is counted over all rounds. The engines alone (one decoded batch, no decoding,
+transform or table) are timed in interleaved runs, and their fp32 images/s times the forward FLOPs
+(``torch.utils.flop_counter``) give the FLOP/s the runner sets against the matmul peak.
 
-Scaling: :func:`tasks.score.score` over 1,000, 5,000 and 20,000 images (the digit scans at 32 px
-linked again and again into one folder), fp32 and INT8, each run in a fresh subprocess that
+Scaling: :func:`tasks.inference.score.score` over 1,000, 5,000 and 20,000 images (the digit scans
+at 32 px linked again and again into one folder), fp32 and INT8, each run in a fresh subprocess that
 reports its images/s, its RSS once imports are done and its peak RSS (``VmHWM``), so no figure
 includes another's.
 
@@ -108,9 +107,9 @@ def make_digits(root: Path, size: int) -> tuple[Path, Path, list[Path]]:
     The quarters are ``val`` split in four stratified ImageDirectories (two seeded halvings):
     one timed round scores one quarter with every engine.
     """
-    from tasks.convert import convert
-    from tasks.sample import write_digits
-    from tasks.split import split
+    from tasks.data.convert import convert
+    from tasks.data.sample import write_digits
+    from tasks.data.split import split
 
     convert(write_digits(root / "raw", size=size), root / "images")
     shutil.rmtree(root / "raw")
@@ -138,7 +137,7 @@ def train_model(root: Path, train: Path, val: Path, plan: Plan) -> Path:
     would make the INT8 top-1 drop a coin toss.
     """
     from models.untrained import resnet
-    from tasks.imagedir import read_manifest
+    from tasks.data.imagedir import read_manifest
     from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
     from tasks.train.precision import resolve_precision
     from tasks.train.worker import train_worker
@@ -186,16 +185,16 @@ def untrained_model(dest: Path, size: int) -> Path:
 def torch_eager(model_dir: Path, images: Path) -> tuple[float, int, int]:
     """Score ``images`` with the PyTorch model: (seconds, correct, images), decoding included.
 
-    The same image list, reader and inference transform as :func:`tasks.score.score`; softmax
-    and argmax per batch, no table written (a few hundred CSV rows cost milliseconds).
+    The same image list, reader and inference transform as :func:`tasks.inference.score.score`;
+    softmax and argmax per batch, no table written (a few hundred CSV rows cost milliseconds).
     """
     import numpy as np
     import torch
 
     from models.directory import load_model_directory
-    from tasks.imagedir import load_rgb
-    from tasks.score import list_images
-    from tasks.transform import build_transform
+    from tasks.data.imagedir import load_rgb
+    from tasks.data.transform import build_transform
+    from tasks.inference.score import list_images
 
     start = time.perf_counter()
     model, info = load_model_directory(model_dir)
@@ -215,10 +214,11 @@ def torch_eager(model_dir: Path, images: Path) -> tuple[float, int, int]:
 def onnx_runtime(
     model_dir: Path, images: Path, dest: Path, quantized: bool
 ) -> tuple[float, int, int]:
-    """:func:`tasks.score.score` as a user calls it: (seconds, correct, images) from its table."""
+    """:func:`tasks.inference.score.score` as a user calls it: (seconds, correct, images) from its
+    table."""
     import pandas as pd
 
-    from tasks.score import LABEL_COLUMN, score
+    from tasks.inference.score import LABEL_COLUMN, score
 
     start = time.perf_counter()
     score(model_dir, images, dest, batch_size=BATCH, quantized=quantized)
@@ -229,10 +229,10 @@ def onnx_runtime(
 
 def prepare(plan: Plan, work: Path) -> tuple[Path, Path, list[Path], list[str]]:
     """Digits, model, ONNX and INT8: (model dir, val, quarters, what happened, as sentences)."""
-    from tasks.errors import QuantizationAccuracyError
-    from tasks.export import export_onnx
-    from tasks.imagedir import read_manifest
-    from tasks.quantize import quantize
+    from tasks.data.imagedir import read_manifest
+    from tasks.inference.export import export_onnx
+    from tasks.inference.quantize import quantize
+    from tasks.shared.errors import QuantizationAccuracyError
 
     began = time.perf_counter()
     train, val, quarters = make_digits(work / "digits", plan.size)
@@ -330,10 +330,10 @@ def engines_alone(model_dir: Path, images: Path, runs: int) -> dict[str, list[fl
     import torch
 
     from models.directory import ONNX, ONNX_INT8, load_model_directory
-    from tasks.export import INPUT_NAME, OUTPUT_NAME
-    from tasks.imagedir import load_rgb
-    from tasks.score import inference_session, list_images
-    from tasks.transform import build_transform
+    from tasks.data.imagedir import load_rgb
+    from tasks.data.transform import build_transform
+    from tasks.inference.export import INPUT_NAME, OUTPUT_NAME
+    from tasks.inference.score import inference_session, list_images
 
     model, info = load_model_directory(model_dir)
     transform = build_transform(info.transform, "inference")
@@ -376,10 +376,10 @@ def small_model(work: Path) -> Path:
     Only its speed and memory are measured, so the INT8 gate is opened wide and both calibration
     and validation use 100 labeled digits.
     """
-    from tasks.convert import convert
-    from tasks.export import export_onnx
-    from tasks.quantize import quantize
-    from tasks.sample import write_digits
+    from tasks.data.convert import convert
+    from tasks.data.sample import write_digits
+    from tasks.inference.export import export_onnx
+    from tasks.inference.quantize import quantize
 
     digits = work / "small-digits"
     raw = write_digits(work / "small-digits-raw", size=SCALING_SIZE, per_class=10)
@@ -392,7 +392,7 @@ def small_model(work: Path) -> Path:
 
 def memory_child(model: str, images: str, dest: str, quantized: str) -> int:
     """In a fresh process: score, then print JSON with RSS after imports, peak RSS (MB), seconds."""
-    from tasks.score import score
+    from tasks.inference.score import score
 
     before = peak_rss_mb()
     start = time.perf_counter()
@@ -409,7 +409,7 @@ def scaling(
 
     The repeats go round all the rows in turn, so a busy spell touches every row alike.
     """
-    from tasks.sample import write_digits
+    from tasks.data.sample import write_digits
 
     began = time.perf_counter()
     model = small_model(work)
@@ -552,7 +552,8 @@ def run(full: bool, work: Path) -> Section:
     method = (
         f"{torch.get_num_threads()} torch threads, onnxruntime {onnxruntime.__version__}. "
         f"End to end, batch {BATCH}: torch eager fp32 (`model.eval()`, `torch.inference_mode()`, "
-        "the same `load_rgb` and transform as `score`), ONNX Runtime fp32 (`tasks.score.score`, "
+        "the same `load_rgb` and transform as `score`), ONNX Runtime fp32 "
+        "(`tasks.inference.score.score`, "
         "session start-up and the CSV included) and ONNX Runtime INT8 (`score(..., "
         f"quantized=True)`). The validation images are split in {QUARTERS} stratified quarters; "
         f"after an untimed torch warm-up, each of {rounds} rounds "

@@ -106,8 +106,8 @@ FULL = Plan(
 
 def make_images(root: Path, count: int, size: int) -> Path:
     """An ImageDirectory of at least ``count`` real digits (all 10 classes) at ``size`` px."""
-    from tasks.convert import convert
-    from tasks.sample import write_digits
+    from tasks.data.convert import convert
+    from tasks.data.sample import write_digits
 
     raw = write_digits(root / "raw", size=size, per_class=-(-count // CLASSES))
     convert(raw, root / "images")
@@ -156,13 +156,13 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
 
     from models.transform_spec import TransformSpec
     from models.untrained import resnet
-    from tasks.imagedir import read_manifest
+    from tasks.data.imagedir import read_manifest
+    from tasks.data.transform import build_transform
     from tasks.train.build import build_optimizer, configure_backends, prepare_model
     from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
     from tasks.train.loop import StepParts, train_one_epoch
     from tasks.train.precision import Amp
     from tasks.train.schedule import build_scheduler
-    from tasks.transform import build_transform
 
     device = torch.device("cpu")
     configure_backends(device)
@@ -299,11 +299,11 @@ def scaling(plan: Plan, work: Path) -> Scaling:
     """Launch real torchrun trainings with 1 and 2 processes; each launch's last-epoch images/s."""
     from models.transform_spec import TransformSpec
     from models.untrained import resnet, write_untrained
-    from tasks.convert import convert
-    from tasks.imagedir import read_manifest
-    from tasks.sample import write_digits
-    from tasks.settings import Settings
-    from tasks.split import split
+    from tasks.data.convert import convert
+    from tasks.data.imagedir import read_manifest
+    from tasks.data.sample import write_digits
+    from tasks.data.split import split
+    from tasks.shared.settings import Settings
     from tasks.train.launch import train
     from tasks.train.loop import THROUGHPUT
     from tasks.train.params import TrainParams
@@ -413,10 +413,10 @@ def digits_top1(root: Path, precision: str, seed: int) -> float:
     """Best validation top-1 of the digits demo trained by the worker in-process with ``seed``."""
     from flows.config import DEMO_TRANSFORM
     from models.untrained import resnet
-    from tasks.convert import convert
-    from tasks.imagedir import read_manifest
-    from tasks.sample import write_digits
-    from tasks.split import split
+    from tasks.data.convert import convert
+    from tasks.data.imagedir import read_manifest
+    from tasks.data.sample import write_digits
+    from tasks.data.split import split
     from tasks.train.params import RunConfig, TrainParams, manifest_fingerprint
     from tasks.train.worker import train_worker
 

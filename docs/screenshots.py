@@ -145,7 +145,7 @@ def _write_sample(project: Path) -> None:
     if sample.is_dir() and any(sample.iterdir()):
         return
     subprocess.run(
-        [sys.executable, "-m", "flows.cli", "sample", "digits", str(sample)],
+        [sys.executable, "-m", "app.cli", "sample", "digits", str(sample)],
         cwd=project,
         env=_environment(project),
         check=True,
@@ -179,7 +179,7 @@ def served(project: Path, timeout_s: float = 300.0) -> Iterator[Stack]:
     log = project / "serve.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve",
+            [sys.executable, "-m", "app.cli", "serve",
              "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
              "--receiver-port", str(ports["receiver"])],
             cwd=project, env=_environment(project),

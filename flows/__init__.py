@@ -1,1 +1,4 @@
-"""Prefect flows (composition only) and the ``imageops`` command line."""
+"""Prefect flows only: they wire the steps of ``tasks`` and submit them; ``config`` is their form.
+
+The command line, the local stack and the webhook receiver that start these flows are in ``app``.
+"""

@@ -23,12 +23,12 @@ from pydantic import (
 
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
-from tasks.convert import source_classes
-from tasks.datasets import NAME_PATTERN, name_problem, source_name
-from tasks.errors import InvalidParameterError, InvalidTransformationDirectoryError
-from tasks.settings import Settings
+from tasks.data.convert import source_classes
+from tasks.data.datasets import NAME_PATTERN, name_problem, source_name
+from tasks.data.transform import input_size
+from tasks.shared.errors import InvalidParameterError, InvalidTransformationDirectoryError
+from tasks.shared.settings import Settings
 from tasks.train.params import TrainParams
-from tasks.transform import input_size
 
 # Azure's Init Image Transformation, sized for the 32x32 digits: every crop (center, and the
 # random ones a person may switch on) is 32, so training and scoring see the same input size.

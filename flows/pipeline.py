@@ -18,22 +18,22 @@ from pydantic import BaseModel, Field
 from flows.config import PipelineConfig
 from flows.score import score_in_flow
 from flows.train import train_flow
-from tasks.artifacts import markdown_table, publish_markdown
-from tasks.build_model import build_model_task
-from tasks.convert import convert_task
-from tasks.datasets import dataset_lock
-from tasks.evaluate import evaluate_task
-from tasks.export import export_task
-from tasks.promote import CHALLENGER, Promotion, promote_task
-from tasks.quantize import quantize_task
-from tasks.registry import register_task
-from tasks.score import ShardedScoring
-from tasks.settings import Settings, get_settings, redact_uri
-from tasks.split import split_task
-from tasks.step import name_flow_run
-from tasks.tracking import model_version_url, run_url
+from tasks.data.convert import convert_task
+from tasks.data.datasets import dataset_lock
+from tasks.data.split import split_task
+from tasks.data.versioning import version_task
+from tasks.inference.evaluate import evaluate_task
+from tasks.inference.export import export_task
+from tasks.inference.quantize import quantize_task
+from tasks.inference.score import ShardedScoring
+from tasks.registry.promote import CHALLENGER, Promotion, promote_task
+from tasks.registry.register import register_task
+from tasks.shared.artifacts import markdown_table, publish_markdown
+from tasks.shared.settings import Settings, get_settings, redact_uri
+from tasks.shared.step import name_flow_run
+from tasks.shared.tracking import model_version_url, run_url
+from tasks.train.build_model import build_model_task
 from tasks.train.request import TrainRequest
-from tasks.versioning import version_task
 
 
 class PipelineResult(BaseModel):

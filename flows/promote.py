@@ -2,7 +2,7 @@
 
 Run after training (the pipeline registers each new model as ``challenger``), by hand from the
 Prefect UI, or on a schedule. Moving ``champion`` starts batch scoring through the alias event
-(:mod:`tasks.promotion_events`).
+(:mod:`tasks.registry.promotion_events`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Annotated
 from prefect import flow
 from pydantic import Field
 
-from tasks.promote import CHALLENGER, Promotion, promote_task
-from tasks.settings import get_settings
-from tasks.step import name_flow_run
+from tasks.registry.promote import CHALLENGER, Promotion, promote_task
+from tasks.shared.settings import get_settings
+from tasks.shared.step import name_flow_run
 
 
 @flow(name="imageops-promote", log_prints=True)

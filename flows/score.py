@@ -3,9 +3,9 @@
 Composition only: resolve the model (a ModelDirectory path, or a ``models:/`` URI fetched from the
 registry into the local cache), then the score task, or one per shard of a large input
 (:func:`score_in_flow`). The deployment carries a trigger on the
-alias event of :mod:`tasks.promotion_events`, so a version becoming ``@champion`` runs this flow
-with ``model="models:/<name>@champion"``, whether the event came from MLflow's webhook (through
-``flows/webhook.py``) or from the promote step in embedded mode.
+alias event of :mod:`tasks.registry.promotion_events`, so a version becoming ``@champion`` runs this
+flow with ``model="models:/<name>@champion"``, whether the event came from MLflow's webhook (through
+``app/webhook.py``) or from the promote step in embedded mode.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.futures import wait
 from pydantic import BaseModel, Field
 
-from tasks.errors import ImageOpsError, error_text
-from tasks.model_uri import fetch_registered_model_task, is_registry_uri
-from tasks.promotion_events import CHAMPION, alias_trigger
-from tasks.score import (
+from tasks.inference.score import (
     SHARD_IMAGES,
     ShardedScoring,
     ShardJob,
@@ -34,8 +31,11 @@ from tasks.score import (
     score_sharded,
     score_task,
 )
-from tasks.settings import Settings, get_settings, redact_uri
-from tasks.step import in_prefect_run, name_flow_run
+from tasks.registry.model_uri import fetch_registered_model_task, is_registry_uri
+from tasks.registry.promotion_events import CHAMPION, alias_trigger
+from tasks.shared.errors import ImageOpsError, error_text
+from tasks.shared.settings import Settings, get_settings, redact_uri
+from tasks.shared.step import in_prefect_run, name_flow_run
 
 DEPLOYMENT_NAME = "score"
 SCORES_DIR = "scores"
@@ -63,7 +63,8 @@ def submit_shards(jobs: Sequence[ShardJob]) -> None:
 
 
 def score_in_flow(scoring: ShardedScoring) -> Path:
-    """:func:`tasks.score.score_sharded` with each missing shard a parallel ``score`` task."""
+    """:func:`tasks.inference.score.score_sharded` with each missing shard a parallel ``score``
+    task."""
     return score_sharded(scoring, submit_shards)
 
 

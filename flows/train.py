@@ -26,12 +26,13 @@ from flows.config import (
     DemoTrainParams,
     DemoTransform,
 )
-from tasks.build_model import build_model_task
-from tasks.export import export_task
-from tasks.promote import CHALLENGER
-from tasks.registry import register_task
-from tasks.settings import get_settings
-from tasks.step import name_flow_run
+from tasks.data.versioning import version_task
+from tasks.inference.export import export_task
+from tasks.registry.promote import CHALLENGER
+from tasks.registry.register import register_task
+from tasks.shared.settings import get_settings
+from tasks.shared.step import name_flow_run
+from tasks.train.build_model import build_model_task
 from tasks.train.launch import (
     TrainResult,
     finished_result,
@@ -40,7 +41,6 @@ from tasks.train.launch import (
     train_task,
 )
 from tasks.train.request import TrainRequest
-from tasks.versioning import version_task
 
 # Node agents wait for each other at the rendezvous, so each needs a thread of its own: a pool
 # smaller than the job would leave the last agents queued until the others time out.
@@ -184,7 +184,7 @@ def _run_node_deployments(deployment: str, job: TrainRequest) -> None:
 
     from prefect.deployments import run_deployment
 
-    from tasks.errors import TrainingFailedError
+    from tasks.shared.errors import TrainingFailedError
 
     nodes = job.params.nodes
 

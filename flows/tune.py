@@ -25,12 +25,12 @@ from pydantic import Field
 
 from flows.config import DEMO_TRANSFORM
 from models.transform_spec import TransformSpec
-from tasks.export import export_task
-from tasks.promote import CHALLENGER
-from tasks.registry import register_task
-from tasks.settings import get_settings, redact_uri
-from tasks.step import name_flow_run, step
-from tasks.transform import applied_to, data_transform
+from tasks.data.transform import applied_to, data_transform
+from tasks.inference.export import export_task
+from tasks.registry.promote import CHALLENGER
+from tasks.registry.register import register_task
+from tasks.shared.settings import get_settings, redact_uri
+from tasks.shared.step import name_flow_run, step
 from tasks.tune.gpus import check_study_gpus, local_gpus
 from tasks.tune.records import AskedTrial, TrialJob, TrialOutcome
 from tasks.tune.report import StudyResult, report_study

@@ -1,8 +1,8 @@
 """The error every imageops failure derives from, and the model-directory error of the Azure design.
 
 Each error carries the problem and what to do about it, so the CLI prints both and never a bare
-traceback. Dataset and training errors live in ``tasks/errors.py``; this one is here because the
-model zoo (which knows nothing of Prefect or datasets) raises it.
+traceback. Dataset and training errors live in ``tasks/shared/errors.py``; this one is here because
+the model zoo (which knows nothing of Prefect or datasets) raises it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,6 @@ class InvalidModelDirectoryError(ImageOpsError):
 class InvalidParameterError(ImageOpsError):
     """A parameter is out of its range; raised before any work starts.
 
-    Here, not in ``tasks/errors.py`` (which re-exports it), because the atomic writer refuses a
-    destination it must not replace.
+    Here, not in ``tasks/shared/errors.py`` (which re-exports it), because the atomic writer
+    refuses a destination it must not replace.
     """

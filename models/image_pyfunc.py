@@ -27,9 +27,9 @@ from PIL import Image
 IMAGE_COLUMN = "image"
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
-# What imageops opens (tasks/imageformat.py): anything else is refused even if it decodes.
+# What imageops opens (tasks/data/imageformat.py): anything else is refused even if it decodes.
 PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
-INPUT_NAME = "input"  # the exported ONNX model's input and output (tasks/export.py)
+INPUT_NAME = "input"  # the exported ONNX model's input and output (tasks/inference/export.py)
 OUTPUT_NAME = "logits"
 BATCH = 64  # images per ONNX Runtime call: memory stays flat however many are sent
 # torchvision's rgb_to_grayscale weights, as the float32 values its kernel multiplies by.

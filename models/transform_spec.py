@@ -3,7 +3,7 @@
 It holds the 21 options of Azure's Init Image Transformation (defaults and ranges from Azure)
 plus the normalisation the network needs. It lives in ``models/`` because a trained ModelDirectory
 stores it in ``model.json``: scoring rebuilds the very transform training validated with, from
-this one definition. The torchvision pipelines built from it are in ``tasks/transform.py``.
+this one definition. The torchvision pipelines built from it are in ``tasks/data/transform.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class TransformSpec(BaseModel):
     Random transforms (the ``random_*`` options and color jitter) run in training mode only;
     inference mode drops them, so scoring is deterministic. Training decides the network's input
     size: its last crop (random crop, else random resized crop, else center crop), plus padding;
-    inference resizes and center-crops to that same size (see :func:`tasks.transform.input_size`).
+    inference resizes and center-crops to that same size (see
+    :func:`tasks.data.transform.input_size`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

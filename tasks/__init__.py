@@ -1,6 +1,8 @@
-"""Pipeline steps: plain functions that do the work, each wrapped by a retryable Prefect task.
+"""Pipeline steps grouped by stage: plain functions that do the work, each also a Prefect task.
 
-A module per step (convert, split, versioning, train, export, registry, score, evaluate). The plain
-function is what tests, DVC stages and torchrun workers call; the ``*_task`` beside it is what
-flows call.
+``data`` (convert, split, transform, versioning), ``train`` (build the model, DDP training),
+``registry`` (register, promote, model URIs), ``inference`` (export, quantize, score, evaluate),
+``tune`` (hyperparameter tuning) and ``shared`` (errors, settings, MLflow wiring, locks, the step
+wrapper). The plain function is what tests, DVC stages and torchrun workers call; the ``*_task``
+beside it (a retryable Prefect task) is what flows call. Submitting them is the flows' job.
 """

@@ -29,7 +29,7 @@ for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
 from projects import use_project  # noqa: E402
 from server_processes import Processes  # noqa: E402
 
-from tasks.settings import Settings  # noqa: E402
+from tasks.shared.settings import Settings  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -61,7 +61,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
 @pytest.fixture(scope="session")
 def digits_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A raw image folder: 3 digit classes x 30 real scans, 16x16 RGB PNG. Do not modify."""
-    from tasks.sample import write_digits
+    from tasks.data.sample import write_digits
 
     return write_digits(
         tmp_path_factory.mktemp("raw") / "digits", size=16, classes=[0, 1, 2], per_class=30
@@ -71,8 +71,8 @@ def digits_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def digits_split(tmp_path_factory: pytest.TempPathFactory, digits_raw: Path) -> tuple[Path, Path]:
     """(train, val) ImageDirectories made from ``digits_raw`` (80/20). Do not modify."""
-    from tasks.convert import convert
-    from tasks.split import split
+    from tasks.data.convert import convert
+    from tasks.data.split import split
 
     root = tmp_path_factory.mktemp("imagedirs")
     convert(digits_raw, root / "images")

@@ -187,7 +187,7 @@ def _untrained(io_: Inputs, arch: str = "resnet18") -> Path:
 
 def _imagedir(io_: Inputs, name: str, classes: tuple[str, ...], labeled: bool = True) -> Path:
     """A small ImageDirectory converted from the digits (unlabeled: a flat folder)."""
-    from tasks.convert import convert
+    from tasks.data.convert import convert
 
     raw = _digits(io_, io_.root / f"raw-{name}", per_class=4, classes=classes)
     if not labeled:
@@ -202,7 +202,7 @@ def _imagedir(io_: Inputs, name: str, classes: tuple[str, ...], labeled: bool = 
 
 def _train(io_: Inputs, model: Path, train: Path, val: Path, *options: str) -> Run:
     from flows.config import DEMO_TRANSFORM
-    from tasks.transform import init_transformation
+    from tasks.data.transform import init_transformation
 
     dest = io_.out / "model"
     transform = init_transformation(io_.root / "transform-32", DEMO_TRANSFORM)  # the digits' size
@@ -414,7 +414,7 @@ def _transform_init_dest_file(io_: Inputs) -> Run:
 
 
 def _transform_apply_dest_link(io_: Inputs) -> Run:
-    from tasks.transform import init_transformation
+    from tasks.data.transform import init_transformation
 
     spec = init_transformation(io_.src / "transform", {"resize_size": 16})
     dest = io_.out / "images"
@@ -439,7 +439,7 @@ def _coco_deep(io_: Inputs) -> Run:
 
 
 def _coco_huge(io_: Inputs) -> Run:
-    from tasks.labelfiles import MAX_LABEL_FILE_BYTES
+    from tasks.data.labelfiles import MAX_LABEL_FILE_BYTES
 
     _digits(io_, io_.src / "photos")
     with open(io_.src / "labels.json", "wb") as fh:  # sparse: no disk used, no time spent
@@ -661,7 +661,7 @@ def _split_manifest_traversal(io_: Inputs) -> Run:
 
 
 def _transform_manifest_absolute(io_: Inputs) -> Run:
-    from tasks.transform import init_transformation
+    from tasks.data.transform import init_transformation
 
     outside = io_.root / "abs" / "pwned.png"
     images = _tampered(io_, str(outside), outside)
@@ -728,7 +728,7 @@ def _transform_bad_value(io_: Inputs) -> Run:
 
 
 def _transform_unknown_mode(io_: Inputs) -> Run:
-    from tasks.transform import init_transformation
+    from tasks.data.transform import init_transformation
 
     spec = init_transformation(io_.src / "transform", {"resize_size": 16})
     dest = io_.out / "images"
@@ -909,7 +909,7 @@ def _convert_250_byte_names(io_: Inputs) -> Run:
 
 
 def _convert_long_dest(io_: Inputs) -> Run:
-    from tasks.convert import convert
+    from tasks.data.convert import convert
 
     dest = io_.out / ("d" * 250)
     convert(_digits(io_, io_.root / "before", per_class=1), dest)  # replaced: ".<dest>...old"
@@ -942,7 +942,7 @@ def _first(io_: Inputs) -> Path:
 
 
 def _odd_imagedir(io_: Inputs, classes: tuple[str, ...]) -> Path:
-    from tasks.convert import convert
+    from tasks.data.convert import convert
 
     convert(odd_folder(io_.root / "raw-odd", io_.digits, classes), io_.src / "odd")
     shutil.rmtree(io_.root / "raw-odd")
@@ -971,7 +971,7 @@ def odd_model(model: Path, dest: Path, classes: tuple[str, ...]) -> Path:
 
 
 def _evaluate_odd_classes(io_: Inputs) -> Run:
-    from tasks.score import score
+    from tasks.inference.score import score
 
     images = _odd_imagedir(io_, ODD_NAMES)  # ten classes; the model knows three of them
     model = odd_model(io_.model, io_.src / "model", (ODD_NAMES[0], ODD_NAMES[6], ODD_NAMES[8]))
@@ -984,7 +984,7 @@ def _score_long_output(io_: Inputs) -> Run:
 
 
 def _evaluate_long_table_name(io_: Inputs) -> Run:
-    from tasks.score import score
+    from tasks.inference.score import score
 
     scored = score(io_.model, io_.val, io_.src / ("s" * 246 + ".csv"))
     return Run(["evaluate", str(scored)], io_.src)
@@ -1060,8 +1060,8 @@ def _promote_no_model(io_: Inputs) -> Run:
 
 def _registered(io_: Inputs, name: str) -> str:
     """Register a copy of the model under ``name`` (its own, so other cases see no model)."""
-    from tasks.registry import register
-    from tasks.settings import Settings
+    from tasks.registry.register import register
+    from tasks.shared.settings import Settings
 
     register(_model_copy(io_), settings=Settings(registered_model_name=name), alias="champion")
     shutil.rmtree(io_.src / "model")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from model_helpers import make_model_dir
 
-from tasks.imagedir import read_manifest
+from tasks.data.imagedir import read_manifest
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,7 @@ def exported_model(
 
     Do not modify: copy it first.
     """
-    from tasks.export import export_onnx
+    from tasks.inference.export import export_onnx
 
     model_dir = make_model_dir(tmp_path_factory.mktemp("models") / "resnet18", model_classes)
     export_onnx(model_dir, sample=digits_split[1])

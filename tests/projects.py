@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 
 
 def use_project(root: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
@@ -36,7 +36,7 @@ def imageops(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The ``imageops`` command, as a user runs it in ``cwd`` (a wide terminal: one option a
     line in ``--help``)."""
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
+        [sys.executable, "-m", "app.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

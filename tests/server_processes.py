@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tasks import servers
-from tasks.servers import free_port, healthy
+from tasks.shared import servers
+from tasks.shared.servers import free_port, healthy
 
 __all__ = ["Processes", "base_env", "free_port", "healthy"]
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,15 +17,9 @@ from projects import imageops
 
 from models.directory import read_model_info
 from models.untrained import resnet, write_untrained
-from tasks.errors import InvalidTransformationDirectoryError
-from tasks.export import export_onnx
-from tasks.imagedir import load_rgb, read_manifest
-from tasks.score import score
-from tasks.settings import Settings
-from tasks.split import split
-from tasks.train.launch import open_run, train
-from tasks.train.request import TrainRequest
-from tasks.transform import (
+from tasks.data.imagedir import load_rgb, read_manifest
+from tasks.data.split import split
+from tasks.data.transform import (
     apply_transformation,
     build_transform,
     init_transformation,
@@ -33,6 +27,12 @@ from tasks.transform import (
     read_transformation,
     transform_for,
 )
+from tasks.inference.export import export_onnx
+from tasks.inference.score import score
+from tasks.shared.errors import InvalidTransformationDirectoryError
+from tasks.shared.settings import Settings
+from tasks.train.launch import open_run, train
+from tasks.train.request import TrainRequest
 
 # 16x16 digits become 20x20 network inputs: resize to 24, center crop 20; no flip for digits.
 SPEC = {"resize_size": 24, "center_crop_size": 20, "random_horizontal_flip": False}
@@ -41,7 +41,7 @@ SPEC = {"resize_size": 24, "center_crop_size": 20, "random_horizontal_flip": Fal
 @pytest.fixture
 def prepared(tmp_path: Path, digits_raw: Path) -> tuple[Path, Path, Path]:
     """(transform, train, val): convert, apply (inference mode), split, as the Azure order goes."""
-    from tasks.convert import convert
+    from tasks.data.convert import convert
 
     transform = init_transformation(tmp_path / "transform", SPEC)
     convert(digits_raw, tmp_path / "images")

@@ -11,8 +11,8 @@ import pytest
 from projects import imageops
 
 from models.untrained import resnet, write_untrained
-from tasks.convert import convert
-from tasks.imagedir import read_manifest
+from tasks.data.convert import convert
+from tasks.data.imagedir import read_manifest
 
 COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "tune",
             "export", "quantize", "register", "promote", "score", "evaluate", "serve",
@@ -121,7 +121,7 @@ def _seed_error_inputs(
 def _main(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     """Run ``imageops argv`` through the console script's entry, in this process (the imports
     of torch and MLflow are then paid once, not per command); its exit status."""
-    from flows.cli import main
+    from app.cli import main
 
     monkeypatch.setattr(sys, "argv", ["imageops", *argv])
     try:

@@ -20,11 +20,11 @@ from mlflow.tracking import MlflowClient
 from server_processes import Processes, base_env
 
 from flows.config import PipelineConfig
-from tasks import faults, servers
-from tasks.datasets import dataset_lock
-from tasks.errors import DatasetBusyError, InvalidParameterError
-from tasks.imagedir import read_manifest
-from tasks.settings import Settings
+from tasks.data.datasets import dataset_lock
+from tasks.data.imagedir import read_manifest
+from tasks.shared import faults, servers
+from tasks.shared.errors import DatasetBusyError, InvalidParameterError
+from tasks.shared.settings import Settings
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_a_second_run_on_the_same_data_set_waits_for_the_first(
         with dataset_lock(project, "digits"):
             entered.set()
 
-    caplog.set_level(logging.INFO, logger="tasks.project_lock")
+    caplog.set_level(logging.INFO, logger="tasks.shared.project_lock")
     with dataset_lock(project, "digits"):
         other = threading.Thread(target=second)
         other.start()
@@ -108,7 +108,8 @@ def test_two_processes_opening_a_new_mlflow_database_at_once(tmp_path: Path) -> 
     # The first use of a SQLite store creates and migrates its tables; two at once used to fail
     # in one of them (alembic: "expected to match one row").
     code = (
-        "from tasks.settings import get_settings; from tasks.tracking import configure_mlflow; "
+        "from tasks.shared.settings import get_settings; "
+        "from tasks.shared.tracking import configure_mlflow; "
         "print(configure_mlflow(get_settings()))"
     )
     env = base_env() | {"IMAGEOPS_PROJECT_ROOT": str(tmp_path)}
@@ -140,7 +141,8 @@ def _prefect_rows(database: Path, query: str) -> list[tuple]:
 
 
 def _lock_order(trace: Path) -> Callable[[str, str], int]:
-    """Where in the fault trace (tasks.faults) data set ``name``'s lock was taken or given back."""
+    """Where in the fault trace (tasks.shared.faults) data set ``name``'s lock was taken or given
+    back."""
     lines = [line.split(" ", 1)[1] for line in trace.read_text().splitlines()]
 
     def at(point: str, name: str) -> int:
@@ -154,7 +156,7 @@ def _lock_order(trace: Path) -> Callable[[str, str], int]:
 def test_two_runs_on_different_data_sets_at_once(project: Settings, tmp_path: Path) -> None:
     from dvc.repo import Repo
 
-    from tasks.sample import write_digits
+    from tasks.data.sample import write_digits
 
     sources = tmp_path / "sources"
     low = write_digits(sources / "low", size=8, classes=[0, 1, 2], per_class=20)
@@ -176,7 +178,7 @@ def test_two_runs_on_different_data_sets_at_once(project: Settings, tmp_path: Pa
         "IMAGEOPS_HOME": str(project.home_dir),
         faults.TRACE: str(trace),
     }
-    run = [sys.executable, "-m", "flows.cli", "run", "--config", str(params),
+    run = [sys.executable, "-m", "app.cli", "run", "--config", str(params),
            "--epochs", "1", "--nproc-per-node", "1"]  # fmt: skip
     processes = Processes(tmp_path / "logs")
     try:

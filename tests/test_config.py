@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from flows.config import PipelineConfig
-from tasks.errors import InvalidParameterError
+from tasks.shared.errors import InvalidParameterError
 from tasks.train.params import TrainParams
 
 ROOT = Path(__file__).resolve().parents[1]

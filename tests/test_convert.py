@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tasks import imagecheck
-from tasks.convert import ConvertLimits, convert
-from tasks.errors import InvalidParameterError, NoUsableImagesError, UnsafeArchiveError
-from tasks.imagedir import MANIFEST, ImageRefused, Manifest, load_rgb, read_manifest
+from tasks.data import imagecheck
+from tasks.data.convert import ConvertLimits, convert
+from tasks.data.imagedir import MANIFEST, ImageRefused, Manifest, load_rgb, read_manifest
+from tasks.shared.errors import InvalidParameterError, NoUsableImagesError, UnsafeArchiveError
 
 
 def _copy_classes(src: Path, dst: Path, per_class: int) -> Path:
@@ -251,8 +251,8 @@ def test_the_environment_raises_the_image_limits_for_every_step_alike(
     src = _copy_classes(digits_raw, tmp_path / "src", per_class=1)
     (src / "0" / "sliver.png").write_bytes(_strip(150, 1))
     probe = (
-        "import sys; from pathlib import Path; from tasks.convert import convert; "
-        "from tasks.imagedir import load_rgb; "
+        "import sys; from pathlib import Path; from tasks.data.convert import convert; "
+        "from tasks.data.imagedir import load_rgb; "
         "m = convert(Path(sys.argv[1]), Path(sys.argv[2]), workers=1); "
         "print(sorted(s.path for s in m.skipped), load_rgb(Path(sys.argv[1], '0/sliver.png')).size)"
     )
@@ -287,7 +287,7 @@ def test_the_archive_caps_are_options_of_the_convert_command(
         zf.writestr("1/zeros.png", bytes(24 * 1024**2))  # 24 MiB of zeros: about 1000:1
 
     def convert_cli(dest: str, *options: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "flows.cli", "convert", str(src), str(tmp_path / dest)]
+        command = [sys.executable, "-m", "app.cli", "convert", str(src), str(tmp_path / dest)]
         return subprocess.run([*command, *options], capture_output=True, text=True)
 
     capped = convert_cli("capped")

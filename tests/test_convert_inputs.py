@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tasks.convert import ConvertLimits, convert
-from tasks.errors import InvalidLabelFileError, NoUsableImagesError
-from tasks.imagedir import MANIFEST, Manifest, load_rgb, read_manifest
-from tasks.settings import Settings
-from tasks.split import split
-from tasks.versioning import version
+from tasks.data.convert import ConvertLimits, convert
+from tasks.data.imagedir import MANIFEST, Manifest, load_rgb, read_manifest
+from tasks.data.split import split
+from tasks.data.versioning import version
+from tasks.shared.errors import InvalidLabelFileError, NoUsableImagesError
+from tasks.shared.settings import Settings
 
 
 def _digits(src: Path, per_class: int = 3) -> list[Path]:
@@ -616,7 +616,7 @@ def test_coco_nesting_is_capped_but_brackets_in_names_and_polygons_pass(
 ) -> None:
     """The depth check counts structure only: brackets (and escaped quotes) inside strings do
     not count, and COCO's own deepest field (segmentation polygons) is well inside the cap."""
-    from tasks.labelfiles import MAX_JSON_DEPTH
+    from tasks.data.labelfiles import MAX_JSON_DEPTH
 
     odd = photos / "day1" / 'img[[[{"0.png'  # brackets and a quote in a real file name
     shutil.copy(photos / "day1" / "img0.png", odd)

@@ -33,8 +33,8 @@ def test_the_promote_and_score_deployments_are_there() -> None:
 
 
 def test_a_broken_deployments_file_or_entry_is_a_clear_error(tmp_path: Path) -> None:
-    from flows.deployments import load_spec, runner_deployment
-    from tasks.errors import ImageOpsError
+    from app.deployments import load_spec, runner_deployment
+    from tasks.shared.errors import ImageOpsError
 
     broken = tmp_path / "prefect.yaml"
     broken.write_text("deployments: [unclosed")
@@ -53,9 +53,9 @@ def test_a_broken_deployments_file_or_entry_is_a_clear_error(tmp_path: Path) -> 
 def test_serve_refuses_a_busy_port_before_starting_anything(tmp_path: Path) -> None:
     import socket
 
-    from flows.stack import Ports, Stack
-    from tasks.errors import ImageOpsError
-    from tasks.settings import Settings
+    from app.stack import Ports, Stack
+    from tasks.shared.errors import ImageOpsError
+    from tasks.shared.settings import Settings
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -75,9 +75,9 @@ def test_the_readme_names_every_deployment_as_prefect_does(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Each deployment's full name, in the README's table and in one `prefect deployment run`."""
-    from flows.deployments import main
+    from app.deployments import main
 
-    main(["--list"])  # `python -m flows.deployments --list`: flow names from the @flow decorators
+    main(["--list"])  # `python -m app.deployments --list`: flow names from the @flow decorators
     defined = set(capsys.readouterr().out.split())
     assert "imageops-train-model/train" in defined and len(defined) == len(SPEC["deployments"])
     readme = (ROOT / "README.md").read_text()

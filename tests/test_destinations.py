@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from models.atomic import atomic_directory, atomic_file, check_destination, temp_name, write_bytes
-from tasks.errors import InvalidParameterError
+from tasks.shared.errors import InvalidParameterError
 
 
 def _siblings(path: Path) -> list[str]:

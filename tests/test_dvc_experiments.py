@@ -19,10 +19,10 @@ import pytest
 import yaml
 from projects import dvc
 
-from tasks.convert import convert
-from tasks.settings import Settings
-from tasks.split import split
-from tasks.versioning import uncommitted, version
+from tasks.data.convert import convert
+from tasks.data.split import split
+from tasks.data.versioning import uncommitted, version
+from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
 
@@ -121,7 +121,7 @@ def test_imageops_version_names_the_files_to_commit_and_its_command_commits_them
     shutil.copytree(digits_split[1], root / "data/digits/val")
 
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "version", "data/digits/val"],
+        [sys.executable, "-m", "app.cli", "version", "data/digits/val"],
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 

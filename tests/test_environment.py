@@ -13,7 +13,8 @@ def test_a_subprocess_outside_the_checkout_imports_this_checkouts_packages(tmp_p
     # `-I`: neither the working folder nor PYTHONPATH on sys.path, as for `imageops`, torchrun's
     # workers and the Prefect worker's flow runs. A cached environment whose editable install
     # pointed at an older clone once ran that clone's code in every such subprocess.
-    code = "import flows, models, tasks; print(*(m.__file__ for m in (flows, models, tasks)))"
+    packages = "app, flows, models, tasks"
+    code = f"import {packages}; print(*(m.__file__ for m in ({packages})))"
     found = subprocess.run(
         [sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True
     )

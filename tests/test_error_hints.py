@@ -1,9 +1,9 @@
 """Every hint says what a user types (`imageops export ...`), never a Python function or module.
 
-The hints are read from the source: each call of an ImageOpsError subclass in tasks/, models/ and
-flows/ and its hint (the second argument, or ``hint=``), with the text of the variables, helper
-functions and f-strings it is made of. A person reading ``what to do:`` runs commands; a name like
-``tasks.export.export_onnx`` or ``open_run()`` is no use to them.
+The hints are read from the source: each call of an ImageOpsError subclass in app/, flows/, tasks/
+and models/ and its hint (the second argument, or ``hint=``), with the text of the variables,
+helper functions and f-strings it is made of. A person reading ``what to do:`` runs commands; a
+name like ``tasks.inference.export.export_onnx`` or ``open_run()`` is no use to them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("tasks", "models", "flows")
+PACKAGES = ("app", "flows", "tasks", "models")
 
 # What a Python name looks like in prose; CLI text (`imageops train --open-run`, models:/m@a,
 # params.yaml, max_top1_drop, precision='fp32', `python -m json.tool`) matches none of these.
@@ -24,8 +24,8 @@ PYTHON_NAMES = re.compile(
     r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\("  # a dotted call: launch.train(
     r"|\b[A-Za-z]\w*_\w*\("  # a snake_case call: export_onnx(
     r"|\b[A-Za-z_]\w*\(\)"  # any call with no arguments: train()
-    r"|\b(?:tasks|models|flows|bench|tests)\.[a-z_]\w*"  # our modules: tasks.export
-    r"|\b(?:tasks|models|flows|bench|tests)/[\w/]*\w\.py\b"  # our source files: flows/cli.py
+    r"|\b(?:app|flows|tasks|models|bench|tests)\.[a-z_]\w*"  # our modules: tasks.inference.export
+    r"|\b(?:app|flows|tasks|models|bench|tests)/[\w/]*\w\.py\b"  # our source files: app/cli.py
 )
 
 
@@ -127,18 +127,18 @@ def test_the_scan_reads_every_hint() -> None:
     assert "RegistryUnreachableError" in errors  # a subclass of a subclass
     found = {path: [text for _, text in hints(tree, errors)] for path, tree in trees.items()}
     assert sum(len(texts) for texts in found.values()) > 150
-    assert any("`imageops convert SOURCE DEST`" in t for t in found["tasks/imagedir.py"])
+    assert any("`imageops convert SOURCE DEST`" in t for t in found["tasks/data/imagedir.py"])
     assert any("--no-pretrained" in t for t in found["models/zoo.py"])  # via _without_pretrained
     assert any("`imageops train` wrote" in t for t in found["models/directory.py"])  # via `hint`
 
 
 PLANTED = """
-from tasks.errors import ImageOpsError, InvalidDatasetError
+from tasks.shared.errors import ImageOpsError, InvalidDatasetError
 
 class SplitError(InvalidDatasetError):
     pass
 
-_HINT = "Call tasks.split.split on the data."
+_HINT = "Call tasks.data.split.split on the data."
 
 def _advice(path):
     return f"Run export_onnx({path}) first."
@@ -147,7 +147,7 @@ def refuse(path, quantized):
     raise InvalidDatasetError("bad", _HINT)
     raise SplitError("bad", hint=_advice(path))
     raise ImageOpsError("bad", "Run the quantize step." if quantized else "Call train() again.")
-    raise ImageOpsError("bad", f"See flows/cli.py near {path}.")
+    raise ImageOpsError("bad", f"See app/cli.py near {path}.")
     raise ImageOpsError("bad", "Run `imageops export MODEL`; see models:/m@champion, "
                         "max_top1_drop, precision='fp32', `python -m json.tool f.json`, model(s).")
     raise ValueError("not ours", "tasks.x.y()")
@@ -155,10 +155,10 @@ def refuse(path, quantized):
 
 
 def test_the_scan_finds_planted_python_names() -> None:
-    errors_py = {p: (REPO / p).read_text() for p in ("models/errors.py", "tasks/errors.py")}
+    errors_py = {p: (REPO / p).read_text() for p in ("models/errors.py", "tasks/shared/errors.py")}
     found = python_names_in_hints({**errors_py, "planted.py": PLANTED})
     names = [line.split(": ", 1)[1].split(" in ", 1)[0] for line in found]
-    assert names == ["'tasks.split'", "'export_onnx('", "'train()'", "'flows/cli.py'"], found
+    assert names == ["'tasks.data'", "'export_onnx('", "'train()'", "'app/cli.py'"], found
 
 
 @pytest.mark.parametrize(

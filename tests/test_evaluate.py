@@ -19,11 +19,11 @@ from sklearn.metrics import (
     top_k_accuracy_score,
 )
 
-from tasks.errors import InvalidParameterError, NotLabeledDatasetError
-from tasks.evaluate import compute_metrics, evaluate
-from tasks.score import score
-from tasks.settings import Settings
-from tasks.tracking import configure_mlflow
+from tasks.inference.evaluate import compute_metrics, evaluate
+from tasks.inference.score import score
+from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
+from tasks.shared.settings import Settings
+from tasks.shared.tracking import configure_mlflow
 
 pytest_plugins = ["model_fixtures"]
 
@@ -198,7 +198,7 @@ def test_inside_a_prefect_flow_the_results_become_prefect_artifacts(
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from tasks.evaluate import evaluate_task
+    from tasks.inference.evaluate import evaluate_task
 
     scored = tmp_path / "flow.csv"
     scored.write_bytes(scored_val.read_bytes())

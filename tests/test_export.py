@@ -13,8 +13,9 @@ from model_helpers import copy_model, make_model_dir
 from onnx import numpy_helper
 
 from models.directory import ONNX, load_model_directory
-from tasks.errors import ExportParityError
-from tasks.export import (
+from tasks.data.imagedir import load_rgb, read_manifest
+from tasks.data.transform import build_transform
+from tasks.inference.export import (
     META_WEIGHTS_SHA256,
     PARITY_TOLERANCE,
     export_onnx,
@@ -22,8 +23,7 @@ from tasks.export import (
     sha256_file,
     verify_onnx,
 )
-from tasks.imagedir import load_rgb, read_manifest
-from tasks.transform import build_transform
+from tasks.shared.errors import ExportParityError
 
 pytest_plugins = ["model_fixtures"]
 

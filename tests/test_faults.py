@@ -1,4 +1,5 @@
-"""The fault-injection hook (tasks.faults): it fires at the point and fields named, nowhere else."""
+"""The fault-injection hook (tasks.shared.faults): it fires at the point and fields named, nowhere
+else."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from pathlib import Path
 import pytest
 from server_processes import base_env
 
-from tasks import faults
-from tasks.datasets import dataset_lock
-from tasks.settings import Settings
+from tasks.data.datasets import dataset_lock
+from tasks.shared import faults
+from tasks.shared.settings import Settings
 
 REACH = (
-    "from tasks import faults; faults.point('score.shard_written', shard=2, count=5); print('on')"
+    "from tasks.shared import faults; "
+    "faults.point('score.shard_written', shard=2, count=5); print('on')"
 )
 
 

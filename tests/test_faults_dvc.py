@@ -26,8 +26,8 @@ import pytest
 import yaml
 from server_processes import ROOT, Processes
 
-from tasks.settings import Settings
-from tasks.versioning import version
+from tasks.data.versioning import version
+from tasks.shared.settings import Settings
 
 POLL_SECONDS = 0.01
 # Objects that must be whole in the cache (or the remote) before the kill: enough to check that
@@ -42,8 +42,8 @@ def digits_600(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Files, not bytes, are what DVC's add and push take time over: 600 keep each busy for longer
     than the 10 ms poll needs to catch it mid-way, even on a fast machine.
     """
-    from tasks.convert import convert
-    from tasks.sample import write_digits
+    from tasks.data.convert import convert
+    from tasks.data.sample import write_digits
 
     root = tmp_path_factory.mktemp("digits-600")
     convert(write_digits(root / "raw", size=8, per_class=60), root / "images", workers=1)
@@ -67,7 +67,7 @@ def _objects(store: Path) -> dict[str, os.stat_result]:
 
 
 # `imageops version data/images`, as a user runs it (the path is relative to the project root).
-VERSION = [sys.executable, "-m", "flows.cli", "version", "data/images"]
+VERSION = [sys.executable, "-m", "app.cli", "version", "data/images"]
 
 
 def _kill_version_while_filling(

@@ -1,12 +1,12 @@
 """Fault injection: the MLflow tracking server crashes during training and stays down for 30 s.
 
 A real ``mlflow server`` (SQLite store, artifacts proxied to a folder) is killed, its whole process
-group with SIGKILL, while rank 0 stands stopped (tasks.faults) between epoch 2's checkpoint and its
-metrics, and started again on the same port with the same store 30 s later. MLflow's own client
-retries are turned off in the launcher (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so the run survives by
-the training's design, not by the client's retry budget: rank 0 warns and trains on, the launcher
-waits for the server, then writes the epochs it missed and ends the run. The undisturbed reference
-trains while the server is down.
+group with SIGKILL, while rank 0 stands stopped (tasks.shared.faults) between epoch 2's checkpoint
+and its metrics, and started again on the same port with the same store 30 s later. MLflow's own
+client retries are turned off in the launcher (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0), so the run
+survives by the training's design, not by the client's retry budget: rank 0 warns and trains on, the
+launcher waits for the server, then writes the epochs it missed and ends the run. The undisturbed
+reference trains while the server is down.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from server_processes import Processes, base_env, free_port, healthy
 
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
-from tasks import faults
-from tasks.settings import Settings
+from tasks.shared import faults
+from tasks.shared.settings import Settings
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import LOSS
 from tasks.train.params import TrainParams

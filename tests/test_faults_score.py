@@ -17,9 +17,8 @@ from prefect_runs import task_runs_of
 
 from models.directory import ONNX
 from models.locks import lock_fd
-from tasks import faults
-from tasks.sample import write_digits
-from tasks.score import (
+from tasks.data.sample import write_digits
+from tasks.inference.score import (
     CHECKPOINTS,
     PROBABILITY_PREFIX,
     ShardedScoring,
@@ -28,7 +27,8 @@ from tasks.score import (
     score,
     score_in_shards,
 )
-from tasks.settings import Settings
+from tasks.shared import faults
+from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
 
@@ -65,7 +65,7 @@ def test_a_killed_scoring_resumes_from_its_finished_shards(
     out = tmp_path / "scores"
     out.mkdir()
     command = [
-        sys.executable, "-m", "flows.cli", "score", str(exported_model), str(images), "out.csv",
+        sys.executable, "-m", "app.cli", "score", str(exported_model), str(images), "out.csv",
         "--shard-images", str(SHARD_IMAGES), "--batch-size", str(BATCH), "--threads", "1",
     ]  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Every hostile input of the corpus, run as a user runs it: ``imageops ...`` through the CLI.
 
-The CLI runs in this process (``flows.cli.main`` with ``sys.argv`` set) for speed; it is the
+The CLI runs in this process (``app.cli.main`` with ``sys.argv`` set) for speed; it is the
 same entry point the console script calls. Each case must end in its report or in its named error
 with a "what to do" hint; never a traceback, never a file outside the destination, and after a
 failure no new output at all.
@@ -16,7 +16,7 @@ import pytest
 from hostile_inputs import CASES, OTHER_PARTS, PICKLE_MARKER, STEPS, Case, Inputs, markdown
 from projects import use_project
 
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
 
@@ -44,7 +44,7 @@ def _under(path: str, dest: str) -> bool:
 
 def _run_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, BaseException | None]:
     """Run ``imageops argv`` in this process; the exit status and the error that caused it."""
-    from flows.cli import main
+    from app.cli import main
 
     monkeypatch.setattr(sys, "argv", ["imageops", *argv])
     try:

@@ -20,10 +20,10 @@ from PIL import Image
 
 from models import image_pyfunc
 from models.transform_spec import TransformSpec
-from tasks.imagedir import load_rgb
-from tasks.registry import IMAGE_COLUMN, ONNX_ARTIFACT, PYFUNC_CODE, PYFUNC_REQUIREMENTS
-from tasks.score import LABEL_COLUMN, PROBABILITY_PREFIX
-from tasks.transform import build_transform, inference_steps
+from tasks.data.imagedir import load_rgb
+from tasks.data.transform import build_transform, inference_steps
+from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX
+from tasks.registry.register import IMAGE_COLUMN, ONNX_ARTIFACT, PYFUNC_CODE, PYFUNC_REQUIREMENTS
 
 SPECS = {
     "resize-and-crop": TransformSpec(resize_size=16, center_crop_size=16),

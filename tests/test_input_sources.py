@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks.convert import INPUT_SOURCES, LabelFileSource, convert, register_source
-from tasks.errors import InvalidLabelFileError, NoUsableImagesError
-from tasks.imagedir import read_manifest
-from tasks.labelfiles import Row
+from app.cli import app
+from tasks.data.convert import INPUT_SOURCES, LabelFileSource, convert, register_source
+from tasks.data.imagedir import read_manifest
+from tasks.data.labelfiles import Row
+from tasks.shared.errors import InvalidLabelFileError, NoUsableImagesError
 
 
 class _JsonLines(LabelFileSource):

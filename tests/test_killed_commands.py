@@ -28,11 +28,11 @@ from projects import imageops
 
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
-from tasks.convert import convert
-from tasks.sample import write_digits
-from tasks.score import score_in_shards
-from tasks.settings import Settings
-from tasks.transform import init_transformation
+from tasks.data.convert import convert
+from tasks.data.sample import write_digits
+from tasks.data.transform import init_transformation
+from tasks.inference.score import score_in_shards
+from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
 
@@ -46,7 +46,7 @@ def _start(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
     cwd.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as sink:  # a file: a full stderr pipe would stall the command
         return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", *argv],
+            [sys.executable, "-m", "app.cli", *argv],
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=sink,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.errors import InvalidImageDirectoryError
-from tasks.imagedir import ImageEntry, Manifest, read_manifest, write_manifest
+from tasks.data.imagedir import ImageEntry, Manifest, read_manifest, write_manifest
+from tasks.shared.errors import InvalidImageDirectoryError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_odd_but_honest_names_still_read(tmp_path: Path) -> None:
 
 
 def test_no_step_reads_a_manifest_around_read_manifest() -> None:
-    """Only tasks/imagedir.py parses manifest.json, so its path check holds for every step."""
+    """Only tasks/data/imagedir.py parses manifest.json, so its path check holds for every step."""
     parse = re.compile(r"Manifest\.model_validate|Manifest\.parse|Manifest\(\*\*")
     readers = [
         str(path.relative_to(ROOT))
@@ -86,4 +86,4 @@ def test_no_step_reads_a_manifest_around_read_manifest() -> None:
         for path in (ROOT / folder).rglob("*.py")
         if parse.search(path.read_text())
     ]
-    assert readers == ["tasks/imagedir.py"]
+    assert readers == ["tasks/data/imagedir.py"]

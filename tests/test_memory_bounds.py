@@ -23,8 +23,8 @@ import pytest
 from hostile_inputs import CASES, Case, Inputs, Run, _convert, _digits, _score
 from projects import use_project
 
-from tasks.score import ERROR_COLUMN
-from tasks.settings import Settings
+from tasks.inference.score import ERROR_COLUMN
+from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="resource is POSIX only")
@@ -78,7 +78,7 @@ def peak_memory(
 
 
 def _imageops(run: Run, cwd: Path) -> tuple[int, int, str]:
-    return peak_memory([sys.executable, "-m", "flows.cli", *run.argv], cwd, env=run.env)
+    return peak_memory([sys.executable, "-m", "app.cli", *run.argv], cwd, env=run.env)
 
 
 @pytest.fixture(scope="module")

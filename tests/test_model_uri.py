@@ -13,12 +13,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from models.directory import ONNX
-from tasks.errors import RegistryError
-from tasks.model_uri import ORIGIN, cache_path, fetch_registered_model, resolve_model
-from tasks.registry import DIRECTORY_ARTIFACTS, register
-from tasks.score import score
-from tasks.settings import Settings
-from tasks.tracking import configure_mlflow
+from tasks.inference.score import score
+from tasks.registry.model_uri import ORIGIN, cache_path, fetch_registered_model, resolve_model
+from tasks.registry.register import DIRECTORY_ARTIFACTS, register
+from tasks.shared.errors import RegistryError
+from tasks.shared.settings import Settings
+from tasks.shared.tracking import configure_mlflow
 
 pytest_plugins = ["model_fixtures"]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from hostile_inputs import rename_zip_members
 
-from tasks.convert import convert, source_classes
-from tasks.imagedir import Manifest, read_manifest
+from tasks.data.convert import convert, source_classes
+from tasks.data.imagedir import Manifest, read_manifest
 
 
 def _zip(digits: Path, archive: Path, extra: dict[str, bytes]) -> Path:

@@ -17,7 +17,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from flows.config import PipelineConfig
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 
 
 @pytest.mark.slow

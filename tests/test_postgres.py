@@ -34,7 +34,7 @@ import httpx
 import pytest
 from server_processes import Processes, base_env, free_port, healthy
 
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 
 DATABASES = ("mlflow", "prefect", "optuna")
 DB_USER = "imageops"

@@ -8,7 +8,7 @@ import pytest
 
 import tasks.train.precision as precision
 from models.untrained import resnet, write_untrained
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 from tasks.train.params import TrainParams
 from tasks.train.request import CONFIG, Request, TrainRequest, check_request
 

@@ -18,12 +18,12 @@ from mlflow.tracking import MlflowClient
 from model_helpers import make_model_dir
 
 from models.directory import load_model_directory, save_model_directory
-from tasks.convert import convert
-from tasks.errors import InvalidParameterError, RegistryError
-from tasks.export import export_onnx
-from tasks.promote import CHALLENGER, CHAMPION, promote
-from tasks.registry import register
-from tasks.settings import Settings
+from tasks.data.convert import convert
+from tasks.inference.export import export_onnx
+from tasks.registry.promote import CHALLENGER, CHAMPION, promote
+from tasks.registry.register import register
+from tasks.shared.errors import InvalidParameterError, RegistryError
+from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
 

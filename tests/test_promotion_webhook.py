@@ -31,18 +31,18 @@ from mlflow.webhooks.delivery import _generate_hmac_signature
 from mlflow.webhooks.types import ModelVersionAliasCreatedPayload
 from server_processes import Processes, base_env, free_port, healthy
 
-from flows import webhook
-from flows.webhook import PATH, create_app
-from tasks import servers
-from tasks.errors import ImageOpsError
-from tasks.imagedir import read_manifest
-from tasks.promotion_events import (
+from app import webhook
+from app.webhook import PATH, create_app
+from tasks.data.imagedir import read_manifest
+from tasks.registry.promotion_events import (
     ALIAS_CREATED_EVENT,
     alias_trigger,
     emit_alias_event,
     model_resource_id,
 )
-from tasks.settings import Settings
+from tasks.shared import servers
+from tasks.shared.errors import ImageOpsError
+from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
 
@@ -284,7 +284,7 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     )  # fmt: skip
     processes.start(
         "receiver",
-        [sys.executable, "-m", "flows.webhook", "serve", "--port", str(receiver_port)],
+        [sys.executable, "-m", "app.webhook", "serve", "--port", str(receiver_port)],
         base | imageops | {"IMAGEOPS_WEBHOOK_SECRET": SECRET},
     )
     processes.wait("the Prefect server", lambda: healthy(f"{prefect_api}/health"))
@@ -312,7 +312,7 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     # A version, registered against the server (artifacts go through its artifact proxy) ...
     import mlflow
 
-    from tasks.registry import register
+    from tasks.registry.register import register
 
     settings = Settings(
         project_root=project_root, home=project_root / ".imageops", mlflow_tracking_uri=mlflow_url

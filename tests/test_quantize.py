@@ -26,18 +26,18 @@ from models.directory import (
     load_model_directory,
     save_model_directory,
 )
-from tasks.convert import convert
-from tasks.errors import (
+from tasks.data.convert import convert
+from tasks.data.imagedir import ImageEntry, Manifest, load_rgb, read_manifest
+from tasks.data.transform import build_transform
+from tasks.inference.export import export_onnx
+from tasks.inference.quantize import META_QUANTIZATION, calibration_entries, quantize
+from tasks.inference.score import score
+from tasks.shared.errors import (
     InvalidModelDirectoryError,
     InvalidParameterError,
     NotLabeledDatasetError,
     QuantizationAccuracyError,
 )
-from tasks.export import export_onnx
-from tasks.imagedir import ImageEntry, Manifest, load_rgb, read_manifest
-from tasks.quantize import META_QUANTIZATION, calibration_entries, quantize
-from tasks.score import score
-from tasks.transform import build_transform
 
 pytest_plugins = ["model_fixtures"]
 

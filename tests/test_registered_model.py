@@ -28,12 +28,12 @@ from projects import use_project
 from server_processes import Processes, base_env, free_port, healthy
 
 from models.directory import ONNX, read_model_info
-from tasks.imagedir import load_rgb, read_manifest
-from tasks.registry import register
-from tasks.score import score
-from tasks.settings import Settings
-from tasks.tracking import configure_mlflow
-from tasks.transform import build_transform
+from tasks.data.imagedir import load_rgb, read_manifest
+from tasks.data.transform import build_transform
+from tasks.inference.score import score
+from tasks.registry.register import register
+from tasks.shared.settings import Settings
+from tasks.shared.tracking import configure_mlflow
 
 pytest_plugins = ["model_fixtures"]
 

@@ -17,13 +17,13 @@ from model_helpers import copy_model, make_model_dir
 
 from models.atomic import write_json
 from models.directory import ONNX, read_model_info
-from tasks.errors import InvalidParameterError, RegistryError
-from tasks.export import sha256_file
-from tasks.imagedir import load_rgb, read_manifest
-from tasks.registry import register
-from tasks.settings import Settings
-from tasks.tracking import configure_mlflow
-from tasks.transform import build_transform
+from tasks.data.imagedir import load_rgb, read_manifest
+from tasks.data.transform import build_transform
+from tasks.inference.export import sha256_file
+from tasks.registry.register import register
+from tasks.shared.errors import InvalidParameterError, RegistryError
+from tasks.shared.settings import Settings
+from tasks.shared.tracking import configure_mlflow
 
 pytest_plugins = ["model_fixtures"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 
 
 def _flat(raw: Path, dest: Path) -> Path:
@@ -55,7 +55,7 @@ CASES: list[tuple[str, Callable[[Path, Path], Path], str]] = [
 
 def _run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     """``imageops run ...`` through the console entry, in this process (imports paid once)."""
-    from flows.cli import main
+    from app.cli import main
 
     monkeypatch.setattr(sys, "argv", ["imageops", "run", *argv])
     try:
@@ -95,7 +95,7 @@ def test_the_terminal_shows_no_traceback_and_the_refusal_is_quick(
     source = _flat(digits_raw, project.project_root / "incoming" / "flat")
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(source)],
+        [sys.executable, "-m", "app.cli", "run", str(source)],
         cwd=project.project_root,
         capture_output=True,
         text=True,

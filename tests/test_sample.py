@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.errors import InvalidParameterError
-from tasks.sample import write_digits
+from tasks.data.sample import write_digits
+from tasks.shared.errors import InvalidParameterError
 
 
 def test_writes_an_imagefolder_of_real_digits(tmp_path: Path) -> None:

@@ -17,10 +17,14 @@ from prefect_runs import task_runs_of
 
 from models.atomic import write_json
 from models.directory import ONNX, read_model_info
-from tasks.errors import InvalidModelDirectoryError, InvalidParameterError, NoUsableImagesError
-from tasks.imagedir import load_rgb, read_manifest
-from tasks.score import ShardedScoring, score, score_in_shards
-from tasks.transform import build_transform
+from tasks.data.imagedir import load_rgb, read_manifest
+from tasks.data.transform import build_transform
+from tasks.inference.score import ShardedScoring, score, score_in_shards
+from tasks.shared.errors import (
+    InvalidModelDirectoryError,
+    InvalidParameterError,
+    NoUsableImagesError,
+)
 
 pytest_plugins = ["model_fixtures"]
 
@@ -101,7 +105,7 @@ def test_plain_folder_is_scored_unlabeled_and_a_corrupt_image_is_a_reported_row(
     (folder / "notes.txt").write_text("not an image")
     shutil.copyfile(folder / good[0], folder / ".hidden.png")
 
-    with caplog.at_level(logging.WARNING, logger="tasks.score"):
+    with caplog.at_level(logging.WARNING, logger="tasks.inference.score"):
         out = score(exported_model, folder, tmp_path / "plain.parquet", batch_size=2)
 
     table = pd.read_parquet(out)
@@ -249,8 +253,8 @@ def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
     exported_model: Path, digits_raw: Path, tmp_path: Path
 ) -> None:
     """The issue's failure: a `\\r` in a name split a row in two and evaluate then failed."""
-    from tasks.convert import convert
-    from tasks.evaluate import compute_metrics, read_scored
+    from tasks.data.convert import convert
+    from tasks.inference.evaluate import compute_metrics, read_scored
 
     raw = tmp_path / "raw"
     for label in ("0", "1", "2"):

@@ -27,7 +27,7 @@ from mlflow.webhooks.constants import (
 )
 from mlflow.webhooks.delivery import _generate_hmac_signature
 
-from tasks.settings import Settings, redact_uri
+from tasks.shared.settings import Settings, redact_uri
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("flows", "tasks", "models", "bench", "docs")
@@ -116,7 +116,7 @@ def _why_unsafe(name: str, call: ast.Call, safe_loaders: set[str]) -> str | None
             return "numpy.load(..., allow_pickle=False)"
     method = isinstance(call.func, ast.Attribute) and call.func.attr in ("extract", "extractall")
     if method and _keyword(call, "filter") is None:  # zipfile has no filter: always refused
-        return 'tasks.archive.extract_archive (member by member, paths checked, filter="data")'
+        return 'tasks.data.archive.extract_archive (member by member, paths checked, filter="data")'
     return None
 
 
@@ -207,7 +207,7 @@ def _delivery(
 
 
 def test_the_receiver_refuses_future_relabelled_and_malformed_deliveries() -> None:
-    from flows.webhook import MAX_BODY_BYTES, PATH, create_app
+    from app.webhook import MAX_BODY_BYTES, PATH, create_app
 
     client = TestClient(create_app(SECRET))
 
@@ -265,7 +265,7 @@ def test_a_failing_registry_names_its_host_but_not_its_password(
     capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from flows.cli import main
+    from app.cli import main
 
     uri = "http://imageops:s3cret@127.0.0.1:1"  # nothing listens on port 1: refused at once
     for var in ("IMAGEOPS_MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
@@ -287,9 +287,9 @@ def test_a_failing_registry_names_its_host_but_not_its_password(
 def test_reports_and_links_mask_the_tracking_password(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flows.cli import _print_summary
+    from app.cli.pipeline import _print_summary
     from flows.pipeline import PipelineResult, summary_markdown
-    from tasks.tracking import ui_url
+    from tasks.shared.tracking import ui_url
 
     result = PipelineResult(
         dataset="digits",
@@ -319,7 +319,7 @@ def test_training_output_and_logs_mask_passwords(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """torchrun's output and the rank logs: a worker's traceback may quote MLflow's URL."""
-    from tasks.settings import RedactingFormatter
+    from tasks.shared.settings import RedactingFormatter
     from tasks.train.torchrun import _pump
 
     line = "MlflowException: API request to http://u:s3cret@ml.example/api/2.0 failed\n"
@@ -342,7 +342,7 @@ def test_training_output_and_logs_mask_passwords(
 
 def _host_option(*path: str) -> tuple[str, str]:
     """(default, value after ``--host 0.0.0.0``) of the ``--host`` option of a CLI command."""
-    from flows.cli import app
+    from app.cli import app
 
     command = typer.main.get_command(app)
     for name in path:
@@ -362,14 +362,14 @@ def test_library_servers_default_to_localhost() -> None:
 
     from prefect.settings import get_current_settings
 
-    from flows import webhook
-    from flows.stack import Stack
+    from app import webhook
+    from app.stack import Stack
     from tasks.train.launch import local_rendezvous_endpoint
     from tasks.train.params import TrainParams
     from tasks.train.torchrun import torchrun_command
 
     assert inspect.signature(webhook.serve).parameters["host"].default == "127.0.0.1"
-    assert webhook._parser().parse_args(["serve"]).host == "127.0.0.1"  # python -m flows.webhook
+    assert webhook._parser().parse_args(["serve"]).host == "127.0.0.1"  # python -m app.webhook
     assert webhook._parser().parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
     assert inspect.signature(Stack).parameters["host"].default == "127.0.0.1"
     # `imageops serve scoring` runs Prefect's runner: its web server stays off, and would be local.

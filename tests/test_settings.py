@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 
 
 def test_defaults_live_under_the_project_working_folder(tmp_path: Path) -> None:

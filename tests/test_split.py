@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.convert import convert
-from tasks.errors import InvalidImageDirectoryError, InvalidParameterError
-from tasks.imagedir import MANIFEST, Manifest, read_manifest
-from tasks.sample import write_digits
-from tasks.split import split
+from tasks.data.convert import convert
+from tasks.data.imagedir import MANIFEST, Manifest, read_manifest
+from tasks.data.sample import write_digits
+from tasks.data.split import split
+from tasks.shared.errors import InvalidImageDirectoryError, InvalidParameterError
 
 
 @pytest.fixture(scope="module")

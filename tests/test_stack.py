@@ -30,8 +30,8 @@ import httpx
 import psutil
 import pytest
 
-from tasks import servers
-from tasks.servers import free_port
+from tasks.shared import servers
+from tasks.shared.servers import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ class Served:
 
 def deployments_of_the_file() -> set[str]:
     """Every deployment of deployments/prefect.yaml by full name (flow/deployment)."""
-    from flows.deployments import full_names
+    from app.deployments import full_names
 
     return set(full_names())
 
@@ -161,7 +161,7 @@ def served(
     }
     log = root / "serve.log"
     process = servers.start(
-        [sys.executable, "-m", "flows.cli", "serve", "--no-ui",
+        [sys.executable, "-m", "app.cli", "serve", "--no-ui",
          "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
          "--receiver-port", str(ports["receiver"])],
         log, env, cwd=root,

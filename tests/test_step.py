@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prefect import flow
 
-from tasks.errors import InvalidParameterError, TrainingFailedError
-from tasks.step import step
+from tasks.shared.errors import InvalidParameterError, TrainingFailedError
+from tasks.shared.step import step
 
 
 @pytest.mark.slow

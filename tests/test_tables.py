@@ -21,13 +21,13 @@ import pyarrow as pa
 import pytest
 from hostile_inputs import LATIN1, LONG, ODD_NAMES, odd_folder, odd_model
 
-from tasks.convert import convert
-from tasks.errors import InvalidParameterError
-from tasks.evaluate import compute_metrics, evaluate, read_scored
-from tasks.score import LABEL_COLUMN, PROBABILITY_PREFIX, score, score_in_shards
-from tasks.settings import Settings
-from tasks.split import split
-from tasks.tables import TABLE_FORMATS, TableFormat, TableWriter
+from tasks.data.convert import convert
+from tasks.data.split import split
+from tasks.inference.evaluate import compute_metrics, evaluate, read_scored
+from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX, score, score_in_shards
+from tasks.inference.tables import TABLE_FORMATS, TableFormat, TableWriter
+from tasks.shared.errors import InvalidParameterError
+from tasks.shared.settings import Settings
 from tasks.tune.report import trial_rows, trials_csv
 from tasks.tune.study import TrialOutcome
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.temporary_api import start_temporary_api
+from app.temporary_api import start_temporary_api
 from models.errors import ImageOpsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from flows.temporary_api import start_temporary_api
+    from app.temporary_api import start_temporary_api
 
     api = start_temporary_api(Path(sys.argv[1]))
     from prefect import flow, get_client

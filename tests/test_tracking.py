@@ -10,8 +10,8 @@ from pathlib import Path
 
 import mlflow
 
-from tasks.settings import Settings
-from tasks.tracking import EXPERIMENT_KIND, MODEL_TRAINING, configure_mlflow
+from tasks.shared.settings import Settings
+from tasks.shared.tracking import EXPERIMENT_KIND, MODEL_TRAINING, configure_mlflow
 
 ROOT = Path(__file__).resolve().parents[1]
 

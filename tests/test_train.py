@@ -19,9 +19,10 @@ from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
 from models.untrained import MODEL_JSON, resnet, write_untrained
 from models.zoo import PretrainedWeightsMissingError
-from tasks import faults
-from tasks.convert import convert
-from tasks.errors import (
+from tasks.data.convert import convert
+from tasks.data.imagedir import read_manifest
+from tasks.shared import faults
+from tasks.shared.errors import (
     InvalidDatasetError,
     InvalidImageDirectoryError,
     InvalidModelDirectoryError,
@@ -30,8 +31,7 @@ from tasks.errors import (
     TrainingDivergedError,
     TrainingFailedError,
 )
-from tasks.imagedir import read_manifest
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from tasks.train.data import ManifestImageFolder
 from tasks.train.failure import read_failures, record_failure

@@ -16,9 +16,9 @@ from flows.train import train_flow
 from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
-from tasks import faults
-from tasks.errors import InvalidParameterError, RendezvousTimeoutError
-from tasks.settings import Settings
+from tasks.shared import faults
+from tasks.shared.errors import InvalidParameterError, RendezvousTimeoutError
+from tasks.shared.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.launch import (
     TrainResult,

@@ -23,14 +23,14 @@ import torch
 
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
-from tasks.imagedir import read_manifest
-from tasks.settings import Settings
+from tasks.data.imagedir import read_manifest
+from tasks.data.transform import build_transform
+from tasks.shared.settings import Settings
 from tasks.train.data import LoaderSetup, ManifestImageFolder, split_finish, training_loader
 from tasks.train.launch import train
 from tasks.train.loop import model_input
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
-from tasks.transform import build_transform
 
 ROOT = Path(__file__).resolve().parents[1]
 # The goal is 2 s on this 2-core machine (measured here, idle: 0.2 to 0.4 s for N = 2 and
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from models.transform_spec import TransformSpec
-from tasks.imagedir import read_manifest
+from tasks.data.imagedir import read_manifest
 from tasks.train.data import (
     LoaderSetup,
     ManifestImageFolder,
@@ -56,7 +56,7 @@ from tasks.train.data import (
     make_loader,
     training_loader,
 )
-from tasks.transform import build_transform
+from tasks.data.transform import build_transform
 
 
 def ppid(pid):

@@ -14,9 +14,10 @@ from mlflow import MlflowClient
 
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
-from tasks.errors import InvalidParameterError, TrainingDivergedError
-from tasks.imagedir import read_manifest
-from tasks.settings import Settings
+from tasks.data.imagedir import read_manifest
+from tasks.data.transform import build_transform
+from tasks.shared.errors import InvalidParameterError, TrainingDivergedError
+from tasks.shared.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
 from tasks.train.launch import TrainResult, train
@@ -24,7 +25,6 @@ from tasks.train.loop import THROUGHPUT_PER_PROCESS, check_weights, to_device
 from tasks.train.params import TrainParams
 from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision
 from tasks.train.request import TrainRequest
-from tasks.transform import build_transform
 
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
 # From 64 px a CPU run trains channels-last (and, under auto, in bf16): the fast path.

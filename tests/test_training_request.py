@@ -20,8 +20,8 @@ from projects import imageops
 from flows.config import PipelineConfig
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice, resnet, write_untrained
-from tasks.errors import InvalidParameterError
-from tasks.settings import Settings
+from tasks.shared.errors import InvalidParameterError
+from tasks.shared.settings import Settings
 from tasks.train.params import TrainParams, TrialHook
 from tasks.train.request import TrainRequest
 

@@ -22,18 +22,8 @@ from torchvision.transforms import v2
 from models.directory import ONNX, read_model_info
 from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
-from tasks.errors import (
-    InvalidParameterError,
-    InvalidTransformationDirectoryError,
-)
-from tasks.export import export_onnx
-from tasks.imagedir import load_rgb, read_manifest
-from tasks.score import score
-from tasks.settings import Settings
-from tasks.train.data import ManifestImageFolder
-from tasks.train.launch import train
-from tasks.train.request import TrainRequest
-from tasks.transform import (
+from tasks.data.imagedir import load_rgb, read_manifest
+from tasks.data.transform import (
     TRANSFORM_JSON,
     apply_transformation,
     build_transform,
@@ -43,6 +33,16 @@ from tasks.transform import (
     read_transformation,
     transform_spec,
 )
+from tasks.inference.export import export_onnx
+from tasks.inference.score import score
+from tasks.shared.errors import (
+    InvalidParameterError,
+    InvalidTransformationDirectoryError,
+)
+from tasks.shared.settings import Settings
+from tasks.train.data import ManifestImageFolder
+from tasks.train.launch import train
+from tasks.train.request import TrainRequest
 
 pytest_plugins = ["model_fixtures"]
 
@@ -427,7 +427,7 @@ def test_the_demo_spec_is_the_one_params_yaml_holds() -> None:
 
 def test_workers_import_the_builders_without_prefect() -> None:
     code = (
-        "import sys, tasks.transform as t; assert 'prefect' not in sys.modules; "
+        "import sys, tasks.data.transform as t; assert 'prefect' not in sys.modules; "
         "from prefect import Task; assert isinstance(t.apply_transformation_task, Task)"
     )
     done = subprocess.run(

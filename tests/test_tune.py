@@ -30,9 +30,9 @@ from prefect.client.schemas.filters import (
 from flows.tune import tune_flow
 from models.directory import read_model_info
 from models.transform_spec import TransformSpec
-from tasks import servers
-from tasks.errors import InvalidTuningSpecError, TuningFailedError
-from tasks.settings import Settings
+from tasks.shared import servers
+from tasks.shared.errors import InvalidTuningSpecError, TuningFailedError
+from tasks.shared.settings import Settings
 from tasks.tune.gpus import local_gpus
 from tasks.tune.spec import TuningSpec
 from tasks.tune.storage import open_storage, storage_ref

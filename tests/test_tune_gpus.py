@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tasks.errors import InvalidTuningSpecError
+from tasks.shared.errors import InvalidTuningSpecError
 from tasks.train.params import TrainParams
 from tasks.tune.gpus import (
     GpuSlots,

@@ -18,8 +18,8 @@ import pytest
 from pydantic import Field
 
 import tasks.tune.tunable as tunable_module
-from tasks.errors import InvalidParameterError, InvalidTuningSpecError, TuningFailedError
-from tasks.settings import Settings
+from tasks.shared.errors import InvalidParameterError, InvalidTuningSpecError, TuningFailedError
+from tasks.shared.settings import Settings
 from tasks.train.loop import EPOCH_METRICS
 from tasks.train.params import TrainParams
 from tasks.tune.parameters import PARAMETER_TYPES
@@ -392,7 +392,7 @@ def test_a_field_added_to_the_training_parameters_is_tunable_within_its_range(
 
 
 def test_parameters_once_refused_are_tuned_and_reach_the_trial(tmp_path: Path) -> None:
-    from tasks.build_model import build_model
+    from tasks.train.build_model import build_model
 
     spec = spec_with(
         {"name": "print_frequency", "type": "integer", "min": 1, "max": 5},

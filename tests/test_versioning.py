@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from models.locks import holding
-from tasks.errors import VersioningError
-from tasks.settings import Settings
-from tasks.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, uncommitted, version
+from tasks.data.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, uncommitted, version
+from tasks.shared.errors import VersioningError
+from tasks.shared.settings import Settings
 
 
 def _data(settings: Settings, source: Path, name: str = "train") -> Path:

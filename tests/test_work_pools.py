@@ -25,7 +25,7 @@ from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
-from tasks.work_pools import POOLS, base_job_template, work_pool_create
+from app.work_pools import POOLS, base_job_template, work_pool_create
 
 WORKERS = {"local": ProcessWorker, "gpu-docker": DockerWorker, "gpu-k8s": KubernetesWorker}
 # A flow-run container reaches the API by its address (a local one would make the Docker worker

@@ -12,8 +12,9 @@ from torch.utils.data import DataLoader
 
 from models.untrained import ModelSpec
 from models.zoo import build_model
-from tasks.errors import InvalidDatasetError
-from tasks.imagedir import read_manifest
+from tasks.data.imagedir import read_manifest
+from tasks.data.transform import transform_for
+from tasks.shared.errors import InvalidDatasetError
 from tasks.train import distributed
 from tasks.train.data import (
     LoaderSetup,
@@ -27,7 +28,6 @@ from tasks.train.data import (
 from tasks.train.loop import derive_seed, seed_everything
 from tasks.train.params import RunConfig, manifest_fingerprint
 from tasks.train.precision import Amp
-from tasks.transform import transform_for
 
 # Azure's optimizer: SGD with (Nesterov) momentum; weight decay as in torchvision's recipes.
 # The defaults of TrainParams.momentum / weight_decay (tunable per run).

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from models.atomic import atomic_file
-from tasks.errors import TrainingFailedError
+from tasks.shared.errors import TrainingFailedError
 
 SCHEMA_VERSION = 1
 CHECKPOINT = "checkpoint.pt"

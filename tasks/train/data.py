@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
-from tasks.errors import InvalidImageDirectoryError
-from tasks.imagedir import Manifest, load_rgb
-from tasks.parent_death import die_with
+from tasks.data.imagedir import Manifest, load_rgb
+from tasks.shared.errors import InvalidImageDirectoryError
+from tasks.shared.parent_death import die_with
 from tasks.train.loop import derive_seed
 
 # Batches the loader processes of one loader prepare ahead, together: enough to ride out a slow
@@ -42,7 +42,7 @@ BATCHES_AHEAD = 16
 MIN_PREFETCH_FACTOR = 2
 # What a loader process needs, imported once by the fork server (see loader_context): torch,
 # torchvision and PIL come with these.
-LOADER_MODULES = ("tasks.train.data", "tasks.transform")
+LOADER_MODULES = ("tasks.train.data", "tasks.data.transform")
 
 
 class ManifestImageFolder(ImageFolder):

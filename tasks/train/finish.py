@@ -11,7 +11,7 @@ from torch import nn
 
 from models.atomic import write_json
 from models.directory import ModelInfo, save_model_directory
-from tasks.errors import TrainingFailedError
+from tasks.shared.errors import TrainingFailedError
 from tasks.train.curves import plot_curves
 from tasks.train.params import RunConfig
 from tasks.train.progress import Progress

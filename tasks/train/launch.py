@@ -26,10 +26,10 @@ from typing import Any
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
-from tasks.errors import InvalidParameterError, TrainingFailedError
-from tasks.settings import Settings, get_settings
-from tasks.step import step, step_logger
-from tasks.tracking import configure_mlflow
+from tasks.shared.errors import InvalidParameterError, TrainingFailedError
+from tasks.shared.settings import Settings, get_settings
+from tasks.shared.step import step, step_logger
+from tasks.shared.tracking import configure_mlflow
 from tasks.train.failure import clear_failures
 from tasks.train.mlflow_run import complete_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from tasks.errors import TrainingDivergedError
+from tasks.shared.errors import TrainingDivergedError
 from tasks.train import distributed
 from tasks.train.precision import Amp
 

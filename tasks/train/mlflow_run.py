@@ -26,12 +26,14 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 
 from models.untrained import ModelSpec
-from tasks.artifacts import markdown_table, png_markdown, publish_markdown
-from tasks.errors import InvalidParameterError, TrainingFailedError
-from tasks.imagedir import Manifest
-from tasks.settings import Settings, redact_uri
-from tasks.step import step_logger
-from tasks.tracking import run_url
+from tasks.data.imagedir import Manifest
+from tasks.data.transform import input_size
+from tasks.data.versioning import git_revision
+from tasks.shared.artifacts import markdown_table, png_markdown, publish_markdown
+from tasks.shared.errors import InvalidParameterError, TrainingFailedError
+from tasks.shared.settings import Settings, redact_uri
+from tasks.shared.step import step_logger
+from tasks.shared.tracking import run_url
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.loop import TOP1
 from tasks.train.params import RunConfig, TrainParams
@@ -39,8 +41,6 @@ from tasks.train.request import CONFIG, Request
 from tasks.train.run_lock import in_training
 from tasks.train.tracker import log_missing, transient
 from tasks.train.worker import CURVES
-from tasks.transform import input_size
-from tasks.versioning import git_revision
 
 LOG_ARTIFACTS = "logs"
 # Tag of a training run: the request it trains (RunConfig.job_key), to find it again on a retry.

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from models.atomic import write_json
 from models.transform_spec import TransformSpec
 from models.untrained import ModelSpec
-from tasks.validation import checked
+from tasks.shared.validation import checked
 
 # The float formats of the forward pass (tasks.train.precision decides "auto").
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
@@ -164,7 +164,7 @@ class RunConfig(BaseModel):
     params: TrainParams
     architecture: ModelSpec
     classes: list[str]
-    # Training mode for the training set, inference mode for validation (tasks.transform).
+    # Training mode for the training set, inference mode for validation (tasks.data.transform).
     transform: TransformSpec
     train_data: Path
     val_data: Path
@@ -210,6 +210,6 @@ class RunConfig(BaseModel):
 
 def manifest_fingerprint(root: Path) -> str:
     """sha256 of ``<root>/manifest.json``, which lists every image with its own sha256."""
-    from tasks.imagedir import MANIFEST
+    from tasks.data.imagedir import MANIFEST
 
     return hashlib.sha256((Path(root) / MANIFEST).read_bytes()).hexdigest()

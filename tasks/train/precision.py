@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tasks.errors import InvalidParameterError
+from tasks.shared.errors import InvalidParameterError
 from tasks.train.params import PRECISIONS, Resolved
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}

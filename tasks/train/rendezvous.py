@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from models.atomic import write_json
-from tasks.errors import RendezvousTimeoutError
-from tasks.servers import free_port
+from tasks.shared.errors import RendezvousTimeoutError
+from tasks.shared.servers import free_port
 
 if TYPE_CHECKING:
     from tasks.train.request import TrainRequest

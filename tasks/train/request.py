@@ -27,21 +27,21 @@ from models.atomic import check_destination
 from models.transform_spec import AppliedTransform, TransformSpec
 from models.untrained import MODEL_JSON, ModelSpec, read_untrained
 from models.zoo import build_model, pretrained_weights_path
-from tasks.errors import InvalidDatasetError, InvalidParameterError
-from tasks.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
-from tasks.settings import Settings
-from tasks.step import step_logger
-from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
-from tasks.train.precision import resolve_precision
-from tasks.train.rendezvous import RDZV_TIMEOUT_S
-from tasks.transform import (
+from tasks.data.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
+from tasks.data.transform import (
     check_applied,
     data_transform,
     input_size,
     read_transformation,
     transform_spec,
 )
-from tasks.validation import checked
+from tasks.shared.errors import InvalidDatasetError, InvalidParameterError
+from tasks.shared.settings import Settings
+from tasks.shared.step import step_logger
+from tasks.shared.validation import checked
+from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
+from tasks.train.precision import resolve_precision
+from tasks.train.rendezvous import RDZV_TIMEOUT_S
 
 CONFIG = "config.json"
 

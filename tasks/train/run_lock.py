@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from models.locks import holding, is_held
-from tasks.errors import InvalidParameterError
+from tasks.shared.errors import InvalidParameterError
 
 LAUNCH_LOCK = "launch.lock"
 

@@ -4,7 +4,7 @@ torchrun runs as a subprocess in a session of its own (fork inside a Prefect tas
 Prefect's threads), and on a timeout, an interrupt or any error the whole process tree is
 stopped, so no orphaned worker keeps a GPU or a port. A launcher killed outright (SIGKILL, the
 OOM killer) stops nothing itself: torchrun and its workers die with it by a parent-death signal
-(:mod:`tasks.parent_death`). A worker's ImageOpsError comes back as the same error class; any
+(:mod:`tasks.shared.parent_death`). A worker's ImageOpsError comes back as the same error class; any
 other failure as a TrainingFailedError quoting the log.
 """
 
@@ -24,11 +24,11 @@ from typing import IO, TYPE_CHECKING
 import psutil
 
 import tasks
-from tasks.errors import ImageOpsError, TrainingFailedError
-from tasks.log_tail import tail
-from tasks.parent_death import dying_with_this_process
-from tasks.settings import Settings, redact_uri
-from tasks.step import step_logger
+from tasks.shared.errors import ImageOpsError, TrainingFailedError
+from tasks.shared.log_tail import tail
+from tasks.shared.parent_death import dying_with_this_process
+from tasks.shared.settings import Settings, redact_uri
+from tasks.shared.step import step_logger
 from tasks.train.failure import read_failures
 from tasks.train.rendezvous import RDZV_CONNECTION_MARK
 from tasks.train.worker import rank_log

@@ -30,10 +30,11 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks import faults
-from tasks.errors import TrainingFailedError
-from tasks.parent_death import die_with_torchrun
-from tasks.settings import RedactingFormatter
+from tasks.data.transform import input_size
+from tasks.shared import faults
+from tasks.shared.errors import TrainingFailedError
+from tasks.shared.parent_death import die_with_torchrun
+from tasks.shared.settings import RedactingFormatter
 from tasks.train import distributed
 from tasks.train.build import (
     build_loaders,
@@ -66,7 +67,6 @@ from tasks.train.progress import (
     summary,
 )
 from tasks.train.schedule import build_scheduler
-from tasks.transform import input_size
 
 if TYPE_CHECKING:
     from tasks.train.tracker import Tracker

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from tasks.errors import InvalidTuningSpecError
+from tasks.shared.errors import InvalidTuningSpecError
 from tasks.train.params import TrainParams
 from tasks.tune.spec import TuningSpec, Value
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from tasks.errors import InvalidTuningSpecError
+from tasks.shared.errors import InvalidTuningSpecError
 from tasks.tune.tunable import TUNABLE
 
 # bool first: pydantic's smart union keeps True a bool (int would take it too).

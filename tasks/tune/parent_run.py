@@ -13,8 +13,8 @@ import optuna
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from tasks.settings import Settings
-from tasks.tracking import configure_mlflow
+from tasks.shared.settings import Settings
+from tasks.shared.tracking import configure_mlflow
 from tasks.tune.records import PARENT_RUN
 from tasks.tune.spec import TuningSpec
 

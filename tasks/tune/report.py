@@ -18,9 +18,9 @@ from mlflow import MlflowClient
 from pydantic import BaseModel
 
 from models.atomic import atomic_file, write_json, write_text
-from tasks.artifacts import markdown_table, png_markdown, publish_markdown, publish_table
-from tasks.step import step_logger
-from tasks.tables import CSV_FORMAT
+from tasks.inference.tables import CSV_FORMAT
+from tasks.shared.artifacts import markdown_table, png_markdown, publish_markdown, publish_table
+from tasks.shared.step import step_logger
 from tasks.tune.storage import describe_storage
 from tasks.tune.study import Study, TrialOutcome
 

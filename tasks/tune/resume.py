@@ -18,8 +18,8 @@ import psutil
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
-from tasks.errors import InvalidParameterError, InvalidTuningSpecError
-from tasks.step import step_logger
+from tasks.shared.errors import InvalidParameterError, InvalidTuningSpecError
+from tasks.shared.step import step_logger
 from tasks.tune.records import (
     ERROR,
     IDENTITY,

@@ -38,14 +38,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import to_jsonable_python
 
 from models.untrained import ModelChoice
-from tasks.errors import InvalidTuningSpecError
+from tasks.shared.errors import InvalidTuningSpecError
+from tasks.shared.validation import describe
 from tasks.train.loop import TOP1
 from tasks.train.params import TrainParams
 from tasks.tune.parameters import REFUSED, ParameterSpec, Value, default_parameters
 from tasks.tune.spec_checks import METRICS, check_spec
 from tasks.tune.tunable import ARCHITECTURE, FAMILY_OPTIONS, MODEL_OPTIONS, train_with
 from tasks.tune.tunable import tunable as tunable  # where tests and callers have found it
-from tasks.validation import describe
 
 MAX_GRID = 10_000
 MAX_PARALLEL_TRIALS = 64  # the tune flow's thread pool: one thread waits on each running trial

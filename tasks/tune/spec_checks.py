@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from tasks.errors import InvalidTuningSpecError
+from tasks.shared.errors import InvalidTuningSpecError
 from tasks.train.loop import EPOCH_METRICS
 from tasks.tune.parameters import ParameterSpec, check_parent
 from tasks.tune.tunable import FAMILY_OPTIONS, check_family, check_model_name, check_parameter

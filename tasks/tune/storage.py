@@ -16,7 +16,7 @@ import optuna
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
-from tasks.settings import Settings
+from tasks.shared.settings import Settings
 
 TUNING_DIR = "tuning"
 JOURNAL_SUFFIX = ".journal"

@@ -28,10 +28,10 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
 from models.transform_spec import TransformSpec
-from tasks.errors import TuningFailedError
-from tasks.imagedir import read_manifest
-from tasks.settings import Settings
-from tasks.step import step_logger
+from tasks.data.imagedir import read_manifest
+from tasks.shared.errors import TuningFailedError
+from tasks.shared.settings import Settings
+from tasks.shared.step import step_logger
 from tasks.train.params import manifest_fingerprint
 from tasks.tune.parent_run import parent_run
 from tasks.tune.records import (

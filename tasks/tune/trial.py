@@ -22,9 +22,9 @@ import optuna
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from tasks.build_model import build_model
-from tasks.settings import get_settings, redact_uri
-from tasks.step import step_logger
+from tasks.shared.settings import get_settings, redact_uri
+from tasks.shared.step import step_logger
+from tasks.train.build_model import build_model
 from tasks.train.launch import open_run, train
 from tasks.train.params import TrialHook
 from tasks.train.request import TrainRequest

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic.fields import FieldInfo
 
 from models.untrained import FAMILIES, Family, ModelChoice, architectures
-from tasks.errors import InvalidParameterError, InvalidTuningSpecError
+from tasks.shared.errors import InvalidParameterError, InvalidTuningSpecError
+from tasks.shared.validation import expected
 from tasks.train.params import TrainParams
-from tasks.validation import expected
 
 if TYPE_CHECKING:
     from tasks.tune.parameters import ParameterSpec, Value

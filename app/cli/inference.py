@@ -1,0 +1,131 @@
+"""Inference commands: Export to ONNX, INT8 quantization, Score Image Model, Evaluate Model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from app.cli.root import (
+    app,
+    out,
+)
+
+
+@app.command()
+def export(
+    model_dir: Annotated[Path, typer.Argument(help="Trained ModelDirectory.")],
+    sample: Annotated[
+        Path | None, typer.Option(help="ImageDirectory whose images check ONNX against PyTorch.")
+    ] = None,
+) -> None:
+    """Export to ONNX (dynamic batch) and check it against PyTorch."""
+    from tasks.inference.export import export_onnx
+
+    result = export_onnx(model_dir, sample=sample)
+    out.print(f"{result.path} (max abs difference vs PyTorch: {result.max_abs_diff:.2e})")
+
+
+@app.command()
+def quantize(
+    model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory (has model.onnx).")],
+    calibration: Annotated[
+        Path, typer.Argument(help="ImageDirectory whose images set the INT8 ranges (train).")
+    ],
+    validation: Annotated[
+        Path, typer.Argument(help="Labeled ImageDirectory both models are measured on (val).")
+    ],
+    max_top1_drop: Annotated[
+        float,
+        typer.Option(help="Most top-1 (percentage points) INT8 may lose; above it, none is kept."),
+    ] = 0.5,
+    calibration_images: Annotated[
+        int, typer.Option(help="Calibration images, spread evenly over the classes.")
+    ] = 256,
+) -> None:
+    """Static INT8 (QDQ) quantization with ONNX Runtime, kept only if top-1 holds up."""
+    from tasks.inference.quantize import quantize as run
+
+    result = run(
+        model_dir,
+        calibration,
+        validation,
+        max_top1_drop=max_top1_drop,
+        calibration_images=calibration_images,
+    )
+    out.print(
+        f"{result.path}: top-1 {result.int8_top1:.2%} vs fp32 {result.fp32_top1:.2%} "
+        f"(drop {result.top1_drop:.2f} points)"
+    )
+
+
+@app.command()
+def score(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Exported ModelDirectory, or a registry URI: models:/<name>@<alias> or "
+            "models:/<name>/<version> (downloaded into the local cache)."
+        ),
+    ],
+    images: Annotated[Path, typer.Argument(help="ImageDirectory or any folder of images.")],
+    dest: Annotated[Path, typer.Argument(help="Scored table to write (.csv or .parquet).")],
+    batch_size: Annotated[int, typer.Option(help="Images per ONNX Runtime call.")] = 64,
+    threads: Annotated[
+        int | None, typer.Option(help="ONNX Runtime threads (default: the cores available).")
+    ] = None,
+    quantized: Annotated[
+        bool, typer.Option(help="Score with the INT8 model (model.int8.onnx, `imageops quantize`).")
+    ] = False,
+    shard_images: Annotated[
+        int,
+        typer.Option(
+            help="Images per shard; a larger input is scored shard by shard. Finished shards are "
+            "kept (in .imageops-shards beside DEST) until the table is written, so the same "
+            "command run again after a crash scores only the missing ones: smaller shards lose "
+            "less work to a crash, larger ones start ONNX Runtime fewer times.",
+        ),
+    ] = 20_000,
+) -> None:
+    """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
+    from tasks.inference.score import score_in_shards
+    from tasks.registry.model_uri import resolve_model
+
+    written = score_in_shards(
+        resolve_model(model),
+        images,
+        dest,
+        shard_images=shard_images,
+        batch_size=batch_size,
+        threads=threads,
+        quantized=quantized,
+    )
+    out.print(f"wrote {written}")
+
+
+@app.command()
+def evaluate(
+    scored: Annotated[Path, typer.Argument(help="Scored table of a labeled ImageDirectory.")],
+    compare: Annotated[
+        Path | None,
+        typer.Option(
+            help="A second scored table (e.g. the same images scored by another model), "
+            "evaluated side by side; logged as eval/compare/<metric>."
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None, typer.Option(help="MLflow run to log into (default: a new run).")
+    ] = None,
+) -> None:
+    """Evaluate Model: accuracy, top-5, macro and weighted precision/recall/F1, confusion matrix."""
+    from tasks.inference.evaluate import evaluate as run
+
+    result = run(scored, compare=compare, run_id=run_id)
+    if result.compared is None:
+        for key, value in result.metrics.items():
+            out.print(f"{key}: {value:.4f}")
+        return
+    out.print(f"{'metric':<20} {scored.name:>14} {compare.name:>14}")
+    for key, value in result.metrics.items():
+        out.print(f"{key:<20} {value:>14.4f} {result.compared[key]:>14.4f}")

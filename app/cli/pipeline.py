@@ -1,0 +1,205 @@
+"""``imageops run`` (the whole pipeline as one Prefect flow) and ``imageops serve`` (the stack)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from app.cli.root import (
+    _print_commit_hint,
+    _start_prefect_api,
+    app,
+    err,
+    out,
+    serve_app,
+)
+from tasks.shared.settings import Settings, get_settings, redact_uri
+
+
+@serve_app.callback(invoke_without_command=True)
+def serve_stack(
+    ctx: typer.Context,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Interface the servers listen on. 127.0.0.1: this machine only; 0.0.0.0: "
+            "every interface (put it behind a firewall or proxy: the servers have no login)."
+        ),
+    ] = "127.0.0.1",
+    prefect_port: Annotated[int, typer.Option(help="Prefect server and UI port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow server and UI port.")] = 5000,
+    receiver_port: Annotated[
+        int, typer.Option(help="Port of the promotion receiver (MLflow's webhook target).")
+    ] = 8765,
+    ui: Annotated[bool, typer.Option(help="Serve the Prefect UI.")] = True,
+    worker: Annotated[
+        bool, typer.Option(help="Start a worker on the `local` process pool.")
+    ] = True,
+) -> None:
+    """Bring the whole stack up on this machine; Ctrl-C stops all of it."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from app.stack import Ports, Stack
+
+    stack = Stack(
+        get_settings(),
+        host=host,
+        ports=Ports(prefect=prefect_port, mlflow=mlflow_port, receiver=receiver_port),
+        ui=ui,
+        worker=worker,
+        say=lambda message: err.print(f"[dim]{message}[/]"),
+    )
+    err.print("starting the Prefect server, the MLflow server and the promotion receiver ...")
+    stack.start()
+    try:
+        out.print(f"[bold]Prefect UI[/]  {stack.prefect_url}")
+        out.print(f"[bold]MLflow UI[/]   {stack.mlflow_url}")
+        out.print(f"[bold]Receiver[/]    {stack.receiver_url}")
+        out.print(f"[bold]Worker[/]      {'pool `local`' if worker else 'none'}")
+        out.print(f"[bold]Logs[/]        {stack.dir / 'logs'}")
+        out.print("Use this stack from another shell:")
+        out.print(f"  export IMAGEOPS_PREFECT_API_URL={stack.prefect_api}")
+        out.print(f"  export IMAGEOPS_MLFLOW_TRACKING_URI={stack.mlflow_url}")
+        out.print("[bold]ready[/]; Ctrl-C stops everything")
+        stack.serve_forever()
+    except KeyboardInterrupt:
+        err.print("stopping ...")
+    finally:
+        stack.stop()
+    err.print("stopped")
+
+
+@serve_app.command("scoring")
+def serve_scoring(
+    alias: Annotated[
+        str, typer.Option(help="The alias whose promotion starts a scoring run.")
+    ] = "champion",
+    images: Annotated[
+        str | None, typer.Option(help="Images each run scores (default: data/digits/val).")
+    ] = None,
+    dest: Annotated[
+        str | None, typer.Option(help="Table each run writes (default: <home>/scores/...).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Concurrent scoring runs at most.")] = None,
+) -> None:
+    """Serve the batch-scoring deployment; a version getting ALIAS in MLflow starts a run."""
+    from flows.score import serve_scoring as run
+
+    run(alias=alias, images=images, dest=dest, limit=limit)
+
+
+@serve_app.command("webhook")
+def serve_webhook(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
+) -> None:
+    """Receive MLflow registry webhooks (HMAC-checked with IMAGEOPS_WEBHOOK_SECRET) as events."""
+    from app.webhook import serve
+
+    serve(host=host, port=port)
+
+
+@app.command("run")
+def run_pipeline(
+    source: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Raw images (folder or archive). Default: data/raw/digits (the digits)."
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="params.yaml-shaped file with the pipeline parameters.")
+    ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            help="Data set name: the prepared data goes to data/NAME/images, train and val "
+            "(default: the source's folder or archive name). Runs on different data sets run at "
+            "once; runs on the same one take turns."
+        ),
+    ] = None,
+    epochs: Annotated[int | None, typer.Option(help="Override the training epochs.")] = None,
+    nproc_per_node: Annotated[
+        int | None, typer.Option(help="Override the training processes.")
+    ] = None,
+) -> None:
+    """Run the whole pipeline as a Prefect flow and print where to look."""
+    settings = get_settings()
+    if source is not None and not source.exists():  # before anything starts: seconds saved
+        from tasks.shared.errors import NoUsableImagesError
+
+        raise NoUsableImagesError(
+            f"{source} does not exist.",
+            "Pass a folder of images (one sub-folder per class), an archive of one, or a CSV / "
+            "COCO label file; with no SOURCE, imageops run uses the digits sample.",
+        )
+    from flows.config import PipelineConfig
+
+    cfg = PipelineConfig.from_yaml(config) if config else PipelineConfig()
+    if source is None and not (settings.project_root / cfg.source).exists():
+        from tasks.data.sample import write_digits
+
+        out.print(f"{cfg.source} is missing: writing the digits sample there first")
+        write_digits(settings.project_root / cfg.source)
+    updates: dict = {}
+    if source is not None:
+        updates["source"] = str(source.resolve())
+    if dataset is not None:
+        updates["dataset"] = dataset
+    train_updates = {
+        k: v for k, v in {"epochs": epochs, "nproc_per_node": nproc_per_node}.items() if v
+    }
+    if train_updates:
+        updates["train"] = cfg.train.model_copy(update=train_updates)
+    cfg = PipelineConfig.checked(
+        {**cfg.model_dump(), **updates},
+        "imageops run",
+        "Fix the option; `imageops run --help` lists every one.",
+    )
+
+    cfg.check_sources(settings)  # a refused run starts nothing and leaves nothing behind
+    # The temporary API comes up while the flow's libraries import.
+    api_ready = _start_prefect_api(settings)
+    from flows.pipeline import pipeline
+
+    api_ready()
+    result = pipeline(cfg)
+    _print_summary(settings, result)
+    if result.data_version:
+        data = settings.data_path / result.dataset
+        parts = [data / part for part in result.data_version]
+        _print_commit_hint(parts, f"Data set {result.dataset}")
+
+
+def _print_summary(settings: Settings, result) -> None:
+    from rich.table import Table
+
+    from flows.pipeline import format_metric
+
+    out.rule(f"imageops run finished: data set {result.dataset}")
+    for key, value in sorted(result.metrics.items()):
+        out.print(f"  {key:<24} {format_metric(key, value)}")
+    out.print(escape(f"  model directory          {result.model_dir}"))
+    out.print(escape(f"  scored table             {result.scored}"))
+    out.print(escape(f"  outputs                  {result.outputs}"))
+    out.print(f"  registered model         {result.registered_model} v{result.registered_version}")
+    if result.champion:
+        champion = f"v{result.champion_version}, this run's model"
+    else:
+        champion = f"v{result.champion_version} stays" if result.champion_version else "none"
+    out.print(escape(f"  champion                 {champion}: {result.promotion_reason}"))
+    out.print(f"  MLflow run               {result.mlflow_run_id}")
+    versions = Table("data set", "DVC md5", title="data versions", title_justify="left")
+    for name, md5 in result.data_version.items():
+        versions.add_row(name, md5)
+    if result.data_version:
+        out.print(versions)
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    out.print(
+        f"  look at it: {mlflow_bin} ui --backend-store-uri {redact_uri(settings.tracking_uri)} "
+        f"--default-artifact-root {settings.artifact_location}"
+    )

@@ -1,0 +1,307 @@
+"""Model and training commands: DenseNet / ResNet directories, ``train`` (DDP), ``tune``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from app.cli.root import (
+    _config,
+    _given,
+    _option,
+    _options_from,
+    _start_prefect_api,
+    _with_options,
+    app,
+    model_app,
+    out,
+)
+from models.transform_spec import TransformSpec
+from models.untrained import ModelChoice
+from tasks.shared.settings import get_settings
+from tasks.train.params import TrainParams
+
+
+@model_app.command("resnet")
+def model_resnet(
+    dest: Annotated[Path, typer.Argument(help="UntrainedModelDirectory to write.")],
+    name: Annotated[
+        str,
+        typer.Option(
+            help="resnet18/34/50/101/152, resnext50_32x4d, resnext101_32x8d, wide_resnet50_2, "
+            "wide_resnet101_2."
+        ),
+    ] = "resnext101_32x8d",
+    pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights.")] = True,
+    zero_init_residual: Annotated[
+        bool, typer.Option(help="Zero-init the last BN of each residual block.")
+    ] = False,
+) -> None:
+    """ResNet component (Azure defaults: resnext101_32x8d, pretrained)."""
+    from tasks.train.build_model import build_model
+
+    build_model(
+        {"name": name, "pretrained": pretrained, "zero_init_residual": zero_init_residual}, dest
+    )
+    out.print(f"wrote {name} to {dest}")
+
+
+@model_app.command("densenet")
+def model_densenet(
+    dest: Annotated[Path, typer.Argument(help="UntrainedModelDirectory to write.")],
+    name: Annotated[
+        str, typer.Option(help="densenet121, densenet161, densenet169, densenet201.")
+    ] = "densenet201",
+    pretrained: Annotated[bool, typer.Option(help="Start from ImageNet weights.")] = True,
+    memory_efficient: Annotated[
+        bool, typer.Option(help="Checkpoint activations: less memory, slower.")
+    ] = False,
+) -> None:
+    """DenseNet component (Azure defaults: densenet201, pretrained)."""
+    from tasks.train.build_model import build_model
+
+    build_model(
+        {"name": name, "pretrained": pretrained, "memory_efficient": memory_efficient}, dest
+    )
+    out.print(f"wrote {name} to {dest}")
+
+
+@model_app.command("build")
+@_options_from(ModelChoice)
+def model_build(
+    dest: Annotated[Path, typer.Argument(help="UntrainedModelDirectory to write.")],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="params.yaml-shaped file: start from its `model` section (the options given "
+            "replace its values)."
+        ),
+    ] = None,
+    **options: Any,
+) -> None:
+    """Any DenseNet or ResNet by name, from params.yaml's `model` section and the options."""
+    from tasks.train.build_model import build_model
+
+    base = _config(config).model.model_dump() if config is not None else {}
+    spec = build_model({**base, **_given(options)}, dest)
+    out.print(f"wrote {spec.arch} to {dest}")
+
+
+# How one `imageops train` joins a multi-node job: options of its own, beside TrainParams'.
+_NODE_OPTIONS = (
+    _option(
+        "node_rank",
+        None,
+        int | None,
+        typer.Option(
+            help="Run only this node's agent (0 to nodes-1), one per machine; needs --run-id "
+            "and --rdzv-endpoint. Without it, --nodes N runs all N agents on this machine."
+        ),
+    ),
+    _option(
+        "run_id",
+        None,
+        str | None,
+        typer.Option(help="MLflow run of a multi-node job (print it with --open-run)."),
+    ),
+    _option(
+        "rdzv_endpoint",
+        None,
+        str | None,
+        typer.Option(
+            help="host:port where the nodes meet (c10d rendezvous), the same on every node. "
+            "Default for agents on this machine: 127.0.0.1 and a free port."
+        ),
+    ),
+    _option(
+        "rdzv_timeout",
+        600,
+        int,
+        typer.Option(help="Seconds a node waits at the rendezvous for the others."),
+    ),
+    _option(
+        "open_run",
+        False,
+        bool,
+        typer.Option(
+            "--open-run",
+            help="Check everything, open the job's MLflow run (or find its unfinished one), "
+            "print the run id and exit: the id every --node-rank agent needs.",
+        ),
+    ),
+)
+
+
+@app.command()
+@_options_from(TrainParams)
+@_with_options(*_NODE_OPTIONS)
+def train(
+    model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
+    train_data: Annotated[Path, typer.Argument(help="Labeled training ImageDirectory.")],
+    val_data: Annotated[Path, typer.Argument(help="Labeled validation ImageDirectory.")],
+    dest: Annotated[Path, typer.Argument(help="ModelDirectory to write (the best epoch).")],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="params.yaml-shaped file: start from its `train` section (the options given "
+            "replace its values). Without it: the Azure component's defaults."
+        ),
+    ] = None,
+    transform: Annotated[
+        Path | None,
+        typer.Option(
+            help="TransformationDirectory (imageops transform init). Default: the transform the "
+            "data was prepared with (imageops transform apply), else Init Image "
+            "Transformation's defaults (resize 256, center crop 224, horizontal flip). Data "
+            "prepared with another transform is refused."
+        ),
+    ] = None,
+    **options: Any,
+) -> None:
+    """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow.
+
+    One node trains here. --nodes N alone runs the train flow with N node agents on this
+    machine; on N machines, run --open-run once, then one --node-rank agent on each machine.
+    """
+    from tasks.train import launch
+    from tasks.train.request import TrainRequest
+
+    node = {p.name: options.pop(p.name) for p in _NODE_OPTIONS}
+    base = _config(config).train.model_dump() if config is not None else {}
+    request = TrainRequest.checked(
+        model=model, train_data=train_data, val_data=val_data, out=dest, transform=transform,
+        params={**base, **_given(options)}, run_id=node["run_id"],
+        node_rank=node["node_rank"] or 0, rdzv_endpoint=node["rdzv_endpoint"],
+        rdzv_timeout_s=node["rdzv_timeout"],
+    )  # fmt: skip
+    out.print(_transform_note(transform, train_data, val_data))
+    if node["open_run"]:
+        out.print(launch.open_run(request))
+        return
+    if request.params.nodes > 1 and node["node_rank"] is None:
+        if request.run_id is not None:
+            from tasks.shared.errors import InvalidParameterError
+
+            raise InvalidParameterError(
+                "--run-id names the run of one node agent's job; --nodes without --node-rank "
+                "runs every agent here and opens the run itself.",
+                "Add --node-rank (one agent per machine), or leave out --run-id.",
+            )
+        from flows.train import train_flow
+
+        result = train_flow(request)
+    else:
+        result = launch.train(request)
+    out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
+
+
+def _transform_note(transform: Path | None, *data: Path) -> str:
+    """Which transform the run takes, in words: a user must never train at a size by surprise."""
+    from tasks.data.transform import applied_to, input_size, read_transformation
+
+    if transform is not None:
+        side = input_size(read_transformation(transform))
+        return escape(f"transform: {transform} (the network sees {side}x{side} images)")
+    applied = next((a for a in map(applied_to, data) if a is not None), None)
+    if applied is not None:
+        side = input_size(applied.spec)
+        return f"transform: the one the data was prepared with ({side}x{side} images)"
+    side = input_size(TransformSpec())
+    return (
+        f"transform: Init Image Transformation's defaults ({side}x{side} images); give "
+        "--transform for another"
+    )
+
+
+# What `imageops tune` may replace in the spec file, by the spec's own field names.
+_SPEC_OPTIONS = (
+    _option(
+        "study_name",
+        None,
+        str | None,
+        typer.Option(
+            "--study",
+            help="Study name (replaces the file's); the same name continues a stopped study.",
+        ),
+    ),
+    _option(
+        "max_trial_count",
+        None,
+        int | None,
+        typer.Option("--max-trials", help="Replace max_trial_count."),
+    ),
+    _option(
+        "parallel_trial_count",
+        None,
+        int | None,
+        typer.Option("--parallel", help="Replace parallel_trial_count."),
+    ),
+)
+
+
+@app.command()
+@_with_options(*_SPEC_OPTIONS)
+def tune(
+    spec: Annotated[Path, typer.Argument(help="Tuning spec (YAML, the shape of tuning.yaml).")],
+    train_data: Annotated[Path, typer.Option(help="Labeled training ImageDirectory.")] = Path(
+        "data/digits/train"
+    ),
+    val_data: Annotated[
+        Path,
+        typer.Option(help="Labeled validation ImageDirectory (the metric is measured on it)."),
+    ] = Path("data/digits/val"),
+    transform: Annotated[
+        Path | None,
+        typer.Option(
+            help="TransformationDirectory (imageops transform init). Default: the transform the "
+            "data was prepared with (imageops transform apply), else the demo's (32x32 digits, "
+            "as tuning.yaml's example study expects)."
+        ),
+    ] = None,
+    register: Annotated[
+        bool, typer.Option(help="Export and register the best trial's model as @challenger.")
+    ] = True,
+    trial_deployment: Annotated[
+        str | None,
+        typer.Option(
+            help="Run each trial as a flow run of this deployment on its work pool "
+            "(imageops-tune-trial/tune-trial; needs IMAGEOPS_TUNING_STORAGE and a Prefect server)."
+        ),
+    ] = None,
+    **replaced: Any,
+) -> None:
+    """Tune hyperparameters with Optuna: each trial a training run; best model -> @challenger."""
+    api_ready = _start_prefect_api(get_settings())
+    from flows.config import DEMO_TRANSFORM
+    from flows.tune import study_transform, tune_flow, tune_spec_file
+    from tasks.data.transform import input_size, read_transformation
+
+    study_spec = tune_spec_file(spec, **replaced)
+    given = read_transformation(transform) if transform is not None else None
+    chosen = study_transform(given, train_data, val_data)
+    side = input_size(chosen)
+    source = transform or ("the data's" if chosen != DEMO_TRANSFORM else "the demo's")
+    out.print(escape(f"transform: {source} (the network sees {side}x{side} images)"))
+    api_ready()
+    result = tune_flow(
+        study_spec,
+        str(train_data.resolve()),
+        str(val_data.resolve()),
+        transform=chosen,
+        register_best=register,
+        trial_deployment=trial_deployment,
+    )
+    out.rule(f"study {result.study_name}")
+    for trial in result.trials:
+        value = "" if trial.value is None else f"{trial.value:.4f}"
+        state = "INTERRUPTED" if trial.interrupted else trial.state
+        out.print(f"  trial {trial.number:>3} {state:<11} {value:>8}  {trial.values}")
+    if result.best is not None:
+        out.print(f"  best: trial {result.best.number}, {result.metric} = {result.best.value:.4f}")
+        out.print(f"  model: {result.best.model_dir}  MLflow run: {result.best.run_id}")
+    if result.registered_version is not None:
+        out.print(f"  registered version {result.registered_version} as @challenger")
+    out.print(f"  trials table: {result.folder / 'trials.csv'}  study: {result.storage}")

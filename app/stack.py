@@ -1,0 +1,321 @@
+"""``imageops serve``: the whole stack on one machine, up with one command, down with Ctrl-C.
+
+Four processes, each in its own process group with its log under ``<home>/stack/logs``:
+
+1. ``prefect server start`` (SQLite under ``<home>/stack/prefect``; UI, scheduler, triggers),
+2. ``mlflow server`` (the project's own SQLite tracking store and artifact folder, so runs made
+   before in embedded mode show up too; webhooks on),
+3. the promotion receiver (:mod:`app.webhook`), registered as MLflow's webhook,
+4. a Prefect worker on the ``local`` process pool.
+
+In between, the ``local`` pool and its ``training`` queue (limit 1) are created and every
+deployment of ``deployments/prefect.yaml`` is registered. Servers bind to 127.0.0.1 unless told
+otherwise. The webhook secret and MLflow's key for stored webhook secrets are made once and kept
+(mode 0600) under ``<home>/stack``, so a restart reuses them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.deployments import DEPLOYMENTS_FILE, TRAINING_QUEUE, register_deployments
+from app.webhook import DEFAULT_PORT as RECEIVER_PORT
+from app.webhook import PATH as RECEIVER_PATH
+from tasks.shared import servers
+from tasks.shared.errors import ImageOpsError
+from tasks.shared.log_tail import tail
+from tasks.shared.settings import Settings
+
+POOL = "local"
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Ports:
+    prefect: int = 4200
+    mlflow: int = 5000
+    receiver: int = RECEIVER_PORT
+
+
+@dataclass
+class _Service:
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
+    log: Path | None = None
+
+
+def _kept_secret(path: Path, make: Callable[[], str]) -> str:
+    """A secret made once and kept in ``path`` (owner-only), so restarts agree with storage."""
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = make()
+    temporary = path.with_suffix(".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value)
+    temporary.replace(path)
+    return value
+
+
+class Stack:
+    """The local stack; ``start`` brings it up, ``stop`` takes it down (last started, first)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        host: str = "127.0.0.1",
+        ports: Ports = Ports(),
+        ui: bool = True,
+        worker: bool = True,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.settings, self.host, self.ports = settings, host, ports
+        self.ui, self.worker, self.say = ui, worker, say
+        self.dir = settings.home_dir / "stack"
+        self.services: list[_Service] = []
+        # Clients reach the servers on loopback when they listen everywhere.
+        reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.prefect_url = f"http://{reach}:{ports.prefect}"
+        self.prefect_api = f"{self.prefect_url}/api"
+        self.mlflow_url = f"http://{reach}:{ports.mlflow}"
+        self.receiver_url = f"http://{reach}:{ports.receiver}{RECEIVER_PATH}"
+
+    # --- environment -----------------------------------------------------------------------
+
+    def client_environment(self) -> dict[str, str]:
+        """What a process needs to use this stack (the worker's flow runs get the same).
+
+        The rest of this environment passes through, so Prefect's own settings (e.g.
+        PREFECT_WORKER_QUERY_SECONDS) reach the worker as a person exported them.
+        """
+        settings = Settings(
+            project_root=self.settings.project_root,
+            home=self.settings.home_dir,
+            mlflow_tracking_uri=self.mlflow_url,
+            prefect_api_url=self.prefect_api,
+            registered_model_name=self.settings.registered_model_name,
+            mlflow_experiment=self.settings.mlflow_experiment,
+        )
+        env = dict(os.environ) | settings.environment()
+        env |= {
+            "IMAGEOPS_MLFLOW_TRACKING_URI": self.mlflow_url,
+            "IMAGEOPS_PREFECT_API_URL": self.prefect_api,
+            "IMAGEOPS_REGISTERED_MODEL_NAME": self.settings.registered_model_name,
+            "IMAGEOPS_MLFLOW_EXPERIMENT": self.settings.mlflow_experiment,
+            "PREFECT_API_URL": self.prefect_api,
+            "PREFECT_HOME": str(self.dir / "prefect-client"),
+        }
+        if self.settings.tuning_storage:
+            env["IMAGEOPS_TUNING_STORAGE"] = self.settings.tuning_storage
+        return env
+
+    # --- start and stop ------------------------------------------------------------------
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start everything and wait until it answers; on any failure stop what started."""
+        busy = [
+            f"{name} port {port}"
+            for name, port in (
+                ("Prefect", self.ports.prefect),
+                ("MLflow", self.ports.mlflow),
+                ("receiver", self.ports.receiver),
+            )
+            if not servers.port_free(self.host, port)
+        ]
+        if busy:
+            raise ImageOpsError(
+                f"Cannot serve: {', '.join(busy)} on {self.host} is in use.",
+                "Stop the other server (another `imageops serve`?) or choose other ports "
+                "(--prefect-port, --mlflow-port, --receiver-port).",
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        secret = (
+            self.settings.webhook_secret.get_secret_value()
+            if self.settings.webhook_secret
+            else _kept_secret(self.dir / "webhook-secret", lambda: secrets.token_urlsafe(32))
+        )
+        try:
+            self._start_servers(secret)
+            self._wait(timeout_s)
+            self.say("servers up; creating the work pool and registering the deployments")
+            self._create_pool()
+            self._register(secret)
+            if self.worker:
+                self._launch(
+                    "worker",
+                    [_tool("prefect"), "worker", "start", "--pool", POOL, "--type", "process",
+                     "--name", f"imageops-{POOL}-worker"],
+                    self.client_environment(),
+                )  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_servers(self, secret: str) -> None:
+        from cryptography.fernet import Fernet
+
+        home = self.settings.home_dir
+        quiet = {
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "DO_NOT_TRACK": "1",
+        }
+        # Servers get this environment (a person's PREFECT_SERVER_* or database settings pass
+        # through) without client settings that would point them elsewhere.
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+        }
+        prefect_args = [_tool("prefect"), "server", "start", "--host", self.host,
+                        "--port", str(self.ports.prefect)]  # fmt: skip
+        if not self.ui:
+            prefect_args.append("--no-ui")
+        self._launch(
+            "prefect-server",
+            prefect_args,
+            # The UI calls the API where this stack put it, not on Prefect's default port.
+            {"PREFECT_UI_API_URL": self.prefect_api}
+            | base
+            | quiet
+            | {"PREFECT_HOME": str(self.dir / "prefect")},
+        )
+        key = _kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
+        self._launch(
+            "mlflow-server",
+            [_tool("mlflow"), "server", "--host", self.host, "--port", str(self.ports.mlflow),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
+             "--artifacts-destination", str(home / "mlartifacts")],
+            base | quiet | {
+                # The receiver is on http://127.0.0.1: MLflow's SSRF guard refuses it otherwise.
+                "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+                "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+                # One key for the stored webhook secrets, the same after a restart.
+                "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": key,
+                "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            },
+        )  # fmt: skip
+        self._launch(
+            "receiver",
+            [sys.executable, "-m", "app.webhook", "serve", "--host", self.host,
+             "--port", str(self.ports.receiver)],
+            self.client_environment() | {"IMAGEOPS_WEBHOOK_SECRET": secret},
+        )  # fmt: skip
+
+    def _launch(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        service = _Service(name, args, env, log=self.dir / "logs" / f"{name}.log")
+        # In a group of its own: Ctrl-C reaches us, and we stop them in order.
+        service.process = servers.start(args, service.log, env, cwd=self.settings.project_root)
+        self.services.append(service)
+
+    def _wait(self, timeout_s: float) -> None:
+        checks = {
+            "Prefect server": f"{self.prefect_api}/health",
+            "MLflow server": f"{self.mlflow_url}/health",
+            "promotion receiver": self.receiver_url.removesuffix(RECEIVER_PATH) + "/health",
+        }
+        deadline = time.monotonic() + timeout_s
+        for what, url in checks.items():
+            left = deadline - time.monotonic()
+            if not servers.wait_until(
+                lambda url=url: self.check_alive() or servers.healthy(url), left, interval_s=0.5
+            ):
+                raise ImageOpsError(
+                    f"The {what} did not answer at {url} within {timeout_s:.0f} s.",
+                    f"Read its log in {self.dir / 'logs'}.",
+                )
+
+    def _create_pool(self) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from app.work_pools import work_pool_create
+
+        with (
+            temporary_settings(updates={PREFECT_API_URL: self.prefect_api}),
+            get_client(sync_client=True) as client,
+        ):
+            client.create_work_pool(work_pool_create(POOL), overwrite=True)
+            try:
+                queue = client.read_work_queue_by_name(TRAINING_QUEUE, work_pool_name=POOL)
+            except ObjectNotFound:
+                client.create_work_queue(
+                    name=TRAINING_QUEUE,
+                    work_pool_name=POOL,
+                    concurrency_limit=1,
+                    description="One training at a time on this pool.",
+                )
+            else:  # someone may have changed it; the limit is what makes it the training queue
+                client.request(
+                    "PATCH", "/work_queues/{id}", path_params={"id": queue.id},
+                    json={"concurrency_limit": 1},
+                )  # fmt: skip
+
+    def _register(self, secret: str) -> None:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from app.webhook import register_webhook
+
+        with temporary_settings(updates={PREFECT_API_URL: self.prefect_api}):
+            register_deployments(DEPLOYMENTS_FILE, work_pool=POOL)
+        register_webhook(self.receiver_url, secret=secret, mlflow_url=self.mlflow_url)
+
+    def check_alive(self) -> None:
+        """Raise, with the end of its log, if a service has exited."""
+        for service in self.services:
+            if service.process is not None and service.process.poll() is not None:
+                raise ImageOpsError(
+                    f"{service.name} exited with code {service.process.returncode}. "
+                    f"End of {service.log}:\n{tail(service.log) or '(empty)'}",
+                    "Fix what its log says, then run `imageops serve` again.",
+                )
+
+    def serve_forever(self, poll_s: float = 1.0) -> None:
+        """Block until Ctrl-C (or SIGTERM), or until a service dies."""
+
+        def interrupt(*_: object) -> None:
+            raise KeyboardInterrupt
+
+        # SIGINT too: a shell that starts us in the background makes us ignore it otherwise.
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while True:
+                self.check_alive()
+                time.sleep(poll_s)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop(self) -> None:
+        """Stop every service, last started first: the worker before the servers it calls."""
+        for service in reversed(self.services):
+            if service.process is not None:
+                servers.stop(service.process, STOP_TIMEOUT_S)
+        self.services.clear()
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def _tool(name: str) -> str:
+    """A console script of this environment (prefect, mlflow), wherever the shell's PATH points."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.is_file() else name

@@ -1,0 +1,77 @@
+"""A conversion plan: every file to check and where it goes, made by an input source before any
+image is opened (see :mod:`tasks.data.convert.sources`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from tasks.data.imagedir import SkippedFile
+from tasks.data.labelfiles import Listed, Listing
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One file to check, and where it goes when it passes."""
+
+    source: str  # the file to read
+    rel: str  # its path relative to the source root (or the label file's folder)
+    dest: str  # its path in the ImageDirectory
+    label: str | None  # its class name
+    origin: str | None = None  # recorded as the entry's source_path (label files)
+
+
+@dataclass
+class ConversionPlan:
+    """Everything to convert, before any file is opened."""
+
+    labeled: bool
+    items: list[PlannedFile]
+    classes: list[str]  # the classes the source names: each one left without images is reported
+    skipped: list[SkippedFile]
+    label_file: bool = False  # classes come from labels, not folders (the wording of reports)
+
+
+def plan_listing(listing: Listing) -> ConversionPlan:
+    """The plan for what a label file lists: each image to ``<class>/<its file name>``."""
+    names = unique_names(listing.entries, listing.labeled)
+    items = [
+        PlannedFile(str(entry.path), entry.rel, names[entry.rel], entry.label, entry.rel)
+        for entry in listing.entries
+    ]
+    return ConversionPlan(listing.labeled, items, listing.classes, listing.skipped, label_file=True)
+
+
+def unique_names(entries: Sequence[Listed], labeled: bool) -> dict[str, str]:
+    """Where each listed file goes: ``<class>/<file name>`` (``<file name>`` when unlabeled).
+
+    Files from different folders may share a name. The first one (in path order) keeps it; the
+    others get ``<stem>_1<suffix>``, ``_2``..., skipping names that are taken. Names are compared
+    without case, so the directory also copies to macOS and Windows intact. The result depends
+    only on the set of files, never on the order the label file lists them.
+    """
+    folders: dict[str, list[Listed]] = {}
+    for entry in sorted(entries, key=lambda e: e.rel):
+        folders.setdefault((entry.label or "") if labeled else "", []).append(entry)
+    names: dict[str, str] = {}
+    for folder, members in folders.items():
+        prefix = f"{folder}/" if folder else ""
+        taken: set[str] = set()
+        later: list[Listed] = []
+        for entry in members:  # first pass: every name its first holder keeps
+            name = PurePosixPath(entry.rel).name
+            if name.casefold() in taken:
+                later.append(entry)
+            else:
+                taken.add(name.casefold())
+                names[entry.rel] = prefix + name
+        for entry in later:
+            name = PurePosixPath(PurePosixPath(entry.rel).name)
+            n = 1
+            while f"{name.stem}_{n}{name.suffix}".casefold() in taken:
+                n += 1
+            free = f"{name.stem}_{n}{name.suffix}"
+            taken.add(free.casefold())
+            names[entry.rel] = prefix + free
+    return names

@@ -1,0 +1,198 @@
+"""Convert's steps in order: check the parameters, find the source, consult the cache, plan,
+check every file and write the ImageDirectory with its manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from models.atomic import atomic_directory, check_destination, remove_leftovers
+from tasks.data.convert import cache, checking, report
+from tasks.data.convert.limits import ConvertLimits, check_apart, check_workers
+from tasks.data.convert.plan import ConversionPlan, PlannedFile
+from tasks.data.convert.sources import find_source, label_file_sources
+from tasks.shared.errors import InvalidDatasetError, NotLabeledDatasetError, NoUsableImagesError
+from tasks.data.imagecheck import CheckJob, CheckResult
+from tasks.data.imagedir import (
+    FORMAT_VERSION,
+    MANIFEST,
+    ImageEntry,
+    Manifest,
+    SkippedFile,
+    SkipReason,
+    find_duplicates,
+    printable_name,
+    write_manifest,
+)
+from tasks.shared.step import step
+
+# Part of every fingerprint: bump it when a change here or in tasks.data.imagecheck can change the
+# result for the same input, so directories converted before are converted again.
+# 2: the aspect-ratio limit; files refused by extension or size are no longer read.
+_CONVERTER_VERSION = 2
+
+
+def convert(
+    source: Path,
+    dest: Path,
+    limits: ConvertLimits | None = None,
+    *,
+    workers: int | None = None,
+) -> Manifest:
+    """Convert the image folder, archive or label file ``source`` into the ImageDirectory ``dest``.
+
+    ``source`` is anything an input source reads (:mod:`tasks.data.convert.sources`): a folder (class
+    sub-folders = labels, else unlabeled), an archive of one, a CSV manifest (``.csv``, header
+    ``path,label``) or a COCO classification JSON (``.json``). ``dest`` is written atomically: it
+    appears complete or not at all, and an existing ``dest`` is replaced only once the new one is
+    whole. When ``dest`` already holds the conversion of this very source (same content, same
+    parameters) and is intact, its manifest is returned and nothing is written. ``limits`` caps
+    each image and archive (:class:`ConvertLimits`; images over them are skipped with reason
+    ``ImageExceedsLimit``, as the other steps refuse them). ``workers`` is the number of
+    processes checking images, this one included: by default every core this process may use,
+    once the input is big enough to gain from them (1 checks in this process only).
+
+    Returns the manifest written (or found). Raises :class:`InvalidParameterError` for a
+    parameter out of range or a ``dest`` that overlaps ``source``, :class:`UnsafeArchiveError`
+    for an archive over the caps, :class:`InvalidLabelFileError` for a label file that cannot be
+    read as a whole, and :class:`NoUsableImagesError` when the source is missing, unreadable, of
+    no kind imageops reads, or holds no usable image.
+    """
+    source, dest = Path(source), Path(dest)
+    limits = ConvertLimits() if limits is None else limits
+    check_workers(workers)
+    check_apart(source, dest)
+    check_destination(dest, replaces=MANIFEST)
+    # A killed run's leftovers beside dest: removed even when the cache check below writes nothing.
+    remove_leftovers(dest)
+    remove_leftovers(dest, "extract")
+    reader = find_source(source)
+    head = {
+        "converter": _CONVERTER_VERSION,
+        "format_version": FORMAT_VERSION,
+        "kind": reader.name,
+        "parameters": reader.parameters(limits),
+        # A file read whole anyway (an archive, a label file): its own bytes are part of the key.
+        "input_sha256": cache.sha256_file(source)[1] if reader.whole_file else None,
+    }
+    previous = cache.previous(dest, source)
+    if reader.self_contained:  # the key is known before planning: an unchanged source is not read
+        key = cache.fingerprint(head)
+        if previous is not None and previous.fingerprint == key:
+            return cache.unchanged(dest, previous)
+        with reader.plan(source, dest, limits) as plan:
+            return _convert_plan(plan, dest, source, limits, workers, key)
+    with reader.plan(source, dest, limits) as plan:
+        if previous is not None and previous.fingerprint == cache.fingerprint(
+            head, plan, cache.hash_all(plan.items, limits.max_pixels)
+        ):
+            return cache.unchanged(dest, previous)
+        return _convert_plan(plan, dest, source, limits, workers, head)
+
+
+def source_classes(source: Path) -> list[str]:
+    """The classes a source's layout names, read without converting it (no image is decoded).
+
+    For refusing, before a pipeline starts, a source no classifier can learn from: folders and
+    archives by their class sub-folders (the first folder of each path, after the wrapper
+    folder a zip often has), label files by their labels. Raises NoUsableImagesError for a
+    missing or unreadable source, NotLabeledDatasetError when the layout has no classes, and
+    InvalidDatasetError for fewer than two.
+    """
+    source = Path(source)
+    classes = find_source(source).classes(source)
+    if not classes:
+        raise NotLabeledDatasetError(
+            f"{source} has no class sub-folders: its images are not labeled, and training "
+            "needs labels.",
+            "Put each class's images in a sub-folder named after the class (raw/cat/1.jpg, "
+            f"raw/dog/2.jpg), or pass {label_file_sources()}. To score unlabeled "
+            "images with a trained model, use `imageops score`.",
+        )
+    if len(classes) < 2:
+        raise InvalidDatasetError(
+            f"{source} has only the class {classes[0]!r}; a classifier needs two or more.",
+            "Add a sub-folder of images for each other class.",
+        )
+    return classes
+
+
+def _convert_plan(
+    plan: ConversionPlan,
+    dest: Path,
+    source: Path,
+    limits: ConvertLimits,
+    workers: int | None,
+    key: str | dict[str, Any],
+) -> Manifest:
+    """Check every planned file, copy the good ones into a new ``dest``, write the manifest.
+
+    ``key`` is the final fingerprint, or the head of one to finish with the hashes the workers
+    computed of the files they read (no file is read twice).
+    """
+    skipped = list(plan.skipped)
+    with atomic_directory(dest, replaces=MANIFEST) as tmp:
+        jobs = [
+            CheckJob(
+                item.source, item.rel, str(tmp / item.dest), scratch=str(tmp), **limits.images()
+            )
+            for item in plan.items
+        ]
+        results = checking.check_all(jobs, workers)
+        accepted: list[tuple[PlannedFile, CheckResult]] = []
+        for item, result in zip(plan.items, results, strict=True):
+            if result.reason:
+                skipped.append(SkippedFile(path=result.rel, reason=result.reason))
+            else:
+                accepted.append((item, result))
+        classes = sorted({item.label for item, _ in accepted if item.label is not None})
+        what = "class" if plan.label_file else "class folder"
+        for name in plan.classes:
+            if name not in classes:
+                skipped.append(
+                    SkippedFile(
+                        path=printable_name(name) + "/",
+                        reason=SkipReason.EMPTY_CLASS.because(
+                            f"no valid image in this {what}; the class is left out"
+                        ),
+                    )
+                )
+        class_id = {name: i for i, name in enumerate(classes)}
+        images = sorted(
+            (
+                ImageEntry(
+                    path=item.dest,
+                    label=None if item.label is None else class_id[item.label],
+                    sha256=result.sha256,
+                    width=result.width,
+                    height=result.height,
+                    size=result.size,
+                    source_path=item.origin,
+                )
+                for item, result in accepted
+            ),
+            key=lambda entry: entry.path,
+        )
+        if not images:
+            raise NoUsableImagesError(
+                report.nothing_usable(source, skipped, plan.label_file),
+                report.LABEL_FILE_HINT if plan.label_file else report.NOTHING_USABLE_HINT,
+            )
+        if isinstance(key, dict):
+            key = cache.fingerprint(key, plan, [(r.size, r.sha256) for r in results])
+        manifest = Manifest(
+            labeled=plan.labeled,
+            classes=classes,
+            counts={c: sum(1 for e in images if e.label == i) for i, c in enumerate(classes)},
+            images=images,
+            source=str(source.resolve()),
+            skipped=sorted(skipped, key=lambda s: s.path),
+            duplicates=find_duplicates(images),
+            fingerprint=key,
+        )
+        write_manifest(tmp, manifest)
+    report.log_summary(dest, manifest)
+    return manifest
+
+
+convert_task = step(convert, name="convert")

@@ -1,0 +1,215 @@
+"""The ImageDirectory contract every step reads and writes.
+
+Labeled: torchvision's ImageFolder layout (``<root>/<class>/<image>``) plus
+``<root>/manifest.json``. Unlabeled (for scoring): images anywhere below ``<root>`` and a manifest
+without classes. The manifest is the source of truth for class ids (list index = id, classes sorted
+by name, exactly as ImageFolder sorts them) and for which files belong to the set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from models.atomic import write_json
+from models.transform_spec import AppliedTransform
+from tasks.shared.errors import InvalidDatasetError, InvalidImageDirectoryError, NotLabeledDatasetError
+
+# Part of this contract, kept in a module without pydantic so that convert's worker processes
+# start fast; import them from here.
+from tasks.data.imageformat import (  # noqa: F401
+    IMAGE_EXTENSIONS,
+    MAX_ASPECT_RATIO,
+    MAX_PIXELS,
+    PIL_FORMATS,
+    ImageRefused,
+    SkipReason,
+    is_image_file,
+    is_utf8,
+    load_rgb,
+    printable_name,
+    to_rgb,
+)
+
+MANIFEST = "manifest.json"
+# A name the manifest reports (a skipped file, the source) rather than opens: one that is not
+# UTF-8 is kept with \xNN escapes, since a manifest holding it would not read back.
+ReportedName = Annotated[str, AfterValidator(printable_name)]
+FORMAT = "imageops.ImageDirectory"
+FORMAT_VERSION = 1
+
+
+class ImageEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="POSIX path relative to the ImageDirectory root.")
+    label: int | None = Field(description="Class id (index into `classes`); None when unlabeled.")
+    sha256: str
+    width: int
+    height: int
+    # Added after format version 1 shipped; optional, so older manifests still read.
+    size: int | None = Field(default=None, description="Bytes (the copy is byte for byte).")
+    source_path: str | None = Field(
+        default=None,
+        description="Where the image came from, relative to the CSV manifest's or COCO JSON's "
+        "folder; None when it is `path` itself (folders and archives).",
+    )
+
+
+class SkippedFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: ReportedName
+    reason: str
+
+
+class Manifest(BaseModel):
+    """``manifest.json``: what is in the directory, where it came from, what was left out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["imageops.ImageDirectory"] = FORMAT
+    format_version: int = FORMAT_VERSION
+    labeled: bool
+    classes: list[str] = Field(default_factory=list)
+    counts: dict[str, int] = Field(default_factory=dict)
+    images: list[ImageEntry]
+    source: ReportedName = ""
+    skipped: list[SkippedFile] = Field(default_factory=list)
+    duplicates: list[list[str]] = Field(
+        default_factory=list,
+        description="Groups of image paths with the same sha256 (kept, but listed: duplicates "
+        "inflate a class and leak between a training and a validation split).",
+    )
+    fingerprint: str | None = Field(
+        default=None,
+        description="What Convert read and how: sha256 over the source's content (never its "
+        "timestamps) and the parameters. Converting the same source with the same fingerprint "
+        "into a directory that is still intact returns this manifest without any work. Steps "
+        "that derive a directory from another (split) leave it empty.",
+    )
+    transform: AppliedTransform | None = Field(
+        default=None,
+        description="Set by Apply Image Transformation (and kept by split): the transform spec "
+        "and mode the images went through. Train and score use this spec and skip what was "
+        "already applied.",
+    )
+
+    def labels(self) -> list[int]:
+        return [int(e.label) for e in self.images if e.label is not None]
+
+
+def find_duplicates(entries: Iterable[ImageEntry]) -> list[list[str]]:
+    """Paths that share a sha256, as sorted groups of two or more, ordered by first path."""
+    by_hash: dict[str, list[str]] = {}
+    for entry in entries:
+        by_hash.setdefault(entry.sha256, []).append(entry.path)
+    return sorted(sorted(paths) for paths in by_hash.values() if len(paths) > 1)
+
+
+def read_manifest(root: Path) -> Manifest:
+    """Read and check ``<root>/manifest.json``; raise InvalidImageDirectoryError if unusable."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise InvalidImageDirectoryError(
+            f"{root} is not an ImageDirectory: {MANIFEST} is missing.",
+            "Create one with `imageops convert SOURCE DEST`.",
+        )
+    try:
+        manifest = Manifest.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        raise InvalidImageDirectoryError(
+            f"{path} is not a valid ImageDirectory manifest: {exc.errors()[0]['msg']}.",
+            "Re-create the directory with `imageops convert`.",
+        ) from exc
+    if manifest.format_version > FORMAT_VERSION:
+        raise InvalidImageDirectoryError(
+            f"{path} has format version {manifest.format_version}; this imageops reads up to "
+            f"{FORMAT_VERSION}.",
+            "Upgrade imageops.",
+        )
+    _check_paths(root, manifest)
+    return manifest
+
+
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def _check_paths(root: Path, manifest: Manifest) -> None:
+    """Every image path stays inside ``root``, as Convert keeps archive members inside theirs.
+
+    A manifest is a file anyone can edit: an entry ``../../x.png`` or ``/etc/x.png``, or one that
+    reaches a symlink leading out of the directory, would make a step read (and split write)
+    outside the folders it was given. Checked by shape first (relative POSIX, no ``..``, no NUL;
+    a backslash counts as a separator here, as Windows would take it), then by where the path
+    resolves: one realpath per folder, one lstat per file.
+    """
+    base = os.path.realpath(root)
+    folders: dict[str, str] = {}
+    for entry in manifest.images:
+        name = entry.path
+        problem = _bad_shape(name)
+        if problem is None:
+            folder, _, leaf = name.rpartition("/")
+            if folder not in folders:
+                folders[folder] = os.path.realpath(os.path.join(base, folder))
+            real = os.path.join(folders[folder], leaf)
+            if os.path.islink(real):
+                real = os.path.realpath(real)
+            if os.path.commonpath([base, real]) != base:
+                problem = "it leads outside the directory through a symlink"
+        if problem is not None:
+            raise InvalidImageDirectoryError(
+                f"{root / MANIFEST} lists the image {name!r}: {problem}; every image path must "
+                "be relative to the ImageDirectory and stay inside it.",
+                "Do not edit manifest.json by hand: re-create the directory with "
+                "`imageops convert SOURCE DEST` (a symlink out is refused; copy the file in).",
+            )
+
+
+def _bad_shape(name: str) -> str | None:
+    """What is wrong with the form of the manifest path ``name``; None when it is sound."""
+    if "\x00" in name:
+        return "a NUL byte in the path"
+    if not name:
+        return "an empty path"
+    if name.startswith(("/", "\\")) or _DRIVE.match(name):
+        return "an absolute path"
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts:
+        return "'..' in the path"
+    if any(part in ("", ".") for part in name.split("/")):
+        return "not a normalised POSIX path (empty or '.' parts)"
+    return None
+
+
+def write_manifest(root: Path, manifest: Manifest) -> Path:
+    return write_json(Path(root) / MANIFEST, manifest.model_dump(mode="json"))
+
+
+def require_labeled(manifest: Manifest, role: str, root: Path | str = "") -> None:
+    """Azure rule: training needs a labeled image directory."""
+    if not manifest.labeled or not manifest.classes:
+        raise NotLabeledDatasetError(
+            f"The {role} dataset {root} is not labeled (no class sub-folders).",
+            "Convert a folder whose images sit in one sub-folder per class, or a labeled archive.",
+        )
+
+
+def require_same_classes(train: Manifest, val: Manifest) -> None:
+    """Azure rule: training and validation data must have the same label categories."""
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))
+        only_val = sorted(set(val.classes) - set(train.classes))
+        raise InvalidDatasetError(
+            "Training and validation datasets have different classes "
+            f"(only in training: {only_train or 'none'}; "
+            f"only in validation: {only_val or 'none'}).",
+            "Split one ImageDirectory with `imageops split` so both halves share the classes.",
+        )

@@ -1,0 +1,153 @@
+"""Split Image Directory: one ImageDirectory becomes two (or three), stratified and seeded.
+
+The fraction goes to the first output (rounded down per class, so every class keeps its share);
+the same seed and input always give the same split. An optional third (test) output takes
+``third_fraction`` of each class from what the first left, and the second keeps the rest; with no
+third output the split is exactly Azure's two-way one. Every output keeps the full class list,
+so their class ids agree. An unlabeled directory is split the same way, as one group.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from models.atomic import atomic_directory, check_destination
+from tasks.shared.errors import InvalidParameterError
+from tasks.data.imagedir import (
+    MANIFEST,
+    ImageEntry,
+    Manifest,
+    find_duplicates,
+    read_manifest,
+    write_manifest,
+)
+from tasks.shared.step import step
+
+
+def _write_subset(
+    source: Path, dest: Path, manifest: Manifest, entries: list[ImageEntry]
+) -> Manifest:
+    counts = {c: sum(1 for e in entries if e.label == i) for i, c in enumerate(manifest.classes)}
+    subset = manifest.model_copy(
+        update={
+            "images": entries,
+            "counts": counts,
+            "source": str(source.resolve()),
+            "skipped": [],
+            "duplicates": find_duplicates(entries),
+            # The fingerprint describes a conversion; a split is not one (and is cheap to redo).
+            "fingerprint": None,
+        }
+    )
+    with atomic_directory(dest, replaces=MANIFEST) as tmp:
+        for entry in entries:
+            target = tmp / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / entry.path, target)
+        write_manifest(tmp, subset)
+    return subset
+
+
+def _first_share(fraction: float, n: int) -> int:
+    """``floor(fraction * n)``, immune to float noise (0.29 * 100 is 28.999999999999996)."""
+    return min(n, math.floor(round(fraction * n, 9)))
+
+
+def _overlap(a: Path, b: Path) -> bool:
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def _check_paths(source: Path, outputs: dict[str, Path]) -> None:
+    src = source.resolve()
+    resolved = {name: out.resolve() for name, out in outputs.items()}
+    for name, out in resolved.items():
+        if _overlap(out, src):
+            # Writing there would replace or nest inside the source while it is being read.
+            raise InvalidParameterError(
+                f"The {name} output {out} overlaps the source {src}.",
+                "Write the outputs to folders beside the source, e.g. data/train, data/val.",
+            )
+    names = list(resolved)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if _overlap(resolved[a], resolved[b]):
+                raise InvalidParameterError(
+                    f"The {a} and {b} outputs {resolved[a]} and {resolved[b]} overlap.",
+                    "Give every output its own folder.",
+                )
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if isinstance(value, bool) or not 0.0 <= value <= 1.0:  # NaN fails the comparison too
+        raise InvalidParameterError(
+            f"{name} must be between 0 and 1, got {value}.", "Use e.g. 0.9 for a 90/10 split."
+        )
+
+
+def split(
+    source: Path,
+    first: Path,
+    second: Path,
+    *,
+    fraction: float = 0.9,
+    seed: int = 1,
+    third: Path | None = None,
+    third_fraction: float = 0.0,
+) -> tuple[Manifest, ...]:
+    """Split ``source`` into ``first`` (``fraction`` of each class) and ``second`` (the rest).
+
+    With ``third``, that output takes ``third_fraction`` of each class (rounded down) out of what
+    the first did not take. Each output is written atomically. Returns the manifests in output
+    order (two or three). Raises :class:`InvalidParameterError` for fractions outside [0, 1] or
+    summing above 1, or outputs that overlap the source or each other, and
+    :class:`InvalidImageDirectoryError` when ``source`` is not an ImageDirectory.
+    """
+    _check_fraction("fraction", fraction)
+    _check_fraction("third_fraction", third_fraction)
+    if third is None and third_fraction:
+        raise InvalidParameterError(
+            f"third_fraction = {third_fraction} needs a third output folder.",
+            "Name a third output folder, or leave third_fraction at 0.",
+        )
+    if fraction + third_fraction > 1.0 + 1e-9:
+        raise InvalidParameterError(
+            f"fraction + third_fraction = {fraction + third_fraction:g} is more than 1.",
+            "Lower one of them; the second output gets what is left.",
+        )
+    source, first, second = Path(source), Path(first), Path(second)
+    manifest = read_manifest(source)
+    outputs = {"first": first, "second": second} | ({"third": Path(third)} if third else {})
+    _check_paths(source, outputs)
+    for out in outputs.values():  # all of them before writing any: no half split
+        check_destination(out, replaces=MANIFEST)
+    rng = np.random.default_rng(seed)
+    groups: dict[int | None, list[ImageEntry]] = {}
+    for entry in manifest.images:
+        groups.setdefault(entry.label, []).append(entry)
+    chosen: list[ImageEntry] = []
+    rest: list[ImageEntry] = []
+    held_out: list[ImageEntry] = []
+    # Classes in id order and entries in path order: the draw depends on the seed and the
+    # content only, never on the order the manifest happened to list them.
+    for label in sorted(groups, key=lambda x: -1 if x is None else x):
+        entries = sorted(groups[label], key=lambda e: e.path)
+        order = rng.permutation(len(entries))
+        cut = _first_share(fraction, len(entries))
+        cut_third = cut + min(len(entries) - cut, _first_share(third_fraction, len(entries)))
+        chosen += [entries[i] for i in sorted(order[:cut])]
+        held_out += [entries[i] for i in sorted(order[cut:cut_third])]
+        rest += [entries[i] for i in sorted(order[cut_third:])]
+    written = [
+        _write_subset(source, first, manifest, chosen),
+        _write_subset(source, second, manifest, rest),
+    ]
+    if third is not None:
+        written.append(_write_subset(source, Path(third), manifest, held_out))
+    return tuple(written)
+
+
+split_task = step(split, name="split")

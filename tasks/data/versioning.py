@@ -1,0 +1,370 @@
+"""Data versioning: a data folder becomes a DVC-tracked, pushed version identified by its md5.
+
+That md5 is recorded with every training run, so a model traces to the images it learned from.
+Every DVC operation holds a file lock first (two DVC commands in one repository fail), and the
+two states a kill leaves that DVC does not get past itself are repaired here: an init cut short
+and an emptied record. Details: docs/internals.md#data-versioning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from tasks.shared.errors import VersioningError
+from tasks.shared.project_lock import taking_turns
+from tasks.shared.settings import Settings, get_settings, redact_uri
+from tasks.shared.step import step, step_logger
+
+if TYPE_CHECKING:  # importing DVC takes half a second; only the functions below need it
+    from dvc.repo import Repo
+
+REMOTE_NAME = "local"
+LOCK_FILE = "dvc.lock"
+# A push of a large data set to a slow remote can take long; past this, something is stuck.
+LOCK_TIMEOUT_SECONDS = 3600.0
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _serialised(settings: Settings) -> AbstractContextManager[None]:
+    """Hold the project's DVC lock (one DVC operation at a time, across processes)."""
+    return taking_turns(
+        settings.home_dir / LOCK_FILE,
+        LOCK_TIMEOUT_SECONDS,
+        VersioningError,
+        "another imageops step versioning data in this project",
+        "Check for a stuck `imageops` process (it holds the lock) and stop it, then retry.",
+    )
+
+
+def _git_root(path: Path) -> Path | None:
+    """The git work tree that contains ``path``, or None (a ``.git`` file marks a worktree)."""
+    for folder in (path, *path.parents):
+        if (folder / ".git").exists():
+            return folder
+    return None
+
+
+def _remote_url(settings: Settings) -> str:
+    """The remote as DVC should store it: URLs as given, local folders absolute.
+
+    DVC resolves a relative folder against ``.dvc/``, not against where the user stood.
+    """
+    url = settings.dvc_remote
+    if _URL.match(url):
+        return url
+    path = Path(url).expanduser()
+    return str(path if path.is_absolute() else (settings.project_root / path).resolve())
+
+
+def _dvc_error(exc: Exception, action: str, hint: str) -> VersioningError:
+    """A DVC failure as a VersioningError that says what to do, by the kind of failure."""
+    from dvc.config import RemoteConfigError
+    from dvc.exceptions import FileTransferError
+    from dvc.lock import LockError
+    from dvc.output import OutputAlreadyTrackedError
+
+    if isinstance(exc, LockError):
+        hint = (
+            "Another DVC command (outside imageops) is running in this repository: run again "
+            "once it has finished."
+        )
+    elif isinstance(exc, OutputAlreadyTrackedError):
+        hint = (
+            "Git already tracks these files: untrack them with `git rm -r --cached PATH` and "
+            "commit, then version again (DVC tracks the data, git tracks the .dvc file)."
+        )
+    elif isinstance(exc, FileTransferError | RemoteConfigError):
+        hint = (
+            "Check that the DVC remote (IMAGEOPS_DVC_REMOTE_URL) exists, is reachable and is "
+            "writable, then retry."
+        )
+    # A remote's URL in DVC's message may carry a password (https://user:pass@host).
+    return VersioningError(redact_uri(f"DVC could not {action}: {exc}"), hint)
+
+
+def _configure_remote(repo: Repo, settings: Settings) -> None:
+    """Make ``local`` -> settings' remote the default, in ``.dvc/config.local``, if not already.
+
+    The local level is per checkout and not committed: where the remote lives is a setting of
+    this machine (a folder here, S3 elsewhere), while ``.dvc/config`` is shared through git.
+    Analytics are switched off in the same place, in addition to ``DVC_NO_ANALYTICS``.
+    """
+    url = _remote_url(settings)
+    current = repo.config.read("local")
+    remote = current.get("remote", {}).get(REMOTE_NAME, {})
+    core = current.get("core", {})
+    if (
+        str(remote.get("url", "")) == url
+        and core.get("remote") == REMOTE_NAME
+        and str(core.get("analytics", "")).lower() == "false"
+    ):
+        return  # idempotent: no rewrite, so the file's mtime says when it last changed
+    with repo.config.edit("local") as conf:
+        # setdefault: keep options a user added to this remote (credentials, endpoint).
+        conf["remote"].setdefault(REMOTE_NAME, {})["url"] = url
+        conf["core"]["remote"] = REMOTE_NAME
+        conf["core"]["analytics"] = False
+
+
+# What `dvc init` puts in .dvc/ before imageops writes config.local; a cache or anything else
+# means the repository was in use.
+_INIT_FILES = {"config", ".gitignore", "tmp"}
+
+
+def _init_cut_short(dvc_dir: Path) -> bool:
+    """Whether ``dvc_dir`` is what a process killed inside ``dvc init`` leaves.
+
+    ``Repo.init`` makes ``.dvc/``, then an empty ``config``, then (outside git) writes ``no_scm``
+    into it; imageops writes ``config.local`` right after. Cut short, the folder has no config,
+    or outside git an empty one with which DVC refuses to open ("not a git repository"). It then
+    holds nothing of value, so running the init again (``force``) loses nothing.
+    """
+    if not dvc_dir.is_dir() or not {p.name for p in dvc_dir.iterdir()} <= _INIT_FILES:
+        return False
+    config = dvc_dir / "config"
+    if not config.is_file():
+        return True
+    return config.stat().st_size == 0 and _git_root(dvc_dir.parent) is None
+
+
+def _repair_rwlock(repo: Repo) -> None:
+    """Remove DVC's record of held locks when a killed DVC left it unreadable.
+
+    DVC rewrites ``.dvc/tmp/rwlock`` in place (truncate, then write), under its guard
+    ``rwlock.lock``; a process killed between the two leaves it empty, and every later DVC
+    command fails with "JSON structure is corrupted". Holding the same guard, no one is writing
+    it, so a file that does not parse is a dead writer's: its entries are lost either way, and
+    DVC starts a missing record afresh.
+    """
+    from dvc.lock import make_lock
+    from dvc.rwlock import RWLOCK_FILE, RWLOCK_LOCK
+
+    tmp_dir = Path(repo.tmp_dir)
+    record = tmp_dir / RWLOCK_FILE
+    if not record.is_file():
+        return
+    hardlink = bool(repo.config["core"].get("hardlink_lock", False))
+    with make_lock(str(tmp_dir / RWLOCK_LOCK), tmp_dir=str(tmp_dir), hardlink_lock=hardlink):
+        try:
+            json.loads(record.read_bytes())
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+            step_logger(__name__).warning(
+                "removed %s: a DVC process was killed while writing it", record
+            )
+            record.unlink()
+
+
+def _with_autostage(repo: Repo) -> Repo:
+    """``repo`` (just created in git) with ``core.autostage`` on, reopened so that it applies.
+
+    With it, ``dvc add`` (and ``dvc repro``, ``dvc exp run``) stage in git the ``.dvc`` and
+    ``.gitignore`` files they write, as DVC's docs advise; without it DVC only prints a hint,
+    which a Prefect run's log buries. A pointer left out of git is left out of every commit and
+    experiment, so that data version is not recorded where DVC looks for it. Set once, at init,
+    in the shared ``.dvc/config`` (staged here): a user who turns it off later is not overruled.
+    """
+    from dvc.repo import Repo
+
+    with repo.config.edit("repo") as conf:
+        conf["core"]["autostage"] = True
+    repo.scm.add([repo.config.files["repo"]])
+    root = repo.root_dir
+    repo.close()  # its scm_context read the configuration before the change
+    return Repo(root)
+
+
+def _ensure(settings: Settings) -> Repo:
+    """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    # Importing dvc sets its loggers to INFO with handlers of their own, which would print every
+    # "git add ..." hint twice inside a Prefect run; a step reports what it did itself.
+    for name in ("dvc", "dvc_data", "dvc_objects"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    root = settings.project_root.resolve()
+    if not root.is_dir():
+        raise VersioningError(
+            f"The project root {root} is not a folder.",
+            "Set IMAGEOPS_PROJECT_ROOT to the project folder (or run imageops from it).",
+        )
+    dvc_dir = root / ".dvc"
+    try:
+        if dvc_dir.is_dir() and not _init_cut_short(dvc_dir):
+            repo = Repo(str(root))
+        else:
+            git_root = _git_root(root)
+            force = dvc_dir.is_dir()  # an init cut short: start it again
+            if git_root is None:
+                repo = Repo.init(str(root), no_scm=True, force=force)
+            else:
+                # In git, DVC stages its own files and writes .gitignore entries for the data.
+                repo = _with_autostage(Repo.init(str(root), subdir=git_root != root, force=force))
+        try:
+            _repair_rwlock(repo)
+            _configure_remote(repo, settings)
+        except BaseException:
+            repo.close()
+            raise
+    except DvcException as exc:
+        raise _dvc_error(
+            exc,
+            f"set up a DVC repository in {root}",
+            f"Check that {root / '.dvc'} is a DVC folder you can write, or remove it to start "
+            "afresh.",
+        ) from exc
+    return repo
+
+
+def ensure_dvc_repo(settings: Settings | None = None) -> Repo:
+    """Open the DVC repository at ``settings.project_root``, creating and configuring it if needed.
+
+    Creates ``.dvc/`` when missing (tracked by git when the project is in a git work tree, else
+    with ``no_scm``), and sets the default remote ``local`` to ``settings.dvc_remote`` in
+    ``.dvc/config.local``. Idempotent. The caller owns the returned repo: use it as
+    ``with ensure_dvc_repo(settings) as repo: ...`` so it is closed. Raises
+    :class:`VersioningError` when DVC cannot set up the repository.
+    """
+    settings = settings or get_settings()
+    with _serialised(settings):
+        return _ensure(settings)
+
+
+def _inside_project(path: Path, settings: Settings) -> Path:
+    root = settings.project_root.resolve()
+    target = Path(path).expanduser()
+    target = (target if target.is_absolute() else root / target).resolve()
+    if target == root or not target.is_relative_to(root):
+        raise VersioningError(
+            f"{path} is not inside the project root {root}: DVC versions only data inside its "
+            "repository.",
+            f"Write the data under {settings.data_path} (e.g. `imageops convert SRC "
+            f"{settings.data_path / 'images'}`) or set IMAGEOPS_PROJECT_ROOT to a folder that "
+            "contains it.",
+        )
+    if not target.exists():
+        raise VersioningError(f"{target} does not exist: nothing to version.")
+    return target
+
+
+def _tracked_md5(dvc_file: Path) -> str:
+    try:
+        md5 = yaml.safe_load(dvc_file.read_text())["outs"][0]["md5"]
+    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError) as exc:
+        raise VersioningError(
+            f"{dvc_file} has no md5 for its output ({type(exc).__name__}: {exc}).",
+            "Version the data again; if it persists, delete the .dvc file and retry.",
+        ) from exc
+    if not isinstance(md5, str) or not md5:
+        raise VersioningError(f"{dvc_file} has an empty md5.", "Version the data again.")
+    return md5
+
+
+def git_revision(root: Path) -> str:
+    """The commit checked out at ``root`` ("unknown" outside a git repository or without git)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def _dvc_files(root: Path, targets: Iterable[Path]) -> list[Path]:
+    """The files of DVC's that git must hold for ``targets`` to be reproducible from a commit.
+
+    The repository's own ``.dvc/config``, ``.dvc/.gitignore`` and ``.dvcignore``, then each
+    target's ``.dvc`` pointer and the ``.gitignore`` DVC may write beside it.
+    """
+    files = [root / ".dvc" / "config", root / ".dvc" / ".gitignore", root / ".dvcignore"]
+    for target in targets:
+        files += [target.parent / f"{target.name}.dvc", target.parent / ".gitignore"]
+    return list(dict.fromkeys(f for f in files if f.is_file()))
+
+
+def uncommitted(paths: Iterable[Path], settings: Settings | None = None) -> list[str]:
+    """DVC's files for the versioned ``paths`` that git has not committed as they are.
+
+    Until they are committed, no commit records these data versions: ``dvc exp run`` experiments,
+    ``dvc checkout`` at another commit and a collaborator's ``dvc pull`` do not know them. Paths
+    are relative to the project root (where the user runs ``git add``), staged ones included
+    (``core.autostage`` stages them; they still need a commit). Empty outside git.
+    """
+    settings = settings or get_settings()
+    root = settings.project_root.resolve()
+    git_root = _git_root(root)
+    if git_root is None:
+        return []
+    targets = [_inside_project(p, settings) for p in paths]
+    files = _dvc_files(root, targets)
+    if not files:
+        return []
+    try:
+        # --no-optional-locks: a status never takes git's index lock from a commit under way.
+        status = ["git", "--no-optional-locks", "status", "--porcelain", "-z", "-uall", "--"]
+        done = subprocess.run(
+            [*status, *(str(f.relative_to(git_root)) for f in files)],
+            cwd=git_root, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if done.returncode != 0:
+        return []
+    # "XY path" entries, NUL-separated (-z: no quoting); paths relative to the git root.
+    changed = {git_root / entry[3:] for entry in done.stdout.split("\0") if len(entry) > 3}
+    return [f.relative_to(root).as_posix() for f in files if f in changed]
+
+
+def version(path: Path, settings: Settings | None = None) -> str:
+    """``dvc add`` the folder (or file) ``path`` and ``dvc push`` it; return its md5.
+
+    ``path`` is absolute or relative to the project root, and must be inside it. The md5 is the
+    one in the ``.dvc`` file's first output (``<hash>.dir`` for a folder): the same data gives
+    the same md5, so versioning unchanged data twice returns the same value and pushes nothing.
+    Raises :class:`VersioningError` for a path outside the project or any DVC failure.
+    """
+    from dvc.exceptions import DvcException
+
+    settings = settings or get_settings()
+    target = _inside_project(path, settings)
+    with _serialised(settings), _ensure(settings) as repo:
+        try:
+            stages = repo.add([str(target)])
+            dvc_file = Path(stages[0].path)
+        except DvcException as exc:
+            raise _dvc_error(
+                exc,
+                f"add {target}",
+                "Check that the folder is readable and not inside .dvc/ or .git/.",
+            ) from exc
+        try:
+            repo.push(targets=[str(dvc_file)])
+        except DvcException as exc:
+            raise _dvc_error(
+                exc,
+                f"push {target} to the remote {_remote_url(settings)}",
+                "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
+            ) from exc
+    md5 = _tracked_md5(dvc_file)
+    logger = step_logger(__name__)
+    logger.info("versioned %s as %s (md5 %s)", target, dvc_file.name, md5)
+    if pending := uncommitted([target], settings):
+        logger.info("to commit in git to record the version: %s", " ".join(pending))
+    return md5
+
+
+version_task = step(version, name="version")

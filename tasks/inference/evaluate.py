@@ -1,0 +1,350 @@
+"""Evaluate Model: metrics of a labeled scored table, written beside it and logged to MLflow.
+
+Accuracy, top-k accuracy (k = min(5, classes)) from the probability columns, per-class
+precision/recall/F1 with macro and weighted averages (scikit-learn), and the confusion matrix as
+a PNG and as JSON. Like the Azure component, a second scored table (its second input, e.g. the
+same images scored by another model) is evaluated side by side. Metrics go to MLflow with the
+``eval/`` prefix (``eval/compare/`` for the second table), in the given run (resumed, never a
+second one) or a new run; inside a Prefect run they are also published as Prefect artifacts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+
+from models.atomic import atomic_file, check_name_length, write_json
+from tasks.data.imageformat import visible_name
+from tasks.inference.score import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX
+from tasks.inference.tables import CSV_FORMAT, table_format
+from tasks.shared.artifacts import png_markdown, publish_markdown
+from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
+from tasks.shared.settings import Settings, get_settings
+from tasks.shared.step import in_prefect_run, step, step_logger
+from tasks.shared.tracking import mlflow_run
+
+METRIC_PREFIX = "eval/"
+COMPARE_PREFIX = "eval/compare/"
+ARTIFACT_DIR = "evaluation"
+# Rows of the summary table: metric key -> label (top-k's label names its k).
+SUMMARY_ROWS = {
+    "accuracy": "accuracy",
+    "top5_accuracy": "top-{k} accuracy",
+    "precision_macro": "macro precision",
+    "recall_macro": "macro recall",
+    "f1_macro": "macro F1",
+    "precision_weighted": "weighted precision",
+    "recall_weighted": "weighted recall",
+    "f1_weighted": "weighted F1",
+}
+TOP_K = 5
+
+
+@dataclass(frozen=True)
+class EvaluationResult(Mapping[str, float]):
+    """The metrics by name (``result["accuracy"]``), plus the files written and the MLflow run."""
+
+    metrics: dict[str, float]
+    per_class: list[dict[str, float | int | str]]
+    labels: list[str]
+    confusion: list[list[int]]
+    top_k: int
+    paths: dict[str, Path] = field(default_factory=dict)
+    run_id: str | None = None
+    compared: EvaluationResult | None = None  # the second table's, when one was given
+
+    def __getitem__(self, key: str) -> float:
+        return self.metrics[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.metrics)
+
+    def __len__(self) -> int:
+        return len(self.metrics)
+
+
+def read_scored(path: Path) -> pd.DataFrame:
+    """Read a scored table; class names stay strings (digit classes must not become ints)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidParameterError(f"Scored table {path} does not exist.", "Run the score step.")
+    text = ["path", "category", LABEL_COLUMN, ERROR_COLUMN]
+    return table_format(path, "scored table").read(path, text)
+
+
+def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
+    """All metrics of a labeled scored table (no files, no MLflow): the pure core of evaluate."""
+    if "category" not in table.columns:
+        raise NotLabeledDatasetError(
+            "The scored table has no `category` column: it was scored from unlabeled images, so "
+            "there is no truth to evaluate against.",
+            "Score a labeled ImageDirectory (one sub-folder per class) and evaluate that table.",
+        )
+    prob_columns = [c for c in table.columns if c.startswith(PROBABILITY_PREFIX)]
+    if not prob_columns or LABEL_COLUMN not in table.columns or table.empty:
+        raise InvalidParameterError(
+            "The table is not a non-empty Score Image Model table (it needs "
+            f"`{PROBABILITY_PREFIX}<class>` columns and `{LABEL_COLUMN}`).",
+            "Pass the output of the score step.",
+        )
+    classes = [c.removeprefix(PROBABILITY_PREFIX) for c in prob_columns]
+    # Images that could not be read have no scores: counted apart, not as wrong answers.
+    unscored = 0
+    if ERROR_COLUMN in table.columns:
+        failed = table[ERROR_COLUMN].fillna("").astype(str) != ""
+        unscored = int(failed.sum())
+        table = table[~failed]
+        if table.empty:
+            raise InvalidParameterError(
+                f"None of the {unscored} image(s) of the table was scored (see its "
+                f"`{ERROR_COLUMN}` column).",
+                "Fix or remove the unreadable images and score again.",
+            )
+    truth = table["category"].astype(str).to_numpy()
+    predicted = table[LABEL_COLUMN].astype(str).to_numpy()
+    # A true class the model never learned still counts: as a row of the report, always wrong.
+    labels = classes + sorted(set(truth) - set(classes))
+
+    k = min(TOP_K, len(classes))
+    probs = table[prob_columns].to_numpy(dtype=np.float64)
+    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    index = {c: i for i, c in enumerate(classes)}
+    true_index = np.array([index.get(t, -1) for t in truth])
+    top_k_hits = (top == true_index[:, None]).any(axis=1)
+
+    # Imported here: scikit-learn takes over a second to import, and most flows never evaluate.
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    precision, recall, f1, support = precision_recall_fscore_support(
+        truth, predicted, labels=labels, zero_division=0
+    )
+    macro, weighted = (
+        precision_recall_fscore_support(
+            truth, predicted, labels=labels, average=average, zero_division=0
+        )
+        for average in ("macro", "weighted")
+    )
+    metrics = {
+        "accuracy": float(np.mean(truth == predicted)),
+        "top5_accuracy": float(top_k_hits.mean()),
+        "precision_macro": float(macro[0]),
+        "recall_macro": float(macro[1]),
+        "f1_macro": float(macro[2]),
+        "precision_weighted": float(weighted[0]),
+        "recall_weighted": float(weighted[1]),
+        "f1_weighted": float(weighted[2]),
+        "images": float(len(table)),
+        "unscored_images": float(unscored),
+    }
+    per_class = [
+        {
+            "class": label,
+            "precision": float(precision[i]),
+            "recall": float(recall[i]),
+            "f1": float(f1[i]),
+            "support": int(support[i]),
+        }
+        for i, label in enumerate(labels)
+    ]
+    matrix = confusion_matrix(truth, predicted, labels=labels)
+    return EvaluationResult(
+        metrics=metrics,
+        per_class=per_class,
+        labels=labels,
+        confusion=matrix.tolist(),
+        top_k=k,
+    )
+
+
+def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Path:
+    """Draw the confusion matrix (rows: true class, columns: predicted) to a PNG, atomically.
+
+    A bare Figure on the Agg canvas, not pyplot: no global figure state and no display needed,
+    so it is safe in worker threads and on headless machines.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    data = np.asarray(matrix)
+    side = max(4.0, 0.5 * len(labels) + 2.0)
+    figure = Figure(figsize=(side, side), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    image = axes.imshow(data, cmap="Blues")
+    figure.colorbar(image, ax=axes, fraction=0.046)
+    # Class names are folder names: "$x$" is a name, not mathtext (which can fail to parse), and
+    # a "\r" in one is drawn as the two characters.
+    shown = [visible_name(label) for label in labels]
+    axes.set_xticks(range(len(labels)), shown, rotation=45, ha="right", parse_math=False)
+    axes.set_yticks(range(len(labels)), shown, parse_math=False)
+    axes.set_xlabel("Predicted")
+    axes.set_ylabel("True")
+    axes.set_title("Confusion matrix")
+    if len(labels) <= 30:  # beyond that the numbers are unreadable; the JSON has them
+        threshold = data.max() / 2 if data.size else 0
+        for (row, col), value in np.ndenumerate(data):
+            colour = "white" if value > threshold else "black"
+            axes.text(col, row, str(value), ha="center", va="center", color=colour, fontsize=8)
+    with atomic_file(path) as tmp:
+        figure.savefig(tmp, format="png")
+    return path
+
+
+def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | None) -> str:
+    """One table, one column per scored table: the Azure design's side-by-side view."""
+    columns = [result] if result.compared is None else [result, result.compared]
+    names = [scored.name] if compare is None else [scored.name, compare.name]
+    title = " vs ".join(f"`{name}`" for name in names)
+    lines = [
+        f"# Evaluation of {title}",
+        "",
+        "| metric | " + " | ".join(f"`{name}`" for name in names) + " |",
+        "| --- |" + " --- |" * len(names),
+        "| images | " + " | ".join(str(int(r["images"])) for r in columns) + " |",
+        "| unreadable images | "
+        + " | ".join(str(int(r["unscored_images"])) for r in columns)
+        + " |",
+    ]
+    for key, label in SUMMARY_ROWS.items():
+        values = " | ".join(f"{r[key]:.4f}" for r in columns)
+        lines.append(f"| {label.format(k=result.top_k)} | {values} |")
+    if result.run_id:
+        lines += ["", f"MLflow run: `{result.run_id}`"]
+    for name, r in zip(names, columns, strict=True):
+        if "confusion_png" in r.paths:
+            alt = "confusion matrix" if len(names) == 1 else f"confusion matrix of {name}"
+            lines += ["", png_markdown(r.paths["confusion_png"], alt)]
+    return "\n".join(lines) + "\n"
+
+
+def _publish_prefect_artifacts(
+    result: EvaluationResult, scored: Path, compare: Path | None
+) -> None:
+    from prefect.artifacts import create_table_artifact
+
+    tables = [("evaluation-per-class", result, scored)]
+    if result.compared is not None and compare is not None:
+        tables.append(("evaluation-compare-per-class", result.compared, compare))
+    for key, r, path in tables:
+        create_table_artifact(
+            table=r.per_class,
+            key=key,
+            description=f"Per-class precision, recall and F1 of {path.name}",
+        )
+    title = scored.name if compare is None else f"{scored.name} vs {compare.name}"
+    publish_markdown(
+        "evaluation-summary", _summary_markdown(result, scored, compare), f"Evaluation of {title}"
+    )
+
+
+def output_paths(scored: Path) -> dict[str, Path]:
+    """Where the result's files go, by kind: beside ``scored``, named after it.
+
+    Raises InvalidParameterError when a name would be longer than the file system takes (a
+    scored table with a name of 241 bytes or more), before anything is read or written.
+    """
+    stem = scored.parent / scored.stem
+    paths = {
+        "metrics": Path(f"{stem}.metrics.json"),
+        "per_class_csv": Path(f"{stem}.per_class.csv"),
+        "per_class_json": Path(f"{stem}.per_class.json"),
+        "confusion_png": Path(f"{stem}.confusion.png"),
+        "confusion_json": Path(f"{stem}.confusion.json"),
+    }
+    try:
+        for path in paths.values():
+            check_name_length(path, "evaluation output")
+    except InvalidParameterError as exc:
+        raise InvalidParameterError(
+            f"{exc.message} Evaluate names its outputs after the scored table {scored.name!r}.",
+            "Rename the scored table to a shorter name (or score into one) and evaluate again.",
+        ) from exc
+    return paths
+
+
+def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
+    """The result's files beside ``scored``, each written atomically; returns them by kind."""
+    paths = output_paths(scored)
+    write_json(paths["metrics"], {**result.metrics, "top_k": result.top_k})
+    with atomic_file(paths["per_class_csv"]) as tmp:
+        pd.DataFrame(result.per_class).to_csv(tmp, index=False, **CSV_FORMAT)
+    write_json(paths["per_class_json"], result.per_class)
+    confusion_png(result.labels, result.confusion, paths["confusion_png"])
+    write_json(paths["confusion_json"], {"labels": result.labels, "matrix": result.confusion})
+    return paths
+
+
+def evaluate(
+    scored: Path,
+    *,
+    compare: Path | None = None,
+    settings: Settings | None = None,
+    run_id: str | None = None,
+) -> EvaluationResult:
+    """Evaluate the labeled scored table ``scored`` (and ``compare`` beside it); write and log.
+
+    Metrics files are written atomically beside each table and logged as ``eval/<name>``
+    (``eval/compare/<name>``) into run ``run_id`` (resumed) or a new run; the second table's
+    result is ``result.compared``. Raises NotLabeledDatasetError (no ``category`` column) and
+    InvalidParameterError (same file twice, a name too long). Details: docs/internals.md#evaluation.
+    """
+    settings = settings or get_settings()
+    scored = Path(scored)
+    compare = None if compare is None else Path(compare)
+    if compare is not None and compare.resolve() == scored.resolve():
+        raise InvalidParameterError(
+            f"compare is the scored table itself ({scored}).",
+            "Pass a second scored table (e.g. the same images scored by another model), or "
+            "leave compare out.",
+        )
+    if compare is not None and compare.parent == scored.parent and compare.stem == scored.stem:
+        raise InvalidParameterError(
+            f"{scored.name} and {compare.name} would write their results to the same files.",
+            "Give the two tables different names (e.g. champion.csv and challenger.csv).",
+        )
+    for table in (scored, compare):
+        if table is not None:
+            output_paths(table)  # a name too long is refused before any work
+    result = compute_metrics(read_scored(scored))
+    compared = None if compare is None else compute_metrics(read_scored(compare))
+    log = step_logger(__name__)
+
+    paths = _write_outputs(result, scored)
+    compared_paths = {} if compared is None else _write_outputs(compared, compare)
+    with mlflow_run(settings, run_id, run_name=f"evaluate-{scored.stem}") as used_run:
+        mlflow.log_metrics({f"{METRIC_PREFIX}{k}": v for k, v in result.metrics.items()})
+        # A tag, not a param: params are write-once, and a run may be evaluated again.
+        mlflow.set_tag(f"{METRIC_PREFIX}top_k", str(result.top_k))
+        for path in paths.values():
+            mlflow.log_artifact(str(path), artifact_path=ARTIFACT_DIR)
+        if compared is not None:
+            mlflow.log_metrics({f"{COMPARE_PREFIX}{k}": v for k, v in compared.metrics.items()})
+            mlflow.set_tag(f"{COMPARE_PREFIX}table", compare.name)
+            for path in compared_paths.values():
+                mlflow.log_artifact(str(path), artifact_path=f"{ARTIFACT_DIR}/compare")
+
+    if compared is not None:
+        compared = replace(compared, paths=compared_paths, run_id=used_run)
+    result = replace(result, paths=paths, run_id=used_run, compared=compared)
+    if in_prefect_run():
+        _publish_prefect_artifacts(result, scored, compare)
+    for name, r in ((scored, result), (compare, compared)):
+        if r is not None:
+            log.info(
+                "Evaluated %s: accuracy %.4f, top-%d %.4f, macro F1 %.4f, weighted F1 %.4f",
+                name,
+                r["accuracy"],
+                r.top_k,
+                r["top5_accuracy"],
+                r["f1_macro"],
+                r["f1_weighted"],
+            )
+    return result
+
+
+evaluate_task = step(evaluate, name="evaluate")

@@ -1,0 +1,65 @@
+"""The ONNX Runtime side of scoring: the session, its check against model.json, the softmax."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from models.directory import ModelInfo
+from tasks.data.transform import input_size
+from tasks.shared.errors import InvalidModelDirectoryError
+
+
+def default_threads() -> int:
+    """The cores this process may run on (the container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def inference_session(onnx_path: Path, threads: int | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime session tuned for batch scoring.
+
+    All graph optimisations; intra-op threads = the cores we may use (ORT's default can count the
+    host's cores inside a container); CUDA first when this onnxruntime build has it, CPU always
+    as the fallback.
+    """
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.intra_op_num_threads = threads or default_threads()
+    providers = ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(str(onnx_path), sess_options=options, providers=providers)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64, shifted by the row maximum so no exponent overflows."""
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+def check_model(session: ort.InferenceSession, info: ModelInfo, onnx_path: Path) -> None:
+    """Refuse a model.json that does not describe this model.onnx, before any image is read."""
+    (inp,) = session.get_inputs()
+    (out,) = session.get_outputs()
+    side = input_size(info.transform)
+    hint = "Export the model again so model.onnx and model.json agree."
+    if inp.shape[1:] != [3, side, side]:
+        raise InvalidModelDirectoryError(
+            f"{onnx_path} takes input {inp.shape}, but model.json's transform makes "
+            f"{side}x{side} images.",
+            hint,
+        )
+    if out.shape[-1] != len(info.classes):
+        raise InvalidModelDirectoryError(
+            f"{onnx_path} returns {out.shape[-1]} scores, but model.json lists "
+            f"{len(info.classes)} classes.",
+            hint,
+        )

@@ -1,0 +1,56 @@
+"""The Score Image Model table: its columns, and the merge of shard tables into one.
+
+``id`` (the image's place in the listing), ``path``, ``category`` (the true class, only when the
+input is labeled), ``Scoring Error``, one ``Scored Probabilities_<class>`` column per class
+(softmax), then ``Scored Labels``. The file format (CSV, Parquet, ...) follows the suffix
+(:func:`tasks.inference.tables.table_format`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+
+from models.atomic import atomic_file
+from tasks.inference.tables import table_format
+from tasks.shared.errors import NoUsableImagesError
+
+PROBABILITY_PREFIX = "Scored Probabilities_"
+LABEL_COLUMN = "Scored Labels"
+ERROR_COLUMN = "Scoring Error"  # empty when the image was scored; else why it could not be
+
+
+def table_schema(classes: Sequence[str], labeled: bool) -> pa.Schema:
+    """The Score Image Model table's columns, in order, with their types."""
+    fields = [pa.field("id", pa.int64()), pa.field("path", pa.string())]
+    if labeled:
+        fields.append(pa.field("category", pa.string()))
+    fields.append(pa.field(ERROR_COLUMN, pa.string()))
+    fields += [pa.field(f"{PROBABILITY_PREFIX}{c}", pa.float64()) for c in classes]
+    fields.append(pa.field(LABEL_COLUMN, pa.string()))
+    return pa.schema(fields)
+
+
+def merge_tables(parts: Sequence[Path], dest: Path) -> int:
+    """Concatenate the shard tables ``parts`` into ``dest`` in the order given, atomically.
+
+    Streams (a row group or a block of lines at a time), so memory stays flat. Returns how many
+    rows were scored (not failed). Raises NoUsableImagesError when none was.
+    """
+    dest = Path(dest)
+    table = table_format(dest, "scored table")
+    scored = rows = 0
+    with atomic_file(dest) as tmp:
+        table.concatenate(parts, tmp)
+        for part in parts:
+            errors = table.read(part, [ERROR_COLUMN], columns=[ERROR_COLUMN])[ERROR_COLUMN]
+            scored += int((errors == "").sum())
+            rows += len(errors)
+        if not scored:
+            raise NoUsableImagesError(
+                f"None of the {rows} image(s) could be read; nothing scored.",
+                "Check the files open in an image viewer (the log names each one).",
+            )
+    return scored

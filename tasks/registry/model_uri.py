@@ -1,0 +1,284 @@
+"""Where a model to score comes from: a ModelDirectory path, or a version in the MLflow registry.
+
+``models:/<name>@<alias>`` and ``models:/<name>/<version>`` resolve to one model version and are
+downloaded into a cache under the project working folder, one folder per name and version, laid
+out as a ModelDirectory that :func:`tasks.inference.score.score` reads: ``model.json`` (from the
+version's run, where :func:`tasks.registry.register.register` logged it) beside ``model.onnx`` (the
+version's ONNX artifact). The weights are not fetched; scoring does not read them.
+
+An alias is resolved at call time, so the cache key is the version the alias points to now; a
+promotion that moves the alias is picked up by the next resolve. A cached folder is re-used only
+while the registry still says the version came from the same run and model (a registry that was
+wiped and refilled numbers its versions from 1 again), and the download is built in a temporary
+folder and renamed into place under a file lock, so a crash never leaves a half model that looks
+whole and two processes never download the same version at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mlflow.artifacts import download_artifacts
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model
+from mlflow.tracking import MlflowClient
+
+from models.atomic import atomic_directory, write_json
+from models.directory import ONNX
+from models.locks import holding
+from models.untrained import MODEL_JSON
+from tasks.inference.export import sha256_file
+from tasks.registry.register import DIRECTORY_ARTIFACTS, ONNX_ARTIFACT
+from tasks.shared.errors import RegistryError, RegistryUnreachableError
+from tasks.shared.settings import Settings, get_settings, redact_uri
+from tasks.shared.step import step, step_logger
+
+MODELS_SCHEME = "models:/"
+CACHE_DIR = "registry-cache"
+ORIGIN = "registry.json"  # what the cached folder was downloaded from
+LOCK_TIMEOUT_S = 600.0  # a download of a large model by another process, not a dead lock
+# models:/<name>@<alias> or models:/<name>/<version>; a name may itself contain '/' or '@'.
+_BY_ALIAS = re.compile(r"^models:/(?P<name>.+)@(?P<alias>[\w\-]+)$")
+_BY_VERSION = re.compile(r"^models:/(?P<name>.+)/(?P<version>\d+)$")
+_NOT_FOUND = {"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"}
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    """A registry model version, downloaded: what was asked for, what it resolved to, where."""
+
+    uri: str
+    name: str
+    version: int
+    alias: str | None
+    run_id: str
+    source: str
+    path: Path
+
+
+def is_registry_uri(model: str | Path) -> bool:
+    """True for a ``models:/`` URI (a Path never is one)."""
+    return isinstance(model, str) and model.startswith(MODELS_SCHEME)
+
+
+def parse_model_uri(uri: str) -> tuple[str, str | None, int | None]:
+    """``(name, alias, version)`` of a ``models:/`` URI; exactly one of alias and version is set.
+
+    Raises RegistryError for other forms (``models:/<name>/latest``, stages, logged-model ids):
+    scoring names one version, by alias or by number, so the model it used is never a guess.
+    """
+    if match := _BY_ALIAS.match(uri):
+        return match["name"], match["alias"], None
+    if match := _BY_VERSION.match(uri):
+        return match["name"], None, int(match["version"])
+    raise RegistryError(
+        f"{uri!r} is not a model URI scoring can use.",
+        "Use models:/<name>@<alias> (e.g. models:/imageops-classifier@champion) or "
+        "models:/<name>/<version>, or pass a ModelDirectory path.",
+    )
+
+
+def _folder_name(name: str) -> str:
+    """A file-system-safe folder for a registered model name; a short hash keeps names apart."""
+    safe = re.sub(r"[^\w.\-]", "_", name)
+    if safe == name:
+        return name
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def cache_path(settings: Settings, name: str, version: int) -> Path:
+    """The folder a registry model version is (or will be) cached in."""
+    return settings.home_dir / CACHE_DIR / _folder_name(name) / str(version)
+
+
+def _client(settings: Settings) -> MlflowClient:
+    # An explicit client, not the process-wide tracking URI: resolving never re-points MLflow.
+    return MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.registry_uri)
+
+
+def _not_found(
+    client: MlflowClient, uri: str, name: str, alias: str | None, version: int | None, registry: str
+) -> RegistryError:
+    """The error for a name, alias or version the registry does not have, with what it has."""
+    registry = redact_uri(registry)
+    try:
+        registered = client.get_registered_model(name)
+    except MlflowException:
+        return RegistryError(
+            f"{uri}: no registered model {name!r} in {registry}.",
+            "Register a model first (`imageops register`), or check the name and "
+            "IMAGEOPS_MLFLOW_TRACKING_URI / IMAGEOPS_MLFLOW_REGISTRY_URI.",
+        )
+    aliases = ", ".join(f"@{a} -> v{v}" for a, v in sorted(registered.aliases.items()))
+    if alias is not None:
+        return RegistryError(
+            f"{uri}: registered model {name!r} has no alias @{alias} in {registry}.",
+            f"Its aliases: {aliases or 'none'}. Promote a version to @{alias} first, or use "
+            f"models:/{name}/<version>.",
+        )
+    return RegistryError(
+        f"{uri}: registered model {name!r} has no version {version} in {registry}.",
+        f"Its aliases: {aliases or 'none'}. Use a version number the registry lists.",
+    )
+
+
+def _is_cached(path: Path, run_id: str, source: str) -> bool:
+    """True when ``path`` is a complete download of the version with this run and source."""
+    try:
+        origin = json.loads((path / ORIGIN).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        origin.get("run_id") == run_id
+        and origin.get("source") == source
+        and (path / MODEL_JSON).is_file()
+        and (path / ONNX).is_file()
+    )
+
+
+def _download(
+    client: MlflowClient, settings: Settings, cached: CachedModel, onnx_sha256: str | None
+) -> None:
+    """Fetch model.json and the ONNX file of one version into ``cached.path``, atomically."""
+    uri = client.get_model_version_download_uri(cached.name, str(cached.version))
+    fetch = {"tracking_uri": settings.tracking_uri, "registry_uri": settings.registry_uri}
+    with atomic_directory(cached.path) as tmp:
+        staging = tmp / ".download"
+        mlmodel = Model.load(
+            download_artifacts(artifact_uri=f"{uri}/MLmodel", dst_path=str(staging), **fetch)
+        )
+        onnx_path = _onnx_path(mlmodel)
+        if onnx_path is None:
+            raise RegistryError(
+                f"{cached.uri} (version {cached.version}) has no ONNX model.",
+                "Scoring runs ONNX models only: register the model with `imageops register`.",
+            )
+        onnx_file = download_artifacts(
+            artifact_uri=f"{uri}/{onnx_path}", dst_path=str(staging), **fetch
+        )
+        shutil.move(onnx_file, tmp / ONNX)
+        try:
+            model_json = download_artifacts(
+                run_id=cached.run_id,
+                artifact_path=f"{DIRECTORY_ARTIFACTS}/{MODEL_JSON}",
+                dst_path=str(staging),
+                **fetch,
+            )
+        except (MlflowException, OSError) as exc:
+            raise RegistryError(
+                f"{cached.uri} (version {cached.version}): run {cached.run_id} has no "
+                f"{DIRECTORY_ARTIFACTS}/{MODEL_JSON}.",
+                "Register the model with `imageops register`, which logs model.json beside the "
+                "ONNX model.",
+            ) from exc
+        shutil.move(model_json, tmp / MODEL_JSON)
+        shutil.rmtree(staging)
+        # The registry tags each version with its ONNX file's sha256: a download that does not
+        # match is a truncated transfer or an artifact changed after registration.
+        if onnx_sha256 and sha256_file(tmp / ONNX) != onnx_sha256:
+            raise RegistryError(
+                f"{cached.uri} (version {cached.version}): the downloaded {ONNX} does not match "
+                "the sha256 the version was registered with.",
+                "Try again; if it persists the artifact store was changed after registration.",
+            )
+        _check_classes(tmp, mlmodel, cached)
+        write_json(
+            tmp / ORIGIN,
+            {**asdict(cached), "path": None, "registry_uri": redact_uri(settings.registry_uri)},
+        )
+
+
+def _onnx_path(mlmodel: Model) -> str | None:
+    """Where a version keeps its ONNX file, relative to the model: the pyfunc's ONNX artifact
+    (:func:`tasks.registry.register.register`), or the ONNX flavor's file (versions registered
+    before)."""
+    pyfunc = mlmodel.flavors.get("python_function", {})
+    artifact = (pyfunc.get("artifacts") or {}).get(ONNX_ARTIFACT)
+    if artifact is not None:
+        return artifact["path"]
+    flavor = mlmodel.flavors.get("onnx")
+    return flavor["data"] if flavor is not None else None
+
+
+def _check_classes(folder: Path, mlmodel: Model, cached: CachedModel) -> None:
+    """Refuse a model.json whose classes are not the ONNX model's (the run was re-registered)."""
+    classes = (mlmodel.metadata or {}).get("classes")
+    if classes is None:
+        return
+    logged = json.loads((folder / MODEL_JSON).read_text()).get("classes")
+    if logged != classes:
+        raise RegistryError(
+            f"{cached.uri} (version {cached.version}): model.json in run {cached.run_id} lists "
+            f"classes {logged}, the registered ONNX model {classes}.",
+            "A later registration into the same run replaced model.json: register the model "
+            "again so the version and its model.json agree.",
+        )
+
+
+def fetch_registered_model(uri: str, settings: Settings | None = None) -> CachedModel:
+    """Resolve ``uri`` to one model version and make sure it is in the local cache.
+
+    Raises RegistryError for a malformed URI, an unknown name, alias or version (the message
+    lists the aliases the model has), a version without an ONNX model or model.json, or a
+    download that does not match the registered sha256.
+    """
+    settings = settings or get_settings()
+    name, alias, number = parse_model_uri(uri)
+    client = _client(settings)
+    try:
+        if alias is not None:
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            version = client.get_model_version(name, str(number))
+    except MlflowException as exc:
+        if exc.error_code in _NOT_FOUND:
+            raise _not_found(client, uri, name, alias, number, settings.registry_uri) from exc
+        # Unreachable or failing: worth a retry. MLflow's message echoes the URL, password too.
+        raise RegistryUnreachableError(
+            f"{uri}: the MLflow registry at {redact_uri(settings.registry_uri)} failed: "
+            f"{redact_uri(exc.message)}",
+            "Check that the server runs and is reachable, and IMAGEOPS_MLFLOW_TRACKING_URI / "
+            "IMAGEOPS_MLFLOW_REGISTRY_URI.",
+        ) from None
+    cached = CachedModel(
+        uri=uri,
+        name=name,
+        version=int(version.version),
+        alias=alias,
+        run_id=version.run_id or "",
+        source=version.source or "",
+        path=cache_path(settings, name, int(version.version)),
+    )
+    log = step_logger(__name__)
+    lock = cached.path.with_name(cached.path.name + ".lock")
+    busy = RegistryError(
+        f"Waited {LOCK_TIMEOUT_S:.0f} s for {lock}: another process has been downloading "
+        f"{uri} into the cache all that time.",
+        "Check for a stuck `imageops` process using this cache and stop it, then run again.",
+    )
+    with holding(lock, LOCK_TIMEOUT_S, busy):
+        if _is_cached(cached.path, cached.run_id, cached.source):
+            log.info("%s is version %s, cached in %s", uri, cached.version, cached.path)
+            return cached
+        _download(client, settings, cached, version.tags.get("onnx_sha256"))
+    log.info("%s is version %s, downloaded to %s", uri, cached.version, cached.path)
+    return cached
+
+
+def resolve_model(model: str | Path, settings: Settings | None = None) -> Path:
+    """The local ModelDirectory to score with: a path as given, a ``models:/`` URI downloaded.
+
+    See :func:`fetch_registered_model` for the errors a URI can raise.
+    """
+    if not is_registry_uri(model):
+        return Path(model)
+    return fetch_registered_model(str(model), settings).path
+
+
+fetch_registered_model_task = step(fetch_registered_model, name="fetch-registered-model")
+resolve_model_task = step(resolve_model, name="resolve-model")

@@ -1,0 +1,278 @@
+"""Promote a model: the challenger takes the ``champion`` alias only by beating it on held-out data.
+
+Both versions' ONNX models (what batch scoring runs) are scored on the same held-out images and
+compared on one Evaluate Model metric, with a ``margin``; the decision and both scores become
+registry tags, so the registry says why the alias sits where it does. Moving ``champion`` starts
+the next batch scoring. Details: docs/promotion.md#promotion.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from models.atomic import write_json
+from models.directory import read_model_info
+from tasks.data.imagedir import MANIFEST, read_manifest
+from tasks.inference.evaluate import SUMMARY_ROWS, compute_metrics, read_scored
+from tasks.inference.score import score
+from tasks.registry.register import check_alias
+from tasks.shared.errors import InvalidParameterError, RegistryError
+from tasks.shared.project_lock import taking_turns
+from tasks.shared.settings import Settings, get_settings
+from tasks.shared.step import step, step_logger
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+TAG_PREFIX = "promotion."
+METRICS = tuple(SUMMARY_ROWS)  # all "higher is better"
+LOCK_TIMEOUT_S = 1800.0  # other promotions scoring a large holdout first
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What the comparison found and what was done about it."""
+
+    name: str
+    challenger_version: int
+    champion_version: int | None  # the champion before this decision (None: there was none)
+    metric: str
+    challenger_score: float
+    champion_score: float | None
+    margin: float
+    promoted: bool
+    reason: str
+    holdout: str
+
+
+def _version(client: MlflowClient, name: str, candidate: str | int) -> int:
+    """The version number ``candidate`` names: a number, or an alias of ``name``."""
+    try:
+        if isinstance(candidate, int) or str(candidate).isdigit():
+            return int(client.get_model_version(name, str(candidate)).version)
+        return int(client.get_model_version_by_alias(name, str(candidate)).version)
+    except MlflowException as exc:
+        hint = (
+            f"Register a model first (imageops register, or run the pipeline), with alias "
+            f"{CHALLENGER!r} for the one to promote, or pass its version number."
+        )
+        try:  # the model exists, only the alias or version is wrong: say what there is
+            aliases = client.get_registered_model(name).aliases
+            known = ", ".join(f"@{a} -> v{v}" for a, v in sorted(aliases.items())) or "none"
+            hint = f"Its aliases: {known}. Pass one of them or a version number."
+        except MlflowException:
+            pass
+        raise RegistryError(
+            f"Registered model {name!r} has no version {candidate!r}: {exc.message}", hint
+        ) from exc
+
+
+def _champion(client: MlflowClient, name: str) -> int | None:
+    """The champion's version, or None: read from the model's aliases, not guessed from an error."""
+    version = client.get_registered_model(name).aliases.get(CHAMPION)
+    return None if version is None else int(version)
+
+
+def _version_dir(name: str, version: int, settings: Settings) -> Path:
+    """The registered version's ModelDirectory (fetched into the registry cache once)."""
+    from tasks.registry.model_uri import resolve_model
+
+    return resolve_model(f"models:/{name}/{version}", settings)
+
+
+def _score_version(model_dir: Path, holdout: Path, dest: Path, metric: str) -> float:
+    """``metric`` of the model in ``model_dir`` on ``holdout``, scored through ONNX Runtime."""
+    return compute_metrics(read_scored(score(model_dir, holdout, dest)))[metric]
+
+
+def _check(holdout: Path, metric: str, margin: float) -> None:
+    if metric not in METRICS:
+        raise InvalidParameterError(
+            f"metric must be one of {', '.join(METRICS)}, got {metric!r}.",
+            "Pick the Evaluate Model metric that decides promotion (default accuracy).",
+        )
+    if not 0.0 <= margin < 1.0:
+        raise InvalidParameterError(
+            f"margin must be in [0, 1), got {margin}.",
+            "The margin is in the metric's own units: 0.01 is one point of accuracy.",
+        )
+    if not (holdout / MANIFEST).is_file():
+        raise InvalidParameterError(
+            f"holdout {holdout} is not an ImageDirectory (no {MANIFEST}).",
+            "Pass a converted, labeled data set the candidates did not train on, e.g. the "
+            "validation or test output of the split step.",
+        )
+    if not read_manifest(holdout).labeled:
+        raise InvalidParameterError(
+            f"holdout {holdout} is unlabeled: there is no truth to compare the models on.",
+            "Pass a labeled ImageDirectory (one sub-folder per class).",
+        )
+
+
+def promote(
+    holdout: Path,
+    *,
+    candidate: str | int = CHALLENGER,
+    metric: str = "accuracy",
+    margin: float = 0.0,
+    settings: Settings | None = None,
+) -> Promotion:
+    """Compare ``candidate`` (an alias or version number) with the champion on ``holdout``.
+
+    The candidate becomes ``champion`` when there is none, or when its ``metric`` exceeds the
+    champion's by more than ``margin``. Returns the decision, also recorded as ``promotion.*``
+    tags on the versions and as ``promotion.json`` in this step's work folder. Raises
+    InvalidParameterError for a bad metric, margin or holdout, and RegistryError when the
+    candidate does not exist.
+    """
+    settings = settings or get_settings()
+    holdout = Path(holdout)
+    _check(holdout, metric, margin)
+    if isinstance(candidate, str) and not candidate.isdigit():
+        check_alias(candidate)
+    name = settings.registered_model_name
+    client = MlflowClient(settings.tracking_uri, settings.registry_uri)
+    challenger = _version(client, name, candidate)
+    with _one_decision_at_a_time(settings):
+        return _decide(client, settings, holdout, name, challenger, metric, margin)
+
+
+def _one_decision_at_a_time(settings: Settings) -> AbstractContextManager[None]:
+    """Two runs promoting at once would both find no champion (or both beat the old one) and
+    the last to write would win: each decision starts from the champion the previous one left."""
+    return taking_turns(
+        settings.home_dir / "locks" / "promote.lock",
+        LOCK_TIMEOUT_S,
+        RegistryError,
+        "another promotion in this project",
+        "Check for a stuck `imageops` process (it holds the lock) and stop it, then promote again.",
+    )
+
+
+def _decide(
+    client: MlflowClient,
+    settings: Settings,
+    holdout: Path,
+    name: str,
+    challenger: int,
+    metric: str,
+    margin: float,
+) -> Promotion:
+    """Score, compare and move the alias: the part of :func:`promote` that runs alone."""
+    log = step_logger(__name__)
+    champion = _champion(client, name)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
+    work = settings.home_dir / "promotions" / f"{stamp}-v{challenger}"
+    work.mkdir(parents=True, exist_ok=True)
+
+    challenger_dir = _version_dir(name, challenger, settings)
+    challenger_score = _score_version(challenger_dir, holdout, work / f"v{challenger}.csv", metric)
+    champion_dir = _version_dir(name, champion, settings) if champion else None
+    champion_score = None
+    if champion is None:
+        promoted, reason = True, "first model: there was no champion"
+    elif champion == challenger:
+        promoted, reason = False, f"version {challenger} is already the champion"
+        champion_score = challenger_score
+    elif (theirs := read_model_info(champion_dir).classes) != (
+        ours := read_model_info(challenger_dir).classes
+    ):
+        # A model of another data set would score nothing on this holdout and always lose (or,
+        # as champion, always be replaced): the two are not rivals.
+        promoted = False
+        reason = (
+            f"champion v{champion} classifies other classes ({', '.join(theirs)}) than "
+            f"v{challenger} ({', '.join(ours)}): not comparable; give each data set its own "
+            "registered model (IMAGEOPS_REGISTERED_MODEL_NAME)"
+        )
+    else:
+        champion_score = _score_version(champion_dir, holdout, work / f"v{champion}.csv", metric)
+        gain = challenger_score - champion_score
+        promoted = gain > margin
+        reason = (
+            f"{metric} {challenger_score:.4f} vs champion v{champion} {champion_score:.4f}: "
+            f"{'+' if gain >= 0 else ''}{gain:.4f}, "
+            f"{'more' if promoted else 'not more'} than the margin {margin:g}"
+        )
+    decision = Promotion(
+        name=name,
+        challenger_version=challenger,
+        champion_version=champion,
+        metric=metric,
+        challenger_score=challenger_score,
+        champion_score=champion_score,
+        margin=margin,
+        promoted=promoted,
+        reason=reason,
+        holdout=str(holdout.resolve()),
+    )
+    _record(client, decision, stamp)
+    write_json(work / "promotion.json", asdict(decision))
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, str(challenger))
+        _announce(settings, name, challenger)
+    log.info(
+        "%s v%d %s: %s",
+        name,
+        challenger,
+        "is the new champion" if promoted else "stays challenger",
+        reason,
+    )
+    return decision
+
+
+def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
+    """The decision as tags on the challenger; on the champion, only what happened to it.
+
+    The champion keeps the tags of the decision that made it champion: a challenger's loss is
+    written on the challenger, and the champion gets ``promotion.defended_*`` (or, when beaten,
+    ``promotion.replaced_by``) beside its own record, never over it.
+    """
+    tags = {
+        "decision": "promoted" if decision.promoted else "not promoted",
+        "reason": decision.reason,
+        "metric": decision.metric,
+        "margin": repr(decision.margin),
+        "challenger_version": str(decision.challenger_version),
+        "challenger_score": repr(decision.challenger_score),
+        "champion_version": str(decision.champion_version or ""),
+        "champion_score": "" if decision.champion_score is None else repr(decision.champion_score),
+        "holdout": decision.holdout,
+        "time": stamp,
+    }
+    _set_tags(client, decision.name, decision.challenger_version, tags)
+    champion = decision.champion_version
+    if champion is None or champion == decision.challenger_version:
+        return
+    if decision.promoted:
+        against = {"replaced_by": str(decision.challenger_version), "replaced_time": stamp}
+    else:
+        against = {
+            "defended_against": str(decision.challenger_version),
+            "defended_reason": decision.reason,
+            "defended_time": stamp,
+        }
+    _set_tags(client, decision.name, champion, against)
+
+
+def _set_tags(client: MlflowClient, name: str, version: int, tags: dict[str, str]) -> None:
+    for key, value in tags.items():
+        client.set_model_version_tag(name, str(version), TAG_PREFIX + key, value)
+
+
+def _announce(settings: Settings, name: str, version: int) -> None:
+    """Emit the alias event where no MLflow server (and so no webhook) will."""
+    if settings.registry_uri.startswith(("http://", "https://")):
+        step_logger(__name__).info("The MLflow server's webhook announces %s@%s", name, CHAMPION)
+        return
+    from tasks.registry.promotion_events import emit_alias_event
+
+    emit_alias_event(name, CHAMPION, version)
+
+
+promote_task = step(promote, name="promote")

@@ -1,0 +1,240 @@
+"""Register a model: the exported ONNX model becomes a version in the MLflow model registry.
+
+The version is a pyfunc model (models/image_pyfunc.py, logged as code: nothing pickled) that
+takes images as they come and returns labels and probabilities, so consumers need neither
+imageops nor torch. It is logged into the run that trained it, tagged with what it was made from
+and described. Details: docs/promotion.md#registration.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from dataclasses import dataclass
+from importlib.metadata import version as installed_version
+from pathlib import Path
+
+import mlflow
+import mlflow.pyfunc
+import onnx
+import pandas as pd
+from mlflow.models import ModelSignature
+from mlflow.tracking import MlflowClient
+from mlflow.types import ColSpec, DataType, Schema
+from PIL import Image
+
+import models
+from models.directory import ONNX, WEIGHTS, ModelInfo, read_model_info
+from models.untrained import MODEL_JSON
+from tasks.data.transform import inference_steps
+from tasks.data.versioning import git_revision
+from tasks.inference.export import META_WEIGHTS_SHA256, sha256_file
+from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX
+from tasks.shared.errors import InvalidParameterError, RegistryError
+from tasks.shared.settings import Settings, get_settings, redact_uri
+from tasks.shared.step import step, step_logger
+from tasks.shared.tracking import mlflow_run
+
+ARTIFACT_NAME = "model"
+DIRECTORY_ARTIFACTS = "model_directory"
+# The pyfunc model's code, logged with every version (models from code) and run where it loads.
+PYFUNC_CODE = Path(models.__file__).with_name("image_pyfunc.py")
+ONNX_ARTIFACT = "onnx_model"  # its key in the pyfunc's artifacts: artifacts/model.onnx
+IMAGE_COLUMN = "image"  # the pyfunc's input column (models/image_pyfunc.py)
+# What the pyfunc imports, pinned to the versions it was logged with (MLflow adds itself).
+# Naming them skips MLflow's requirement inference, which loads the model in a subprocess.
+PYFUNC_REQUIREMENTS = ("onnxruntime", "numpy", "pandas", "pillow")
+MAX_TAG_VALUE = 5000  # a readable tag; a long class list is in the MLmodel metadata anyway
+MAX_DESCRIBED_CLASSES = 2000  # characters of class names in a version's description
+# MLflow's alias rule: word characters and dashes; "latest" and "v<number>" are reserved.
+_ALIAS = re.compile(r"^[\w\-]{1,255}$")
+_RESERVED_ALIAS = re.compile(r"^(latest|v\d+)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A model version in the registry, and where to load it from."""
+
+    name: str
+    version: int
+    run_id: str
+    model_uri: str  # models:/<name>/<version>
+    alias: str | None = None
+
+
+def signature_for(info: ModelInfo) -> tuple[ModelSignature, pd.DataFrame]:
+    """The pyfunc's signature and input example: an ``image`` column in, the score columns out.
+
+    The example is two grey PNG files of different sizes (any size is taken), as bytes; MLflow
+    stores it base64-encoded, which is the REST request's format for binary columns.
+    """
+    side = inference_steps(info.transform)["input_size"]
+    signature = ModelSignature(
+        inputs=Schema([ColSpec(DataType.binary, IMAGE_COLUMN)]),
+        outputs=Schema(
+            [
+                *(ColSpec(DataType.double, f"{PROBABILITY_PREFIX}{c}") for c in info.classes),
+                ColSpec(DataType.string, LABEL_COLUMN),
+            ]
+        ),
+    )
+    images = []
+    for size in ((side, side), (2 * side, side + 3)):
+        buffer = io.BytesIO()
+        Image.new("RGB", size, (128, 128, 128)).save(buffer, format="PNG")
+        images.append(buffer.getvalue())
+    return signature, pd.DataFrame({IMAGE_COLUMN: images})
+
+
+def model_config(info: ModelInfo) -> dict[str, object]:
+    """What the pyfunc needs besides the ONNX file: class names and the inference steps."""
+    return {"classes": list(info.classes), **inference_steps(info.transform)}
+
+
+def describe_version(info: ModelInfo, name: str, version: int | str) -> str:
+    """The model version's description (Markdown): what it takes and returns, and how well."""
+    steps = inference_steps(info.transform)
+    side = steps["input_size"]
+    classes = ", ".join(info.classes)
+    if len(classes) > MAX_DESCRIBED_CLASSES:  # MLflow keeps up to 5000 characters
+        shown = classes[:MAX_DESCRIBED_CLASSES].rsplit(", ", 1)[0]
+        classes = f"{shown}, ... (all of them: `classes` in the MLmodel file)"
+    metrics = ", ".join(f"{k} {float(v):.4g}" for k, v in sorted(info.metrics.items()))
+    resize = f"resize shorter side to {steps['resize']}, " if steps["resize"] else ""
+    return (
+        f"Image classifier ({info.architecture.arch}), {len(info.classes)} classes: {classes}.\n\n"
+        f"**Takes** a DataFrame with one column `{IMAGE_COLUMN}`, one image per row: the bytes "
+        "of an image file (PNG, JPEG, BMP, PPM, TIFF, WebP; base64 in a REST request) or a "
+        "decoded HxWx3 uint8 array, any size. The preprocessing is built in "
+        f"({resize}center crop {steps['center_crop']}"
+        + (f", pad {steps['padding']}" if steps["padding"] else "")
+        + (", grayscale" if steps["grayscale"] else "")
+        + f", normalise): the network sees {side}x{side} RGB.\n\n"
+        f"**Returns** one row per image: `{PROBABILITY_PREFIX}<class>` per class (softmax) and "
+        f"`{LABEL_COLUMN}`. A value that is not a readable image (or has float pixels) is "
+        "refused with an error naming it.\n\n"
+        f"**Metrics** (validation): {metrics or 'none recorded'}.\n\n"
+        f'```python\nmlflow.pyfunc.load_model("models:/{name}/{version}").predict(\n'
+        f'    pd.DataFrame({{"{IMAGE_COLUMN}": [open("image.png", "rb").read()]}}))\n```\n\n'
+        f"The raw network is `artifacts/{ONNX}` (float32 Nx3x{side}x{side} normalised input, "
+        "logits out)."
+    )
+
+
+def check_alias(alias: str) -> None:
+    """Refuse an alias MLflow would refuse, before anything is logged or registered."""
+    if not _ALIAS.match(alias) or _RESERVED_ALIAS.match(alias):
+        raise InvalidParameterError(
+            f"alias {alias!r} is not a valid MLflow alias.",
+            "Use letters, digits, '_' and '-' (1-255 characters); 'latest' and 'v<number>' are "
+            "reserved.",
+        )
+
+
+def _version_tags(
+    info: ModelInfo, data_version: dict[str, str], revision: str, onnx_sha: str
+) -> dict[str, str]:
+    tags = {
+        "architecture": info.architecture.arch,
+        "num_classes": str(len(info.classes)),
+        "git_revision": revision,
+        "onnx_sha256": onnx_sha,
+    }
+    classes = json.dumps(info.classes)
+    if len(classes) <= MAX_TAG_VALUE:
+        tags["classes"] = classes
+    tags |= {f"data_md5.{name}": str(md5) for name, md5 in data_version.items()}
+    tags |= {f"param.{key}": str(value) for key, value in info.train_params.items()}
+    tags |= {f"metric.{key}": repr(float(value)) for key, value in info.metrics.items()}
+    return tags
+
+
+def register(
+    model_dir: Path,
+    *,
+    settings: Settings | None = None,
+    data_version: dict[str, str] | None = None,
+    alias: str | None = None,
+) -> RegisteredModel:
+    """Log ``model_dir``'s ONNX model to MLflow and register it as a new version.
+
+    The model goes into its training run (``model.json``'s ``mlflow_run_id``), or a new run when
+    it has none. ``data_version`` (name -> md5) defaults to the one in ``model.json``. ``alias``,
+    when given, is moved to the new version. Raises RegistryError when ``model.onnx`` is missing
+    or was exported from other weights (run the export step first).
+    """
+    settings = settings or get_settings()
+    model_dir = Path(model_dir)
+    if alias is not None:
+        check_alias(alias)
+    info = read_model_info(model_dir)
+    onnx_path = model_dir / ONNX
+    if not onnx_path.is_file():
+        raise RegistryError(
+            f"{model_dir} has no {ONNX}: there is nothing to register.",
+            f"Run `imageops export {model_dir}` first, so the registry gets a parity-checked "
+            "ONNX model.",
+        )
+    onnx_model = onnx.load(str(onnx_path))
+    exported_from = {p.key: p.value for p in onnx_model.metadata_props}.get(META_WEIGHTS_SHA256)
+    if exported_from is not None and exported_from != sha256_file(model_dir / WEIGHTS):
+        raise RegistryError(
+            f"{onnx_path} was exported from other weights than {model_dir / WEIGHTS}.",
+            f"Run `imageops export {model_dir}` again; registering would publish a stale model.",
+        )
+    data_version = dict(info.data_version if data_version is None else data_version)
+    tags = _version_tags(
+        info, data_version, git_revision(settings.project_root), sha256_file(onnx_path)
+    )
+    signature, example = signature_for(info)
+    log = step_logger(__name__)
+
+    run_name = None if info.mlflow_run_id else f"register-{info.architecture.arch}"
+    with mlflow_run(settings, info.mlflow_run_id, run_name=run_name) as run_id:
+        logged = mlflow.pyfunc.log_model(
+            name=ARTIFACT_NAME,
+            python_model=str(PYFUNC_CODE),
+            artifacts={ONNX_ARTIFACT: str(onnx_path)},
+            model_config=model_config(info),
+            signature=signature,
+            input_example=example,
+            pip_requirements=[f"{p}=={installed_version(p)}" for p in PYFUNC_REQUIREMENTS],
+            metadata={"classes": info.classes, "transform": info.transform.model_dump()},
+        )
+        for name in (MODEL_JSON, WEIGHTS):
+            mlflow.log_artifact(str(model_dir / name), artifact_path=DIRECTORY_ARTIFACTS)
+        try:
+            version = mlflow.register_model(
+                logged.model_uri, settings.registered_model_name, tags=tags
+            )
+        except mlflow.exceptions.MlflowException as exc:
+            raise RegistryError(
+                f"Could not register {settings.registered_model_name!r} in "
+                f"{redact_uri(settings.registry_uri)}: {redact_uri(exc.message)}",
+                "Check the registry URI and that it is writable.",
+            ) from None  # MLflow's error may hold the URI with its password
+    client = MlflowClient()
+    client.update_model_version(
+        settings.registered_model_name,
+        version.version,
+        description=describe_version(info, settings.registered_model_name, version.version),
+    )
+    if alias is not None:
+        client.set_registered_model_alias(settings.registered_model_name, alias, version.version)
+    log.info(
+        "Registered %s version %s%s",
+        settings.registered_model_name,
+        version.version,
+        f" as @{alias}" if alias else "",
+    )
+    return RegisteredModel(
+        name=settings.registered_model_name,
+        version=int(version.version),
+        run_id=run_id,
+        model_uri=f"models:/{settings.registered_model_name}/{version.version}",
+        alias=alias,
+    )
+
+
+register_task = step(register, name="register-model")

@@ -1,0 +1,143 @@
+"""Every error a user can meet, in one import: ``from tasks.shared.errors import ...``.
+
+The Azure design's errors keep their names (raised where the Azure components raise them: Train
+PyTorch Model, Apply Image Transformation); the others name the step that refused the input.
+"""
+
+from __future__ import annotations
+
+from models.errors import ImageOpsError, InvalidModelDirectoryError, InvalidParameterError
+from tasks.shared.settings import redact_uri
+
+__all__ = [
+    "DatasetBusyError",
+    "ExportParityError",
+    "ImageOpsError",
+    "InvalidDatasetError",
+    "InvalidImageDirectoryError",
+    "InvalidLabelFileError",
+    "InvalidModelDirectoryError",
+    "InvalidParameterError",
+    "InvalidTransformationDirectoryError",
+    "InvalidTuningSpecError",
+    "NoUsableImagesError",
+    "NotLabeledDatasetError",
+    "QuantizationAccuracyError",
+    "RegistryError",
+    "RendezvousTimeoutError",
+    "TrainingDivergedError",
+    "TrainingFailedError",
+    "TuningFailedError",
+    "UnsafeArchiveError",
+    "VersioningError",
+    "error_summary",
+    "error_text",
+]
+
+
+def error_summary(exc: ImageOpsError) -> tuple[str, str]:
+    """What a command prints for a user error: ``(problem, what to do)``, passwords masked.
+
+    The problem starts with the error's class name: the Azure docs (and a search) know an error
+    by that name, e.g. ``InvalidModelDirectoryError: data/x is not a model directory: ...``.
+    """
+    return f"{type(exc).__name__}: {redact_uri(exc.message)}", redact_uri(exc.hint)
+
+
+def error_text(exc: ImageOpsError) -> str:
+    """The ``error:`` and ``what to do:`` lines as plain text, for the ``python -m`` entries."""
+    problem, hint = error_summary(exc)
+    return f"error: {problem}" + (f"\nwhat to do: {hint}" if hint else "")
+
+
+class NotLabeledDatasetError(ImageOpsError):
+    """Azure error: training (or evaluation) needs a labeled image directory."""
+
+
+class InvalidDatasetError(ImageOpsError):
+    """Azure error: training and validation data do not have the same label categories."""
+
+
+class InvalidImageDirectoryError(ImageOpsError):
+    """A folder given as an ImageDirectory has no valid manifest.json (run `imageops convert`)."""
+
+
+class InvalidTransformationDirectoryError(ImageOpsError):
+    """Azure error: not a transform spec Init Image Transformation wrote, or one no network can use.
+
+    Raised for a missing or unreadable ``transform.json``, a value out of range in it, and a spec
+    whose training and inference transforms would feed the network images of different sizes.
+    """
+
+
+class InvalidLabelFileError(ImageOpsError):
+    """A CSV manifest or COCO JSON given to Convert is malformed.
+
+    The message names the line (CSV) or the field (JSON) and what is wrong with it.
+    """
+
+
+class NoUsableImagesError(ImageOpsError):
+    """Conversion found no image it could decode: nothing to write."""
+
+
+class UnsafeArchiveError(ImageOpsError):
+    """An archive member would land outside the destination or is not a plain file."""
+
+
+class TrainingFailedError(ImageOpsError):
+    """torchrun ended with an error; the message points at the rank logs. Worth a retry."""
+
+    retryable = True
+
+
+class RendezvousTimeoutError(ImageOpsError):
+    """Not every node of a multi-node training job came to the rendezvous in time.
+
+    Not retryable: the rendezvous timeout already is the wait for late nodes, and a retry of one
+    node cannot bring the missing one; the message says how many nodes arrived.
+    """
+
+
+class TrainingDivergedError(ImageOpsError):
+    """The training loss became NaN or infinite: the parameters, not luck, must change."""
+
+
+class ExportParityError(ImageOpsError):
+    """The ONNX model does not give the same answers as the PyTorch model."""
+
+
+class QuantizationAccuracyError(ImageOpsError):
+    """The INT8 model loses more validation top-1 than ``max_top1_drop`` allows; none is kept."""
+
+
+class RegistryError(ImageOpsError):
+    """A registered model, version or alias is missing or cannot be written."""
+
+
+class RegistryUnreachableError(RegistryError):
+    """The MLflow registry did not answer or failed; a later attempt may get through."""
+
+    retryable = True
+
+
+class VersioningError(ImageOpsError):
+    """DVC could not version a data set."""
+
+
+class DatasetBusyError(ImageOpsError):
+    """Another pipeline run has been preparing the same data set for longer than the wait allows."""
+
+
+class InvalidTuningSpecError(InvalidParameterError):
+    """A tuning spec that cannot make a study; refused before any trial runs.
+
+    The message names the parameter and what is wrong with it: a grid over a double, a log
+    scale with min <= 0, a child whose parent is missing or a double, an unknown training
+    parameter, or a study that was started with another search space.
+    """
+
+
+class TuningFailedError(ImageOpsError):
+    """A tuning study stopped: more trials failed than ``max_failed_trial_count`` allows, or no
+    trial completed. The message gives the count and the last trial's error."""

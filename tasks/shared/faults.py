@@ -1,0 +1,100 @@
+"""Fault injection for the fault tests: a process fails at a named point, not when a poller hits it.
+
+Why: a test that kills or freezes a worker by polling for a file every 10 ms races the worker on
+a loaded machine (it may kill too late, or find the window gone). Here the process fails itself
+at the exact point, so the test is deterministic and needs no poller.
+
+``IMAGEOPS_FAULT`` holds faults separated by ``;``, each ``POINT[:KEY=VALUE...]:ACTION``::
+
+    IMAGEOPS_FAULT="train.epoch_end:rank=1:epoch=1:kill"
+    IMAGEOPS_FAULT="score.shard_written:shard=2:kill"
+
+A fault fires at the point named when every ``KEY=VALUE`` equals what the point passes (compared
+as text); a key the point does not pass is an error, so a typo never silently fires nothing.
+Actions: ``kill`` (SIGKILL this process, as the OOM killer would), ``kill_parent`` (SIGKILL the
+parent process, e.g. torchrun, then this one: the machine dying), ``stop`` (SIGSTOP this process;
+the test looks, then sends SIGCONT), ``raise`` (:class:`InjectedFault`).
+
+``IMAGEOPS_FAULT_TRACE`` names a file to which every point reached appends one line,
+``<pid> <point> key=value ...``, in the order reached across processes (one ``O_APPEND`` write
+per line): a test reads the order, e.g. of lock acquisitions and releases, instead of timestamps.
+
+The points (grep ``faults.point(``):
+
+- ``train.epoch_end`` (rank, epoch, attempt): in the worker, after the epoch's checkpoint, before
+  its metrics go to MLflow. ``attempt`` is torchrun's restart count.
+- ``score.shard_written`` (shard, count): after shard ``shard`` of ``count`` is written whole.
+- ``lock.acquired`` / ``lock.released`` (name): a project lock (:mod:`tasks.shared.project_lock`)
+taken   or given back; ``name`` is the lock file's stem, e.g. ``data-digits``.
+
+With neither variable set, :func:`point` only reads the environment and returns: no cost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+FAULT = "IMAGEOPS_FAULT"
+TRACE = "IMAGEOPS_FAULT_TRACE"
+ACTIONS = ("kill", "kill_parent", "stop", "raise")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``raise`` action: an error nobody expects, at a chosen point."""
+
+
+def point(name: str, /, **fields: object) -> None:
+    """Trace reaching point ``name`` with ``fields`` and fire the faults that match it."""
+    trace, faults = os.environ.get(TRACE), os.environ.get(FAULT)
+    if trace:
+        _trace(trace, name, fields)
+    if faults:
+        for spec in faults.split(";"):
+            action = _matching_action(spec.strip(), name, fields)
+            if action is not None:
+                _fire(action, spec)
+
+
+def reached(trace: Path, name: str) -> list[dict[str, str]]:
+    """The fields (and ``pid``) of each time point ``name`` was reached, from the ``trace`` file."""
+    found = []
+    for line in trace.read_text().splitlines():
+        pid, where, *fields = line.split(" ")
+        if where == name:
+            found.append({"pid": pid, **dict(f.split("=", 1) for f in fields)})
+    return found
+
+
+def _trace(path: str, name: str, fields: dict[str, object]) -> None:
+    line = " ".join([str(os.getpid()), name, *(f"{k}={v}" for k, v in fields.items())]) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _matching_action(spec: str, name: str, fields: dict[str, object]) -> str | None:
+    """The action of ``spec`` when it is a fault at point ``name`` matching ``fields``."""
+    target, *conditions, action = spec.split(":")
+    if target != name:
+        return None
+    if action not in ACTIONS:
+        raise ValueError(f"{FAULT}={spec!r}: action {action!r} is not one of {ACTIONS}")
+    for condition in conditions:
+        key, _, value = condition.partition("=")
+        if key not in fields:
+            raise ValueError(f"{FAULT}={spec!r}: point {name} has no {key!r} ({sorted(fields)})")
+        if str(fields[key]) != value:
+            return None
+    return action
+
+
+def _fire(action: str, spec: str) -> None:
+    if action == "raise":
+        raise InjectedFault(f"injected by {FAULT}={spec!r}")
+    if action == "kill_parent":
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)

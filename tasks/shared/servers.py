@@ -1,0 +1,97 @@
+"""Server processes: a free port, a start that dies with us, a wait until it answers, a stop.
+
+One way for every server imageops or its tests start (``imageops serve``'s four processes, the
+temporary Prefect API, the tests' Prefect, MLflow and PostgreSQL servers). Each runs in a process
+group of its own (a Ctrl-C reaches the command, which stops them in order) and is SIGKILLed by the
+kernel if the command that started it is killed (:mod:`tasks.shared.parent_death`): start it from a
+thread that outlives it. Only the standard library at import: the temporary API is started
+before anything else is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from tasks.shared.parent_death import dying_with_this_process
+
+T = TypeVar("T")
+STOP_TIMEOUT_S = 10.0  # a server's clean shutdown; past it, SIGKILL
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the kernel's pick), for a server started next."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_free(host: str, port: int) -> bool:
+    """True when a server could listen on ``host:port`` now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def start(
+    args: list[str], log: Path, env: dict[str, str], cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``args`` in its own process group, its output appended to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as sink:
+        return subprocess.Popen(
+            dying_with_this_process(args),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def healthy(url: str, timeout_s: float = 5.0) -> bool:
+    """True when ``url`` answers 200; False when it answers otherwise or not at all."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_until(ready: Callable[[], T], timeout_s: float, interval_s: float) -> T | None:
+    """Call ``ready`` every ``interval_s`` until it returns something truthy, and return that;
+    None once ``timeout_s`` has passed. It is called at least once; what it raises ends the wait.
+    """
+    import tenacity  # here: 60 ms to import, after the temporary API has started
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(timeout_s),
+        wait=tenacity.wait_fixed(interval_s),
+        retry=tenacity.retry_if_result(lambda result: not result),
+        retry_error_callback=lambda _: None,
+    )
+    return retrying(ready)
+
+
+def stop(process: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM ``process``'s group and wait for it; SIGKILL it after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError):  # ended, and its group with it
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -1,0 +1,32 @@
+"""The DenseNet / ResNet components as a pipeline step: write an UntrainedModelDirectory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from models.untrained import ModelChoice, ModelSpec, write_untrained
+from tasks.shared.step import step
+from tasks.shared.validation import checked
+
+
+def build_model(choice: ModelChoice | Mapping[str, Any], dest: Path) -> ModelSpec:
+    """Write the UntrainedModelDirectory of ``choice`` (any DenseNet or ResNet) to ``dest``.
+
+    An unknown name or a switch of the other family is Azure's InvalidModelDirectoryError.
+    """
+    if not isinstance(choice, ModelChoice):
+        choice = model_choice(**dict(choice))
+    spec = choice.spec()
+    write_untrained(spec, Path(dest))
+    return spec
+
+
+def model_choice(**values: Any) -> ModelChoice:
+    """A ModelChoice from option values: an unknown name is InvalidModelDirectoryError (as the
+    Azure component says), a value of the wrong type InvalidParameterError."""
+    return checked(ModelChoice, values, "model option")
+
+
+build_model_task = step(build_model, name="build-model")

@@ -1,0 +1,89 @@
+"""The folders are the layers: app → flows → tasks → models, and steps stay plain functions.
+
+A newcomer reads the layout from the folders (README "Layout"); these checks keep it true.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("app", "flows", "tasks", "models")  # each may import only the ones after it
+STAGES = ("shared", "data", "train", "registry", "inference", "tune")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (imports inside functions count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def _files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_imports_point_down_the_layers(layer: str) -> None:
+    above = set(LAYERS[: LAYERS.index(layer)])
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _files(layer)
+        for name in _imports(path)
+        if name.split(".")[0] in above
+    ]
+    assert not wrong, wrong
+
+
+def test_flows_holds_flows_only() -> None:
+    """Every module in flows/ defines a Prefect flow, or is the form those flows take."""
+    not_flows = []
+    for path in _files("flows"):
+        source = path.read_text()
+        if path.name != "__init__.py" and "@flow" not in source and "BaseModel" not in source:
+            not_flows.append(path.name)
+    assert not not_flows, not_flows
+
+
+def test_tasks_are_grouped_by_stage() -> None:
+    loose = [p.name for p in (ROOT / "tasks").glob("*.py") if p.name != "__init__.py"]
+    folders = {p.name for p in (ROOT / "tasks").iterdir() if (p / "__init__.py").exists()}
+    assert not loose, f"modules outside a stage folder: {loose}"
+    assert folders == set(STAGES), folders
+
+
+SUBMITTING = {"flow", "run_deployment", "wait", "as_completed", "ThreadPoolTaskRunner"}
+
+
+def test_steps_submit_nothing_to_prefect() -> None:
+    """Submission (flows, task runners, futures, deployments) lives in flows/; steps stay plain."""
+    submitting = []
+    for path in _files("tasks"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prefect"):
+                names = {alias.name for alias in node.names}
+                module = node.module or ""
+                if names & SUBMITTING or module.startswith(
+                    ("prefect.task_runners", "prefect.futures", "prefect.deployments")
+                ):
+                    submitting.append(f"{path.relative_to(ROOT)}: from {module} import {names}")
+    assert not submitting, submitting
+
+
+def test_the_layout_page_names_every_module() -> None:
+    """docs/layout.md maps every module; a new one is added there with its one line."""
+    page = (ROOT / "docs" / "layout.md").read_text()
+    missing = [
+        path.relative_to(ROOT).as_posix()
+        for layer in LAYERS
+        for path in _files(layer)
+        if path.name != "__init__.py" and f"`{path.relative_to(ROOT).as_posix()}`" not in page
+    ]
+    assert not missing, f"add to docs/layout.md: {missing}"
