@@ -13,18 +13,21 @@ from app.cli.root import (
 )
 from tasks.shared.settings import Settings, get_settings
 
+# The registered model's name: one option for `register` and `promote`.
+ModelName = Annotated[
+    str | None,
+    typer.Option(
+        help="Registered model name. Default: IMAGEOPS_REGISTERED_MODEL_NAME, else "
+        "imageops-classifier."
+    ),
+]
+
 
 @app.command()
 def register(
     model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory.")],
     alias: Annotated[str | None, typer.Option(help="Alias to point at the new version.")] = None,
-    name: Annotated[
-        str | None,
-        typer.Option(
-            help="Registered model name. Default: IMAGEOPS_REGISTERED_MODEL_NAME, else "
-            "imageops-classifier."
-        ),
-    ] = None,
+    name: ModelName = None,
 ) -> None:
     """Register the model's ONNX export as a new MLflow model version."""
     from tasks.registry.register import register as run
@@ -61,13 +64,7 @@ def promote(
         float,
         typer.Option(help="How much the candidate must beat the champion by (0.01 = 1 point)."),
     ] = 0.0,
-    name: Annotated[
-        str | None,
-        typer.Option(
-            help="Registered model name. Default: IMAGEOPS_REGISTERED_MODEL_NAME, else "
-            "imageops-classifier."
-        ),
-    ] = None,
+    name: ModelName = None,
 ) -> None:
     """Give the candidate the champion alias if it beats the champion on the holdout (via ONNX)."""
     from tasks.registry.promote import promote as run
