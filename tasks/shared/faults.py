@@ -1,33 +1,10 @@
 """Fault injection for the fault tests: a process fails at a named point, not when a poller hits it.
 
-Why: a test that kills or freezes a worker by polling for a file every 10 ms races the worker on
-a loaded machine (it may kill too late, or find the window gone). Here the process fails itself
-at the exact point, so the test is deterministic and needs no poller.
-
-``IMAGEOPS_FAULT`` holds faults separated by ``;``, each ``POINT[:KEY=VALUE...]:ACTION``::
-
-    IMAGEOPS_FAULT="train.epoch_end:rank=1:epoch=1:kill"
-    IMAGEOPS_FAULT="score.shard_written:shard=2:kill"
-
-A fault fires at the point named when every ``KEY=VALUE`` equals what the point passes (compared
-as text); a key the point does not pass is an error, so a typo never silently fires nothing.
-Actions: ``kill`` (SIGKILL this process, as the OOM killer would), ``kill_parent`` (SIGKILL the
-parent process, e.g. torchrun, then this one: the machine dying), ``stop`` (SIGSTOP this process;
-the test looks, then sends SIGCONT), ``raise`` (:class:`InjectedFault`).
-
-``IMAGEOPS_FAULT_TRACE`` names a file to which every point reached appends one line,
-``<pid> <point> key=value ...``, in the order reached across processes (one ``O_APPEND`` write
-per line): a test reads the order, e.g. of lock acquisitions and releases, instead of timestamps.
-
-The points (grep ``faults.point(``):
-
-- ``train.epoch_end`` (rank, epoch, attempt): in the worker, after the epoch's checkpoint, before
-  its metrics go to MLflow. ``attempt`` is torchrun's restart count.
-- ``score.shard_written`` (shard, count): after shard ``shard`` of ``count`` is written whole.
-- ``lock.acquired`` / ``lock.released`` (name): a project lock (:mod:`tasks.shared.project_lock`)
-taken   or given back; ``name`` is the lock file's stem, e.g. ``data-digits``.
-
-With neither variable set, :func:`point` only reads the environment and returns: no cost.
+A poller racing a worker on a loaded machine may miss its window; a process failing itself at
+the exact point makes the test deterministic. ``IMAGEOPS_FAULT="POINT[:KEY=VALUE...]:ACTION"``
+(``;`` between faults; actions kill, kill_parent, stop, raise), e.g.
+``train.epoch_end:rank=1:epoch=1:kill``; ``IMAGEOPS_FAULT_TRACE`` names a file logging every point
+reached, in order. Unset, :func:`point` costs nothing. Details: docs/faults.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Per-epoch checkpoints: atomic, complete, loadable with ``weights_only=True``.
 
-A checkpoint holds only tensors and plain Python values (numbers, strings, lists, dicts), so
-``torch.load(..., weights_only=True)`` reads it and loading can never run code. It is written to a
-temporary file and renamed, so a crash mid-write leaves the previous epoch's checkpoint intact.
-
-There are no RNG states in it on purpose: the worker reseeds every generator at the start of each
-epoch from (seed, rank, epoch), so a resumed run draws exactly what an uninterrupted one would,
-on every rank, which rank 0 saving its own generator state could not give the other ranks.
+Only tensors and plain values, so loading never runs code; written to a temporary file and renamed,
+so a crash keeps the previous one. No RNG states: each epoch reseeds from (seed, rank, epoch), so a
+resumed run draws what an uninterrupted one would. Details: docs/training.md#checkpoints.
 """
 
 from __future__ import annotations

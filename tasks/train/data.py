@@ -1,14 +1,9 @@
 """Training and validation data: torchvision's ImageFolder, held to the ImageDirectory manifest,
 and the DataLoaders that keep the model fed.
 
-The manifest is the source of truth: class ids come from its class list (so a class that has no
-image in this half of a split keeps its id), and only the files it lists are read, so a stray
-file dropped into the folder later is not trained on.
-
-Random augmentation draws from a seed per (run seed, epoch, image) that the sampler hands out with
-each index (:class:`SeededSampler`), never from a loader process's own random stream. So the
-images a run trains on do not depend on how many loader processes there are, nor on whether they
-persist across epochs, nor on a restart: same seed, same data, same result.
+The manifest is the source of truth (class ids, the files read). Augmentation draws from a seed
+per (run seed, epoch, image) (:class:`SeededSampler`), so the data trained on does not depend on
+loader processes or restarts. Details: docs/training.md#data-and-loaders.
 """
 
 from __future__ import annotations
@@ -166,13 +161,9 @@ class SeededDataset(Dataset):
 def loader_workers(device: torch.device, requested: int | None) -> int:
     """Loader processes per training process: ``requested``, or the default for ``device``.
 
-    CPU: 0. Each training process computes with every core it has (torchrun gives each of N
-    processes 1/N of them), so a loader process would take cores away from the step it feeds; on
-    a CPU the step costs far more than decoding its images, so loading in the training process
-    loses little and keeps results independent of scheduling. CUDA: the GPU computes and the
-    cores are idle, so each process gets every core of its share of the node's cores as a loader,
-    but one, left for the training process itself: a GPU trains on images faster than one core
-    decodes and augments them (docs/benchmarks.md, "GPU (H100)").
+    CPU: 0, since the step needs every core and costs far more than decoding. CUDA: each of this
+    process's share of cores but one, since a GPU trains faster than one core decodes.
+    Details: docs/training.md#loader_workers-how-many-loader-processes.
     """
     if requested is not None:
         return requested
@@ -191,18 +182,10 @@ def prefetch_factor(num_workers: int) -> int:
 def loader_context() -> BaseContext:
     """How loader processes start: forked from a fork server, started here if none runs yet.
 
-    A loader process forked from the training process would inherit its threads' locks (NCCL's,
-    CUDA's, MLflow's on rank 0) in whatever state they were at the fork and can deadlock on one; a
-    spawned process is safe but imports torch and torchvision anew, seconds each, all at once
-    (issue 19: 37 s before the first batch with 4 on an H100 machine, minutes with 12).
-
-    The fork server is one fresh, single-threaded interpreter that imports what a loader process
-    needs (``LOADER_MODULES``) once; every loader process of every loader of this process,
-    training's and validation's, is then forked from it in milliseconds. (Each still runs the
-    program's main module again, as a spawned process does: ``tasks.train.worker`` takes 0.04 s
-    more once those are imported.) The server starts in the background (this returns at once), so
-    its imports overlap whatever the training process does before the first batch (building the
-    model, moving it to the GPU, joining the process group).
+    Forking the training process could inherit a held lock (NCCL, CUDA, MLflow) and deadlock;
+    spawning imports torch anew in each (seconds). The fork server imports once and forks loaders in
+    milliseconds; it starts in the background.
+    Details: docs/training.md#loader_context-the-fork-server.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(LOADER_MODULES))  # no effect once the server runs
@@ -219,12 +202,8 @@ class RunAheadLoader(DataLoader):
     """A training DataLoader whose persistent loader processes start on the next epoch's batches
     as soon as the last batch of this one is handed out, while the model validates and saves.
 
-    A plain DataLoader asks for the next epoch's first batches only when that epoch begins: on an
-    H100 machine, each epoch then opened with a 0.3 s wait (one loader process making one batch of
-    128), a tenth of a 10,000-image epoch. The sampler (:class:`SeededSampler`) is moved to the
-    next epoch for that, so the images are the same ones: each image's augmentation depends on
-    (seed, epoch, index) only. If the caller then sets another epoch (or stopped an epoch early),
-    the loader starts over on that one, as a plain one would.
+    This removes the wait that opened each epoch (0.3 s on an H100); the images stay the same, as
+    augmentation depends on (seed, epoch, index) only. Details: docs/training.md#runaheadloader.
     """
 
     _ahead: int | None = None  # the epoch whose batches are being prepared, if any
@@ -314,15 +293,10 @@ def make_loader(
 ) -> DataLoader:
     """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
 
-    With loader processes: forked from this process's one fork server (:func:`loader_context`,
-    started by the first loader made, so the validation loader's processes cost only their
-    forks), persistent across epochs, about ``BATCHES_AHEAD`` batches ahead. On CUDA, batches come
-    in pinned memory, so the copy to the GPU is asynchronous (``non_blocking=True`` in the
-    training step) and overlaps the previous step, and as uint8: the transform's to-float and
-    normalise steps run on the GPU (:class:`DeviceFinish`, ``setup.finish_on_device``, default:
-    on CUDA). The loader's ``finish_on_device`` attribute is then those steps, which
-    :func:`tasks.train.loop.model_input` applies; None otherwise. ``run_ahead`` (a
-    :class:`SeededSampler` only): a :class:`RunAheadLoader`.
+    Loader processes come from the one fork server (:func:`loader_context`), persist across epochs
+    and run ``BATCHES_AHEAD`` batches ahead; on CUDA batches are pinned uint8, normalised on the GPU
+    (the loader's ``finish_on_device``). ``run_ahead``: a :class:`RunAheadLoader`.
+    Details: docs/training.md#make_loader.
     """
     device, num_workers, finish_on_device = setup.device, setup.num_workers, setup.finish_on_device
     if finish_on_device is None:

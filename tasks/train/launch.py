@@ -1,18 +1,9 @@
 """Train PyTorch Model: check every input, open the MLflow run, run torchrun, collect the result.
 
-This module puts the steps in order; each job is in a module of its own:
-
-- :mod:`tasks.train.request`: everything Azure refuses, refused before a process starts or a
-  run is created; the run configuration resolved.
-- :mod:`tasks.train.mlflow_run`: which MLflow run a request trains in (an unfinished run of the
-  very same request is continued from its last checkpoint), and its last records and status
-  once training ends, outlasting an MLflow outage.
-- :mod:`tasks.train.run_lock`: the lock node 0's launcher holds on the run while it trains it.
-- :mod:`tasks.train.rendezvous`: where a multi-node job's agents meet, and which of them came.
-- :mod:`tasks.train.torchrun`: the torchrun process tree, its log, and the error it ends with.
-
-A multi-node job opens its run once (:func:`open_run`) and runs :func:`train` once per node
-against it; the torchruns meet by c10d rendezvous.
+This module puts the steps in order; each job is in a module of its own (:mod:`.request`,
+:mod:`.mlflow_run`, :mod:`.run_lock`, :mod:`.rendezvous`, :mod:`.torchrun`). A multi-node job opens
+its run once (:func:`open_run`) and runs :func:`train` once per node against it.
+Details: docs/training.md#the-package.
 """
 
 from __future__ import annotations
@@ -67,30 +58,12 @@ class TrainResult(BaseModel):
 def train(request: TrainRequest, settings: Settings | None = None) -> TrainResult:
     """Train ``request.model`` on its training data, validating on its validation data.
 
-    ``request.out`` receives the ModelDirectory of the epoch with the best validation top-1. The
-    MLflow run gets the parameters, per-epoch metrics, the training curves and every rank's log;
-    its folder ``settings.runs_dir/<run id>`` keeps config, checkpoint and logs. The training
-    set goes through the transform's training mode, the validation set through its inference
-    mode, and the ModelDirectory stores it for scoring.
-
-    Which run: ``request.run_id`` when given (resume after a crash from its last checkpoint, or
-    one node of a multi-node job). Otherwise (one node only) :func:`open_run` picks it: an
-    unfinished run of this very request (same model, data, parameters, transform and ``out``)
-    whose folder holds a checkpoint is continued, so a Prefect retry or a re-run of a crashed
-    request trains only the epochs it lacks; else a new run, named ``request.run_name``.
-
-    Multi-node (``params.nodes`` > 1): call this once per node, each request with its
-    ``node_rank``, the same ``run_id`` (from :func:`open_run`) and ``rdzv_endpoint``; the
-    torchruns meet there by c10d rendezvous. The run folder and ``out`` must be on storage every
-    node shares. Node 0's agent owns the run: it sets its status and attaches the logs; global
-    rank 0, wherever it lands, alone logs metrics and writes the model. ``request.tuning``: a
-    tuning trial's rank 0 reports the metric to the study after every epoch, and the run ends
-    early, with ``pruned`` set, when the study's pruner says so.
-
-    Raises Azure's InvalidModelDirectoryError, NotLabeledDatasetError, InvalidDatasetError,
-    InvalidTransformationDirectoryError, InvalidParameterError before anything starts;
-    RendezvousTimeoutError when not every node came; a worker's ImageOpsError as itself; any other
-    failure as TrainingFailedError naming the log folder.
+    ``request.out`` receives the ModelDirectory of the best validation top-1 epoch; the MLflow run
+    gets parameters, metrics, curves and logs. The run is ``request.run_id``, or the unfinished run
+    of this very request (a retry trains only the epochs it lacks), or a new one. Multi-node: once
+    per node, with the ``run_id`` from :func:`open_run`. Details: docs/training.md#train. Raises the
+    Azure input errors (InvalidModelDirectoryError, ...) before anything starts,
+    RendezvousTimeoutError, a worker's ImageOpsError, else TrainingFailedError.
     """
     settings = settings or get_settings()
     log = step_logger(__name__)  # inside a Prefect run, these lines reach the UI
@@ -192,14 +165,10 @@ train_task = step(train, name="train")
 def open_run(request: TrainRequest, settings: Settings | None = None) -> str:
     """Check the training request in full and return the id of the MLflow run to train it in.
 
-    An unfinished run (RUNNING, FAILED or KILLED) of the same request whose run folder holds a
-    checkpoint, and that no launcher is training right now, is continued: a retry then resumes
-    instead of starting over. A FINISHED run is never reused: asking again for a trained model
-    trains a new one. Otherwise a new run, named ``request.run_name``, is created, with its
-    parameters logged. A multi-node job opens its run once with this and hands the id to every
-    node's :func:`train`.
-
-    Raises what :func:`train` raises before it starts.
+    An unfinished run of the same request with a checkpoint, that no launcher trains now, is
+    continued (a retry resumes); a FINISHED run never is; otherwise a new run is created. A
+    multi-node job opens its run once with this. Raises what :func:`train` raises before it starts.
+    Details: docs/training.md#open_run.
     """
     settings = settings or get_settings()
     checked = check_request(request, settings)

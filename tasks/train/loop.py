@@ -1,15 +1,8 @@
 """One training epoch and one evaluation pass, with metrics reduced over all processes.
 
-Every metric is a sum and a count all-reduced across ranks, so ``train/loss`` is the mean over all
-samples of all ranks, not rank 0's view. Every decision taken from a metric (NaN stop, early stop,
-best model) is taken from these reduced values, which are identical on every rank, so ranks
-never disagree and leave a peer waiting in a collective.
-
-Speed: the model and every batch are in the run's memory format, channels-last (NHWC) unless the
-input is small and on CPU: the layout oneDNN (CPU) and cuDNN (GPU tensor cores) compute
-convolutions in, where NCHW would make each convolution reorder its input and output. The
-forward pass runs under autocast in the run's precision, with a gradient scaler for float16
-(:mod:`tasks.train.precision`).
+Every metric is all-reduced across ranks, so every decision taken from one (NaN stop, early stop,
+best model) is the same on every rank and no peer is left waiting. Model and batches are in the
+run's memory format, under autocast in its precision. Details: docs/training.md#the-loop.
 """
 
 from __future__ import annotations
@@ -145,15 +138,9 @@ def train_one_epoch(
 ) -> TrainStats:
     """Train one epoch; the scheduler steps per batch. Raises TrainingDivergedError on NaN/inf.
 
-    The forward pass runs under ``parts.amp``'s autocast; the loss is taken in float32 from the
-    logits. ``parts.scaler`` scales the loss for float16 and is a pass-through otherwise.
-    Images/s counts from the first batch requested to the last step done, so loading time that
-    the loader did not hide counts against it; the wait for the first batch is logged and
-    returned on its own.
-
-    The loss is summed on the device and read back only every ``print_frequency`` steps: reading
-    it every step would make the CPU wait for each step to finish before it queues the next,
-    leaving the GPU idle while Python launches the next step's kernels.
+    Images/s counts from the first batch requested, so unhidden loading counts against it. The loss
+    is read back only every ``print_frequency`` steps, so the CPU never waits for a step and the GPU
+    never idles. Details: docs/training.md#train_one_epoch.
     """
     optimizer, scheduler, criterion = parts.optimizer, parts.scheduler, parts.criterion
     scaler, amp, device = parts.scaler, parts.amp, parts.device

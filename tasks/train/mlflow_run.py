@@ -1,16 +1,9 @@
 """The MLflow run of a training request: open it (or continue the unfinished one), then end it.
 
-Which run a request trains in is decided here: an unfinished run of the very same request is
-continued from its last per-epoch checkpoint (a Prefect retry, or the request run again after a
-crash), never a FINISHED one.
-
-An MLflow server that goes down loses no record. Before training, the run is created (or found)
-and its parameters logged: if the server does not answer within the client's retries, the
-request fails with nothing trained, and a retry starts it again. During training, rank 0 never
-waits long on MLflow (:mod:`tasks.train.tracker`); once training ends, the launcher writes what
-the run lacks and its status, waiting up to TRACKING_PATIENCE_S (10 minutes) for the server
-(:func:`complete_run`). Apart from the launch so that every talk with MLflow, and its retries,
-is in one place.
+An unfinished run of the very same request is continued from its last checkpoint, never a
+FINISHED one. An MLflow outage loses no record: the launcher completes the run, waiting up to
+TRACKING_PATIENCE_S for the server (:func:`complete_run`). Apart from the launch so that every
+talk with MLflow, and its retries, is in one place. Details: docs/training.md#the-mlflow-run.
 """
 
 from __future__ import annotations
@@ -203,18 +196,10 @@ def complete_run(
 ) -> None:
     """Write the run's last records to MLflow and end it with ``status``, outlasting an outage.
 
-    Rank 0 gives up on a record quickly when MLflow does not answer (the training must not wait
-    on it; :mod:`tasks.train.tracker`); here the training is over and the launcher can wait. A
-    trained run gets every epoch's metrics it still lacks (from the result's history, each step
-    once), the best epoch's, the curves and every rank's log, then FINISHED. Each call that fails
-    for a reason that may pass (server down, restarting, 5xx) is tried again every
-    TRACKING_PAUSE_S for TRACKING_PATIENCE_S (10 minutes, on top of the MLflow client's own
-    retries, MLFLOW_HTTP_REQUEST_*): an MLflow server that is down for up to 10 minutes when
-    training ends loses nothing. If it is down longer, the run, still RUNNING, is an error worth
-    a retry: the retry resumes this run, finds every epoch trained and completes the record.
-
-    A run that failed or was stopped gets one try of each: its own error is what counts, and a
-    retry attaches the logs again.
+    A trained run gets the epochs' metrics it lacks, the best epoch's, the curves and every rank's
+    log, then FINISHED; each call is retried for up to TRACKING_PATIENCE_S (10 minutes), after which
+    the run, still RUNNING, is an error a retry completes. A failed or stopped run gets one try of
+    each. Details: docs/training.md#complete_run.
     """
     patience = TRACKING_PATIENCE_S if status == "FINISHED" else 0.0
     deadline = time.monotonic() + patience

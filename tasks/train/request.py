@@ -1,15 +1,10 @@
 """The training request, and its checks in full, before any process or MLflow run exists.
 
-:class:`TrainRequest` is the request whole (model, data, output, parameters, transform, how this
-launch joins its job), built once where it comes in and passed whole; its validators refuse bad
-values and launch options that cannot make a job. :func:`check_request` reads the files:
-everything else the Azure design refuses is refused there: a folder that is not an untrained
-model (InvalidModelDirectoryError), unlabeled training data (NotLabeledDatasetError), different
-classes in training and validation (InvalidDatasetError), a batch larger than the training set,
-CUDA without a GPU, more processes per node than GPUs, a transform spec that would train and
-score at different sizes (InvalidTransformationDirectoryError). What passes is a
-:class:`Request`: the run configuration resolved, not yet bound to a run. Apart from the launch
-so that a reader finds every refusal in one place.
+:class:`TrainRequest` is the request whole, built once where it comes in and passed whole; its
+validators refuse bad values. :func:`check_request` reads the files and refuses everything else
+the Azure design refuses, giving a :class:`Request` (the run configuration resolved). Apart from
+the launch so that a reader finds every refusal in one place.
+Details: docs/training.md#the-request-and-its-checks.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """A training run's MLflow records, written so that an outage of the tracking server loses none.
 
-Rank 0 logs each epoch's metrics as the epoch ends, but the training never waits long on MLflow
-and never fails because of it: a record the server does not take is given up after rank 0's short
-budget (:data:`RANK0_MLFLOW_HTTP`) with a warning, and every epoch the run still lacks is written
-from the checkpointed history at the next epoch's end, and in the end by the launcher, which then
-waits for the server far longer (:func:`~tasks.train.mlflow_run.complete_run`). Records are
-written once: a backfill first reads what the run already has.
-
-Imported by rank 0 and the launcher only: the other ranks never import MLflow.
+Rank 0 logs each epoch's metrics but never waits long on MLflow: a record the server does not take
+is given up after a short budget (:data:`RANK0_MLFLOW_HTTP`) and backfilled later, once. Imported by
+rank 0 and the launcher only. Details: docs/training.md#records-during-training.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """The torchrun entry: ``python -m tasks.train.worker --config <run folder>/config.json``.
 
-The same entry runs under torchrun (one process per rank) or as a plain process (a world of one).
-Every rank trains; rank 0 alone does the side effects: MLflow metrics (which an MLflow outage
-delays but never stops the training over: :mod:`tasks.train.tracker`), checkpoints, the best
-weights and the final ModelDirectory. Each rank logs to ``rank_<rank>.log`` in the run folder
-(rank 0, the master, also to the console).
-
-A checkpoint is written after every epoch; when torchrun restarts the workers (``--max-restarts``),
-or a launcher is pointed at the same run, the worker resumes from it if it belongs to the same
-configuration and data.
-
-Speed (see docs/benchmarks.md): channels-last model and batches (NCHW for small inputs on CPU),
-autocast in the run's resolved precision (bf16 on a CPU that has it, for inputs of 64 px and more;
-bf16 or fp16 with a gradient scaler on GPU), a DataLoader
-with persistent loader processes forked from a fork server where they pay (GPU), uint8 batches in
-pinned memory normalised on the GPU (:mod:`tasks.train.data`).
+Every rank trains; rank 0 alone logs to MLflow and writes checkpoints and the ModelDirectory.
+Each rank logs to ``rank_<rank>.log``; a restarted worker resumes from the last epoch's checkpoint
+of the same configuration and data. Details: docs/training.md#the-worker.
 """
 
 from __future__ import annotations
