@@ -1,14 +1,9 @@
 """The tune flow: hyperparameter tuning the Vertex AI way, each trial a real training run.
 
-Composition: open (or continue) the study, keep up to ``parallel_trial_count`` trials running
-as tasks on the flow's thread pool (or, with ``trial_deployment``, as flow runs of the
-``tune-trial`` deployment on its work pool), settle each as it ends, until the study has
-``max_trial_count`` finished trials or too many failed; then the trials table and plot, and the
-best trial's model exported and registered as ``@challenger``.
-
-Started again with the same study name, the flow continues the study: finished trials are not
-repeated, trials a killed flow left running are run again from their checkpoints, numbering
-goes on (tasks.tune.study).
+It keeps up to ``parallel_trial_count`` trials running (tasks here, or flow runs of the
+``tune-trial`` deployment) until ``max_trial_count`` finished or too many failed, then publishes the
+trials table and registers the best model as ``@challenger``. The same study name continues the
+study. Details: docs/tuning.md#the-tune-flow.
 """
 
 # No `from __future__ import annotations` here: a flow served with `serve()` runs from a
@@ -119,13 +114,10 @@ def tune_flow(
 ) -> StudyResult:
     """Run (or continue) the study ``spec`` and register its best model as @challenger.
 
-    Trials that run here (no ``trial_deployment``) share this machine's GPUs: a CUDA trial takes
-    ``nproc_per_node`` of them, waiting while too few are free (tasks.tune.gpus).
-
-    Raises InvalidTuningSpecError before any trial for a spec that cannot make a study (or
-    whose trials need more GPUs than this machine has, when they run here), and
-    TuningFailedError when more than ``max_failed_trial_count`` trials failed or none completed
-    (the trials table is published either way).
+    Trials that run here share this machine's GPUs (tasks.tune.gpus). Raises InvalidTuningSpecError
+    before any trial for a spec that cannot make a study here, and TuningFailedError when more than
+    ``max_failed_trial_count`` trials failed or none completed (the trials table is published either
+    way). Details: docs/tuning.md#tune_flow.
     """
     settings = get_settings()
     root = settings.project_root

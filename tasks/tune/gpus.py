@@ -1,17 +1,9 @@
 """This machine's GPUs, lent to the tuning trials that run on it: each GPU to one trial at a time.
 
-Trials run in parallel on the tune flow's threads. A trial that trains on CUDA with
-``nproc_per_node`` N takes N GPUs for as long as it runs and gets them as ``CUDA_VISIBLE_DEVICES``
-of its torchrun (its ranks see them as cuda:0 to N-1); they are given back when the trial ends,
-however it ends (completed, pruned, failed). A trial waits while fewer are free, in the order
-trials asked; one needing more than the machine has is refused, never left waiting. CPU trials
-take none.
-
-The GPUs are those torch counts here, named as in an ``CUDA_VISIBLE_DEVICES`` the process was
-started with (a worker given "2,3" lends "2" and "3", not "0" and "1").
-
-One process lends its own GPUs: two tune flows, or two trial flow runs on one worker, on the same
-machine do not see each other's.
+A CUDA trial takes ``nproc_per_node`` GPUs as its torchrun's ``CUDA_VISIBLE_DEVICES`` until it ends,
+however it ends; trials wait in order while too few are free, and one needing more than the machine
+has is refused. GPUs are named as in this process's ``CUDA_VISIBLE_DEVICES``; each process lends
+only its own. Details: docs/tuning.md#gpus.
 """
 
 from __future__ import annotations

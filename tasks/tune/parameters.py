@@ -1,18 +1,9 @@
 """One tuned parameter, by type (Vertex AI's ParameterSpec): a pydantic union on ``type``.
 
-- ``double`` / ``integer``: a range, ``min`` < ``max`` (whole numbers for an integer), and a
-  ``scale``: linear, log or reverse_log (both need ``min`` > 0).
-- ``categorical``: a list of distinct ``values``, no scale.
-- ``discrete``: increasing numeric ``values``, and a ``scale``.
-
-A conditional child names its ``parent`` (an integer, categorical or discrete parameter declared
-before it) and the ``parent_values`` under which it is tuned (:func:`check_parent`). Each type
-checks its own shape when built; what it sets (a training field's type and range) is checked by
-:mod:`tasks.tune.tunable`. A refusal is a pydantic error of type :data:`REFUSED` whose context
-holds the message and the hint (TuningSpec.checked raises them as InvalidTuningSpecError).
-
-Every type reads as every other (``min``, ``max``, ``scale``, ``values``): what a type does not
-take reads None (``scale``: linear), so the study's identity and the search read them alike.
+``double``/``integer`` (a range and a scale), ``categorical`` (distinct values), ``discrete``
+(increasing values and a scale); a conditional child names its ``parent`` and ``parent_values``. A
+refusal is a pydantic error of type :data:`REFUSED` carrying message and hint. Every type reads
+``min``, ``max``, ``scale``, ``values`` alike. Details: docs/tuning.md#parameters.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The spec in Optuna's terms: the sampler of each algorithm, the pruner, one trial's parameters.
 
-- bayesian: TPE, multivariate with groups (a conditional child is modelled with the parents it
-  appears under), ``constant_liar`` so trials asked while others run avoid their region.
-- random: independent uniform draws (log-uniform for log scales).
-- grid: every point is enqueued as a fixed trial (:meth:`TuningSpec.grid`); the sampler then
-  only pops them. Optuna's GridSampler takes the Cartesian product of every parameter, which
-  with conditional children repeats a configuration once per value of an inactive child.
-
-Samplers are seeded from the spec's seed and the number of trials the study already has: a
-continued study draws new points, not the first ones again.
+bayesian: multivariate TPE with ``constant_liar``; random: independent draws; grid: each point
+enqueued as a fixed trial (Optuna's GridSampler would repeat configurations with conditional
+children). Samplers are seeded from the spec's seed and the trials already run, so a continued study
+draws new points. Details: docs/tuning.md#search.
 """
 
 from __future__ import annotations

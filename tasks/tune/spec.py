@@ -1,27 +1,10 @@
 """The tuning spec: what to tune over which ranges, which metric to optimise, how many trials.
 
 The shape of Vertex AI's StudySpec, flattened so a YAML file and the Prefect form read alike:
-
-- ``parameters``: one entry per parameter to tune (:mod:`tasks.tune.parameters`, by type):
-  any field of ``train`` (TrainParams) but ``nodes``, the ``architecture``, or a network option,
-  each checked against the field it sets (:mod:`tasks.tune.tunable`).
-- ``metric`` (any per-epoch metric of the training run, tasks.train.loop.EPOCH_METRICS, e.g.
-  ``val/top1``) and ``goal``;
-  ``measurement``: a trial's value is its ``best`` epoch's metric or its ``last``.
-- ``max_trial_count``, ``parallel_trial_count``, ``max_failed_trial_count`` (0: no trial may
-  fail; Vertex AI's 0 lets the service decide, ours does not guess); ``algorithm``:
-  ``bayesian`` (default), ``random`` or ``grid``; ``early_stopping`` of poor trials.
-- ``train``: the training parameters every trial starts from; ``model``: the architecture (a
-  tuned ``architecture`` overrides it).
-
-Structure (types, bounds) is checked when the model is built; :meth:`TuningSpec.check` refuses,
-before any trial runs, what cannot make a study (:mod:`tasks.tune.spec_checks`), with
-InvalidTuningSpecError saying why.
-
-Scales: ``log`` samples uniformly in log space; ``reverse_log`` samples more densely near
-``max`` (for values like momentum 0.9 to 0.999): the value is ``min + max - m`` where ``m`` is
-log-uniform on [min, max]. Optuna holds ``m`` (so the sampler models a log-uniform variable);
-:meth:`TuningSpec.training_values` turns it back into the value trained with.
+``parameters``, ``metric``/``goal``/``measurement``, the trial counts, ``algorithm``,
+``early_stopping``, ``train`` and ``model``. Structure is checked when the model is built;
+:meth:`TuningSpec.check` refuses what cannot make a study, before any trial, with
+InvalidTuningSpecError. Details: docs/tuning.md#the-spec (and #scales for ``reverse_log``).
 """
 
 from __future__ import annotations

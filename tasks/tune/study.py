@@ -1,18 +1,9 @@
 """A study: opened or continued in Optuna storage, asked for trials, counted, closed.
 
-Continuing: a study is found by name in its storage. Only a study with the same search space,
-metric, training setup and data continues (anything else would compare trials that are not
-comparable); the counts, the algorithm and early stopping may change. Finished trials are never
-run again: ``max_trial_count`` counts completed, pruned and failed trials.
-
-Interrupted trials: one tune flow owns a study at a time, so a trial still RUNNING when a flow
-starts was left by a flow that was killed. It is marked FAIL with ``imageops.interrupted`` (it
-counts neither as finished nor as failed) and its parameters are queued again: the new trial
-continues the interrupted one's training run from its last checkpoint (same folder, same
-request: tasks.train.launch.open_run finds the unfinished run). Numbering always continues.
-
-The study's MLflow parent run (named after the study) is created once and reopened by every
-flow that continues the study; each trial's training run is nested under it.
+Only a study with the same search space, metric, training setup and data continues; finished trials
+are never run again. A trial a killed flow left RUNNING is marked interrupted and its parameters
+queued again, continuing its training run from its checkpoint; numbering continues.
+Details: docs/tuning.md#studies-continuing-and-interrupted-trials.
 """
 
 from __future__ import annotations

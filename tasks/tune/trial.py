@@ -1,16 +1,9 @@
 """One trial: a real training run with the trial's values, nested under the study's MLflow run.
 
-The trial writes its UntrainedModelDirectory (the architecture and its options may be tuned),
-takes the GPUs it trains on when it trains on CUDA (:mod:`tasks.tune.gpus`), opens its training
-run (:func:`tasks.train.launch.open_run`: an interrupted trial's unfinished run is continued
-from its checkpoint) and trains through torchrun with a :class:`~tasks.train.params.TrialHook`,
-so rank 0 reports the metric after every epoch and the run stops early when the study prunes
-it. The trial then tells the study itself (COMPLETE with its value, PRUNED, or FAIL with the
-error), so it can run anywhere: a task of the tune flow, or a flow run on a work pool
-(both wired in flows.tune).
-
-A pruned trial's model is still written (its best epoch so far): it is never the study's best,
-since only completed trials are compared, but it can be looked at.
+It writes its model directory, takes its GPUs (:mod:`tasks.tune.gpus`), opens its training run (an
+interrupted trial's is continued) and trains, rank 0 reporting each epoch so the study can prune it;
+then it tells the study itself, so it runs anywhere (a task, or a flow run on a work pool). A pruned
+trial's model is still written. Details: docs/tuning.md#trials.
 """
 
 from __future__ import annotations
