@@ -1,22 +1,10 @@
 """Safe extraction of image archives (.zip, .tar, .tar.gz/.tgz, .tar.bz2) for Convert.
 
-An archive comes from somewhere else, so every member is checked before a byte is written: only
-regular files and folders (no symlinks, hard links, devices or FIFOs), no absolute names, no
-``..``, and the resolved path must stay under the destination. A refused member is reported, not
-extracted. Caps stop zip and tar bombs before they fill the disk: on the member count, on the
-bytes a member and the whole archive inflate to, and on how many times their compressed size
-they inflate to (beyond ``RATIO_FLOOR``, where any ratio is fine: a blank BMP compresses 1000:1).
-The caps are checked on the sizes the headers declare, to refuse early, and again on the bytes
-actually inflated, a chunk at a time, since a header can lie. Python 3.11 predates the 2025
-tarfile filter fixes, so tarfile's ``filter="data"`` is used in addition to these checks, not
-instead of them. Nested archives are extracted as plain files and never unpacked.
-
-Names are whatever the archive's writer made them. A zip member's name is UTF-8 when its flag
-(general purpose bit 11) says so and is valid UTF-8; without the flag it is UTF-8 when it
-decodes as such (macOS and Info-ZIP write UTF-8 without setting the flag) and cp437 otherwise,
-as the zip format says. A name flagged UTF-8 that is not, and a name with a part longer than the
-file system takes, cannot be written as the archive spells it: that member is refused with the
-reason, and the others are extracted.
+An archive comes from somewhere else: every member is checked before a byte is written (regular
+files and folders only, staying under the destination), and caps on members, bytes and compression
+ratio, checked on the headers and again on the bytes inflated, stop zip and tar bombs. Member names
+are decoded as the zip format says; one that cannot be written is refused with the reason.
+Details: docs/convert.md#archives.
 """
 
 from __future__ import annotations
@@ -85,13 +73,11 @@ def extract_archive(
 ) -> list[SkippedFile]:
     """Extract the safe members of ``archive`` into the existing empty folder ``dest``.
 
-    Returns the refused members, each with the reason: a member that inflates to more than
-    ``max_member_bytes``, or (zip) to more than ``max_ratio`` times its compressed size, is
-    refused (``UnsafeArchiveMember``) and nothing of it is kept. Raises
-    :class:`UnsafeArchiveError` when the archive has more than ``max_members`` members, more than
-    ``max_bytes`` of content or more than ``max_ratio`` times its own size (the whole archive is
-    refused: a partial extraction would be a silently partial data set), and
-    :class:`NoUsableImagesError` when the file is not a readable archive.
+    Returns the refused members with their reasons (``UnsafeArchiveMember``: over
+    ``max_member_bytes`` or ``max_ratio``). Raises :class:`UnsafeArchiveError` when the whole
+    archive is over ``max_members``, ``max_bytes`` or ``max_ratio`` (a partial extraction would be a
+    silently partial data set), :class:`NoUsableImagesError` when it is not a readable archive.
+    Details: docs/convert.md#extract_archive.
     """
     archive, dest = Path(archive), Path(dest)
     kind = archive_kind(archive)
@@ -320,7 +306,7 @@ def _read_zip(archive: Path, stack: ExitStack) -> tuple[zipfile.ZipFile, set[int
 
 
 def _zip_name(info: zipfile.ZipInfo) -> str:
-    """The member's name as the writer meant it (see the module's docstring)."""
+    """The member's name as the writer meant it (docs/convert.md#archives)."""
     if info.flag_bits & _UTF8_FLAG:
         return info.orig_filename
     raw = info.orig_filename.encode("cp437")  # what zipfile decoded: the bytes come back whole

@@ -1,18 +1,10 @@
 """Label files for Convert: a CSV manifest or a COCO classification JSON lists images and labels.
 
-A CSV manifest starts with a header naming (at least) the columns ``path`` and ``label``; an empty
-label means "no label". A COCO file has ``images`` [{id, file_name}], ``annotations`` [{image_id,
-category_id}] (one category per image: this is classification) and ``categories`` [{id, name}];
-an image without annotation has no label. Paths are relative to the folder of the label file (its
-*base*).
-
-A label file comes from somewhere else, like an archive, so an entry that leads outside the base
-(an absolute path, ``..``, a symlink pointing out) is refused and reported, never read. So are
-missing files, images without a label in a list where others have one, labels that cannot be a
-folder name, images listed twice with different labels and, in COCO, images annotated with
-several categories or an unknown one. A file that cannot be read as a whole (not UTF-8, no
-header, a line with the wrong number of fields, a JSON field of the wrong type) raises
-:class:`InvalidLabelFileError` naming the line or field.
+A CSV manifest has the columns ``path`` and ``label``; a COCO file ``images``, ``annotations`` (one
+category per image) and ``categories``. Paths are relative to the label file's folder; an entry
+leading outside it, missing, or with a bad or conflicting label is refused and reported. A file that
+cannot be read as a whole raises :class:`InvalidLabelFileError` naming the line or field.
+Details: docs/convert.md#label-files.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Where a model to score comes from: a ModelDirectory path, or a version in the MLflow registry.
 
-``models:/<name>@<alias>`` and ``models:/<name>/<version>`` resolve to one model version and are
-downloaded into a cache under the project working folder, one folder per name and version, laid
-out as a ModelDirectory that :func:`tasks.inference.score.score` reads: ``model.json`` (from the
-version's run, where :func:`tasks.registry.register.register` logged it) beside ``model.onnx`` (the
-version's ONNX artifact). The weights are not fetched; scoring does not read them.
-
-An alias is resolved at call time, so the cache key is the version the alias points to now; a
-promotion that moves the alias is picked up by the next resolve. A cached folder is re-used only
-while the registry still says the version came from the same run and model (a registry that was
-wiped and refilled numbers its versions from 1 again), and the download is built in a temporary
-folder and renamed into place under a file lock, so a crash never leaves a half model that looks
-whole and two processes never download the same version at once.
+``models:/<name>@<alias>`` and ``models:/<name>/<version>`` resolve to one version, downloaded
+(``model.json`` and ``model.onnx``) into a per-version cache laid out as a ModelDirectory. An alias
+is resolved at each call, so a promotion is picked up; a cached folder is reused only while the
+registry still names the same run; downloads are atomic and locked.
+Details: docs/promotion.md#scoring-a-registered-model-models-uris.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The Prefect event that says "a model version got an alias", and the trigger that listens for it.
 
-One contract for both ways a promotion reaches Prefect. With an ``mlflow server``, MLflow sends a
-``model_version_alias.created`` webhook and the receiver (``app/webhook.py``) turns it into this
-event; in embedded mode (SQLite, no server, so no webhooks) the promote step emits it itself. A
-deployment trigger built by :func:`alias_trigger` matches it, so scoring starts the same way in
-both. The event is about the registered model (its resource id names it); alias and version are
-labels of that resource, so a trigger can match on them, and the payload repeats them with the
-model URIs.
+One contract for both ways a promotion reaches Prefect: the webhook receiver (``app/webhook.py``,
+with an ``mlflow server``) and the promote step itself (embedded mode) emit it, and a trigger from
+:func:`alias_trigger` matches it, so scoring starts the same way in both. Alias and version are
+labels of the registered model's resource. Details: docs/promotion.md#the-promotion-event.
 """
 
 from __future__ import annotations

@@ -41,22 +41,12 @@ def convert(
 ) -> Manifest:
     """Convert the image folder, archive or label file ``source`` into the ImageDirectory ``dest``.
 
-    ``source`` is anything an input source reads (:mod:`tasks.data.convert.sources`): a folder (class
-    sub-folders = labels, else unlabeled), an archive of one, a CSV manifest (``.csv``, header
-    ``path,label``) or a COCO classification JSON (``.json``). ``dest`` is written atomically: it
-    appears complete or not at all, and an existing ``dest`` is replaced only once the new one is
-    whole. When ``dest`` already holds the conversion of this very source (same content, same
-    parameters) and is intact, its manifest is returned and nothing is written. ``limits`` caps
-    each image and archive (:class:`ConvertLimits`; images over them are skipped with reason
-    ``ImageExceedsLimit``, as the other steps refuse them). ``workers`` is the number of
-    processes checking images, this one included: by default every core this process may use,
-    once the input is big enough to gain from them (1 checks in this process only).
-
-    Returns the manifest written (or found). Raises :class:`InvalidParameterError` for a
-    parameter out of range or a ``dest`` that overlaps ``source``, :class:`UnsafeArchiveError`
-    for an archive over the caps, :class:`InvalidLabelFileError` for a label file that cannot be
-    read as a whole, and :class:`NoUsableImagesError` when the source is missing, unreadable, of
-    no kind imageops reads, or holds no usable image.
+    ``dest`` is written atomically, and left as it is when it already holds this very conversion.
+    ``limits`` caps each image and archive; ``workers`` checks images in that many processes
+    (default: every core, once the input gains from them). Returns the manifest. Raises
+    InvalidParameterError, UnsafeArchiveError, InvalidLabelFileError, or NoUsableImagesError (a
+    source missing, unreadable, of no kind read, or with no usable image).
+    Details: docs/convert.md#convert.
     """
     source, dest = Path(source), Path(dest)
     limits = ConvertLimits() if limits is None else limits

@@ -1,18 +1,9 @@
 """Score Image Model: run a model's ``model.onnx`` over a folder of images, in batches.
 
-The step in modules, one job each:
-
-- ``images``: which images a scoring reads, in what order, under which names (:func:`list_images`).
-- ``session``: the ONNX Runtime session (:func:`inference_session`) and its check against
-  model.json.
-- ``batches``: :func:`score`, one pass over the images a batch at a time, memory flat; an image
-  that cannot be read becomes a row with its reason in ``Scoring Error``, never a failed batch.
-- ``table``: the Score Image Model table's columns (:func:`table_schema`) and the merge of shard
-  tables (:func:`merge_tables`).
-- ``shards``: a large input cut into shards and merged in order (:func:`score_in_shards`); the
-  shard is the unit of resumption, so a run killed mid-way and started again scores only the
-  shards it had not finished. A flow runs the shards as parallel Prefect tasks
-  (``flows.score.score_in_flow``).
+One job per module: ``images`` (what is read, in which order), ``session`` (ONNX Runtime),
+``batches`` (one pass, memory flat; an unreadable image becomes a row with its reason), ``table``
+(columns, merging shards), ``shards`` (the unit of resumption; a flow runs them as parallel tasks).
+Details: docs/scoring.md#the-package.
 """
 
 from tasks.inference.score.batches import score, score_task, shard_bounds

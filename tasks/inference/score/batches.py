@@ -1,12 +1,9 @@
 """Score Image Model's one pass: images read, scored and written a batch at a time.
 
-The images go through the inference mode of the transform spec the model was trained with
-(:func:`tasks.data.transform.build_transform`), so scoring sees exactly what training validated on.
-Memory stays flat however large the folder: the table grows on disk in a temporary file that
-replaces ``dest`` only when every batch is done. An image that does not load, or is over the
-limits convert applies (``ImageExceedsLimit``, found from the header before anything is decoded),
-becomes a row with empty scores and the reason in ``Scoring Error`` (and a log line); it never
-fails the batch.
+Images go through the inference mode of the model's transform spec, so scoring sees what training
+validated on. Memory stays flat: the table grows in a temporary file that replaces ``dest`` when
+done. An image that does not load or is over convert's limits becomes a row with its reason in
+``Scoring Error``; it never fails the batch. Details: docs/scoring.md#one-pass.
 """
 
 from __future__ import annotations
@@ -111,17 +108,10 @@ def score(
 ) -> Path:
     """Score ``images`` with the exported ModelDirectory ``model``; write the table to ``dest``.
 
-    ``images``: an ImageDirectory (labeled: the true ``category`` is passed through) or any folder
-    of images (searched recursively). ``dest`` ends in ``.csv`` or ``.parquet``. ``threads``:
-    ONNX Runtime intra-op threads (default: the cores available). ``quantized``: score with
-    ``model.int8.onnx`` (the quantize step's INT8 model) instead of ``model.onnx``. Returns
-    ``dest``, written atomically. ``shard=(i, n)`` scores only the i-th of n equal, contiguous
-    slices of the images (ids stay those of the whole listing), for
-    :func:`tasks.inference.score.shards.score_in_shards`.
-
-    Every image gets a row: one that cannot be read has empty scores and its reason in
-    ``Scoring Error``. Raises NoUsableImagesError when no image could be scored (a shard is
-    checked when the shards are merged).
+    ``images``: an ImageDirectory or any folder of images; ``dest``: ``.csv`` or ``.parquet``,
+    written atomically and returned; ``quantized``: the INT8 model; ``shard=(i, n)``: only the i-th
+    of n slices. Every image gets a row (an unreadable one its reason in ``Scoring Error``). Raises
+    NoUsableImagesError when no image could be scored. Details: docs/scoring.md#score.
     """
     model, images, dest = Path(model), Path(images), Path(dest)
     if batch_size < 1:

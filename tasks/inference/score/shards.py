@@ -1,13 +1,9 @@
 """Scoring a large input in shards, resumable: the shard is the unit of resumption.
 
-A large input is cut into shards of ``shard_images``, each scored by :func:`score` into its own
-table, then :func:`merge_tables` joins them in order. Finished shard tables are kept beside
-``dest`` until the merge (:func:`checkpoint_dir`), so a run killed mid-way and started again
-scores only the shards it had not finished; a smaller input (one shard, ``SHARD_IMAGES``) is
-scored again from the start.
-
-How the missing shards run is the caller's: one after another here (:func:`run_in_turn`), side
-by side as Prefect tasks in a flow (``flows.score.submit_shards``).
+Each shard is scored into its own table, kept beside ``dest`` (:func:`checkpoint_dir`) until
+:func:`merge_tables` joins them in order, so a killed run started again scores only the shards it
+lacks. The caller runs the missing ones: in turn here (:func:`run_in_turn`), or as Prefect tasks in
+a flow. Details: docs/scoring.md#shards.
 """
 
 from __future__ import annotations
