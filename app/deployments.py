@@ -1,13 +1,8 @@
 """Register the deployments of ``deployments/prefect.yaml`` with a Prefect server, from Python.
 
-``prefect.yaml`` stays the one description of the deployments (people read it, and
-``prefect deploy --all --prefect-file deployments/prefect.yaml`` also takes it). This module
-reads the same file and registers every entry with Prefect's own ``RunnerDeployment``, from
-Python: ``imageops serve`` registers them in its own process, and ``--work-pool`` moves them
-all to another pool.
-
-Each deployment keeps the file's pull step (``set_working_directory`` on the worker's
-``IMAGEOPS_PROJECT_ROOT``), so a worker runs the code where it is, never a copy.
+The file stays the one description of the deployments; every entry is registered with Prefect's
+``RunnerDeployment`` (``--work-pool`` moves them all), keeping its pull step so a worker runs the
+code where it is. Details: docs/stack.md#deployments.
 """
 
 from __future__ import annotations

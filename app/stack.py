@@ -1,17 +1,10 @@
 """``imageops serve``: the whole stack on one machine, up with one command, down with Ctrl-C.
 
-Four processes, each in its own process group with its log under ``<home>/stack/logs``:
-
-1. ``prefect server start`` (SQLite under ``<home>/stack/prefect``; UI, scheduler, triggers),
-2. ``mlflow server`` (the project's own SQLite tracking store and artifact folder, so runs made
-   before in embedded mode show up too; webhooks on),
-3. the promotion receiver (:mod:`app.webhook`), registered as MLflow's webhook,
-4. a Prefect worker on the ``local`` process pool.
-
-In between, the ``local`` pool and its ``training`` queue (limit 1) are created and every
-deployment of ``deployments/prefect.yaml`` is registered. Servers bind to 127.0.0.1 unless told
-otherwise. The webhook secret and MLflow's key for stored webhook secrets are made once and kept
-(mode 0600) under ``<home>/stack``, so a restart reuses them.
+Four processes, each in its own process group with its log under ``<home>/stack/logs``: Prefect
+server, MLflow server (the project's own store, webhooks on), the promotion receiver, and a worker
+on the ``local`` pool, whose deployments are registered in between. Servers bind to 127.0.0.1; the
+webhook secrets are kept under ``<home>/stack`` for restarts.
+Details: docs/stack.md#the-stack-imageops-serve.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Start Prefect's temporary API server first, while the flow's libraries are still importing.
 
-With no ``PREFECT_API_URL``, the first Prefect call of a flow imports Prefect's server code into
-this process (3.5 s on 2 cores), starts the temporary server in a subprocess and waits for it (5 to
-6 s with an existing database; 15 to 18 s in a new project, whose database is created and migrated
-first): all of it before the first task, one thing after another (``bench/orchestration.py``
-measures each). Importing torch, torchvision and MLflow for the flow takes about 10 s on one core.
-
-So ``imageops run`` starts the same server itself, first thing: the same command Prefect runs
-(uvicorn with ``prefect.server.api.server:create_app``, no UI, ephemeral mode, on 127.0.0.1), and
-exports its URL as ``PREFECT_API_URL`` before Prefect is imported. The server comes up on the other
-core while this one imports, and this process never imports the server code. The server stops
-when the command exits, as Prefect's would, and dies with it when it is killed.
-
-A new project's database is not migrated again on every machine's every new project: the first
-start saves a copy of the freshly migrated database (``~/.cache/imageops``, one per Prefect
-version, written with SQLite's backup API) and later new projects start from that copy.
-
-Two commands at once in one project run two servers on the project's one database (SQLite in WAL
-mode, with Prefect's 60 s busy timeout: both see every flow run, and either may exit first). Only
-creating that database must happen once: a file lock beside it (``prefect.db.lock``) makes the
-second command wait while the first copies the template in, or, with no template yet, until the
-first's server has migrated it.
+Without ``PREFECT_API_URL``, Prefect would import its server code and start the server only at the
+flow's first call (5 to 18 s, before any task); started here first, on the other core, it comes up
+while torch and MLflow import. A new project starts from a migrated database template, and a lock
+beside the database lets two commands share it.
+Details: docs/stack.md#the-temporary-api-imageops-run-without-a-server.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The Prefect work pools imageops runs on, and their base job templates.
 
-The templates are data (``deployments/work-pools/<pool>.json``, the files that
-``prefect work-pool create <pool> --type <type> --base-job-template <file>`` takes), so the CLI, the
-README commands and ``imageops serve`` create the same pools. Each starts from its worker's own
-default template; the GPU pools add the GPU fields as job variables:
-
-- ``local`` (process): flow runs as subprocesses of the worker, on the worker's machine.
-- ``gpu-docker`` (docker): a container per flow run with ``gpus`` NVIDIA device requests and a
-  ``shm_size`` /dev/shm.
-- ``gpu-k8s`` (kubernetes): a Job per flow run with a ``gpus`` ``nvidia.com/gpu`` limit, a
-  ``node_selector``, ``tolerations`` and a memory-backed /dev/shm of ``shm_size``.
+The templates are data (``deployments/work-pools/<pool>.json``, what ``prefect work-pool create``
+takes), so the CLI, the README and ``imageops serve`` create the same pools: ``local`` (process),
+``gpu-docker`` and ``gpu-k8s`` (GPUs and /dev/shm as job variables).
+Details: docs/stack.md#work-pools.
 """
 
 from __future__ import annotations

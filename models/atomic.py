@@ -1,22 +1,10 @@
 """Atomic writes: a crash or a retry never leaves a half file or half folder that looks whole.
 
-Files are written to a temporary sibling and ``os.replace``d; folders are built in a temporary
-sibling and renamed into place. It lives in ``models/`` because that is the bottom layer: the
-model-directory format needs it and every step above may use it.
-
-Any name the file system takes can be written so: a temporary sibling's name is short whatever
-the real one is (:func:`temp_stem`), and a name the file system cannot take is refused with the
-limit (:func:`check_name_length`), never an ``OSError`` halfway through.
-
-A killed writer leaves its temporary sibling behind (``.<name>.<8 characters>.tmp``, and
-``.<name>.<8 characters>.old`` for an output it had swapped out and not removed yet; a name over
-40 bytes is cut there and followed by ``~`` and 8 hex digits of its digest). Each
-temporary file and folder is ``flock``ed by its writer while in use, and the kernel releases a
-lock however its holder ends: the next write to the same path removes its predecessors' leftovers
-that no live process holds (:func:`remove_leftovers`), and never a live writer's. The same holds
-for the scratch folders steps work in beside their output (:func:`scratch_folder`: an archive's
-extraction, private score shards). A filesystem that cannot lock (a folder on NFS) keeps its
-leftovers: what cannot be proven abandoned is not removed.
+Files are written to a temporary sibling and ``os.replace``d; folders are built in one and renamed
+into place. Temporary names stay short (:func:`temp_stem`) and over-long names are refused first
+(:func:`check_name_length`). Each temporary is ``flock``ed while in use, so the next write removes
+only dead writers' leftovers (:func:`remove_leftovers`, :func:`scratch_folder`). In ``models/``, the
+bottom layer, so every layer may use it. Details: docs/internals.md#atomic-writes.
 """
 
 from __future__ import annotations
