@@ -1,9 +1,9 @@
 """Start Prefect's temporary API server first, while the flow's libraries are still importing.
 
-Without ``PREFECT_API_URL``, Prefect would import its server code and start the server only at the
-flow's first call (5 to 18 s, before any task); started here first, on the other core, it comes up
-while torch and MLflow import. A new project starts from a migrated database template, and a lock
-beside the database lets two commands share it.
+Without ``PREFECT_API_URL``, Prefect would import its server code and start the server at the flow's
+first call, before any task (3.5 s, then 5 to 18 s); started here first, it comes up on the other
+core while torch and MLflow import. A new project starts from a migrated database template, and a
+lock beside the database lets two commands share it.
 Details: docs/stack.md#the-temporary-api-imageops-run-without-a-server.
 """
 
