@@ -15,6 +15,7 @@ from tasks.data.convert import INPUT_SOURCES, LabelFileSource, convert, register
 from tasks.data.imagedir import read_manifest
 from tasks.data.labelfiles import Row
 from tasks.shared.errors import InvalidLabelFileError, NoUsableImagesError
+from tasks.shared.settings import Settings
 
 
 class _JsonLines(LabelFileSource):
@@ -69,8 +70,9 @@ def test_an_input_nothing_reads_is_refused_naming_the_sources(
 
 
 def test_a_registered_source_converts_through_the_cli(
-    json_lines: _JsonLines, manifest_file: Path, tmp_path: Path
+    json_lines: _JsonLines, manifest_file: Path, tmp_path: Path, project: Settings
 ) -> None:
+    # `project`: the command exports its settings to os.environ; monkeypatch undoes that.
     result = CliRunner().invoke(app, ["convert", str(manifest_file), str(tmp_path / "out")])
 
     assert result.exit_code == 0, result.output

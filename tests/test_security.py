@@ -366,6 +366,7 @@ def test_library_servers_default_to_localhost() -> None:
     from app.stack import Stack
     from tasks.train.launch import local_rendezvous_endpoint
     from tasks.train.params import TrainParams
+    from tasks.train.request import TrainRequest
     from tasks.train.torchrun import torchrun_command
 
     assert inspect.signature(webhook.serve).parameters["host"].default == "127.0.0.1"
@@ -377,5 +378,7 @@ def test_library_servers_default_to_localhost() -> None:
     assert runner.enable is False and runner.host in ("localhost", "127.0.0.1")
     # One-machine training: torchrun's rendezvous is addressed on this machine.
     assert local_rendezvous_endpoint().startswith("127.0.0.1:")
-    command = torchrun_command(TrainParams(), Path("config.json"), "run", None, 0)
+    request = TrainRequest(model=Path("m"), train_data=Path("t"), val_data=Path("v"),
+                           out=Path("o"), params=TrainParams())  # fmt: skip
+    command = torchrun_command(request, Path("config.json"), "run")
     assert "--standalone" in command and "--rdzv-endpoint" not in command
