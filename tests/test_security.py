@@ -30,7 +30,7 @@ from mlflow.webhooks.delivery import _generate_hmac_signature
 from tasks.shared.settings import Settings, redact_uri
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("flows", "tasks", "models", "bench", "docs")
+SCANNED = ("app", "flows", "tasks", "models", "bench", "docs")
 
 # ---------------------------------------------------------------------------------------------
 # 1. No code path deserialises a user's file into code.
