@@ -16,7 +16,7 @@ from typing import Annotated
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from flows.config import (
     DEMO_MODEL,
@@ -88,6 +88,45 @@ class TrainedModel(BaseModel):
     registered_version: str | None  # None when not registered
 
 
+class TrainSteps(BaseModel):
+    """The train deployment's steps before and after training, each one a switch."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt switch is an error, not a no-op
+
+    version_data: bool = Field(
+        default=True,
+        title="Version data with DVC",
+        description="dvc add + push both data sets first; their md5s tag the run and model.",
+    )
+    register_model: bool = Field(
+        default=True, title="Register", description="Export to ONNX and register as @challenger."
+    )
+
+
+class MultiNode(BaseModel):
+    """Where the nodes of a multi-node job meet and who runs them; unused for one node."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt switch is an error, not a no-op
+
+    rdzv_endpoint: str | None = Field(
+        default=None,
+        title="Rendezvous endpoint",
+        description="host:port where the nodes of a multi-node job meet (a machine every node "
+        "reaches). Empty: a free port on this machine.",
+        pattern=r"^[^:\s]+:\d+$",
+    )
+    node_deployment: str | None = Field(
+        default=None,
+        title="Node deployment",
+        description="imageops-train-node/train-node makes each node a flow run on the work pool "
+        "(one worker per machine). Empty: all nodes run here.",
+    )
+
+
+EVERY_STEP = TrainSteps()
+HERE = MultiNode()  # every node on this machine, meeting on a free local port
+
+
 @flow(name="imageops-train-model", log_prints=True)
 def train_model_flow(
     model: Annotated[DemoModel, Field(title="Model")] = DEMO_MODEL,
@@ -118,41 +157,15 @@ def train_model_flow(
             "with another transform is refused.",
         ),
     ] = DEMO_TRANSFORM,
-    version_data: Annotated[
-        bool,
-        Field(
-            title="Version data with DVC",
-            description="dvc add + push both data sets first; their md5s tag the run and model.",
-        ),
-    ] = True,
-    register_model: Annotated[
-        bool,
-        Field(title="Register", description="Export to ONNX and register as @challenger."),
-    ] = True,
-    rdzv_endpoint: Annotated[
-        str | None,
-        Field(
-            title="Rendezvous endpoint",
-            description="host:port where the nodes of a multi-node job meet (a machine every "
-            "node reaches). Empty: a free port on this machine.",
-            pattern=r"^[^:\s]+:\d+$",
-        ),
-    ] = None,
-    node_deployment: Annotated[
-        str | None,
-        Field(
-            title="Node deployment",
-            description="For nodes > 1: imageops-train-node/train-node makes each node a flow "
-            "run on the work pool (one worker per machine). Empty: all nodes run here.",
-        ),
-    ] = None,
+    steps: Annotated[TrainSteps, Field(title="Steps around training")] = EVERY_STEP,
+    multi_node: Annotated[MultiNode, Field(title="Multi-node job (params.nodes > 1)")] = HERE,
 ) -> TrainedModel:
     """Train one model from the UI or a schedule: build, train (DDP), export, register."""
     settings = get_settings()
     root = settings.project_root
     name_flow_run(f"train-{model.name}")
     data_version: dict[str, str] = {}
-    if version_data:
+    if steps.version_data:
         data_version = {name: version_task(root / path) for name, path in
                         (("train", train_data), ("val", val_data))}  # fmt: skip
         name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
@@ -160,12 +173,12 @@ def train_model_flow(
     request = TrainRequest(
         model=out / "untrained", train_data=root / train_data, val_data=root / val_data,
         out=out / "model", params=params, transform=transform, data_version=data_version,
-        rdzv_endpoint=rdzv_endpoint,
+        rdzv_endpoint=multi_node.rdzv_endpoint,
     )  # fmt: skip
     build_model_task(model, request.model)
-    trained = train_flow(request, node_deployment=node_deployment)
+    trained = train_flow(request, node_deployment=multi_node.node_deployment)
     version = None
-    if register_model:
+    if steps.register_model:
         export_task(trained.model_dir, sample=root / val_data)
         registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
         version = str(registered.version)

@@ -270,7 +270,7 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
         "deployment", "run", "imageops-train-model/train",
         "-p", f"train_data={train_dir}", "-p", f"val_data={val_dir}",
         "-p", 'params={"epochs": 1, "batch_size": 32, "learning_rate": 0.01, "print_frequency": 1}',
-        "-p", f"transform={json.dumps(small)}", "-p", "version_data=false",
+        "-p", f"transform={json.dumps(small)}", "-p", 'steps={"version_data": false}',
     )  # fmt: skip
     (cli_run,) = re.findall(r"UUID: ([0-9a-f-]{36})", typed)
     # Right after it, Run on the form with every training parameter: a 2-node job of
@@ -286,10 +286,11 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
                     "nproc_per_node": 1, "print_frequency": 1, "nodes": 2,
                 },
                 "transform": small,
-                "version_data": False,
-                "register_model": False,
-                "node_deployment": "imageops-train-node/train-node",
-                "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+                "steps": {"version_data": False, "register_model": False},
+                "multi_node": {
+                    "node_deployment": "imageops-train-node/train-node",
+                    "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+                },
             },
         )  # fmt: skip
 
