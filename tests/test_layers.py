@@ -87,3 +87,32 @@ def test_the_layout_page_names_every_module() -> None:
         if path.name != "__init__.py" and f"`{path.relative_to(ROOT).as_posix()}`" not in page
     ]
     assert not missing, f"add to docs/layout.md: {missing}"
+
+
+MAX_PARAMETERS = 7  # more means the arguments belong together in one model (TrainRequest, ...)
+MAX_MODULE_LINES = 500  # a longer module holds more than one job: split it by job
+
+
+def test_no_function_takes_more_than_seven_parameters() -> None:
+    """A request travels whole (one pydantic model), so no signature re-lists its fields."""
+    too_many = []
+    for layer in LAYERS:
+        for path in _files(layer):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    args = node.args
+                    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                    count = len([name for name in names if name not in ("self", "cls")])
+                    if count > MAX_PARAMETERS:
+                        too_many.append(f"{path.relative_to(ROOT)}:{node.name} ({count})")
+    assert not too_many, f"group these parameters into a model: {too_many}"
+
+
+def test_no_module_is_over_five_hundred_lines() -> None:
+    too_long = [
+        f"{path.relative_to(ROOT)} ({lines})"
+        for layer in LAYERS
+        for path in _files(layer)
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not too_long, f"split these modules by job: {too_long}"
