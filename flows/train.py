@@ -228,9 +228,9 @@ def _run_node_deployments(deployment: str, job: TrainRequest) -> None:
 def train_node_flow(request: TrainRequest) -> TrainResult:
     """One node of a multi-node job: torchrun for this node, against the job's MLflow run.
 
-    Started by the train flow (``node_deployment``) once per node, or by hand from the UI with
-    each node rank; paths are on storage every node shares, relative paths taken under the
-    project root.
+    Started by the train flow (``multi_node.node_deployment``) once per node, or by hand from the
+    UI with each node rank; paths are on storage every node shares, relative paths taken under
+    the project root.
     """
     name_flow_run(f"train-node-{request.node_rank}-of-{request.params.nodes}")
     return train_task(request.under(get_settings().project_root))
