@@ -24,30 +24,16 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 from server_processes import Processes, base_env, free_port, healthy
+from training_runs import FAST, run_train
 
-from models.transform_spec import TransformSpec
 from models.untrained import resnet, write_untrained
 from tasks.shared import faults
 from tasks.shared.settings import Settings
-from tasks.train.launch import TrainResult, train
+from tasks.train.launch import TrainResult
 from tasks.train.loop import LOSS
-from tasks.train.params import TrainParams
-from tasks.train.request import TrainRequest
 
 OUTAGE_S = 30.0  # the figure
-PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
-PARAMS = TrainParams.checked(epochs=2, batch_size=8, learning_rate=0.01, seed=7, device="cpu")
-
-
-def run_train(
-    settings: Settings, untrained: Path, data: tuple[Path, Path], out: Path
-) -> TrainResult:
-    train_data, val_data = data
-    request = TrainRequest(
-        model=untrained, train_data=train_data, val_data=val_data, out=out, params=PARAMS,
-        transform=PRE,
-    )  # fmt: skip
-    return train(request, settings)
+SEED = 7  # both runs, disturbed and reference, start from the same draw
 
 
 def stopped_worker(trace: Path, training: threading.Thread) -> psutil.Process | None:
@@ -97,7 +83,9 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
 
     def disturbed() -> None:
         try:
-            outcome["result"] = run_train(tracked, untrained, digits_split, tmp_path / "disturbed")
+            outcome["result"] = run_train(
+                tracked, untrained, digits_split, tmp_path / "disturbed", seed=SEED
+            )
         except BaseException as exc:  # re-raised by the test
             outcome["error"] = exc
 
@@ -117,7 +105,7 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
     finally:
         worker.resume()
     monkeypatch.delenv(faults.FAULT)  # the undisturbed reference
-    reference = run_train(project, untrained, digits_split, tmp_path / "reference")
+    reference = run_train(project, untrained, digits_split, tmp_path / "reference", seed=SEED)
     time.sleep(max(0.0, crashed + OUTAGE_S - time.monotonic()))
     processes.start("mlflow-server-again", server, server_env)
     processes.wait("the restarted MLflow server", lambda: healthy(f"{url}/health"))
@@ -137,7 +125,7 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
     # The record is whole: FINISHED, every epoch's metrics once, the parameters, the artifacts.
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    epochs = list(range(1, PARAMS.epochs + 1))
+    epochs = list(range(1, FAST["epochs"] + 1))
     for name in set(result.history[0]) - {"epoch"}:
         history = client.get_metric_history(run_id, name)
         assert sorted(m.step for m in history) == epochs, name
@@ -145,9 +133,9 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
             int(h["epoch"]): h[name] for h in result.history
         }, name
     for name in ("best/val/top1", "best/epoch"):
-        assert [m.step for m in client.get_metric_history(run_id, name)] == [PARAMS.epochs]
-    assert run.data.params["epochs"] == str(PARAMS.epochs)
-    assert run.data.params["seed"] == str(PARAMS.seed)
+        assert [m.step for m in client.get_metric_history(run_id, name)] == [FAST["epochs"]]
+    assert run.data.params["epochs"] == str(FAST["epochs"])
+    assert run.data.params["seed"] == str(SEED)
     assert "training_curves.png" in {a.path for a in client.list_artifacts(run_id)}
     logs = {Path(a.path).name for a in client.list_artifacts(run_id, "logs")}
     assert {"rank_0.log", "torchrun.log", "config.json"} <= logs

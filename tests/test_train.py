@@ -14,9 +14,9 @@ import pytest
 import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
+from training_runs import FAST, PRE, run_train
 
 from models.directory import load_model_directory
-from models.transform_spec import TransformSpec
 from models.untrained import MODEL_JSON, resnet, write_untrained
 from models.zoo import PretrainedWeightsMissingError
 from tasks.data.convert import convert
@@ -35,34 +35,13 @@ from tasks.shared.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from tasks.train.data import ManifestImageFolder
 from tasks.train.failure import read_failures, record_failure
-from tasks.train.launch import TrainResult, train
+from tasks.train.launch import train
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
 from tasks.train.torchrun import run_torchrun
 
-PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
-FAST = {"epochs": 2, "batch_size": 8, "learning_rate": 0.01, "device": "cpu"}
-
-
-@pytest.fixture
-def untrained(tmp_path: Path) -> Path:
-    return write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
-
-
-def run_train(
-    settings: Settings, untrained: Path, data: tuple[Path, Path], out: Path, **params: object
-) -> TrainResult:
-    train_data, val_data = data
-    request = TrainRequest(
-        model=untrained,
-        train_data=train_data,
-        val_data=val_data,
-        out=out,
-        params={**FAST, **params},
-        transform=PRE,
-    )
-    return train(request, settings)
+pytest_plugins = ["training_runs"]
 
 
 def assert_nothing_started(settings: Settings) -> None:

@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 from flows.train import train_flow
 from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
-from models.untrained import resnet, write_untrained
 from tasks.shared import faults
 from tasks.shared.errors import InvalidParameterError, RendezvousTimeoutError
 from tasks.shared.settings import Settings
@@ -31,15 +30,11 @@ from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
 
+pytest_plugins = ["training_runs"]
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
 # fp32: on this machine's CPU (torch 2.14.1) bf16 autocast's convolution backward returns garbage
 # for the 1x1 maps a 16x16 image leaves in resnet18's last stage, so bf16 runs do not repeat.
 FAST = {"batch_size": 8, "learning_rate": 0.01, "device": "cpu", "precision": "fp32"}
-
-
-@pytest.fixture
-def untrained(tmp_path: Path) -> Path:
-    return write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
 
 
 def request(

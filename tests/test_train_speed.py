@@ -11,52 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow import MlflowClient
+from training_runs import run_train
 
 from models.transform_spec import TransformSpec
-from models.untrained import resnet, write_untrained
 from tasks.data.imagedir import read_manifest
 from tasks.data.transform import build_transform
 from tasks.shared.errors import InvalidParameterError, TrainingDivergedError
 from tasks.shared.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
-from tasks.train.launch import TrainResult, train
+from tasks.train.launch import TrainResult
 from tasks.train.loop import THROUGHPUT_PER_PROCESS, check_weights, to_device
 from tasks.train.params import TrainParams
 from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision
-from tasks.train.request import TrainRequest
 
-PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)
+pytest_plugins = ["training_runs"]
 # From 64 px a CPU run trains channels-last (and, under auto, in bf16): the fast path.
 PRE64 = TransformSpec(resize_size=64, center_crop_size=64, random_horizontal_flip=False)
-FAST = {"epochs": 2, "batch_size": 8, "learning_rate": 0.01, "device": "cpu"}
 NO_GPU = "needs a CUDA GPU (runs on GPU machines; this one has none)"
 NO_TWO_GPUS = "needs 2 CUDA GPUs for a 2-process NCCL run"
-
-
-@pytest.fixture
-def untrained(tmp_path: Path) -> Path:
-    return write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
-
-
-def run_train(
-    settings: Settings,
-    untrained: Path,
-    data: tuple[Path, Path],
-    out: Path,
-    transform: TransformSpec = PRE,
-    **params: object,
-) -> TrainResult:
-    train_data, val_data = data
-    request = TrainRequest(
-        model=untrained,
-        train_data=train_data,
-        val_data=val_data,
-        out=out,
-        params={**FAST, **params},
-        transform=transform,
-    )
-    return train(request, settings)
 
 
 def run_config(result: TrainResult) -> dict:
