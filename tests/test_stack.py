@@ -248,7 +248,13 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
 
     train = served.deployment("imageops-train-model/train")
     before = len(served.flow_runs(train.id))
-    for bad in ({"params": {"epochs": 0}}, {"params": {"momentum": 1.5}}, {"train_data": 3}):
+    for bad in (
+        {"params": {"epochs": 0}},
+        {"params": {"momentum": 1.5}},
+        {"train_data": 3},
+        {"steps": {"version_dat": False}},  # a misspelt switch
+        {"multi_node": {"rdzv_endpoint": "nohost"}},  # no port
+    ):
         with served.client() as client, pytest.raises(PrefectHTTPStatusError) as refused:
             client.create_flow_run_from_deployment(train.id, parameters=bad)
         assert refused.value.response.status_code == 409, refused.value
