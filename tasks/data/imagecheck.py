@@ -82,6 +82,15 @@ class CheckJob:
     max_aspect_ratio: int
     scratch: str
 
+    def check(self, source: bytes | str) -> tuple[int, int]:
+        """:func:`check_image` of the file's bytes (or its scratch copy) under this job's limits."""
+        return check_image(
+            source,
+            PurePath(self.rel).suffix,
+            max_pixels=self.max_pixels,
+            max_aspect_ratio=self.max_aspect_ratio,
+        )
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -252,12 +261,7 @@ def check_file(job: CheckJob) -> CheckResult:
             return CheckResult(job.rel, reason=SkipReason.UNREADABLE_IMAGE.because(str(exc)))
     digest = hashlib.sha256(data).hexdigest()
     try:
-        width, height = check_image(
-            data,
-            PurePath(job.rel).suffix,
-            max_pixels=job.max_pixels,
-            max_aspect_ratio=job.max_aspect_ratio,
-        )
+        width, height = job.check(data)
     except ImageRefused as refused_image:
         return CheckResult(job.rel, digest, reason=refused_image.reason, size=len(data))
     try:
@@ -299,12 +303,7 @@ def _check_streamed(job: CheckJob, fh: io.BufferedReader, head: bytes) -> CheckR
                 out.write(chunk)
                 chunk = _read(fh, _CHUNK)
         try:
-            width, height = check_image(
-                scratch,
-                PurePath(job.rel).suffix,
-                max_pixels=job.max_pixels,
-                max_aspect_ratio=job.max_aspect_ratio,
-            )
+            width, height = job.check(scratch)
         except ImageRefused as refused:
             return CheckResult(job.rel, digest.hexdigest(), reason=refused.reason, size=size)
         os.makedirs(os.path.dirname(job.target), exist_ok=True)
