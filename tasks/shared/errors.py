@@ -10,6 +10,7 @@ from models.errors import ImageOpsError, InvalidModelDirectoryError, InvalidPara
 from tasks.shared.settings import redact_uri
 
 __all__ = [
+    "DataUnavailableError",
     "DatasetBusyError",
     "ExportParityError",
     "ImageOpsError",
@@ -131,6 +132,11 @@ class ObjectStoreError(ImageOpsError):
 
     The message names the endpoint or the ``s3://`` URL, never a secret key.
     """
+
+
+class DataUnavailableError(ImageOpsError):
+    """A data set version (by md5) could not be had on this machine: the DVC remote does not hold
+    it, or could not be reached. The message names the md5, the remote and this host."""
 
 
 class DatasetBusyError(ImageOpsError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,17 @@ def _answers(endpoint_url: str, access_key: str, secret_key: str) -> bool:
     return True
 
 
+# glog's error and fatal lines ("E1125 16:56:51.435317 file.go:403 ..."): what a failed start
+# said, without the goroutine dump a fatal error prints after it.
+_GLOG_ERROR = re.compile(r"^[EF]\d{4} ")
+
+
+def _what_it_said(log: Path, lines: int = 5) -> str:
+    """The last error lines of SeaweedFS's log, or its last lines when it logged no error."""
+    errors = [line for line in tail(log, 500).splitlines() if _GLOG_ERROR.match(line)]
+    return "\n".join(errors[-lines:]) or tail(log, 15)
+
+
 def _identities(access_key: str, secret_key: str) -> bytes:
     """SeaweedFS's S3 identities file: one identity with every action, no anonymous one."""
     identity = {
@@ -253,7 +265,8 @@ def start_seaweedfs(
     )
     raise ObjectStoreError(
         f"SeaweedFS ({' '.join(command[:2])} in {data_dir}) {what} "
-        f"({time.monotonic() - started:.0f} s after start). Its log {log} ends:\n{tail(log)}",
+        f"({time.monotonic() - started:.0f} s after start). Its log {log} says:\n"
+        f"{_what_it_said(log)}",
         f"Check that port {s3_port} on {host} is free and {data_dir} is writable; a slow "
         "machine may need a longer start timeout.",
     )

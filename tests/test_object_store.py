@@ -1,0 +1,206 @@
+"""S3 for all that machines share, on a real SeaweedFS: DVC, fetch by md5, MLflow, checkpoints.
+
+One SeaweedFS per test session (``s3_server`` in conftest), a bucket per test (``s3_bucket``),
+real DVC pushes and fetches, a real ``mlflow server`` and boto3 to look inside the bucket.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import boto3
+import psutil
+import pytest
+from botocore import UNSIGNED
+from botocore.config import Config
+from botocore.exceptions import ClientError
+from projects import use_project
+
+from tasks.data.imagedir import read_manifest
+from tasks.data.versioning import REMOTE_NAME, ensure_dvc_repo, fetch_version, version
+from tasks.shared.errors import DataUnavailableError, InvalidParameterError, ObjectStoreError
+from tasks.shared.object_store import S3Server, s3_client, start_seaweedfs
+from tasks.shared.servers import free_port
+from tasks.shared.settings import Settings
+
+
+def _keys(server: S3Server, bucket: str, prefix: str = "") -> list[str]:
+    client = s3_client(server.endpoint_url, server.access_key, server.secret_key)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+
+def _on_s3(
+    project: Settings, server: S3Server, monkeypatch: pytest.MonkeyPatch, **settings: str
+) -> Settings:
+    """``project`` with the server's keys and endpoint in the environment, and ``settings``."""
+    for key, value in server.environment().items():
+        monkeypatch.setenv(key, value)
+    for name, value in settings.items():
+        monkeypatch.setenv(f"IMAGEOPS_{name.upper()}", value)
+    return Settings()
+
+
+# --- the server --------------------------------------------------------------------------------
+
+
+def test_the_server_takes_its_keys_only_and_listens_on_its_host_only(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key).put_object(
+        Bucket=s3_bucket, Key="a/b.txt", Body=b"hello"
+    )
+    assert _keys(s3_server, s3_bucket) == ["a/b.txt"]
+
+    region = {"region_name": "us-east-1", "endpoint_url": s3_server.endpoint_url}
+    anonymous = boto3.client("s3", config=Config(signature_version=UNSIGNED), **region)
+    for request in (
+        lambda: anonymous.get_object(Bucket=s3_bucket, Key="a/b.txt"),
+        lambda: anonymous.put_object(Bucket=s3_bucket, Key="c.txt", Body=b"x"),
+        lambda: anonymous.list_objects_v2(Bucket=s3_bucket),
+    ):
+        with pytest.raises(ClientError, match="AccessDenied"):
+            request()
+    wrong = s3_client(s3_server.endpoint_url, s3_server.access_key, "not-the-secret")
+    with pytest.raises(ClientError, match="SignatureDoesNotMatch"):
+        wrong.get_object(Bucket=s3_bucket, Key="a/b.txt")
+
+    listening = [
+        c.laddr for c in psutil.Process(s3_server.pid).net_connections() if c.status == "LISTEN"
+    ]
+    assert len(listening) >= 7  # master, volume, filer, S3: HTTP and gRPC each
+    assert {address.ip for address in listening} == {"127.0.0.1"}
+    assert s3_server.environment()["AWS_ENDPOINT_URL"] == s3_server.endpoint_url
+    assert s3_server.secret_key not in repr(s3_server)
+
+
+def test_a_server_that_cannot_start_says_why_with_its_log(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ObjectStoreError, match="address already in use") as failed:
+            start_seaweedfs(
+                tmp_path / "s3", port=port, access_key="k", secret_key="s", start_timeout_s=60
+            )
+    assert str(port) in failed.value.hint and "seaweedfs.log" in failed.value.message
+
+
+# --- DVC ---------------------------------------------------------------------------------------
+
+
+def test_an_s3_dvc_remote_gets_its_endpoint_and_the_pushed_version(
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    digits_split: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = _on_s3(project, s3_server, monkeypatch, dvc_remote_url=f"s3://{s3_bucket}/dvc")
+    with ensure_dvc_repo(settings) as repo, repo.config.edit("local") as conf:
+        conf["remote"][REMOTE_NAME]["region"] = "us-east-1"  # a user's own option
+    data = settings.data_path / "train"
+    shutil.copytree(digits_split[0], data)
+
+    md5 = version(data, settings)
+
+    keys = _keys(s3_server, s3_bucket, "dvc/")
+    assert f"dvc/files/md5/{md5[:2]}/{md5[2:]}" in keys
+    assert len(keys) == 1 + sum(1 for p in data.rglob("*") if p.is_file())
+    with ensure_dvc_repo(settings) as repo:
+        remote = repo.config["remote"][REMOTE_NAME]
+    assert remote["url"] == f"s3://{s3_bucket}/dvc"
+    assert remote["endpointurl"] == s3_server.endpoint_url
+    assert remote["region"] == "us-east-1"
+
+
+# --- a version by md5 on a machine without the data --------------------------------------------
+
+
+def _pushed(settings: Settings, source: Path) -> str:
+    data = settings.data_path / "train"
+    shutil.copytree(source, data)
+    return version(data, settings)
+
+
+def _assert_same_image_directory(fetched: Path, source: Path) -> None:
+    manifest = read_manifest(fetched)
+    assert manifest == read_manifest(source)
+    for entry in manifest.images:
+        assert (fetched / entry.path).read_bytes() == (source / entry.path).read_bytes()
+
+
+@pytest.mark.parametrize("remote", ["s3", "folder"])
+def test_another_host_fetches_a_version_by_md5_once(
+    remote: str,
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = f"s3://{s3_bucket}/dvc" if remote == "s3" else str(tmp_path / "remote")
+    settings = _on_s3(project, s3_server, monkeypatch, dvc_remote_url=url)
+    md5 = _pushed(settings, digits_split[0])
+
+    other = use_project(tmp_path / "other-host", monkeypatch)
+    fetched = fetch_version(md5, other)
+
+    assert fetched.is_relative_to(other.home_dir)
+    _assert_same_image_directory(fetched, digits_split[0])
+    # Once fetched, no remote is asked: a remote that is not there does not matter.
+    monkeypatch.setenv("IMAGEOPS_DVC_REMOTE_URL", str(tmp_path / "gone"))
+    assert fetch_version(md5, Settings()) == fetched
+    assert not (tmp_path / "gone").exists()
+
+
+def test_two_fetches_at_once_take_turns_and_agree(
+    project: Settings,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("IMAGEOPS_DVC_REMOTE_URL", str(tmp_path / "remote"))
+    md5 = _pushed(Settings(), digits_split[1])
+    other = use_project(tmp_path / "other-host", monkeypatch)
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: fetch_version(md5, other), range(2))
+
+    assert first == second
+    _assert_same_image_directory(first, digits_split[1])
+    assert [p.name for p in first.parent.iterdir() if not p.name.startswith(".")] == [first.name]
+
+
+def test_a_version_the_remote_does_not_have_is_named_with_remote_and_host(
+    project: Settings, s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = _on_s3(project, s3_server, monkeypatch, dvc_remote_url=f"s3://{s3_bucket}/dvc")
+    md5 = "0123456789abcdef0123456789abcdef.dir"
+
+    with pytest.raises(DataUnavailableError) as missing:
+        fetch_version(md5, settings)
+
+    message = missing.value.message
+    assert md5 in message and f"s3://{s3_bucket}/dvc" in message
+    assert socket.gethostname() in message and "imageops version" in missing.value.hint
+    assert not any((settings.home_dir / "data-versions").glob("0123*"))
+    with pytest.raises(InvalidParameterError, match="32 hex"):
+        fetch_version("data/train", settings)
+
+
+def test_an_unreachable_remote_is_named_with_its_password_masked(
+    project: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = f"http://user:hunter2@127.0.0.1:{free_port()}/dvc"  # nobody listens there
+    monkeypatch.setenv("IMAGEOPS_DVC_REMOTE_URL", remote)
+
+    with pytest.raises(DataUnavailableError) as unreachable:
+        fetch_version("0123456789abcdef0123456789abcdef.dir", Settings())
+
+    assert remote.replace("hunter2", "***") in unreachable.value.message
+    assert "hunter2" not in str(unreachable.value)
