@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,13 +19,19 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from projects import use_project
+from server_processes import Processes, base_env, healthy
 
 from tasks.data.imagedir import read_manifest
 from tasks.data.versioning import REMOTE_NAME, ensure_dvc_repo, fetch_version, version
+from tasks.registry.model_uri import resolve_model
+from tasks.registry.register import register
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, ObjectStoreError
 from tasks.shared.object_store import S3Server, s3_client, start_seaweedfs
 from tasks.shared.servers import free_port
 from tasks.shared.settings import Settings
+from tasks.shared.tracking import configure_mlflow
+
+pytest_plugins = ["model_fixtures"]
 
 
 def _keys(server: S3Server, bucket: str, prefix: str = "") -> list[str]:
@@ -204,3 +211,47 @@ def test_an_unreachable_remote_is_named_with_its_password_masked(
 
     assert remote.replace("hunter2", "***") in unreachable.value.message
     assert "hunter2" not in str(unreachable.value)
+
+
+# --- MLflow artifacts --------------------------------------------------------------------------
+
+
+def test_an_mlflow_server_keeps_logged_models_in_s3_for_every_host(
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    exported_model: Path,
+    processes: Processes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = [
+        str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+        "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--artifacts-destination", f"s3://{s3_bucket}/mlartifacts", "--serve-artifacts",
+    ]  # fmt: skip
+    # Only the server holds the S3 keys: clients send artifacts through it.
+    server_env = base_env() | s3_server.environment()
+    processes.start(
+        "mlflow-server", server, server_env | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    )
+    for key in s3_server.environment():
+        monkeypatch.delenv(key, raising=False)
+    processes.wait("the MLflow server", lambda: healthy(f"{url}/health"))
+    monkeypatch.setenv("IMAGEOPS_MLFLOW_TRACKING_URI", url)
+    tracked = Settings()
+
+    registered = register(exported_model, settings=tracked)
+    experiment = configure_mlflow(tracked)  # the server chose its artifact location
+
+    keys = _keys(s3_server, s3_bucket, f"mlartifacts/{experiment}/")
+    assert any(k.endswith("/model.onnx") for k in keys), keys
+    assert any(k.endswith("/model.json") for k in keys), keys
+    other = use_project(tmp_path / "other-host", monkeypatch)
+    monkeypatch.setenv("IMAGEOPS_MLFLOW_TRACKING_URI", url)
+    scored_from = resolve_model(registered.model_uri, Settings())
+    assert scored_from.is_relative_to(other.home_dir)
+    assert (scored_from / "model.onnx").read_bytes() == (exported_model / "model.onnx").read_bytes()
