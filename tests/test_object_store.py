@@ -15,6 +15,7 @@ from pathlib import Path
 import boto3
 import psutil
 import pytest
+import torch
 from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
@@ -30,6 +31,8 @@ from tasks.shared.object_store import S3Server, s3_client, start_seaweedfs
 from tasks.shared.servers import free_port
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
+from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from tasks.train.checkpoint_store import download_checkpoint, upload_checkpoint
 
 pytest_plugins = ["model_fixtures"]
 
@@ -255,3 +258,74 @@ def test_an_mlflow_server_keeps_logged_models_in_s3_for_every_host(
     scored_from = resolve_model(registered.model_uri, Settings())
     assert scored_from.is_relative_to(other.home_dir)
     assert (scored_from / "model.onnx").read_bytes() == (exported_model / "model.onnx").read_bytes()
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["s3", "folder"])
+def test_a_checkpoint_stored_on_one_host_resumes_on_another(
+    store: str,
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = f"s3://{s3_bucket}/runs" if store == "s3" else str(tmp_path / "checkpoints")
+    settings = _on_s3(project, s3_server, monkeypatch, checkpoint_url=url)
+    local = save_checkpoint(
+        tmp_path / "run" / CHECKPOINT, {"config_digest": "d1", "epoch": 2, "w": torch.ones(3)}
+    )
+    assert not download_checkpoint("run-1", tmp_path / "nothing.pt", settings)
+    assert not (tmp_path / "nothing.pt").exists()
+
+    upload_checkpoint(local, "run-1", settings)
+
+    if store == "s3":
+        assert _keys(s3_server, s3_bucket) == [f"runs/run-1/{CHECKPOINT}"]
+    else:
+        assert (tmp_path / "checkpoints" / "run-1" / CHECKPOINT).is_file()
+    other = use_project(tmp_path / "other-host", monkeypatch)
+    resumed = other.runs_dir / "run-1" / CHECKPOINT
+    resumed.parent.mkdir(parents=True)
+    resumed.write_bytes(b"an older, broken checkpoint")
+    assert download_checkpoint("run-1", resumed, Settings())
+    state = load_checkpoint(resumed, "d1")
+    assert state is not None and state["epoch"] == 2 and torch.equal(state["w"], torch.ones(3))
+    assert [p.name for p in resumed.parent.iterdir()] == [CHECKPOINT]  # no temporary left
+
+
+def test_without_a_checkpoint_url_checkpoints_stay_in_the_run_folder(
+    project: Settings, tmp_path: Path
+) -> None:
+    local = tmp_path / CHECKPOINT
+    local.write_bytes(b"weights")
+    upload_checkpoint(local, "run-1", project)  # nothing to do, nothing raised
+    assert not download_checkpoint("run-1", tmp_path / "copy.pt", project)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT, "project"]
+
+
+def test_a_checkpoint_store_that_refuses_or_is_not_there_is_named(
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    local = tmp_path / CHECKPOINT
+    local.write_bytes(b"weights")
+    url = f"s3://{s3_bucket}/runs"
+    dead = Settings(checkpoint_url=url, s3_endpoint_url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ObjectStoreError, match=f"{url}/run-1/{CHECKPOINT}") as unreachable:
+        upload_checkpoint(local, "run-1", dead)
+    assert "IMAGEOPS_S3_ENDPOINT_URL" in unreachable.value.hint
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")  # keys this server does not know
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "nothing")
+    refused = Settings(checkpoint_url=url, s3_endpoint_url=s3_server.endpoint_url)
+    with pytest.raises(ObjectStoreError, match="InvalidAccessKeyId"):
+        download_checkpoint("run-1", tmp_path / "copy.pt", refused)
+    assert not (tmp_path / "copy.pt").exists()
+    with pytest.raises(InvalidParameterError, match="neither s3:// nor a folder"):
+        upload_checkpoint(local, "run-1", Settings(checkpoint_url="gs://bucket/runs"))

@@ -74,7 +74,8 @@ def s3_client(
         retries={"max_attempts": attempts, "mode": "standard"},
         s3={"addressing_style": "path"},
     )
-    return boto3.client(
+    # A session of its own: boto3's default one keeps the first keys it found for good.
+    return boto3.session.Session().client(
         "s3",
         endpoint_url=endpoint_url,
         aws_access_key_id=access_key,
