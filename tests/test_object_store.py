@@ -19,7 +19,7 @@ import torch
 from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from projects import use_project
+from projects import imageops, use_project
 from server_processes import Processes, base_env, healthy
 
 from tasks.data.imagedir import read_manifest
@@ -27,7 +27,7 @@ from tasks.data.versioning import REMOTE_NAME, ensure_dvc_repo, fetch_version, v
 from tasks.registry.model_uri import resolve_model
 from tasks.registry.register import register
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, ObjectStoreError
-from tasks.shared.object_store import S3Server, s3_client, start_seaweedfs
+from tasks.shared.object_store import S3Server, ensure_bucket, s3_client, start_seaweedfs
 from tasks.shared.servers import free_port
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
@@ -99,6 +99,25 @@ def test_a_server_that_cannot_start_says_why_with_its_log(tmp_path: Path) -> Non
     assert str(port) in failed.value.hint and "seaweedfs.log" in failed.value.message
 
 
+def test_a_server_started_again_on_its_folder_serves_what_it_stored(tmp_path: Path) -> None:
+    keys = {"access_key": "team", "secret_key": "team-secret"}
+    first = start_seaweedfs(tmp_path / "s3", **keys)
+    try:
+        ensure_bucket(first.endpoint_url, "kept", **keys)
+        s3_client(first.endpoint_url, **keys).put_object(Bucket="kept", Key="k", Body=b"v")
+    finally:
+        first.stop(timeout_s=1)  # SIGKILLed: it ignores SIGTERM for 15 s
+    assert not first.running()
+
+    again = start_seaweedfs(tmp_path / "s3", **keys)
+    try:
+        body = s3_client(again.endpoint_url, **keys).get_object(Bucket="kept", Key="k")["Body"]
+        assert body.read() == b"v"
+    finally:
+        again.stop(timeout_s=1)
+    assert (tmp_path / "s3" / "s3-identities.json").stat().st_mode & 0o777 == 0o600
+
+
 # --- DVC ---------------------------------------------------------------------------------------
 
 
@@ -115,8 +134,10 @@ def test_an_s3_dvc_remote_gets_its_endpoint_and_the_pushed_version(
     data = settings.data_path / "train"
     shutil.copytree(digits_split[0], data)
 
-    md5 = version(data, settings)
+    done = imageops("version", "data/train", cwd=settings.project_root)  # as a user runs it
 
+    assert done.returncode == 0, done.stdout + done.stderr
+    md5 = done.stdout.split()[0]
     keys = _keys(s3_server, s3_bucket, "dvc/")
     assert f"dvc/files/md5/{md5[:2]}/{md5[2:]}" in keys
     assert len(keys) == 1 + sum(1 for p in data.rglob("*") if p.is_file())
