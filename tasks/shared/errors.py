@@ -11,6 +11,7 @@ from tasks.shared.settings import redact_uri
 
 __all__ = [
     "ClusterUnavailableError",
+    "DataUnavailableError",
     "DatasetBusyError",
     "ExportParityError",
     "ImageOpsError",
@@ -23,6 +24,7 @@ __all__ = [
     "InvalidTuningSpecError",
     "NoUsableImagesError",
     "NotLabeledDatasetError",
+    "ObjectStoreError",
     "QuantizationAccuracyError",
     "RegistryError",
     "RendezvousTimeoutError",
@@ -132,6 +134,18 @@ class RegistryUnreachableError(RegistryError):
 
 class VersioningError(ImageOpsError):
     """DVC could not version a data set."""
+
+
+class ObjectStoreError(ImageOpsError):
+    """The S3 object store did not start, or refused or did not answer a request.
+
+    The message names the endpoint or the ``s3://`` URL, never a secret key.
+    """
+
+
+class DataUnavailableError(ImageOpsError):
+    """A data set version (by md5) could not be had on this machine: the DVC remote does not hold
+    it, or could not be reached. The message names the md5, the remote and this host."""
 
 
 class DatasetBusyError(ImageOpsError):
