@@ -2,7 +2,8 @@
 
 A multi-node job restarted on other machines finds no run folder of its own there: rank 0 uploads
 each epoch's checkpoint to ``<checkpoint_url>/<run_id>/checkpoint.pt`` (an ``s3://`` URL on the
-settings' S3 server, or a folder) and a restarted job downloads it first. An S3 object appears
+settings' S3 server, or a folder), the best weights beside it under their own name, and a
+restarted job downloads them first. An S3 object appears
 whole when its upload completes, and a download or a folder copy replaces the local file only
 once complete, so a crash on either side leaves the previous checkpoint. The keys come from
 ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``.
@@ -26,18 +27,18 @@ if TYPE_CHECKING:
 _S3 = "s3://"
 
 
-def _s3_location(url: str, run_id: str) -> tuple[str, str]:
-    """``(bucket, key)`` of ``run_id``'s checkpoint under ``s3://bucket/prefix``."""
+def _s3_location(url: str, run_id: str, name: str = CHECKPOINT) -> tuple[str, str]:
+    """``(bucket, key)`` of ``run_id``'s file ``name`` under ``s3://bucket/prefix``."""
     bucket, _, prefix = url.removeprefix(_S3).partition("/")
     if not bucket:
         raise InvalidParameterError(
             f"The checkpoint URL {url!r} names no bucket.",
             "Set IMAGEOPS_CHECKPOINT_URL to s3://BUCKET/PREFIX or to a folder.",
         )
-    return bucket, "/".join(p for p in (prefix.strip("/"), run_id, CHECKPOINT) if p)
+    return bucket, "/".join(p for p in (prefix.strip("/"), run_id, name) if p)
 
 
-def _folder_location(url: str, run_id: str, settings: Settings) -> Path:
+def _folder_location(url: str, run_id: str, settings: Settings, name: str = CHECKPOINT) -> Path:
     if "://" in url:
         raise InvalidParameterError(
             f"The checkpoint URL {url!r} is neither s3:// nor a folder.",
@@ -45,7 +46,7 @@ def _folder_location(url: str, run_id: str, settings: Settings) -> Path:
         )
     folder = Path(url).expanduser()
     folder = folder if folder.is_absolute() else settings.project_root.resolve() / folder
-    return folder / run_id / CHECKPOINT
+    return folder / run_id / name
 
 
 def _client(settings: Settings) -> BaseClient:
@@ -62,7 +63,7 @@ def _s3_error(exc: Exception, action: str, url: str, settings: Settings) -> Obje
 
 
 def upload_checkpoint(local: Path, run_id: str, settings: Settings) -> None:
-    """Copy the checkpoint file ``local`` to ``run_id``'s place under ``settings.checkpoint_url``.
+    """Copy the file ``local`` to ``run_id``'s place under ``settings.checkpoint_url``, by name.
 
     Does nothing without a checkpoint URL (checkpoints then stay in the run folder). Raises
     :class:`ObjectStoreError` naming the URL when S3 refuses or does not answer.
@@ -71,12 +72,12 @@ def upload_checkpoint(local: Path, run_id: str, settings: Settings) -> None:
     if url is None:
         return
     if not url.startswith(_S3):
-        with atomic_file(_folder_location(url, run_id, settings)) as tmp:
+        with atomic_file(_folder_location(url, run_id, settings, Path(local).name)) as tmp:
             shutil.copyfile(local, tmp)
         return
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, key = _s3_location(url, run_id)
+    bucket, key = _s3_location(url, run_id, Path(local).name)
     try:
         _client(settings).upload_file(str(local), bucket, key)
     except (BotoCoreError, ClientError) as exc:
@@ -84,7 +85,7 @@ def upload_checkpoint(local: Path, run_id: str, settings: Settings) -> None:
 
 
 def download_checkpoint(run_id: str, dest: Path, settings: Settings) -> bool:
-    """Write ``run_id``'s stored checkpoint to ``dest``; False when there is none to resume from.
+    """Write ``run_id``'s stored file named as ``dest`` to ``dest``; False when there is none.
 
     ``dest`` is replaced only by a complete copy. Raises :class:`ObjectStoreError` naming the
     URL when S3 refuses or does not answer (a missing checkpoint is no error).
@@ -93,7 +94,7 @@ def download_checkpoint(run_id: str, dest: Path, settings: Settings) -> bool:
     if url is None:
         return False
     if not url.startswith(_S3):
-        source = _folder_location(url, run_id, settings)
+        source = _folder_location(url, run_id, settings, Path(dest).name)
         if not source.is_file():
             return False
         with atomic_file(Path(dest)) as tmp:
@@ -101,7 +102,7 @@ def download_checkpoint(run_id: str, dest: Path, settings: Settings) -> bool:
         return True
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, key = _s3_location(url, run_id)
+    bucket, key = _s3_location(url, run_id, Path(dest).name)
     try:
         response = _client(settings).get_object(Bucket=bucket, Key=key)
         with response["Body"] as body, atomic_file(Path(dest)) as tmp, tmp.open("wb") as out:
@@ -112,4 +113,25 @@ def download_checkpoint(run_id: str, dest: Path, settings: Settings) -> bool:
         raise _s3_error(exc, "download", f"{_S3}{bucket}/{key}", settings) from exc
     except BotoCoreError as exc:
         raise _s3_error(exc, "download", f"{_S3}{bucket}/{key}", settings) from exc
+    return True
+
+
+def stored_checkpoint(run_id: str, settings: Settings) -> bool:
+    """Whether ``run_id`` has a checkpoint under ``settings.checkpoint_url`` to resume from."""
+    url = settings.checkpoint_url
+    if url is None:
+        return False
+    if not url.startswith(_S3):
+        return _folder_location(url, run_id, settings).is_file()
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = _s3_location(url, run_id)
+    try:
+        _client(settings).head_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            return False
+        raise _s3_error(exc, "look up", f"{_S3}{bucket}/{key}", settings) from exc
+    except BotoCoreError as exc:
+        raise _s3_error(exc, "look up", f"{_S3}{bucket}/{key}", settings) from exc
     return True

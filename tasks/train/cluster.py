@@ -241,7 +241,7 @@ class _Gang:
             bundle["GPU"] = float(params.nproc_per_node)
         self.group = placement_group([bundle] * params.nodes, strategy="STRICT_SPREAD")
         self._wait_for_capacity(bundle)
-        agent = ray.remote(NodeAgent).options(max_concurrency=2, max_restarts=0)
+        agent = ray.remote(max_concurrency=2, max_restarts=0)(NodeAgent)
         servers = _servers(self.settings)
         self.agents = [
             agent.options(
