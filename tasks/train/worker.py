@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,12 +139,13 @@ def _check_world(config: RunConfig, dist: distributed.DistInfo) -> None:
     device = dist.device
     lent = os.environ.get("CUDA_VISIBLE_DEVICES") if device.type == "cuda" else None
     log.info(
-        "attempt %d: rank %d of %d on %s%s, run folder %s",
+        "attempt %d: rank %d of %d on %s%s on host %s, run folder %s",
         _attempt(),
         dist.rank,
         dist.world_size,
         device,
         f" (CUDA_VISIBLE_DEVICES={lent})" if lent else "",  # a tuning trial's GPUs
+        socket.gethostname(),
         config.run_dir,
     )
 
