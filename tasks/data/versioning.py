@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from models.atomic import atomic_directory, write_text
+from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings, redact_uri
@@ -469,6 +470,7 @@ def fetch_version(md5: str, settings: Settings | None = None) -> Path:
             try:
                 repo.fetch(targets=[str(dvc_file)])
                 repo.checkout(targets=[str(dvc_file)], force=True)
+                faults.point("data.version_checked_out", md5=md5)
             except CheckoutError as exc:  # the fetch found nothing (DVC only warns)
                 why = "neither the remote nor this host's DVC cache has it, or the remote did "
                 raise _unavailable(md5, settings, why + "not answer.") from exc
