@@ -202,15 +202,19 @@ def _with_autostage(repo: Repo) -> Repo:
     return Repo(root)
 
 
+def _quiet_dvc_logs() -> None:
+    """Importing dvc sets its loggers to INFO with handlers of their own, which would print every
+    "git add ..." hint twice inside a Prefect run; a step reports what it did itself."""
+    for name in ("dvc", "dvc_data", "dvc_objects"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _ensure(settings: Settings) -> Repo:
     """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    # Importing dvc sets its loggers to INFO with handlers of their own, which would print every
-    # "git add ..." hint twice inside a Prefect run; a step reports what it did itself.
-    for name in ("dvc", "dvc_data", "dvc_objects"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet_dvc_logs()
     root = settings.project_root.resolve()
     if not root.is_dir():
         raise VersioningError(
@@ -399,6 +403,7 @@ def _open_versions_repo(settings: Settings) -> Repo:
     """
     from dvc.repo import Repo
 
+    _quiet_dvc_logs()
     root = settings.home_dir / VERSIONS_DIR
     config = root / ".dvc" / "config"
     if config.is_file() and config.stat().st_size > 0:
