@@ -6,8 +6,11 @@ real DVC pushes and fetches, a real ``mlflow server`` and boto3 to look inside t
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,12 +23,13 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from projects import imageops, use_project
-from server_processes import Processes, base_env, healthy
+from server_processes import ROOT, Processes, base_env, healthy
 
 from tasks.data.imagedir import read_manifest
 from tasks.data.versioning import REMOTE_NAME, ensure_dvc_repo, fetch_version, version
 from tasks.registry.model_uri import resolve_model
 from tasks.registry.register import register
+from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, ObjectStoreError
 from tasks.shared.object_store import S3Server, ensure_bucket, s3_client, start_seaweedfs
 from tasks.shared.servers import free_port
@@ -205,6 +209,29 @@ def test_two_fetches_at_once_take_turns_and_agree(
     assert first == second
     _assert_same_image_directory(first, digits_split[1])
     assert [p.name for p in first.parent.iterdir() if not p.name.startswith(".")] == [first.name]
+
+
+def test_a_fetch_killed_before_its_rename_leaves_nothing_that_looks_fetched(
+    project: Settings,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("IMAGEOPS_DVC_REMOTE_URL", str(tmp_path / "remote"))
+    md5 = _pushed(Settings(), digits_split[1])
+    other = use_project(tmp_path / "other-host", monkeypatch)
+    fetch = f"from tasks.data.versioning import fetch_version; fetch_version({md5!r})"
+    env = os.environ | {"PYTHONPATH": str(ROOT), faults.FAULT: "data.version_checked_out:kill"}
+
+    killed = subprocess.run([sys.executable, "-c", fetch], env=env, timeout=120, check=False)
+
+    assert killed.returncode == -signal.SIGKILL
+    versions = other.home_dir / "data-versions"
+    assert [p.name for p in versions.iterdir() if not p.name.startswith(".")] == []
+    assert any(versions.glob(".*.tmp"))  # the checkout it was killed after
+    fetched = fetch_version(md5, other)
+    _assert_same_image_directory(fetched, digits_split[1])
+    assert not any(versions.glob(".*.tmp*"))  # the dead fetch's folder and .dvc file are gone
 
 
 def test_a_version_the_remote_does_not_have_is_named_with_remote_and_host(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from models.atomic import atomic_directory, write_text
+from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings, redact_uri
@@ -201,15 +202,19 @@ def _with_autostage(repo: Repo) -> Repo:
     return Repo(root)
 
 
+def _quiet_dvc_logs() -> None:
+    """Importing dvc sets its loggers to INFO with handlers of their own, which would print every
+    "git add ..." hint twice inside a Prefect run; a step reports what it did itself."""
+    for name in ("dvc", "dvc_data", "dvc_objects"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _ensure(settings: Settings) -> Repo:
     """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    # Importing dvc sets its loggers to INFO with handlers of their own, which would print every
-    # "git add ..." hint twice inside a Prefect run; a step reports what it did itself.
-    for name in ("dvc", "dvc_data", "dvc_objects"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet_dvc_logs()
     root = settings.project_root.resolve()
     if not root.is_dir():
         raise VersioningError(
@@ -398,6 +403,7 @@ def _open_versions_repo(settings: Settings) -> Repo:
     """
     from dvc.repo import Repo
 
+    _quiet_dvc_logs()
     root = settings.home_dir / VERSIONS_DIR
     config = root / ".dvc" / "config"
     if config.is_file() and config.stat().st_size > 0:
@@ -469,6 +475,7 @@ def fetch_version(md5: str, settings: Settings | None = None) -> Path:
             try:
                 repo.fetch(targets=[str(dvc_file)])
                 repo.checkout(targets=[str(dvc_file)], force=True)
+                faults.point("data.version_checked_out", md5=md5)
             except CheckoutError as exc:  # the fetch found nothing (DVC only warns)
                 why = "neither the remote nor this host's DVC cache has it, or the remote did "
                 raise _unavailable(md5, settings, why + "not answer.") from exc

@@ -232,8 +232,9 @@ def start_seaweedfs(
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = Path(log) if log is not None else data_dir / LOG_FILE
-    identities = write_bytes(data_dir / IDENTITIES_FILE, _identities(access_key, secret_key))
-    identities.chmod(0o600)
+    identities = write_bytes(
+        data_dir / IDENTITIES_FILE, _identities(access_key, secret_key), mode=0o600
+    )
     s3_port = port if port is not None else servers.free_port(host)
     ports = servers.free_ports(7, host)
     if s3_port in ports:  # the caller's port was free a moment ago: take other ones
