@@ -138,14 +138,23 @@ def _check_world(config: RunConfig, dist: distributed.DistInfo) -> None:
         )
     device = dist.device
     lent = os.environ.get("CUDA_VISIBLE_DEVICES") if device.type == "cuda" else None
+    # Where the ranks meet, and on which interface: across machines, never a loopback address.
+    meets = ""
+    if dist.world_size > 1:
+        meets = f", meeting at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        ifname = os.environ.get(
+            "NCCL_SOCKET_IFNAME" if device.type == "cuda" else "GLOO_SOCKET_IFNAME"
+        )
+        meets += f" via {ifname}" if ifname else ""
     log.info(
-        "attempt %d: rank %d of %d on %s%s on host %s, run folder %s",
+        "attempt %d: rank %d of %d on %s%s on host %s%s, run folder %s",
         _attempt(),
         dist.rank,
         dist.world_size,
         device,
         f" (CUDA_VISIBLE_DEVICES={lent})" if lent else "",  # a tuning trial's GPUs
         socket.gethostname(),
+        meets,
         config.run_dir,
     )
 
