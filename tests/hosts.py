@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,20 +128,28 @@ class Hosts:
         """A long-running process on ``host`` (logged, stopped at the end)."""
         return self.processes.start(f"{host.name}-{name}", host.command(args), host.env | env)
 
+    def power_off(self, host: Host, timeout_s: float = 10.0) -> None:
+        """Every process of ``host`` SIGKILLed, as a machine that loses power; returns once
+        none is left (a process forked meanwhile is killed in the next round)."""
+        deadline = time.monotonic() + timeout_s
+        while pids := subprocess.run(
+            ["ip", "netns", "pids", host.netns], capture_output=True, text=True
+        ).stdout.split():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{host.name} still runs {pids} after {timeout_s} s")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+            time.sleep(0.2)
+
     def __exit__(self, *exc: object) -> None:
         self.processes.stop()
         self._remove()
 
     def _remove(self) -> None:
         for host in self.hosts:
+            self.power_off(host)  # no stray Ray node or worker outlives its namespace
             with contextlib.suppress(subprocess.CalledProcessError):
-                # Whatever still runs in the namespace dies with it (no stray Ray or worker).
-                pids = subprocess.run(
-                    ["ip", "netns", "pids", host.netns], capture_output=True, text=True
-                ).stdout.split()
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), 9)
                 _ip("netns", "del", host.netns)
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.bridge)

@@ -11,8 +11,10 @@ import json
 import re
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from server_processes import base_env, free_port, healthy
 
 from models.untrained import resnet, write_untrained
 from tasks.data.transform import init_transformation
+from tasks.shared import faults
+from tasks.train.loop import METRICS
 
 pytestmark = [
     pytest.mark.slow,
@@ -75,20 +79,38 @@ class Team:
         for host in hosts.hosts:
             host.env |= self.env
         self.cluster = f"{self.a.address}:6379"
-        self.ray_tmp = [Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")) for _ in range(2)]
-        ray = [str(Path(PY).with_name("ray")), "start", "--block", "--num-cpus", "1",
-               "--disable-usage-stats"]  # fmt: skip
-        hosts.start(
-            self.a, "ray-head",
-            [*ray, "--head", "--port", "6379", "--node-ip-address", self.a.address,
-             "--include-dashboard=false", "--temp-dir", str(self.ray_tmp[0])],
-        )  # fmt: skip
+        self.ray_tmp: list[Path] = []
+        # A node that stops answering is declared dead in about 3 s, not Ray's default 15 s+.
+        quick = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                 "RAY_health_check_failure_threshold": "3"}  # fmt: skip
+        self.start_ray(self.a, "--head", "--port", "6379", "--include-dashboard=false", **quick)
         servers.wait("MLflow", lambda: healthy(f"{self.mlflow}/health"), 120)
         servers.wait("Prefect", lambda: healthy(f"{self.prefect_api}/health"), 120)
-        hosts.start(
-            self.b, "ray-worker",
-            [*ray, "--address", self.cluster, "--node-ip-address", self.b.address,
-             "--temp-dir", str(self.ray_tmp[1])],
+        self.start_ray(self.b, "--address", self.cluster)
+        self.wait_for_nodes(2)
+
+    def wait_for_nodes(self, count: int) -> None:
+        """Until the cluster counts ``count`` nodes alive (asked from host A, a node)."""
+        ask = (
+            "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+            "print(sum(n['Alive'] for n in ray.nodes()))"
+        )
+
+        def alive() -> bool:
+            done = self.a.run([PY, "-c", ask, self.cluster], timeout_s=60)
+            return done.returncode == 0 and done.stdout.strip().endswith(str(count))
+
+        self.hosts.processes.wait(f"{count} Ray nodes", alive, 120)
+
+    def start_ray(self, host: Host, *args: str, **env: str) -> None:
+        """A Ray node on ``host``: the head (``--head``) or a worker joining the cluster."""
+        self.ray_tmp.append(Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")))
+        self.hosts.start(
+            host, f"ray-{len(self.ray_tmp)}",
+            [str(Path(PY).with_name("ray")), "start", "--block", "--num-cpus", "1",
+             "--disable-usage-stats", "--node-ip-address", host.address,
+             "--temp-dir", str(self.ray_tmp[-1]), *args],
+            **env,
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -123,15 +145,47 @@ def cli(host: Host, *args: str, timeout_s: float = 600) -> str:
     return result.stdout
 
 
+def train_command(host: Host, cluster: str, **params: object) -> list[str]:
+    """`imageops train` of a fresh resnet18 on the digits at 16 px, as typed on ``host``."""
+    write_untrained(resnet("resnet18", pretrained=False), host.project / "untrained")
+    init_transformation(host.project / "transform", SMALL)
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in (TRAIN | params).items()]
+    return [PY, "-m", "app.cli", "train", "untrained", "data/digits/train", "data/digits/val",
+            "model", "--cluster", cluster, "--transform", "transform", *options]  # fmt: skip
+
+
+def wait_for(what: str, ready: object, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def epoch_ended(trace: Path) -> bool:
+    return trace.exists() and bool(faults.reached(trace, "train.epoch_end"))
+
+
+def training_processes(hosts: Hosts) -> list[str]:
+    """The torchrun and worker processes still alive on any host."""
+    found = []
+    for host in hosts.hosts:
+        pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True,
+                              text=True).stdout.split()  # fmt: skip
+        for pid in pids:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "torch.distributed.run" in command or "tasks.train.worker" in command:
+                found.append(f"{host.name}: {pid} {command[:80]}")
+    return found
+
+
 def test_a_two_node_job_from_the_cli_runs_one_rank_on_each_host(team: Team) -> None:
     b = team.b
-    write_untrained(resnet("resnet18", pretrained=False), b.project / "untrained")
-    init_transformation(b.project / "transform", SMALL)
-    options = [f"--{k.replace('_', '-')}={v}" for k, v in TRAIN.items()]
-    printed = cli(
-        b, "train", "untrained", "data/digits/train", "data/digits/val", "model",
-        "--cluster", team.cluster, "--transform", "transform", *options,
-    )  # fmt: skip
+    done = b.run(train_command(b, team.cluster), COLUMNS="200")
+    assert done.returncode == 0, done.stdout + done.stderr
+    printed = done.stdout
     (run_id,) = re.findall(r"MLflow run: (\w+)", printed)
     client = MlflowClient(team.mlflow)
     run = client.get_run(run_id)
@@ -186,3 +240,38 @@ def test_a_two_node_job_from_prefect_is_registered_and_scored_on_the_other_host(
     cli(b, "score", f"models:/{MODEL}/{version.version}", "data/digits/val", "scored.csv")
     rows = (b.project / "scored.csv").read_text().splitlines()
     assert len(rows) > 10 and rows[0].startswith("id,path,category")
+
+
+def test_a_lost_node_resumes_from_the_last_checkpoint_once_it_is_back(team: Team) -> None:
+    """Host B loses power right after epoch 1; the job goes on from epoch 1's checkpoint (in
+    S3) once B has joined again, and MLflow has every epoch once."""
+    a, b, hosts = team.a, team.b, team.hosts
+    trace = b.root / "fault-trace"
+    hosts.power_off(b)  # B rejoins with the fault armed: its rank stops after epoch 1
+    team.start_ray(
+        b, "--address", team.cluster,
+        IMAGEOPS_FAULT="train.epoch_end:epoch=1:stop", IMAGEOPS_FAULT_TRACE=str(trace),
+    )  # fmt: skip
+    team.wait_for_nodes(2)  # the dead B is no longer counted, the armed one is
+    driver = subprocess.Popen(
+        a.command(train_command(a, team.cluster, epochs=2)), env=a.env | {"COLUMNS": "200"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for("host B's rank at the end of epoch 1", lambda: epoch_ended(trace), 300)
+        hosts.power_off(b)
+        time.sleep(2)
+        team.start_ray(b, "--address", team.cluster)  # capacity is back
+        printed, _ = driver.communicate(timeout=400)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, printed
+    assert "the job starts again from its last checkpoint" in printed
+    (run_id,) = re.findall(r"MLflow run: (\w+)", printed)
+    client = MlflowClient(team.mlflow)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    for name in METRICS:  # each epoch logged once
+        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == [1, 2], name
+    logs = client.download_artifacts(run_id, "logs", str(a.root / "lost-node-logs"))
+    rank_logs = "".join(p.read_text() for p in Path(logs).glob("rank_*.log"))
+    assert "resumed from the checkpoint after epoch 1" in rank_logs

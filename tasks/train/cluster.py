@@ -30,6 +30,7 @@ from tasks.shared.tracking import configure_mlflow
 from tasks.train.cluster_node import NodeAgent, NodeInfo, NodeJob, NodeOutcome
 from tasks.train.finish import RESULT
 from tasks.train.mlflow_run import complete_run, publish_report, require_run, resume_or_create_run
+from tasks.train.params import RunConfig
 from tasks.train.request import Request, TrainRequest, check_request
 from tasks.train.torchrun import NodePlace
 
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 POLL_S = 0.5
+# How long a node's failure waits for the cluster to say whether another node died (Ray's
+# health checks take about 15 s to declare a silent node dead).
+LOSS_GRACE_S = 45.0
 
 
 def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Path, dict]:
@@ -58,64 +62,106 @@ def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Pa
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     if request.run_id is not None:
         require_run(client, request.run_id)
-    untrained = (request.model / MODEL_JSON).read_text()
-    run_id, run_dir, result, status = request.run_id, None, None, "FAILED"
+    job = NodeJob(
+        request=request,
+        config=checked.config,
+        untrained=json.loads((request.model / MODEL_JSON).read_text()),
+        data_md5=data_md5,
+    )
+    run = _Run(client, experiment_id, checked, settings, request)
+    result, status = None, "FAILED"
     try:
-        for attempt in range(request.max_restarts + 1):
-            with _Gang(request, settings, log) as gang:
-                job = NodeJob(
-                    request=request,
-                    config=checked.config,
-                    untrained=json.loads(untrained),
-                    data_md5=data_md5,
-                )
-                precision = gang.prepare(job)
-                if run_id is None:
-                    decided = Request(
-                        checked.spec,
-                        checked.config.model_copy(update={"precision": precision}),
-                        checked.train_manifest,
-                        checked.val_manifest,
-                        precision_decided=True,
-                    )
-                    run_id = resume_or_create_run(
-                        client, experiment_id, decided, settings, request.run_name
-                    )
-                run_dir = settings.runs_dir / run_id
-                client.update_run(run_id, status="RUNNING")
-                config = checked.config.model_copy(
-                    update={"precision": precision, "run_dir": run_dir, "mlflow_run_id": run_id}
-                )
-                log.info(
-                    "MLflow run %s: %d nodes x %d processes on the cluster at %s (attempt %d)",
-                    run_id, params.nodes, params.nproc_per_node, params.cluster, attempt + 1,
-                )  # fmt: skip
-                outcomes = gang.train(job.model_copy(update={"config": config}))
-            if outcomes is not None:
-                break
-            log.warning(
-                "a node of run %s was lost; the job starts again from its last checkpoint once "
-                "the cluster offers %d nodes again (waiting up to %d s)",
-                run_id, params.nodes, params.cluster_timeout_s,
-            )  # fmt: skip
-        else:
-            raise ClusterUnavailableError(
-                f"Run {run_id} lost a node on each of its {request.max_restarts + 1} attempts "
-                f"on the cluster at {params.cluster}.",
-                "Check the nodes' health (ray status), then start the job again: it resumes "
-                "from its last checkpoint. More attempts: max_restarts.",
-            )
-        assert run_dir is not None
-        result = _unpack(outcomes, run_dir, request.out)
+        outcomes = _run_gang(job, run, settings, log)
+        result = _unpack(outcomes, run.dir, request.out)
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
-        if run_id is not None and run_dir is not None:
-            complete_run(client, run_id, run_dir, result, status)
-    publish_report(run_id, run_dir, result, settings)
-    return run_id, run_dir, result
+        if run.id is not None:
+            complete_run(client, run.id, run.dir, result, status)
+    publish_report(run.id, run.dir, result, settings)
+    return run.id, run.dir, result
+
+
+class NodeLost(Exception):
+    """A node of the gang died (or its machine went away); ``training``: after training began."""
+
+    def __init__(self, what: str, training: bool) -> None:
+        super().__init__(what)
+        self.training = training
+
+
+# Gangs that lose a node before training starts (a machine dying as it is placed) are placed
+# again, this many times at most; a loss during training counts against max_restarts.
+PLACEMENTS = 3
+
+
+def _run_gang(job: NodeJob, run: _Run, settings: Settings, log: Any) -> list[NodeOutcome]:
+    """The gang, placed and trained, again from the last checkpoint when a node is lost."""
+    request = job.request
+    params = request.params
+    restarts, placements = request.max_restarts, PLACEMENTS
+    while True:
+        try:
+            with _Gang(request, settings, log) as gang:
+                return gang.run(job, run)
+        except NodeLost as lost:
+            if lost.training:
+                restarts -= 1
+            else:
+                placements -= 1
+            if restarts < 0 or placements < 0:
+                raise ClusterUnavailableError(
+                    f"Run {run.id} lost a node on the cluster at {params.cluster} "
+                    f"{request.max_restarts + 1} times while training ({lost}).",
+                    "Check the nodes' health (ray status), then start the job again: it "
+                    "resumes from its last checkpoint. More attempts: max_restarts.",
+                ) from None
+            log.warning(
+                "a node of run %s was lost (%s); the job starts again from its last checkpoint "
+                "once the cluster offers %d nodes again (waiting up to %d s)",
+                run.id, lost, params.nodes, params.cluster_timeout_s,
+            )  # fmt: skip
+
+
+class _Run:
+    """The job's MLflow run: opened once the precision is decided, then reused by every gang."""
+
+    def __init__(
+        self,
+        client: MlflowClient,
+        experiment_id: str,
+        checked: Request,
+        settings: Settings,
+        request: TrainRequest,
+    ) -> None:
+        self.client, self.experiment_id, self.checked = client, experiment_id, checked
+        self.settings, self.request = settings, request
+        self.id: str | None = request.run_id
+
+    @property
+    def dir(self) -> Path:
+        return self.settings.runs_dir / str(self.id)
+
+    def config(self, precision: str) -> RunConfig:
+        """The run's config with ``precision``, the run opened (or continued) first."""
+        checked = self.checked
+        if self.id is None:
+            decided = Request(
+                checked.spec,
+                checked.config.model_copy(update={"precision": precision}),
+                checked.train_manifest,
+                checked.val_manifest,
+                precision_decided=True,
+            )
+            self.id = resume_or_create_run(
+                self.client, self.experiment_id, decided, self.settings, self.request.run_name
+            )
+        self.client.update_run(self.id, status="RUNNING")
+        return checked.config.model_copy(
+            update={"precision": precision, "run_dir": self.dir, "mlflow_run_id": self.id}
+        )
 
 
 def _require_servers(settings: Settings) -> None:
@@ -253,7 +299,9 @@ class _Gang:
             ).remote(servers)
             for rank in range(params.nodes)
         ]
-        self.nodes = self._get([a.where.remote() for a in self.agents], "find the nodes")
+        self.nodes = self._get(
+            [a.where.remote() for a in self.agents], "find the nodes", training=False
+        )
         self.log.info("nodes: %s", ", ".join(f"{n.address} ({n.hostname})" for n in self.nodes))
         return self
 
@@ -280,33 +328,40 @@ class _Gang:
             "node, or wait longer with cluster_timeout_s.",
         )
 
-    def prepare(self, job: NodeJob) -> str:
-        """Every node gets the data; node 0 decides the precision."""
+    def run(self, job: NodeJob, run: _Run) -> list[NodeOutcome]:
+        """Every node gets the data (node 0 decides the precision), then all train."""
         calls = [a.prepare.remote(job, rank) for rank, a in enumerate(self.agents)]
-        precisions = self._get(calls, "prepare the nodes")
-        return str(precisions[0])
-
-    def train(self, job: NodeJob) -> list[NodeOutcome] | None:
-        """Run the nodes' torchruns; None when a node was lost (the caller restarts the gang)."""
-        import ray
-
+        precision = str(self._get(calls, "prepare the nodes", training=False)[0])
+        config = run.config(precision)
         params = self.request.params
+        self.log.info(
+            "MLflow run %s: %d nodes x %d processes on the cluster at %s",
+            run.id, params.nodes, params.nproc_per_node, params.cluster,
+        )  # fmt: skip
         head = self.nodes[0]
         endpoint = f"{_host(head.address)}:{head.port}"
         calls = [
             agent.train.remote(
-                job, NodePlace(rank, endpoint, self.nodes[rank].address, params.rdzv_timeout_s)
+                job.model_copy(update={"config": config}),
+                NodePlace(rank, endpoint, self.nodes[rank].address, params.rdzv_timeout_s),
             )
             for rank, agent in enumerate(self.agents)
         ]
         try:
-            return self._get(calls, "train")
-        except (ray.exceptions.ActorDiedError, ray.exceptions.NodeDiedError) as exc:
-            self.log.warning("lost a node: %s", str(exc).splitlines()[0])
-            return None
+            return self._get(calls, "train", training=True)
+        except ImageOpsError as error:
+            # A peer's torchrun fails the moment a node's store or ranks vanish, well before
+            # the cluster declares that node dead: a node that died meanwhile is the cause.
+            lost = self._lost_node(calls) if error.retryable else None
+            if lost is None:
+                raise
+            raise NodeLost(f"node {lost}; the others failed with it", training=True) from None
 
-    def _get(self, calls: list[Any], what: str) -> list[Any]:
-        """The calls' values; the first failure raised as the node's own error."""
+    def _get(self, calls: list[Any], what: str, *, training: bool) -> list[Any]:
+        """The calls' values; the first failure raised as the node's own error.
+
+        Raises NodeLost when a node's actor or machine died (``training``: while training).
+        """
         import ray
 
         pending = list(calls)
@@ -315,6 +370,8 @@ class _Gang:
             for ref in done:
                 try:
                     ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError) as exc:
+                    raise NodeLost(str(exc).splitlines()[0], training) from None
                 except ray.exceptions.RayTaskError as exc:
                     cause = exc.cause
                     if isinstance(cause, ImageOpsError):

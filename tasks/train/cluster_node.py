@@ -59,6 +59,7 @@ class NodeInfo(BaseModel):
     """Where a node is, as its peers reach it."""
 
     hostname: str
+    node_id: str  # the Ray node's id: a machine that rejoins is another node
     address: str  # the Ray node's address: what the other nodes dial
     port: int  # free on that address now: node 0's rendezvous store takes it
     gpus: int
@@ -95,7 +96,10 @@ class NodeAgent:
             probe.bind((address, 0))
             port = probe.getsockname()[1]
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return NodeInfo(hostname=socket.gethostname(), address=address, port=port, gpus=gpus)
+        node_id = ray.get_runtime_context().get_node_id()
+        return NodeInfo(
+            hostname=socket.gethostname(), node_id=node_id, address=address, port=port, gpus=gpus
+        )
 
     def prepare(self, job: NodeJob, node_rank: int) -> str | None:
         """Get the data and the untrained model here; node 0 decides "auto" precision."""
