@@ -40,3 +40,18 @@ def test_servers_for_scale_out_are_only_other_settings(
 def test_unknown_setting_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mlflow_uri"):
         Settings(project_root=tmp_path, mlflow_uri="x")  # type: ignore[call-arg]
+
+
+def test_an_s3_endpoint_reaches_every_s3_client_and_the_keys_stay_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IMAGEOPS_S3_ENDPOINT_URL", "http://10.0.0.1:8333")
+    monkeypatch.setenv("IMAGEOPS_CHECKPOINT_URL", "s3://team/checkpoints")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-setting")
+    env = Settings(project_root=tmp_path).environment()
+    assert env["AWS_ENDPOINT_URL"] == env["MLFLOW_S3_ENDPOINT_URL"] == "http://10.0.0.1:8333"
+    assert env["IMAGEOPS_S3_ENDPOINT_URL"] == "http://10.0.0.1:8333"
+    assert env["IMAGEOPS_CHECKPOINT_URL"] == "s3://team/checkpoints"
+    assert "not-a-setting" not in env.values()
+    local = Settings(project_root=tmp_path, s3_endpoint_url=None, checkpoint_url=None)
+    assert "AWS_ENDPOINT_URL" not in local.environment() and local.checkpoint_url is None

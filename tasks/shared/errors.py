@@ -22,6 +22,7 @@ __all__ = [
     "InvalidTuningSpecError",
     "NoUsableImagesError",
     "NotLabeledDatasetError",
+    "ObjectStoreError",
     "QuantizationAccuracyError",
     "RegistryError",
     "RendezvousTimeoutError",
@@ -123,6 +124,13 @@ class RegistryUnreachableError(RegistryError):
 
 class VersioningError(ImageOpsError):
     """DVC could not version a data set."""
+
+
+class ObjectStoreError(ImageOpsError):
+    """The S3 object store did not start, or refused or did not answer a request.
+
+    The message names the endpoint or the ``s3://`` URL, never a secret key.
+    """
 
 
 class DatasetBusyError(ImageOpsError):

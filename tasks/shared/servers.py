@@ -34,6 +34,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` different ports nobody listens on now, for a server that needs several.
+
+    Each socket stays bound until all are picked, so the kernel cannot hand out one port twice.
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
 def port_free(host: str, port: int) -> bool:
     """True when a server could listen on ``host:port`` now."""
     with socket.socket() as sock:

