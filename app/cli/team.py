@@ -98,7 +98,7 @@ def team_join(
 ) -> None:
     """Join this GPU machine to the team: a Ray node and a Prefect worker, until Ctrl-C."""
     from app.stack import stop_signals
-    from app.team import TeamMember
+    from app.team_join import TeamMember
 
     member = TeamMember(
         get_settings(), env, node_ip=node_ip, pool=pool, num_cpus=num_cpus, num_gpus=num_gpus,
