@@ -28,6 +28,7 @@ from app.team_postgres import TeamPostgres, _write_private
 from app.work_pools import POOLS
 from tasks.shared import servers
 from tasks.shared.errors import (
+    TeamAuthError,
     TeamStackError,
     TeamUnreachableError,
 )
@@ -154,6 +155,11 @@ class TeamServer(Stack):
         self.secrets_dir.chmod(0o700)
         return kept_secret(self.secrets_dir / name, make or (lambda: secrets.token_urlsafe(32)))
 
+    def previous_secret(self, name: str) -> str | None:
+        """The secret ``name`` had before a rotation (``NAME.old``), if one is under way."""
+        old = self.secrets_dir / f"{name}.old"
+        return old.read_text().strip() if old.is_file() else None
+
     def prefect_auth_string(self) -> str:
         return self.secret(
             "prefect-auth-string", lambda: f"{PREFECT_USER}:{secrets.token_urlsafe(32)}"
@@ -221,17 +227,23 @@ class TeamServer(Stack):
         try:
             postgres = self._start_postgres()
             self._start_s3()  # SeaweedFS takes a few seconds: PostgreSQL starts meanwhile
-            postgres.wait(self.check_alive, max(deadline - time.monotonic(), 1.0))
+            postgres.wait(
+                self.check_alive, max(deadline - time.monotonic(), 1.0),
+                previous=self.previous_secret("postgres-password"),
+            )  # fmt: skip
             postgres.create_databases()
             self._start_mlflow()
             self._start_prefect()
             self._start_ray()
             self._wait(max(deadline - time.monotonic(), 1.0))
+            self._check_mlflow_admin()
             self.say("servers up; creating the work pools and registering the deployments")
             for pool in POOLS:
                 self._create_pool(pool)
             self._register_deployments()
             _write_private(self.join_file, self._join_file_text())
+            for old in self.secrets_dir.glob("*.old"):  # rotated: the new ones are in use
+                old.unlink()
         except BaseException:
             self.stop()
             raise
@@ -288,11 +300,12 @@ class TeamServer(Stack):
             "mlflow-server",
             [_tool("mlflow"), "server", "--app-name", "basic-auth", "--host", self.host,
              "--port", str(port), "--workers", "1",
-             "--backend-store-uri", self.postgres.url("mlflow", "postgresql+psycopg"),
              "--artifacts-destination", f"s3://{BUCKET}/mlartifacts", "--serve-artifacts",
              "--allowed-hosts", ",".join(dict.fromkeys(hosts))],
             self._server_environment() | self.s3.environment() | {
                 "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini),
+                # In the environment: a command line (and so its password) is public in `ps`.
+                "MLFLOW_BACKEND_STORE_URI": self.postgres.url("mlflow", "postgresql+psycopg"),
                 # Used only while the admin user does not exist yet (the first start).
                 "MLFLOW_AUTH_ADMIN_PASSWORD": self.secret("mlflow-admin-password"),
                 "MLFLOW_FLASK_SERVER_SECRET_KEY": self.secret("mlflow-flask-secret-key"),
@@ -332,6 +345,29 @@ class TeamServer(Stack):
             },
             stopper=lambda p: stop_leader_first(p, signal.SIGTERM, RAY_STOP_TIMEOUT_S),
         )  # fmt: skip
+
+    def _check_mlflow_admin(self) -> None:
+        """MLflow's admin takes the kept password; after a rotation, set it with the old one."""
+        import httpx
+
+        password = self.secret("mlflow-admin-password")
+        search = f"{self.mlflow_url}/api/2.0/mlflow/experiments/search"
+        login = (MLFLOW_ADMIN, password)
+        if httpx.get(search, params={"max_results": 1}, auth=login, timeout=30).status_code != 401:
+            return
+        previous = self.previous_secret("mlflow-admin-password")
+        if previous is None:
+            raise TeamAuthError(
+                f"MLflow at {self.mlflow_url} refused user {MLFLOW_ADMIN} with the kept password "
+                "(secrets/mlflow-admin-password): the user store holds another one.",
+                "Put the old password back in that file; to rotate it, rename the old file to "
+                "mlflow-admin-password.old instead and start again.",
+            )
+        httpx.patch(
+            f"{self.mlflow_url}/api/2.0/mlflow/users/update-password",
+            json={"username": MLFLOW_ADMIN, "password": password, "current_password": previous},
+            auth=(MLFLOW_ADMIN, previous), timeout=30,
+        ).raise_for_status()  # fmt: skip
 
     def _wait(self, timeout_s: float) -> None:
         checks: dict[str, Callable[[], bool]] = {

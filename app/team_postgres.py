@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.shared import servers
-from tasks.shared.errors import TeamStackError
+from tasks.shared.errors import TeamAuthError, TeamStackError
 from tasks.shared.log_tail import tail
 
 DB_SUPERUSER = "postgres"
@@ -145,27 +145,48 @@ class TeamPostgres:
                 "host all all 0.0.0.0/0 scram-sha-256\nhost all all ::/0 scram-sha-256\n"
             )
 
-    def connect(self):  # -> psycopg.Connection
+    def connect(self, password: str | None = None):  # -> psycopg.Connection
         """A connection as the superuser, over TCP (the cluster has no unix socket)."""
         import psycopg
 
         return psycopg.connect(
             host=self.host, port=self.port, user=DB_SUPERUSER,
-            password=self.superuser_password, dbname="postgres", connect_timeout=3,
+            password=password or self.superuser_password, dbname="postgres", connect_timeout=3,
             autocommit=True,
         )  # fmt: skip
 
-    def wait(self, check_alive: Callable[[], None], timeout_s: float) -> None:
-        """Until it takes the superuser's login; ``check_alive`` raises if a service died."""
+    def wait(
+        self, check_alive: Callable[[], None], timeout_s: float, previous: str | None = None
+    ) -> None:
+        """Until it takes the superuser's login; ``check_alive`` raises if a service died.
+
+        ``previous``: the superuser's password before a rotation; used once to set the new one.
+        """
         import psycopg
+        from psycopg import sql
 
         def ready() -> bool:
             check_alive()
             try:
                 with self.connect():
                     return True
-            except psycopg.OperationalError:
-                return False
+            except psycopg.OperationalError as exc:
+                if "password authentication failed" not in str(exc):
+                    return False  # not up yet
+            if previous is None:
+                raise TeamAuthError(
+                    f"PostgreSQL on {self.host}:{self.port} refused the kept superuser password "
+                    "(secrets/postgres-password): it is not the cluster's.",
+                    "Put the cluster's password back in that file; to rotate it, rename the old "
+                    "file to postgres-password.old instead and start again.",
+                )
+            with self.connect(previous) as conn:
+                conn.execute(
+                    sql.SQL("ALTER ROLE {} WITH PASSWORD {}").format(
+                        sql.Identifier(DB_SUPERUSER), sql.Literal(self.superuser_password)
+                    )
+                )
+            return True
 
         if not servers.wait_until(ready, timeout_s, interval_s=0.3):
             raise TeamStackError(
