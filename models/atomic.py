@@ -218,8 +218,12 @@ def scratch_folder(dest: Path, kind: str) -> Iterator[Path]:
         os.close(fd)
 
 
-def write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (readers see the old file or the new, never half)."""
+def write_bytes(path: Path, data: bytes, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` atomically (readers see the old file or the new, never half).
+
+    ``mode`` (e.g. 0o600 for a secret) is set before any data is written, so the data is never
+    readable with a wider one.
+    """
     path = Path(path)
     check_name_length(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,6 +231,8 @@ def write_bytes(path: Path, data: bytes) -> Path:
     tmp, fd = _create_locked(path.parent, f"{temp_stem(path.name)}.", ".tmp", folder=False)
     try:
         with os.fdopen(fd, "wb") as fh:  # closing it releases the lock: after the rename
+            if mode is not None:
+                os.fchmod(fh.fileno(), mode)
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

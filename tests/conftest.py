@@ -1,4 +1,4 @@
-"""Shared fixtures: a throw-away project folder, and real digits as PNG ImageDirectories.
+"""Shared fixtures: a throw-away project folder, real digits as PNG ImageDirectories, and S3.
 
 Every test that touches MLflow, DVC or Prefect state gets its own project folder (``project``), so
 tests never see each other's runs. The digits are real scans from scikit-learn, kept tiny (16x16,
@@ -8,8 +8,10 @@ a few classes, a few dozen images) so the suite stays fast on 2 cores.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -30,6 +32,9 @@ from projects import use_project  # noqa: E402
 from server_processes import Processes  # noqa: E402
 
 from tasks.shared.settings import Settings  # noqa: E402
+
+if TYPE_CHECKING:
+    from tasks.shared.object_store import S3Server
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -89,3 +94,30 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
     finally:
         procs.stop()
         print(procs.report())  # shown by pytest only when the test failed
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS) for the session, one per xdist worker, with keys made up
+    here: give each test a bucket of its own (``s3_bucket``)."""
+    from tasks.shared.object_store import start_seaweedfs
+
+    server = start_seaweedfs(
+        tmp_path_factory.mktemp("seaweedfs"),
+        access_key=f"test-{secrets.token_hex(4)}",
+        secret_key=secrets.token_urlsafe(24),
+    )
+    try:
+        yield server
+    finally:
+        server.stop(timeout_s=2)  # it ignores SIGTERM for 15 s; nothing is kept after the tests
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> str:
+    """A new, empty bucket on ``s3_server`` for this test alone."""
+    from tasks.shared.object_store import ensure_bucket
+
+    bucket = f"test-{secrets.token_hex(6)}"
+    ensure_bucket(s3_server.endpoint_url, bucket, s3_server.access_key, s3_server.secret_key)
+    return bucket

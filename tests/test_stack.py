@@ -253,7 +253,7 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
         {"params": {"momentum": 1.5}},
         {"train_data": 3},
         {"steps": {"version_dat": False}},  # a misspelt switch
-        {"multi_node": {"rdzv_endpoint": "nohost"}},  # no port
+        {"params": {"cluster": ""}},  # an empty cluster address
     ):
         with served.client() as client, pytest.raises(PrefectHTTPStatusError) as refused:
             client.create_flow_run_from_deployment(train.id, parameters=bad)
@@ -265,7 +265,7 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
 def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     served: Served, digits_split: tuple[Path, Path]
 ) -> None:
-    """`prefect deployment run` with part of `params`, then Run on the form: a 2-node job.
+    """`prefect deployment run` with part of `params`, then Run on the form with all of them.
 
     The first run gives four of the training parameters, as a person types them: the others,
     processes per node included, stay the deployment's (2), not the class's (1).
@@ -279,8 +279,7 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
         "-p", f"transform={json.dumps(small)}", "-p", 'steps={"version_data": false}',
     )  # fmt: skip
     (cli_run,) = re.findall(r"UUID: ([0-9a-f-]{36})", typed)
-    # Right after it, Run on the form with every training parameter: a 2-node job of
-    # train-node flow runs on the work pool, meeting at one endpoint.
+    # Right after it, Run on the form with every training parameter.
     with served.client() as client:
         form_run = client.create_flow_run_from_deployment(
             served.deployment("imageops-train-model/train").id,
@@ -289,14 +288,10 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
                 "val_data": str(val_dir),
                 "params": {
                     "epochs": 1, "batch_size": 32, "learning_rate": 0.03,
-                    "nproc_per_node": 1, "print_frequency": 1, "nodes": 2,
+                    "nproc_per_node": 1, "print_frequency": 1, "nodes": 1,
                 },
                 "transform": small,
                 "steps": {"version_data": False, "register_model": False},
-                "multi_node": {
-                    "node_deployment": "imageops-train-node/train-node",
-                    "rdzv_endpoint": f"127.0.0.1:{free_port()}",
-                },
             },
         )  # fmt: skip
 
@@ -329,9 +324,7 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     assert typed_params["nproc_per_node"] == "2"  # the deployment's, not the class's 1
     assert typed_params["world_size"] == "2"
     assert float(typed_params["effective_learning_rate"]) == pytest.approx(0.02)
-    assert form_params["world_size"] == "2"  # 2 nodes x 1 process
-    nodes = served.flow_runs(served.deployment("imageops-train-node/train-node").id, ["COMPLETED"])
-    assert sorted(r.name for r in nodes) == ["train-node-0-of-2", "train-node-1-of-2"]
+    assert form_params["world_size"] == "1"  # 1 node x 1 process, as the form said
     (version,) = client.search_model_versions(f"name = '{MODEL}'")
     assert client.get_model_version_by_alias(MODEL, "challenger").version == version.version
 
@@ -341,11 +334,11 @@ def test_the_prefect_cli_lists_what_the_stack_holds(served: Served) -> None:
     listed = served.prefect("deployment", "ls")
     assert set(FULL_NAME.findall(listed)) == deployments_of_the_file()
     flows = served.prefect("flow", "ls")
-    for name in ("imageops-train-model", "imageops-train-node", "imageops-pipeline"):
+    for name in ("imageops-train-model", "imageops-pipeline"):
         assert name in flows
     assert re.search(r"\blocal\b.*\bprocess\b", served.prefect("work-pool", "ls"))
     runs = served.prefect("flow-run", "ls", "--state-type", "COMPLETED")
-    assert "train-node-0-of-2" in runs and "train-resnet18" in runs
+    assert "train-resnet18" in runs
     assert "training-report" in served.prefect("artifact", "ls")
 
     train = served.deployment("imageops-train-model/train")

@@ -1,6 +1,6 @@
-"""The train flow and the train task under a real Prefect API: two node agents meeting at a c10d
-rendezvous on localhost, a node that never comes, and a Prefect retry that continues the run its
-killed first attempt started (real torchrun processes, SIGKILLed; no mocks)."""
+"""The train task under a real Prefect API: a Prefect retry that continues the run its killed
+first attempt started (real torchrun processes, SIGKILLed; no mocks), and what a job of many nodes
+needs before it starts (the cluster itself: tests/test_cluster*.py)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,12 @@ from mlflow import MlflowClient
 from prefect import flow
 from safetensors.torch import load_file
 
-from flows.train import train_flow
-from models.directory import load_model_directory
 from models.transform_spec import TransformSpec
 from tasks.shared import faults
-from tasks.shared.errors import InvalidParameterError, RendezvousTimeoutError
+from tasks.shared.errors import InvalidParameterError
 from tasks.shared.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT
-from tasks.train.launch import (
-    TrainResult,
-    local_rendezvous_endpoint,
-    open_run,
-    train,
-    train_task,
-)
+from tasks.train.launch import TrainResult, open_run, train, train_task
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
@@ -59,69 +51,18 @@ def artifact_names(settings: Settings, run_id: str, folder: str) -> set[str]:
     return {Path(a.path).name for a in client.list_artifacts(run_id, folder)}
 
 
-@pytest.mark.slow
-def test_two_nodes_on_localhost_train_one_run(
-    prefect_api: None,
-    project: Settings,
-    untrained: Path,
-    digits_split: tuple[Path, Path],
-    tmp_path: Path,
-) -> None:
-    params = TrainParams.checked(**FAST, epochs=1, nodes=2, nproc_per_node=1)
-    result = train_flow(request(untrained, digits_split, tmp_path / "model", params))
-
-    (run,) = runs(project)  # one run for the job, not one per node or rank
-    assert run.info.run_id == result.run_id and run.info.status == "FINISHED"
-    client = MlflowClient(project.tracking_uri)
-    for name in METRICS:
-        assert [m.step for m in client.get_metric_history(result.run_id, name)] == [1], name
-    assert run.data.params["world_size"] == "2"
-    model, info = load_model_directory(tmp_path / "model")
-    assert info.mlflow_run_id == result.run_id
-    assert info.train_params["world_size"] == 2
-    with torch.no_grad():
-        assert model(torch.zeros(1, 3, 16, 16)).shape == (1, 3)
-    logs = artifact_names(project, result.run_id, "logs")
-    assert {"rank_0.log", "rank_1.log", "torchrun_node_0.log", "torchrun_node_1.log"} <= logs
-    assert "rank 1 of 2" in (result.run_dir / "rank_1.log").read_text()
-
-
-def test_many_nodes_need_a_run_and_an_endpoint(
+def test_many_nodes_need_a_cluster(
     project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    params = TrainParams.checked(**FAST, epochs=1, nodes=2)
-    out = tmp_path / "model"
-    with pytest.raises(InvalidParameterError, match="needs a rendezvous endpoint"):
-        train(request(untrained, digits_split, out, params, run_id="x"), project)
-    with pytest.raises(InvalidParameterError, match=r"rdzv_endpoint = 'nohost'"):
-        request(untrained, digits_split, out, params, run_id="x", rdzv_endpoint="nohost")
-    with pytest.raises(InvalidParameterError, match="needs the id of the job's MLflow run"):
-        train(request(untrained, digits_split, out, params, rdzv_endpoint="127.0.0.1:1"), project)
-    with pytest.raises(InvalidParameterError, match=r"node_rank = 2, expected 0 to 1"):
-        request(untrained, digits_split, out, params, node_rank=2)
-    assert not project.runs_dir.exists()
-
-
-@pytest.mark.slow
-def test_a_node_that_never_comes_ends_in_a_rendezvous_timeout(
-    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
-) -> None:
-    params = TrainParams.checked(**FAST, epochs=1, nodes=2)
-    job = request(untrained, digits_split, tmp_path / "model", params)
-    run_id = open_run(job, project)
-    endpoint = local_rendezvous_endpoint()
-    node = {"run_id": run_id, "node_rank": 0, "rdzv_endpoint": endpoint, "rdzv_timeout_s": 3}
-    with pytest.raises(RendezvousTimeoutError) as err:  # node 1's agent is never started
-        train(job.model_copy(update=node), project)
-    message = str(err.value)
-    assert f"at {endpoint} timed out after 3 s: 1 of 2 nodes arrived" in message
-    assert "missing: 1" in message and "rdzv_timeout_s" in message
-    assert not err.value.retryable  # waiting again cannot bring the missing node
-    (run,) = runs(project)
-    assert run.info.status == "FAILED"
-    assert "torchrun_node_0.log" in artifact_names(project, run_id, "logs")
-    # An unfinished run with no checkpoint has nothing to resume: asking again opens a new run.
-    assert open_run(job, project) != run_id
+    with pytest.raises(InvalidParameterError, match="nodes = 2 needs a Ray cluster"):
+        TrainParams.checked(**FAST, epochs=1, nodes=2)
+    params = TrainParams.checked(**FAST, epochs=1, nodes=2, cluster="10.0.0.5:6379")
+    assert params.world_size == 2
+    # A cluster job's nodes share servers only: a tracking store on this machine is refused
+    # before anything is versioned, connected to or started.
+    with pytest.raises(InvalidParameterError, match="needs an MLflow server every node reaches"):
+        train(request(untrained, digits_split, tmp_path / "model", params), project)
+    assert not project.runs_dir.exists() and not (project.project_root / ".dvc").exists()
 
 
 @pytest.mark.slow

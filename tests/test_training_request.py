@@ -20,6 +20,7 @@ from projects import imageops
 from flows.config import PipelineConfig
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice, resnet, write_untrained
+from tasks.data.transform import init_transformation
 from tasks.shared.errors import InvalidParameterError
 from tasks.shared.settings import Settings
 from tasks.train.params import TrainParams, TrialHook
@@ -80,16 +81,17 @@ def test_cli_options_override_the_config_and_reach_the_run(
     """momentum, weight decay, precision and loader workers from the command line; the rest from
     params.yaml; all of them in the MLflow run."""
     config = PipelineConfig().model_dump(mode="json")
-    config["train"].update(weight_decay=0.003, patience=2)
+    config["train"].update(weight_decay=0.003, patience=2, epochs=1)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(config))
     untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
+    init_transformation(tmp_path / "transform", {"resize_size": 16, "center_crop_size": 16})
     result = imageops(
         "train", str(untrained), *map(str, digits_split), str(tmp_path / "model"),
         "--config", "params.yaml", "--momentum", "0.5", "--precision", "fp32",
-        "--num-workers", "0", "--device", "cpu", "--open-run", cwd=tmp_path,
+        "--num-workers", "0", "--device", "cpu", "--transform", "transform", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    run_id = result.stdout.strip().splitlines()[-1]
+    (run_id,) = re.findall(r"MLflow run: (\w+)", result.stdout)
     params = mlflow.MlflowClient(project.tracking_uri).get_run(run_id).data.params
     assert (params["momentum"], params["precision"], params["num_workers"]) == ("0.5", "fp32", "0")
     assert (params["weight_decay"], params["patience"]) == ("0.003", "2")  # from the file
@@ -127,46 +129,47 @@ def test_register_takes_a_model_name(
 
 
 def _job(transform: TransformSpec | Path) -> TrainRequest:
-    """One node's request of a tuning trial's 2-node job: every kind of field set."""
+    """A tuning trial's 2-node cluster job: every kind of field set."""
     hook = TrialHook(study_name="s", trial_number=3, metric="val/top1", early_stopping=True)
     return TrainRequest(
         model=Path("outputs/x/untrained"), train_data=Path("data/digits/train"),
         val_data=Path("data/digits/val"), out=Path("outputs/x/model"),
-        params={"epochs": 2, "nodes": 2, "learning_rate": 0.03}, transform=transform,
-        data_version={"train": "0" * 32}, run_id="run-1", node_rank=1,
-        rdzv_endpoint="10.0.0.5:29400", tuning=hook, env={"CUDA_VISIBLE_DEVICES": "1"},
+        params={"epochs": 2, "nodes": 2, "learning_rate": 0.03, "cluster": "10.0.0.5:6379",
+                "rdzv_timeout_s": 60},
+        transform=transform, data_version={"train": "0" * 32}, run_id="run-1", tuning=hook,
+        env={"CUDA_VISIBLE_DEVICES": "1"},
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "transform", [TransformSpec(resize_size=32, center_crop_size=32), Path("transforms/t")]
 )
-def test_a_node_agent_gets_the_request_whole_as_its_one_parameter(
+def test_the_train_flow_gets_the_request_whole_as_its_one_parameter(
     transform: TransformSpec | Path,
 ) -> None:
     from prefect.utilities.callables import parameter_schema
 
-    from flows.train import train_node_flow
+    from flows.train import train_flow
 
     job = _job(transform)
-    assert set(parameter_schema(train_node_flow).properties) == {"request"}
-    # What the train flow sends run_deployment, as the Prefect server stores it (JSON).
+    assert set(parameter_schema(train_flow).properties) == {"request"}
+    # The request as a Prefect server stores a flow run's parameters (JSON).
     sent = json.loads(json.dumps({"request": job.model_dump(mode="json")}))
-    assert train_node_flow.validate_parameters(sent)["request"] == job
+    assert train_flow.validate_parameters(sent)["request"] == job
 
 
 @pytest.mark.parametrize(
     ("given", "error"),
     [
         ({"params": {"epochs": 0}}, "epochs = 0, expected an integer > 0"),
-        ({"node_rank": 2}, "node_rank = 2, expected 0 to 1 (nodes = 2)"),
-        ({"rdzv_endpoint": "nohost"}, "rdzv_endpoint = 'nohost', expected host:port"),
-        ({"rdzv_timeout_s": 0}, "rdzv_timeout_s = 0, expected seconds > 0"),
+        ({"params": {"nodes": 2, "cluster": None}}, "nodes = 2 needs a Ray cluster"),
+        ({"params": {"nodes": 2, "cluster": "h:6379", "rdzv_timeout_s": 0}}, "rdzv_timeout_s = 0"),
+        ({"params": {"cluster": "h:6379", "cluster_timeout_s": -1}}, "cluster_timeout_s = -1"),
         ({"max_restarts": -1}, "max_restarts = -1, expected an integer >= 0"),
     ],
 )
 def test_an_invalid_request_is_refused_when_it_is_built(given: dict, error: str) -> None:
-    values = {**_job(Path("t")).model_dump(), "params": {"nodes": 2}, **given}
+    values = {**_job(Path("t")).model_dump(), "params": {"nodes": 2, "cluster": "h:1"}, **given}
     with pytest.raises(InvalidParameterError, match=re.escape(error)):
         TrainRequest.checked(**values)
 
@@ -174,9 +177,9 @@ def test_an_invalid_request_is_refused_when_it_is_built(given: dict, error: str)
 def test_the_cli_refuses_an_invalid_request_with_one_error_before_reading_anything(
     tmp_path: Path,
 ) -> None:
-    options = ("--nodes", "2", "--node-rank", "2")
+    options = ("--nodes", "2")
     result = imageops("train", "nowhere", "t", "v", "out", *options, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.count("error: InvalidParameterError") == 1, result.stderr
-    assert "node_rank = 2, expected 0 to 1 (nodes = 2)" in result.stderr
+    assert "nodes = 2 needs a Ray cluster" in result.stderr and "--cluster" in result.stderr
     assert "nowhere" not in result.stderr  # the model folder was never looked at

@@ -165,7 +165,7 @@ def test_the_spec_is_the_flow_form_with_a_title_for_every_field() -> None:
         ([LR, LR], {}, "tuned twice"),
         ([BATCH], {"algorithm": "grid", "max_trial_count": 2}, "The grid has 3 points"),
         ([LR], {"metric": "accuracy"}, "not a metric the training run reports"),
-        ([LR], {"train": {"nodes": 2}}, "a trial trains on one node"),
+        ([LR], {"train": {"nodes": 2, "cluster": "h:6379"}}, "a trial trains on one node"),
         ([LR], {"study_name": "../escape"}, "not a usable study name"),
         ([{**LR, "type": "float"}], {}, "parameters[0]"),  # structure: pydantic's check
         ([LR], {"max_trial_count": 0}, "max_trial_count = 0, expected an integer > 0"),
@@ -370,9 +370,10 @@ def test_at_scale_the_study_lives_in_a_database_the_workers_report_to(
 # --- what may be tuned: every training parameter, every reported metric ------------------------
 
 
-def test_every_training_parameter_but_nodes_is_tunable_read_from_train_params() -> None:
+def test_every_training_parameter_but_where_it_runs_is_tunable_read_from_train_params() -> None:
     model = {"architecture", "pretrained", "memory_efficient", "zero_init_residual"}
-    assert set(tunable()) == (set(TrainParams.model_fields) - {"nodes"}) | model
+    placement = {"nodes", "cluster", "cluster_timeout_s", "rdzv_timeout_s"}
+    assert set(tunable()) == (set(TrainParams.model_fields) - placement) | model
 
 
 def test_a_field_added_to_the_training_parameters_is_tunable_within_its_range(

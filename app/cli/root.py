@@ -46,10 +46,15 @@ serve_app = typer.Typer(
     "server, promotion receiver, every deployment) until Ctrl-C; `scoring` and `webhook` serve "
     "one part for a Prefect server you run yourself.",
 )
+cluster_app = typer.Typer(
+    help="The Ray cluster multi-node training runs on: its Kubernetes (KubeRay) manifest.",
+    no_args_is_help=True,
+)
 app.add_typer(serve_app, name="serve")
 app.add_typer(sample_app, name="sample")
 app.add_typer(model_app, name="model")
 app.add_typer(transform_app, name="transform")
+app.add_typer(cluster_app, name="cluster")
 
 
 # soft_wrap: paths and URIs stay on one line, so they can be copied even from a narrow log.

@@ -90,54 +90,8 @@ def model_build(
     out.print(f"wrote {spec.arch} to {dest}")
 
 
-# How one `imageops train` joins a multi-node job: options of its own, beside TrainParams'.
-_NODE_OPTIONS = (
-    _option(
-        "node_rank",
-        None,
-        int | None,
-        typer.Option(
-            help="Run only this node's agent (0 to nodes-1), one per machine; needs --run-id "
-            "and --rdzv-endpoint. Without it, --nodes N runs all N agents on this machine."
-        ),
-    ),
-    _option(
-        "run_id",
-        None,
-        str | None,
-        typer.Option(help="MLflow run of a multi-node job (print it with --open-run)."),
-    ),
-    _option(
-        "rdzv_endpoint",
-        None,
-        str | None,
-        typer.Option(
-            help="host:port where the nodes meet (c10d rendezvous), the same on every node. "
-            "Default for agents on this machine: 127.0.0.1 and a free port."
-        ),
-    ),
-    _option(
-        "rdzv_timeout",
-        600,
-        int,
-        typer.Option(help="Seconds a node waits at the rendezvous for the others."),
-    ),
-    _option(
-        "open_run",
-        False,
-        bool,
-        typer.Option(
-            "--open-run",
-            help="Check everything, open the job's MLflow run (or find its unfinished one), "
-            "print the run id and exit: the id every --node-rank agent needs.",
-        ),
-    ),
-)
-
-
 @app.command()
 @_options_from(TrainParams)
-@_with_options(*_NODE_OPTIONS)
 def train(
     model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
     train_data: Annotated[Path, typer.Argument(help="Labeled training ImageDirectory.")],
@@ -161,40 +115,22 @@ def train(
     ] = None,
     **options: Any,
 ) -> None:
-    """Train PyTorch Model through torchrun (DDP); metrics and logs go to MLflow.
+    """Train PyTorch Model (DDP); metrics and logs go to MLflow.
 
-    One node trains here. --nodes N alone runs the train flow with N node agents on this
-    machine; on N machines, run --open-run once, then one --node-rank agent on each machine.
+    One machine: torchrun here. --cluster HOST:6379 --nodes N: one gang of N nodes on that Ray
+    cluster, one node's processes per machine (the data sets are versioned with DVC first: every
+    node gets them from the remote).
     """
     from tasks.train import launch
     from tasks.train.request import TrainRequest
 
-    node = {p.name: options.pop(p.name) for p in _NODE_OPTIONS}
     base = _config(config).train.model_dump() if config is not None else {}
     request = TrainRequest.checked(
         model=model, train_data=train_data, val_data=val_data, out=dest, transform=transform,
-        params={**base, **_given(options)}, run_id=node["run_id"],
-        node_rank=node["node_rank"] or 0, rdzv_endpoint=node["rdzv_endpoint"],
-        rdzv_timeout_s=node["rdzv_timeout"],
+        params={**base, **_given(options)},
     )  # fmt: skip
     out.print(_transform_note(transform, train_data, val_data))
-    if node["open_run"]:
-        out.print(launch.open_run(request))
-        return
-    if request.params.nodes > 1 and node["node_rank"] is None:
-        if request.run_id is not None:
-            from tasks.shared.errors import InvalidParameterError
-
-            raise InvalidParameterError(
-                "--run-id names the run of one node agent's job; --nodes without --node-rank "
-                "runs every agent here and opens the run itself.",
-                "Add --node-rank (one agent per machine), or leave out --run-id.",
-            )
-        from flows.train import train_flow
-
-        result = train_flow(request)
-    else:
-        result = launch.train(request)
+    result = launch.train(request)
     out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
 
 

@@ -3,7 +3,9 @@
 That md5 is recorded with every training run, so a model traces to the images it learned from.
 Every DVC operation holds a file lock first (two DVC commands in one repository fail), and the
 two states a kill leaves that DVC does not get past itself are repaired here: an init cut short
-and an emptied record. Details: docs/internals.md#data-versioning.
+and an emptied record. Any machine gets a version back by its md5 from the remote
+(:func:`fetch_version`), so machines share data through the remote only. Details:
+docs/internals.md#data-versioning.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import subprocess
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -19,7 +22,9 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from tasks.shared.errors import VersioningError
+from models.atomic import atomic_directory, write_text
+from tasks.shared import faults
+from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import step, step_logger
@@ -28,6 +33,11 @@ if TYPE_CHECKING:  # importing DVC takes half a second; only the functions below
     from dvc.repo import Repo
 
 REMOTE_NAME = "local"
+# Under the settings' home: the versions this machine fetched by md5, in a DVC repository of
+# imageops' own (outside git), each checked out from its cache as a folder named by the md5.
+VERSIONS_DIR = "data-versions"
+_DIR_MD5 = re.compile(r"^([0-9a-f]{32})\.dir$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # DVC colours its messages' links
 LOCK_FILE = "dvc.lock"
 # A push of a large data set to a slow remote can take long; past this, something is stuck.
 LOCK_TIMEOUT_SECONDS = 3600.0
@@ -94,23 +104,33 @@ def _dvc_error(exc: Exception, action: str, hint: str) -> VersioningError:
 def _configure_remote(repo: Repo, settings: Settings) -> None:
     """Make ``local`` -> settings' remote the default, in ``.dvc/config.local``, if not already.
 
+    An ``s3://`` remote gets ``endpointurl`` from ``settings.s3_endpoint_url`` when that is set.
+
     The local level is per checkout and not committed: where the remote lives is a setting of
     this machine (a folder here, S3 elsewhere), while ``.dvc/config`` is shared through git.
     Analytics are switched off in the same place, in addition to ``DVC_NO_ANALYTICS``.
     """
     url = _remote_url(settings)
+    # An s3:// remote on another server than AWS (SeaweedFS, MinIO) needs its endpoint; the
+    # keys stay in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, which DVC's S3 client reads.
+    endpoint = settings.s3_endpoint_url if url.startswith("s3://") else None
     current = repo.config.read("local")
     remote = current.get("remote", {}).get(REMOTE_NAME, {})
     core = current.get("core", {})
     if (
         str(remote.get("url", "")) == url
+        and (endpoint is None or str(remote.get("endpointurl", "")) == endpoint)
         and core.get("remote") == REMOTE_NAME
         and str(core.get("analytics", "")).lower() == "false"
     ):
         return  # idempotent: no rewrite, so the file's mtime says when it last changed
     with repo.config.edit("local") as conf:
-        # setdefault: keep options a user added to this remote (credentials, endpoint).
-        conf["remote"].setdefault(REMOTE_NAME, {})["url"] = url
+        # setdefault: keep options a user added to this remote (credentials, region, endpoint
+        # when IMAGEOPS_S3_ENDPOINT_URL does not say one).
+        options = conf["remote"].setdefault(REMOTE_NAME, {})
+        options["url"] = url
+        if endpoint is not None:
+            options["endpointurl"] = endpoint
         conf["core"]["remote"] = REMOTE_NAME
         conf["core"]["analytics"] = False
 
@@ -182,15 +202,19 @@ def _with_autostage(repo: Repo) -> Repo:
     return Repo(root)
 
 
+def _quiet_dvc_logs() -> None:
+    """Importing dvc sets its loggers to INFO with handlers of their own, which would print every
+    "git add ..." hint twice inside a Prefect run; a step reports what it did itself."""
+    for name in ("dvc", "dvc_data", "dvc_objects"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _ensure(settings: Settings) -> Repo:
     """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    # Importing dvc sets its loggers to INFO with handlers of their own, which would print every
-    # "git add ..." hint twice inside a Prefect run; a step reports what it did itself.
-    for name in ("dvc", "dvc_data", "dvc_objects"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet_dvc_logs()
     root = settings.project_root.resolve()
     if not root.is_dir():
         raise VersioningError(
@@ -368,3 +392,97 @@ def version(path: Path, settings: Settings | None = None) -> str:
 
 
 version_task = step(version, name="version")
+
+
+def _open_versions_repo(settings: Settings) -> Repo:
+    """The DVC repository of fetched versions under ``home``, created (outside git) if needed.
+
+    Files are linked from its cache where the file system can (reflink, then hardlink), not
+    copied. An init cut short leaves ``.dvc/config`` missing or empty (a complete one says
+    ``no_scm``): it is made again.
+    """
+    from dvc.repo import Repo
+
+    _quiet_dvc_logs()
+    root = settings.home_dir / VERSIONS_DIR
+    config = root / ".dvc" / "config"
+    if config.is_file() and config.stat().st_size > 0:
+        repo = Repo(str(root))
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        repo = Repo.init(str(root), no_scm=True, force=(root / ".dvc").is_dir())
+        with repo.config.edit("repo") as conf:
+            conf["cache"]["type"] = "reflink,hardlink,copy"
+        repo.close()
+        repo = Repo(str(root))
+    try:
+        _repair_rwlock(repo)
+        _configure_remote(repo, settings)
+    except BaseException:
+        repo.close()
+        raise
+    return repo
+
+
+def _unavailable(md5: str, settings: Settings, why: str) -> DataUnavailableError:
+    remote = _remote_url(settings)
+    if remote.startswith("s3://") and settings.s3_endpoint_url:
+        remote += f" (at {settings.s3_endpoint_url})"
+    return DataUnavailableError(
+        redact_uri(
+            f"The data set version {md5} could not be fetched from the DVC remote {remote} "
+            f"to host {socket.gethostname()}: {why}"
+        ),
+        "Run `imageops version` on the data (on the machine that has it) so that it is pushed "
+        "to this remote; check that this host reaches the remote (IMAGEOPS_DVC_REMOTE_URL, "
+        "IMAGEOPS_S3_ENDPOINT_URL) with valid AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.",
+    )
+
+
+def fetch_version(md5: str, settings: Settings | None = None) -> Path:
+    """The folder whose DVC md5 is ``md5`` (what :func:`version` returned), on this machine.
+
+    A training node that has no copy of the data gets it from the DVC remote into its own cache
+    (``home/data-versions``, a DVC repository of imageops' own), checked out as
+    ``home/data-versions/<hash>``. Once there, a call returns it without asking the remote.
+    The folder appears whole or not at all (checked out beside it, then renamed), and the DVC
+    lock makes two calls at once take turns. Raises :class:`DataUnavailableError` when the
+    remote does not have the version or cannot be reached.
+    """
+    from dvc.exceptions import CheckoutError, DvcException
+
+    settings = settings or get_settings()
+    match = _DIR_MD5.match(md5)
+    if match is None:
+        raise InvalidParameterError(
+            f"{md5!r} is not a data set version: a version is the md5 of a folder, 32 hex "
+            "digits and `.dir`, as `imageops version` prints it.",
+            "Pass the data version recorded with the training run (its `data_version`).",
+        )
+    dest = settings.home_dir / VERSIONS_DIR / match.group(1)
+    if dest.is_dir():
+        return dest  # only a complete checkout is ever renamed to this name
+    with _serialised(settings), _open_versions_repo(settings) as repo:
+        if dest.is_dir():  # fetched by another call while this one waited for the lock
+            return dest
+        for leftover in dest.parent.glob(".*.tmp.dvc"):  # a killed fetch's; we hold the lock
+            leftover.unlink()
+        with atomic_directory(dest) as tmp:
+            dvc_file = write_text(
+                tmp.with_name(f"{tmp.name}.dvc"),
+                yaml.safe_dump({"outs": [{"md5": md5, "path": tmp.name, "hash": "md5"}]}),
+            )
+            try:
+                repo.fetch(targets=[str(dvc_file)])
+                repo.checkout(targets=[str(dvc_file)], force=True)
+                faults.point("data.version_checked_out", md5=md5)
+            except CheckoutError as exc:  # the fetch found nothing (DVC only warns)
+                why = "neither the remote nor this host's DVC cache has it, or the remote did "
+                raise _unavailable(md5, settings, why + "not answer.") from exc
+            except DvcException as exc:
+                why = _ANSI.sub("", f"{type(exc).__name__}: {exc}")
+                raise _unavailable(md5, settings, why) from exc
+            finally:
+                dvc_file.unlink(missing_ok=True)
+    step_logger(__name__).info("fetched data version %s into %s", md5, dest)
+    return dest

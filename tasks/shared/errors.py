@@ -10,6 +10,8 @@ from models.errors import ImageOpsError, InvalidModelDirectoryError, InvalidPara
 from tasks.shared.settings import redact_uri
 
 __all__ = [
+    "ClusterUnavailableError",
+    "DataUnavailableError",
     "DatasetBusyError",
     "ExportParityError",
     "ImageOpsError",
@@ -97,10 +99,18 @@ class TrainingFailedError(ImageOpsError):
 
 
 class RendezvousTimeoutError(ImageOpsError):
-    """Not every node of a multi-node training job came to the rendezvous in time.
+    """Not every node of a cluster training job came to the rendezvous in time.
 
-    Not retryable: the rendezvous timeout already is the wait for late nodes, and a retry of one
-    node cannot bring the missing one; the message says how many nodes arrived.
+    Not retryable: the rendezvous timeout already is the wait for late nodes; a node that cannot
+    reach the endpoint will not reach it on a retry either.
+    """
+
+
+class ClusterUnavailableError(ImageOpsError):
+    """The Ray cluster did not answer at its address, or did not offer the nodes asked for.
+
+    Not retryable by Prefect: the wait for the cluster (``cluster_timeout_s``) already is the
+    patience the user chose.
     """
 
 
@@ -135,6 +145,11 @@ class ObjectStoreError(ImageOpsError):
 
     The message names the endpoint or the ``s3://`` URL, never a secret key.
     """
+
+
+class DataUnavailableError(ImageOpsError):
+    """A data set version (by md5) could not be had on this machine: the DVC remote does not hold
+    it, or could not be reached. The message names the md5, the remote and this host."""
 
 
 class DatasetBusyError(ImageOpsError):

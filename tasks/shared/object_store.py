@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def s3_client(
         retries={"max_attempts": attempts, "mode": "standard"},
         s3={"addressing_style": "path"},
     )
-    return boto3.client(
+    # A session of its own: boto3's default one keeps the first keys it found for good.
+    return boto3.session.Session().client(
         "s3",
         endpoint_url=endpoint_url,
         aws_access_key_id=access_key,
@@ -156,6 +158,17 @@ def _answers(endpoint_url: str, access_key: str, secret_key: str) -> bool:
     return True
 
 
+# glog's error and fatal lines ("E1125 16:56:51.435317 file.go:403 ..."): what a failed start
+# said, without the goroutine dump a fatal error prints after it.
+_GLOG_ERROR = re.compile(r"^[EF]\d{4} ")
+
+
+def _what_it_said(log: Path, lines: int = 5) -> str:
+    """The last error lines of SeaweedFS's log, or its last lines when it logged no error."""
+    errors = [line for line in tail(log, 500).splitlines() if _GLOG_ERROR.match(line)]
+    return "\n".join(errors[-lines:]) or tail(log, 15)
+
+
 def _identities(access_key: str, secret_key: str) -> bytes:
     """SeaweedFS's S3 identities file: one identity with every action, no anonymous one."""
     identity = {
@@ -219,8 +232,9 @@ def start_seaweedfs(
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     log = Path(log) if log is not None else data_dir / LOG_FILE
-    identities = write_bytes(data_dir / IDENTITIES_FILE, _identities(access_key, secret_key))
-    identities.chmod(0o600)
+    identities = write_bytes(
+        data_dir / IDENTITIES_FILE, _identities(access_key, secret_key), mode=0o600
+    )
     s3_port = port if port is not None else servers.free_port(host)
     ports = servers.free_ports(7, host)
     if s3_port in ports:  # the caller's port was free a moment ago: take other ones
@@ -253,7 +267,8 @@ def start_seaweedfs(
     )
     raise ObjectStoreError(
         f"SeaweedFS ({' '.join(command[:2])} in {data_dir}) {what} "
-        f"({time.monotonic() - started:.0f} s after start). Its log {log} ends:\n{tail(log)}",
+        f"({time.monotonic() - started:.0f} s after start). Its log {log} says:\n"
+        f"{_what_it_said(log)}",
         f"Check that port {s3_port} on {host} is free and {data_dir} is writable; a slow "
         "machine may need a longer start timeout.",
     )

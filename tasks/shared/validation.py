@@ -35,7 +35,9 @@ def checked(cls: type[M], values: Mapping[str, Any], what: str) -> M:
 def describe(cls: type[BaseModel], exc: ValidationError) -> tuple[str, str]:
     """(what was wrong, what the bad parameters are for) for a ValidationError of ``cls``."""
     errors = exc.errors()
-    names = [str(err["loc"][0]) if err["loc"] else "?" for err in errors]
+    names = [str(err["loc"][0]) for err in errors if err["loc"]]
+    # A rule across fields (a model validator) names its fields in its message.
+    names += [n for err in errors if not err["loc"] for n in cls.model_fields if n in err["msg"]]
     fields = [cls.model_fields[n] for n in dict.fromkeys(names) if n in cls.model_fields]
     if len(set(names) - set(cls.model_fields)) or not fields:
         hint = "Known parameters: " + ", ".join(cls.model_fields) + "."
@@ -45,7 +47,9 @@ def describe(cls: type[BaseModel], exc: ValidationError) -> tuple[str, str]:
 
 
 def _describe_one(cls: type[BaseModel], err: Any) -> str:
-    name = str(err["loc"][0]) if err["loc"] else "?"
+    if not err["loc"]:  # a rule across fields: its own words
+        return str(err["msg"]).removeprefix("Value error, ")
+    name = str(err["loc"][0])
     value = err.get("input")
     field = cls.model_fields.get(name)
     if field is None:  # extra="forbid"

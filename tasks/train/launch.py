@@ -1,33 +1,27 @@
 """Train PyTorch Model: check every input, open the MLflow run, run torchrun, collect the result.
 
 This module puts the steps in order; each job is in a module of its own (:mod:`.request`,
-:mod:`.mlflow_run`, :mod:`.run_lock`, :mod:`.rendezvous`, :mod:`.torchrun`). A multi-node job opens
-its run once (:func:`open_run`) and runs :func:`train` once per node against it.
+:mod:`.mlflow_run`, :mod:`.run_lock`, :mod:`.torchrun`, and :mod:`.cluster` for a job of many
+nodes on a Ray cluster).
 Details: docs/training.md#the-package.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
-from tasks.shared.errors import InvalidParameterError, TrainingFailedError
+from tasks.shared.errors import InvalidParameterError
 from tasks.shared.settings import Settings, get_settings
 from tasks.shared.step import step, step_logger
 from tasks.shared.tracking import configure_mlflow
 from tasks.train.failure import clear_failures
 from tasks.train.mlflow_run import complete_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
-from tasks.train.rendezvous import RDZV_TIMEOUT_MARK, mark_node, rendezvous_timeout
-
-# Re-exported: flows and tests get it with train and open_run.
-from tasks.train.rendezvous import local_rendezvous_endpoint as local_rendezvous_endpoint
 from tasks.train.request import CONFIG, TrainRequest, check_request
 from tasks.train.run_lock import launch_lock
 from tasks.train.torchrun import (
@@ -60,15 +54,20 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
 
     ``request.out`` receives the ModelDirectory of the best validation top-1 epoch; the MLflow run
     gets parameters, metrics, curves and logs. The run is ``request.run_id``, or the unfinished run
-    of this very request (a retry trains only the epochs it lacks), or a new one. Multi-node: once
-    per node, with the ``run_id`` from :func:`open_run`. Details: docs/training.md#train. Raises the
-    Azure input errors (InvalidModelDirectoryError, ...) before anything starts,
-    RendezvousTimeoutError, a worker's ImageOpsError, else TrainingFailedError.
+    of this very request (a retry trains only the epochs it lacks), or a new one. With
+    ``params.cluster`` the job runs on that Ray cluster (:mod:`.cluster`), else torchrun here.
+    Details: docs/training.md#train. Raises the Azure input errors (InvalidModelDirectoryError,
+    ...) before anything starts, a worker's ImageOpsError, else TrainingFailedError.
     """
     settings = settings or get_settings()
     log = step_logger(__name__)  # inside a Prefect run, these lines reach the UI
-    checked = check_request(request.joins(), settings)
-    params, node_rank, out = request.params, request.node_rank, request.out
+    if request.params.cluster:
+        from tasks.train.cluster import train_on_cluster
+
+        run_id, run_dir, result = train_on_cluster(request, settings)
+        log.info("training finished: %s", result["metrics"])
+        return _as_result(result, request.out, run_id, run_dir)
+    checked = check_request(request, settings)
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     run_id = request.run_id
@@ -80,16 +79,10 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
     config = checked.bind(run_id, run_dir)
     if request.tuning is not None:
         config = config.model_copy(update={"tuning": request.tuning})
-    lead = node_rank == 0
-    log.info(
-        "MLflow run %s, run folder %s (node %d of %d)", run_id, run_dir, node_rank, params.nodes
-    )
-    torchrun_log = run_dir / (
-        TORCHRUN_LOG if params.nodes == 1 else f"torchrun_node_{node_rank}.log"
-    )
-    with launch_lock(run_dir, run_id) if lead else contextlib.nullcontext():
-        if lead:
-            client.update_run(run_id, status="RUNNING")
+    log.info("MLflow run %s, run folder %s", run_id, run_dir)
+    torchrun_log = run_dir / TORCHRUN_LOG
+    with launch_lock(run_dir, run_id):
+        client.update_run(run_id, status="RUNNING")
         status = "FAILED"
         result: dict[str, Any] | None = None
         try:
@@ -97,38 +90,20 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
             command = torchrun_command(request, config_path, run_id)
             env = torchrun_environment(settings, run_id, request.env)
             offset = torchrun_log.stat().st_size if torchrun_log.is_file() else 0
-            started = time.time()
-            if params.nodes > 1:
-                mark_node(run_dir, node_rank, started)
-            try:
-                returncode = run_torchrun(
-                    command, env, run_dir, request.timeout_s, log_name=torchrun_log.name
-                )
-            finally:
-                if params.nodes > 1:
-                    mark_node(run_dir, node_rank, started, ended=time.time())
+            returncode = run_torchrun(command, env, run_dir, request.timeout_s)
             if returncode != 0:
                 output = read_from(torchrun_log, offset)
-                if RDZV_TIMEOUT_MARK in output:
-                    raise rendezvous_timeout(run_dir, run_id, request, started)
                 raise torchrun_failure(run_dir, returncode, torchrun_log, output)
-            if not (run_dir / RESULT).is_file():  # e.g. rank 0 ran on another node's disk
-                raise TrainingFailedError(
-                    f"torchrun succeeded but rank 0 left no {RESULT} in {run_dir}.",
-                    "Multi-node runs need the run folder and the output on shared storage.",
-                )
             result = json.loads((run_dir / RESULT).read_text())
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
             raise
         finally:
-            if lead:
-                complete_run(client, run_id, run_dir, result, status)
+            complete_run(client, run_id, run_dir, result, status)
     log.info("training finished: %s", result["metrics"])
-    if lead:
-        publish_report(run_id, run_dir, result, settings)
-    return _as_result(result, out, run_id, run_dir)
+    publish_report(run_id, run_dir, result, settings)
+    return _as_result(result, request.out, run_id, run_dir)
 
 
 def _as_result(result: dict[str, Any], out: Path, run_id: str, run_dir: Path) -> TrainResult:
@@ -143,22 +118,6 @@ def _as_result(result: dict[str, Any], out: Path, run_id: str, run_dir: Path) ->
     )
 
 
-def finished_result(run_id: str, out: Path, settings: Settings | None = None) -> TrainResult:
-    """A finished job's result, read from the run folder, as the node agent that ran it returns it.
-
-    For node agents that ran elsewhere (flow runs on a work pool): the run folder is on the
-    shared storage every node writes to.
-    """
-    run_dir = (settings or get_settings()).runs_dir / run_id
-    path = run_dir / RESULT
-    if not path.is_file():
-        raise TrainingFailedError(
-            f"Run {run_id} has no {RESULT} in {run_dir}: its rank 0 did not finish here.",
-            "Multi-node runs need IMAGEOPS_HOME (the run folders) on storage every node shares.",
-        )
-    return _as_result(json.loads(path.read_text()), out, run_id, run_dir)
-
-
 train_task = step(train, name="train")
 
 
@@ -167,17 +126,14 @@ def open_run(request: TrainRequest, settings: Settings | None = None) -> str:
 
     An unfinished run of the same request with a checkpoint, that no launcher trains now, is
     continued (a retry resumes); a FINISHED run never is; otherwise a new run is created. A
-    multi-node job opens its run once with this. Raises what :func:`train` raises before it starts.
-    Details: docs/training.md#open_run.
+    tuning trial opens its run with this before it trains. Raises what :func:`train` raises
+    before it starts. Details: docs/training.md#open_run.
     """
     settings = settings or get_settings()
     checked = check_request(request, settings)
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     return resume_or_create_run(client, experiment_id, checked, settings, request.run_name)
-
-
-open_run_task = step(open_run, name="open-training-run")
 
 
 def _write_config(run_dir: Path, config: RunConfig) -> Path:

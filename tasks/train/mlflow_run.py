@@ -88,7 +88,7 @@ def resume_or_create_run(
 ) -> str:
     """The unfinished run of this request to continue, else a new run (parameters logged)."""
     key = request.config.job_key()
-    resumable = _resumable_run(client, experiment_id, key, settings.runs_dir)
+    resumable = _resumable_run(client, experiment_id, key, settings)
     if resumable is not None:
         step_logger(__name__).info(
             "continuing unfinished MLflow run %s of the same request from its checkpoint",
@@ -110,7 +110,7 @@ def resume_or_create_run(
 
 
 def _resumable_run(
-    client: MlflowClient, experiment_id: str, key: str, runs_dir: Path
+    client: MlflowClient, experiment_id: str, key: str, settings: Settings
 ) -> str | None:
     """The newest run of request ``key`` that ended unfinished with a checkpoint to resume from.
 
@@ -124,12 +124,19 @@ def _resumable_run(
         max_results=50,
     )
     for run in runs:
-        run_dir = runs_dir / run.info.run_id
-        if run.info.status not in UNFINISHED or not (run_dir / CHECKPOINT).is_file():
+        run_dir = settings.runs_dir / run.info.run_id
+        if run.info.status not in UNFINISHED or not _has_checkpoint(run_dir, settings):
             continue
         if not in_training(run_dir):
             return run.info.run_id
     return None
+
+
+def _has_checkpoint(run_dir: Path, settings: Settings) -> bool:
+    """In the run folder here, or in the checkpoint store (a cluster job's, trained elsewhere)."""
+    from tasks.train.checkpoint_store import stored_checkpoint
+
+    return (run_dir / CHECKPOINT).is_file() or stored_checkpoint(run_dir.name, settings)
 
 
 def _log_params(

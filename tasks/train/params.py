@@ -12,12 +12,16 @@ import hashlib
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.atomic import write_json
 from models.transform_spec import TransformSpec
 from models.untrained import ModelSpec
 from tasks.shared.validation import checked
+
+# Where and how patiently a job runs, not what it trains: outside a job's identity, so a retry
+# through another cluster address, or with more patience, resumes the same run.
+PLACEMENT_FIELDS = frozenset({"cluster", "cluster_timeout_s", "rdzv_timeout_s"})
 
 # The float formats of the forward pass (tasks.train.precision decides "auto").
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
@@ -93,7 +97,11 @@ class TrainParams(BaseModel):
         description="Log the training loss every this many iterations of an epoch.",
     )
     nodes: int = Field(
-        1, ge=1, title="Nodes", description="Machines taking part (more than 1 needs rendezvous)."
+        1,
+        ge=1,
+        title="Nodes",
+        description="Machines taking part, one node's processes on each. More than 1 needs a Ray "
+        "cluster (cluster).",
     )
     nproc_per_node: int = Field(
         1,
@@ -122,9 +130,41 @@ class TrainParams(BaseModel):
         "every core of the process's share of the node but one (forked from one fork server).",
     )
 
+    cluster: str | None = Field(
+        None,
+        title="Ray cluster",
+        description="Address of the Ray cluster that runs the job (host:port of its head, "
+        "ray://host:10001, or auto), one node's processes per machine, nothing shared but the "
+        "servers. Empty: torchrun on this machine (nodes must be 1).",
+        min_length=1,
+    )
+    cluster_timeout_s: int = Field(
+        180,
+        gt=0,
+        title="Cluster wait (s)",
+        description="How long to wait for the cluster to answer and to offer every node "
+        "(also after a lost node, for capacity to come back) before failing.",
+    )
+    rdzv_timeout_s: int = Field(
+        180,
+        gt=0,
+        title="Rendezvous wait (s)",
+        description="How long the nodes of a cluster job wait for each other at the rendezvous.",
+    )
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    @model_validator(mode="after")
+    def _placed(self) -> TrainParams:
+        """Several nodes need a cluster to place them: torchrun alone runs on one machine."""
+        if self.nodes > 1 and not self.cluster:
+            raise ValueError(
+                f"nodes = {self.nodes} needs a Ray cluster to run on; cluster is empty. Give "
+                "the address of the cluster's head (cluster / --cluster host:6379), or nodes = 1"
+            )
+        return self
 
     @classmethod
     def checked(cls, **values: Any) -> TrainParams:
@@ -185,7 +225,11 @@ class RunConfig(BaseModel):
 
     def digest(self) -> str:
         """Identity of the job: a checkpoint is only resumed by a job with the same digest."""
-        return hashlib.sha256(self.model_dump_json(exclude={"tuning"}).encode()).hexdigest()
+        # Without the data's and the output's locations (the data's identity is its fingerprint):
+        # the nodes of a cluster job each hold the data and the run folder at paths of their own.
+        exclude = dict.fromkeys(("tuning", "train_data", "val_data", "out", "run_dir"), True)
+        exclude["params"] = set(PLACEMENT_FIELDS)
+        return hashlib.sha256(self.model_dump_json(exclude=exclude).encode()).hexdigest()
 
     def job_key(self) -> str:
         """Identity of the training request, whichever MLflow run and run folder it lands in.
@@ -196,7 +240,8 @@ class RunConfig(BaseModel):
         resolved ``precision`` too: the request is ``params.precision``, and what "auto" became
         is decided once per run and kept on its resumes, whatever the machine measures later.
         """
-        exclude = {"run_dir", "mlflow_run_id", "tuning", "precision"}
+        exclude = dict.fromkeys(("run_dir", "mlflow_run_id", "tuning", "precision"), True)
+        exclude["params"] = set(PLACEMENT_FIELDS)
         request = self.model_dump_json(exclude=exclude)
         return hashlib.sha256(request.encode()).hexdigest()
 

@@ -36,7 +36,6 @@ from tasks.shared.step import step_logger
 from tasks.shared.validation import checked
 from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
 from tasks.train.precision import resolve_precision
-from tasks.train.rendezvous import RDZV_TIMEOUT_S
 
 CONFIG = "config.json"
 
@@ -53,6 +52,8 @@ class Request:
     config: RunConfig  # with ``precision`` still to decide when "auto" (see :meth:`decided`)
     train_manifest: Manifest
     val_manifest: Manifest
+    # True once "auto" was decided where the job runs (a cluster node): config holds it.
+    precision_decided: bool = False
 
     def decided(self, run_dir: Path | None = None) -> RunConfig:
         """The config with "auto" precision decided once per run, never again on a resume.
@@ -62,7 +63,7 @@ class Request:
         CPU times a small convolution both ways.
         """
         params = self.config.params
-        if params.precision != "auto":
+        if params.precision != "auto" or self.precision_decided:
             return self.config
         recorded = _recorded_config(run_dir) if run_dir is not None else None
         if recorded is not None and recorded.job_key() == self.config.job_key():
@@ -109,10 +110,8 @@ class TrainRequest(BaseModel):
     run_name: str | None = None  # a new run's name
     # Which run: None opens one (an unfinished run of the same request is continued).
     run_id: str | None = None
-    node_rank: int = 0  # 0 owns the MLflow run
-    rdzv_endpoint: str | None = None  # host:port where the nodes meet, the same on every node
-    rdzv_timeout_s: int = RDZV_TIMEOUT_S  # how long a node waits there for the others
-    max_restarts: int = 1  # torchrun restarts of crashed workers, resuming from the checkpoint
+    # Restarts of crashed workers (torchrun) or of a cluster job's gang, from the checkpoint.
+    max_restarts: int = 1
     timeout_s: float | None = None  # bounds the whole run
     tuning: TrialHook | None = None  # set for a trial of a tuning study
     # More environment for torchrun and its workers (a trial's CUDA_VISIBLE_DEVICES).
@@ -144,27 +143,6 @@ class TrainRequest(BaseModel):
         """Validate ``values``; a bad one raises InvalidParameterError naming value and range."""
         return checked(cls, values, "training request")
 
-    def joins(self) -> TrainRequest:
-        """This request, refused unless it can join its job: a node of a multi-node job needs
-        the job's run and the rendezvous endpoint (:func:`~tasks.train.launch.open_run` opens
-        the run without them)."""
-        if self.params.nodes == 1:
-            return self
-        if not self.rdzv_endpoint:
-            raise InvalidParameterError(
-                f"nodes = {self.params.nodes} needs a rendezvous endpoint; none was given.",
-                "Pass rdzv_endpoint='host:port' of a machine every node reaches, the same on "
-                "every node.",
-            )
-        if self.run_id is None:
-            raise InvalidParameterError(
-                f"nodes = {self.params.nodes}: every node agent needs the id of the job's MLflow "
-                "run.",
-                "Open the run once with `imageops train ... --open-run` (the train flow does it "
-                "itself) and pass its id to every node agent with --run-id.",
-            )
-        return self
-
     def under(self, root: Path) -> TrainRequest:
         """The request with its relative paths taken under ``root`` (the project root)."""
         paths = {k: root / v for k, v in self if isinstance(v, Path)}
@@ -172,33 +150,20 @@ class TrainRequest(BaseModel):
 
 
 def _check_launch(request: TrainRequest) -> None:
-    params, node_rank = request.params, request.node_rank
     if request.max_restarts < 0:
         raise InvalidParameterError(
             f"max_restarts = {request.max_restarts}, expected an integer >= 0."
         )
-    if not 0 <= node_rank < params.nodes:
-        raise InvalidParameterError(
-            f"node_rank = {node_rank}, expected 0 to {params.nodes - 1} (nodes = {params.nodes}).",
-            "Give each node agent its own rank, 0 for the one that owns the MLflow run.",
-        )
-    if request.rdzv_timeout_s <= 0:
-        raise InvalidParameterError(
-            f"rdzv_timeout_s = {request.rdzv_timeout_s}, expected seconds > 0."
-        )
-    endpoint = request.rdzv_endpoint
-    if params.nodes == 1 or not endpoint:
-        return
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidParameterError(
-            f"rdzv_endpoint = {endpoint!r}, expected host:port (port 1 to 65535).",
-            "For example 10.0.0.5:29400, the same on every node.",
-        )
 
 
-def check_request(request: TrainRequest, settings: Settings) -> Request:
-    """Everything Azure refuses, refused; the run configuration resolved (not yet bound)."""
+def check_request(
+    request: TrainRequest, settings: Settings, *, device: str | None = None
+) -> Request:
+    """Everything Azure refuses, refused; the run configuration resolved (not yet bound).
+
+    ``device``: decided elsewhere (a cluster job's, from the cluster's resources); its
+    precision is then decided on the cluster too (:mod:`tasks.train.cluster`).
+    """
     spec = read_untrained(request.model)
     train_data, val_data, out = request.train_data, request.val_data, request.out
     train_manifest, val_manifest = _check_datasets(train_data, val_data)
@@ -212,15 +177,16 @@ def check_request(request: TrainRequest, settings: Settings) -> Request:
     )
     params = request.params
     _check_sizes(params, train_manifest)
-    device = _resolve_device(params)
+    on_cluster = device is not None
+    device = device or _resolve_device(params)
     # Refused here, before a run exists: fp16 on CPU, bf16 where the device cannot train in it.
     # "auto" is decided later, once per run (Request.decided): a resume keeps what it recorded.
     precision = (
         resolve_precision(params.precision, device, input_size(spec_transform))
-        if params.precision != "auto"
+        if params.precision != "auto" and not on_cluster
         else "fp32"  # a placeholder, outside the job's identity (RunConfig.job_key)
     )
-    if spec.pretrained:
+    if spec.pretrained and not on_cluster:  # each node fetches into its own cache
         _ensure_pretrained_weights(spec, settings)
     config = RunConfig(
         params=params,

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -65,32 +66,39 @@ def _source_root() -> str:
     return str(Path(tasks.__file__).resolve().parent.parent)
 
 
-def torchrun_command(request: TrainRequest, config_path: Path, run_id: str) -> list[str]:
-    """torchrun's command line: standalone on one node, else c10d rendezvous at the endpoint."""
+@dataclass(frozen=True)
+class NodePlace:
+    """Where one node of a cluster job stands: how its torchrun meets the others."""
+
+    node_rank: int
+    endpoint: str  # host:port of node 0's rendezvous store, on node 0's own address
+    address: str  # this node's address: what its peers dial (never the hostname's 127.0.0.1)
+    timeout_s: int  # how long the nodes wait for each other
+
+
+def torchrun_command(
+    request: TrainRequest, config_path: Path, run_id: str, place: NodePlace | None = None
+) -> list[str]:
+    """torchrun's command line: standalone on one machine, else one node of a cluster job."""
     params = request.params
     command = [sys.executable, "-m", "torch.distributed.run"]
-    if params.nodes == 1:
-        command += ["--standalone", "--nnodes", "1"]
+    if place is None:
+        command += ["--standalone", "--nnodes", "1", "--max-restarts", str(request.max_restarts)]
     else:
-        # Every node runs this same command; c10d rendezvous at the endpoint assigns the ranks
-        # (global rank 0 may land on any node: every side effect keys on it, not on node 0).
+        # c10d at node 0's store; the cluster restarts the whole gang, so torchrun does not.
+        is_host = "1" if place.node_rank == 0 else "0"
         command += [
-            "--nnodes",
-            str(params.nodes),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            str(request.rdzv_endpoint),
-            "--rdzv-id",
-            run_id,
-            "--rdzv-conf",
-            f"join_timeout={request.rdzv_timeout_s}",
-        ]
+            "--nnodes", str(params.nodes),
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", place.endpoint,
+            "--rdzv-id", run_id,
+            "--rdzv-conf", f"join_timeout={place.timeout_s},is_host={is_host}",
+            "--local-addr", place.address,
+            "--max-restarts", "0",
+        ]  # fmt: skip
     command += [
         "--nproc-per-node",
         str(params.nproc_per_node),
-        "--max-restarts",
-        str(request.max_restarts),
         "-m",
         "tasks.train.worker",
         "--config",

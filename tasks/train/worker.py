@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ from tasks.train.loop import (
 from tasks.train.params import RunConfig
 from tasks.train.precision import Amp
 from tasks.train.progress import (
+    BEST_WEIGHTS,
     checkpoint_state,
     log_epoch,
     prune_vote,
@@ -136,13 +138,23 @@ def _check_world(config: RunConfig, dist: distributed.DistInfo) -> None:
         )
     device = dist.device
     lent = os.environ.get("CUDA_VISIBLE_DEVICES") if device.type == "cuda" else None
+    # Where the ranks meet, and on which interface: across machines, never a loopback address.
+    meets = ""
+    if dist.world_size > 1:
+        meets = f", meeting at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        ifname = os.environ.get(
+            "NCCL_SOCKET_IFNAME" if device.type == "cuda" else "GLOO_SOCKET_IFNAME"
+        )
+        meets += f" via {ifname}" if ifname else ""
     log.info(
-        "attempt %d: rank %d of %d on %s%s, run folder %s",
+        "attempt %d: rank %d of %d on %s%s on host %s%s, run folder %s",
         _attempt(),
         dist.rank,
         dist.world_size,
         device,
         f" (CUDA_VISIBLE_DEVICES={lent})" if lent else "",  # a tuning trial's GPUs
+        socket.gethostname(),
+        meets,
         config.run_dir,
     )
 
@@ -244,6 +256,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             save_checkpoint(
                 config.run_dir / CHECKPOINT, checkpoint_state(config, model, parts, progress)
             )
+            _store_checkpoint(config)
         distributed.barrier()
         faults.point("train.epoch_end", rank=dist.rank, epoch=epoch, attempt=_attempt())
         # After the checkpoint: a kill between the two leaves an epoch trained and saved but not
@@ -257,6 +270,24 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         write_model(config, model, best_state, progress, result)
     distributed.barrier()  # nobody leaves (and tears the group down) before rank 0 is done
     return result
+
+
+def _store_checkpoint(config: RunConfig) -> None:
+    """Best weights, then the checkpoint, to the checkpoint store (when one is set).
+
+    In this order: a crash between the two resumes one epoch early with the newer best weights,
+    never with best weights older than the checkpoint's record of them.
+    """
+    from tasks.shared.settings import get_settings
+    from tasks.train.checkpoint_store import upload_checkpoint
+
+    settings = get_settings()
+    run_id = str(config.mlflow_run_id)
+    if settings.checkpoint_url is None:
+        return
+    if (config.run_dir / BEST_WEIGHTS).is_file():
+        upload_checkpoint(config.run_dir / BEST_WEIGHTS, run_id, settings)
+    upload_checkpoint(config.run_dir / CHECKPOINT, run_id, settings)
 
 
 @record

@@ -33,6 +33,9 @@ FAMILY_OPTIONS = {f.switch: f for f in FAMILIES.values() if f.switch}
 FIXED = {
     "nodes": "a trial trains on one node (torchrun --standalone); several trials use several "
     "machines",
+    "cluster": "where a job runs is not a hyperparameter",
+    "cluster_timeout_s": "a wait, not a hyperparameter",
+    "rdzv_timeout_s": "a wait, not a hyperparameter",
 }
 
 

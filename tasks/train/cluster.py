@@ -1,0 +1,376 @@
+"""Training on a Ray cluster: N nodes x P processes as one gang, one node's processes per machine.
+
+The driver (this process, wherever the flow or the CLI runs) connects to the cluster, asks for a
+placement group of N bundles with ``STRICT_SPREAD`` (no two nodes on one machine), starts one
+:class:`~tasks.train.cluster_node.NodeAgent` in each, and runs the same torchrun worker on every
+node against one MLflow run. The cluster places the gang, the driver restarts it whole from the
+last checkpoint in the checkpoint store when a node is lost, and cancels it whole (an interrupt,
+or the driver's death: Ray ends the actors of a dead driver, torchrun dies with its actor).
+Why a placement group and not Ray Train: docs/training.md#cluster-jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlflow import MlflowClient
+
+from models.atomic import atomic_directory, write_bytes
+from models.untrained import MODEL_JSON
+from tasks.shared.errors import ClusterUnavailableError, ImageOpsError, InvalidParameterError
+from tasks.shared.settings import Settings, redact_uri
+from tasks.shared.step import step_logger
+from tasks.shared.tracking import configure_mlflow
+from tasks.train.cluster_node import NodeAgent, NodeInfo, NodeJob, NodeOutcome
+from tasks.train.finish import RESULT
+from tasks.train.mlflow_run import complete_run, publish_report, require_run, resume_or_create_run
+from tasks.train.request import Request, TrainRequest, check_request
+from tasks.train.torchrun import NodePlace
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+POLL_S = 0.5
+
+
+def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Path, dict]:
+    """Train ``request`` on the cluster ``params.cluster``; (run id, run folder, result).
+
+    The run folder here receives what the nodes sent back (logs, curves, result) and
+    ``request.out`` the ModelDirectory, so the launcher finishes the run as on one machine.
+    """
+    log = step_logger(__name__)
+    params = request.params
+    _require_servers(settings)
+    data_md5 = _data_versions(request, settings)
+    request = request.model_copy(update={"data_version": {**request.data_version, **data_md5}})
+    _connect(str(params.cluster), params.cluster_timeout_s, log)
+    device = _cluster_device(request)
+    checked = check_request(request, settings, device=device)
+    experiment_id = configure_mlflow(settings)
+    client = MlflowClient(settings.tracking_uri, settings.registry_uri)
+    if request.run_id is not None:
+        require_run(client, request.run_id)
+    untrained = (request.model / MODEL_JSON).read_text()
+    run_id, run_dir, result, status = request.run_id, None, None, "FAILED"
+    try:
+        for attempt in range(request.max_restarts + 1):
+            with _Gang(request, settings, log) as gang:
+                job = NodeJob(
+                    request=request,
+                    config=checked.config,
+                    untrained=json.loads(untrained),
+                    data_md5=data_md5,
+                )
+                precision = gang.prepare(job)
+                if run_id is None:
+                    decided = Request(
+                        checked.spec,
+                        checked.config.model_copy(update={"precision": precision}),
+                        checked.train_manifest,
+                        checked.val_manifest,
+                        precision_decided=True,
+                    )
+                    run_id = resume_or_create_run(
+                        client, experiment_id, decided, settings, request.run_name
+                    )
+                run_dir = settings.runs_dir / run_id
+                client.update_run(run_id, status="RUNNING")
+                config = checked.config.model_copy(
+                    update={"precision": precision, "run_dir": run_dir, "mlflow_run_id": run_id}
+                )
+                log.info(
+                    "MLflow run %s: %d nodes x %d processes on the cluster at %s (attempt %d)",
+                    run_id, params.nodes, params.nproc_per_node, params.cluster, attempt + 1,
+                )  # fmt: skip
+                outcomes = gang.train(job.model_copy(update={"config": config}))
+            if outcomes is not None:
+                break
+            log.warning(
+                "a node of run %s was lost; the job starts again from its last checkpoint once "
+                "the cluster offers %d nodes again (waiting up to %d s)",
+                run_id, params.nodes, params.cluster_timeout_s,
+            )  # fmt: skip
+        else:
+            raise ClusterUnavailableError(
+                f"Run {run_id} lost a node on each of its {request.max_restarts + 1} attempts "
+                f"on the cluster at {params.cluster}.",
+                "Check the nodes' health (ray status), then start the job again: it resumes "
+                "from its last checkpoint. More attempts: max_restarts.",
+            )
+        assert run_dir is not None
+        result = _unpack(outcomes, run_dir, request.out)
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if run_id is not None and run_dir is not None:
+            complete_run(client, run_id, run_dir, result, status)
+    publish_report(run_id, run_dir, result, settings)
+    return run_id, run_dir, result
+
+
+def _require_servers(settings: Settings) -> None:
+    """Nodes share state through servers only: a local MLflow store cannot be one."""
+    uri = settings.tracking_uri
+    if not uri.startswith(("http://", "https://", "postgresql", "mysql")):
+        raise InvalidParameterError(
+            f"Training on a cluster needs an MLflow server every node reaches; the tracking "
+            f"store is {redact_uri(uri)}, which only this machine sees.",
+            "Set IMAGEOPS_MLFLOW_TRACKING_URI to the team's MLflow server (imageops team "
+            "server prints it), or train on this machine (no cluster).",
+        )
+
+
+def _data_versions(request: TrainRequest, settings: Settings) -> dict[str, str]:
+    """The DVC md5 of each data set, versioning (dvc add + push) what has none yet."""
+    from tasks.data.versioning import version
+
+    md5 = {}
+    for name, path in (("train", request.train_data), ("val", request.val_data)):
+        md5[name] = request.data_version.get(name) or version(path, settings)
+    return md5
+
+
+def _connect(address: str, timeout_s: int, log: Any) -> None:
+    """Join the cluster as a driver, or fail naming the address within ``timeout_s``.
+
+    Ray itself retries an address where nothing listens for ever: a plain TCP connect to the
+    head's port tells first whether anything is there.
+    """
+    import ray
+
+    global _connected
+    if ray.is_initialized():
+        if _connected == address:
+            return
+        ray.shutdown()  # another cluster than this job's
+    deadline = time.monotonic() + timeout_s
+    log.info("connecting to the Ray cluster at %s", address)
+    _wait_for_port(address, deadline)
+    failure: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            ray.init(
+                address=address,
+                logging_level="ERROR",
+                log_to_driver=True,  # the nodes' torchrun lines, prefixed with their address
+                configure_logging=False,
+            )
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True, name="ray-connect")
+    thread.start()
+    thread.join(max(1.0, deadline - time.monotonic()))
+    if thread.is_alive() or failure:
+        why = f": {failure[0]}" if failure else f": no answer in {timeout_s} s"
+        raise _unreachable(address, why, timeout_s)
+    _connected = address
+
+
+_connected: str | None = None
+
+
+def _wait_for_port(address: str, deadline: float) -> None:
+    """Until ``deadline``, try a TCP connection to ``host:port`` (other address forms pass)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return
+    host = host.strip("[]")
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2.0):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise _unreachable(address, f": {exc.strerror or exc}", None) from None
+        time.sleep(1.0)
+
+
+def _unreachable(address: str, why: str, timeout_s: int | None) -> ClusterUnavailableError:
+    return ClusterUnavailableError(
+        f"Could not reach the Ray cluster at {address}{why}"
+        + (f" (waited {timeout_s} s)." if timeout_s else "."),
+        "Check the address (host:port of the cluster's head, 6379 by default: `ray status "
+        "--address HOST:6379` on a node tells), that this machine is one of the cluster's nodes "
+        "(imageops team join) or use ray://host:10001; wait longer with cluster_timeout_s "
+        "(--cluster-timeout-s).",
+    )
+
+
+def _cluster_device(request: TrainRequest) -> str:
+    """``device`` for the cluster: auto is CUDA when the cluster has a GPU per process."""
+    import ray
+
+    params = request.params
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if params.device != "auto":
+        return params.device
+    return "cuda" if gpus >= params.world_size else "cpu"
+
+
+class _Gang:
+    """One attempt of the job: a placement group and one actor per node, removed on exit."""
+
+    def __init__(self, request: TrainRequest, settings: Settings, log: Any) -> None:
+        self.request, self.settings, self.log = request, settings, log
+        self.group: PlacementGroup | None = None
+        self.agents: list[ActorHandle] = []
+        self.nodes: list[NodeInfo] = []
+
+    def __enter__(self) -> _Gang:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        params = self.request.params
+        bundle = {"CPU": float(params.nproc_per_node)}
+        if params.device == "cuda" or (
+            params.device == "auto" and ray.cluster_resources().get("GPU", 0) >= params.world_size
+        ):
+            bundle["GPU"] = float(params.nproc_per_node)
+        self.group = placement_group([bundle] * params.nodes, strategy="STRICT_SPREAD")
+        self._wait_for_capacity(bundle)
+        agent = ray.remote(max_concurrency=2, max_restarts=0)(NodeAgent)
+        servers = _servers(self.settings)
+        self.agents = [
+            agent.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=rank
+                ),
+            ).remote(servers)
+            for rank in range(params.nodes)
+        ]
+        self.nodes = self._get([a.where.remote() for a in self.agents], "find the nodes")
+        self.log.info("nodes: %s", ", ".join(f"{n.address} ({n.hostname})" for n in self.nodes))
+        return self
+
+    def _wait_for_capacity(self, bundle: dict[str, float]) -> None:
+        import ray
+
+        params = self.request.params
+        assert self.group is not None
+        ready, _ = ray.wait([self.group.ready()], timeout=params.cluster_timeout_s)
+        if ready:
+            return
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        fit = [
+            n["NodeManagerAddress"]
+            for n in alive
+            if all(n.get("Resources", {}).get(k, 0) >= v for k, v in bundle.items())
+        ]
+        raise ClusterUnavailableError(
+            f"The cluster at {params.cluster} offered {len(fit)} of the {params.nodes} nodes "
+            f"asked for ({', '.join(f'{k} {v:g}' for k, v in bundle.items())} each, one node "
+            f"per machine) within {params.cluster_timeout_s} s; nodes alive: {len(alive)} "
+            f"({', '.join(fit) or 'none with room'} with room).",
+            "Join more machines (imageops team join), ask for fewer nodes or processes per "
+            "node, or wait longer with cluster_timeout_s.",
+        )
+
+    def prepare(self, job: NodeJob) -> str:
+        """Every node gets the data; node 0 decides the precision."""
+        calls = [a.prepare.remote(job, rank) for rank, a in enumerate(self.agents)]
+        precisions = self._get(calls, "prepare the nodes")
+        return str(precisions[0])
+
+    def train(self, job: NodeJob) -> list[NodeOutcome] | None:
+        """Run the nodes' torchruns; None when a node was lost (the caller restarts the gang)."""
+        import ray
+
+        params = self.request.params
+        head = self.nodes[0]
+        endpoint = f"{_host(head.address)}:{head.port}"
+        calls = [
+            agent.train.remote(
+                job, NodePlace(rank, endpoint, self.nodes[rank].address, params.rdzv_timeout_s)
+            )
+            for rank, agent in enumerate(self.agents)
+        ]
+        try:
+            return self._get(calls, "train")
+        except (ray.exceptions.ActorDiedError, ray.exceptions.NodeDiedError) as exc:
+            self.log.warning("lost a node: %s", str(exc).splitlines()[0])
+            return None
+
+    def _get(self, calls: list[Any], what: str) -> list[Any]:
+        """The calls' values; the first failure raised as the node's own error."""
+        import ray
+
+        pending = list(calls)
+        while pending:  # short waits: an interrupt or a cancellation lands within POLL_S
+            done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.cause
+                    if isinstance(cause, ImageOpsError):
+                        raise cause from None
+                    raise ClusterUnavailableError(
+                        f"A node of the cluster job failed to {what}: {cause!r}.",
+                        "The node's lines above (prefixed with its address) say why.",
+                    ) from None
+        return ray.get(calls)
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for agent in self.agents:  # its torchrun and workers die with it (parent death)
+            with contextlib.suppress(Exception):
+                ray.kill(agent, no_restart=True)
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.group)
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _servers(settings: Settings) -> dict[str, str]:
+    """The servers every node must use, as this driver sees them (no credentials)."""
+    servers = {
+        "IMAGEOPS_MLFLOW_TRACKING_URI": settings.tracking_uri,
+        "IMAGEOPS_MLFLOW_REGISTRY_URI": settings.registry_uri,
+        "IMAGEOPS_MLFLOW_EXPERIMENT": settings.mlflow_experiment,
+        "IMAGEOPS_DVC_REMOTE_URL": settings.dvc_remote,
+    }
+    for name in ("checkpoint_url", "s3_endpoint_url"):
+        value = getattr(settings, name, None)
+        if value:
+            servers[f"IMAGEOPS_{name.upper()}"] = str(value)
+    return servers
+
+
+def _unpack(outcomes: list[NodeOutcome], run_dir: Path, out: Path) -> dict[str, Any]:
+    """Write what the nodes sent into the run folder here and the model into ``out``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lead = next((o for o in outcomes if o.lead), None)
+    for outcome in outcomes:
+        for name, data in outcome.files.items():
+            if not name.startswith("model/"):
+                write_bytes(run_dir / name, data)
+    if lead is None:
+        raise ClusterUnavailableError(
+            f"Every node finished, but none ran rank 0: no {RESULT} came back to {run_dir}.",
+            "The nodes' torchrun logs in the run folder say why.",
+        )
+    with atomic_directory(Path(out), replaces=MODEL_JSON) as tmp:
+        for name, data in lead.files.items():
+            if name.startswith("model/"):
+                (tmp / name.removeprefix("model/")).write_bytes(data)
+    return json.loads(lead.files[RESULT])

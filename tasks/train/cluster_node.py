@@ -1,0 +1,210 @@
+"""One node of a cluster job: a Ray actor on its machine that runs torchrun for the node.
+
+The machine shares nothing with the others but the servers: the actor gets the data set versions
+the run names from the DVC remote into its own cache, the last checkpoint from the checkpoint
+store, writes the run's config with its own paths, and runs the same torchrun worker as one
+machine does. What rank 0 wrote (the model, the result, the curves) and every rank's log go back
+to the driver as the call's value. Details: docs/training.md#cluster-jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import psutil
+from pydantic import BaseModel, ConfigDict
+
+from models.atomic import write_json
+from models.untrained import MODEL_JSON
+from tasks.shared.errors import ImageOpsError, InvalidDatasetError
+from tasks.shared.settings import Settings
+from tasks.train.checkpoint import CHECKPOINT
+from tasks.train.failure import clear_failures
+from tasks.train.finish import RESULT
+from tasks.train.params import RunConfig, manifest_fingerprint
+from tasks.train.precision import resolve_precision
+from tasks.train.progress import BEST_WEIGHTS
+from tasks.train.rendezvous import RDZV_TIMEOUT_MARK, rendezvous_timeout
+from tasks.train.request import CONFIG, TrainRequest
+from tasks.train.torchrun import (
+    NodePlace,
+    read_from,
+    run_torchrun,
+    torchrun_command,
+    torchrun_environment,
+    torchrun_failure,
+)
+
+# What a node keeps to itself: its resume state and its bookkeeping.
+_NOT_SENT = {CHECKPOINT, BEST_WEIGHTS, CONFIG, "launch.lock"}
+
+
+class NodeJob(BaseModel):
+    """What the driver sends every node: the run's config (the driver's paths) and the job."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request: TrainRequest
+    config: RunConfig  # bound to the run; each node replaces the paths with its own
+    untrained: dict[str, Any]  # the UntrainedModelDirectory's model.json
+    data_md5: dict[str, str]  # "train" / "val": the DVC versions every node gets
+
+
+class NodeInfo(BaseModel):
+    """Where a node is, as its peers reach it."""
+
+    hostname: str
+    address: str  # the Ray node's address: what the other nodes dial
+    port: int  # free on that address now: node 0's rendezvous store takes it
+    gpus: int
+
+
+class NodeOutcome(BaseModel):
+    """What one node's torchrun left: every run-folder file worth keeping, as bytes."""
+
+    node_rank: int
+    address: str
+    files: dict[str, bytes]  # run-folder files ("model/<name>" for the ModelDirectory)
+    lead: bool  # this node ran global rank 0: the result and the model are among the files
+
+
+class NodeAgent:
+    """A Ray actor (see :func:`tasks.train.cluster.agent_class`), one per node of the job.
+
+    Its settings are its machine's own (``IMAGEOPS_HOME``, credentials), with the servers the
+    driver names: tracking, registry, DVC remote, checkpoint store.
+    """
+
+    def __init__(self, servers: dict[str, str]) -> None:
+        os.environ.update(servers)
+        self.settings = Settings()
+        self.node_rank = -1
+        self.paths: dict[str, Path] = {}
+
+    def where(self) -> NodeInfo:
+        import ray
+        import torch
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket(_family(address), socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+            port = probe.getsockname()[1]
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return NodeInfo(hostname=socket.gethostname(), address=address, port=port, gpus=gpus)
+
+    def prepare(self, job: NodeJob, node_rank: int) -> str | None:
+        """Get the data and the untrained model here; node 0 decides "auto" precision."""
+        from tasks.data.transform import input_size
+        from tasks.data.versioning import fetch_version
+
+        self.node_rank = node_rank
+        # Before the run exists (its precision is decided here): the folder is the job's.
+        home = self.settings.home_dir / "cluster" / job.config.job_key()[:16]
+        self.paths = {
+            name: fetch_version(job.data_md5[name], self.settings) for name in ("train", "val")
+        }
+        for name, path in self.paths.items():
+            if manifest_fingerprint(path) != job.config.data_fingerprint[name]:
+                raise InvalidDatasetError(
+                    f"Node {node_rank} ({socket.gethostname()}) got version "
+                    f"{job.data_md5[name]} of the {name} data, whose manifest differs from the "
+                    "one the run was checked against.",
+                    "Version the data again (imageops version) and start the job again.",
+                )
+        write_json(home / "untrained" / MODEL_JSON, job.untrained)
+        self.paths["untrained"] = home / "untrained"
+        self.paths["out"] = home / "model"
+        if node_rank != 0:
+            return None
+        config = job.config
+        size = input_size(config.transform)
+        return resolve_precision(config.params.precision, config.device, size)
+
+    def train(self, job: NodeJob, place: NodePlace) -> NodeOutcome:
+        """torchrun for this node; raises the worker's own error when it fails."""
+        from tasks.train.checkpoint_store import download_checkpoint
+
+        settings, rank = self.settings, place.node_rank
+        run_id = str(job.config.mlflow_run_id)
+        run_dir = settings.runs_dir / run_id
+        config = job.config.model_copy(
+            update={
+                "train_data": self.paths["train"],
+                "val_data": self.paths["val"],
+                "out": self.paths["out"],
+                "run_dir": run_dir,
+            }
+        )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = config.save(run_dir / CONFIG)
+        clear_failures(run_dir)
+        (run_dir / RESULT).unlink(missing_ok=True)
+        # The last epoch's state, wherever it was trained: every node resumes from the same one.
+        download_checkpoint(run_id, run_dir / CHECKPOINT, settings)
+        download_checkpoint(run_id, run_dir / BEST_WEIGHTS, settings)
+        env = torchrun_environment(settings, run_id, _interface_env(place.address, job))
+        command = torchrun_command(job.request, config_path, run_id, place)
+        log = run_dir / f"torchrun_node_{rank}.log"
+        offset = log.stat().st_size if log.is_file() else 0
+        returncode = run_torchrun(command, env, run_dir, job.request.timeout_s, log_name=log.name)
+        if returncode != 0:
+            output = read_from(log, offset)
+            if RDZV_TIMEOUT_MARK in output:
+                where = f"node {rank} ({place.address}, {socket.gethostname()})"
+                params = job.request.params
+                raise rendezvous_timeout(
+                    run_id, place.endpoint, where, params.nodes, place.timeout_s
+                )
+            raise _named(torchrun_failure(run_dir, returncode, log, output), place)
+        return NodeOutcome(
+            node_rank=rank,
+            address=place.address,
+            files=_kept_files(run_dir, self.paths["out"]),
+            lead=(run_dir / RESULT).is_file(),
+        )
+
+
+def _family(address: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+
+
+def _interface_env(address: str, job: NodeJob) -> dict[str, str]:
+    """gloo and NCCL on the interface that holds the node's address, unless the user chose.
+
+    Left alone, gloo takes the address the hostname resolves to, often 127.0.0.1: the peers
+    would dial their own loopback.
+    """
+    env = dict(job.request.env)
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                if variable not in os.environ and variable not in env:
+                    env[variable] = name
+            break
+    return env
+
+
+def _named(error: ImageOpsError, place: NodePlace) -> ImageOpsError:
+    """The worker's error, saying which node it came from."""
+    with contextlib.suppress(AttributeError):
+        error.message = f"Node {place.node_rank} ({place.address}, {socket.gethostname()}): " + (
+            error.message
+        )
+    return error
+
+
+def _kept_files(run_dir: Path, out: Path) -> dict[str, bytes]:
+    """The run folder's logs and rank 0's outputs, and the ModelDirectory under ``model/``."""
+    files = {
+        path.name: path.read_bytes()
+        for path in run_dir.iterdir()
+        if path.is_file() and path.name not in _NOT_SENT and not path.name.endswith(".tmp")
+    }
+    if (run_dir / RESULT).is_file() and out.is_dir():
+        files |= {f"model/{p.name}": p.read_bytes() for p in out.iterdir() if p.is_file()}
+    return files

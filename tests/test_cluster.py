@@ -1,0 +1,191 @@
+"""Training on a real Ray cluster of one machine: the same run as torchrun gives, and the errors
+of a job that cannot start (wrong address, fewer nodes than asked, data a node cannot get).
+
+A Ray head (`ray start --head --block`) and an MLflow server run for the module; the node has
+an IMAGEOPS_HOME of its own, so it gets the data from the DVC remote like a machine of its own
+would. Two machines that share nothing: tests/test_cluster_hosts.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from projects import imageops
+from server_processes import Processes, base_env, free_port
+from training_runs import PRE
+
+from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
+from tasks.shared.servers import healthy
+from tasks.shared.settings import Settings
+from tasks.train.launch import train
+from tasks.train.loop import METRICS
+from tasks.train.request import TrainRequest
+
+pytest_plugins = ["training_runs"]
+
+FAST = {"batch_size": 8, "learning_rate": 0.01, "device": "cpu", "precision": "fp32"}
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+class Cluster:
+    """A one-machine Ray cluster and an MLflow server; ``node_home`` is the node's own folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.processes = Processes(root / "logs")
+        self.node_home = root / "node-home"
+        # Ray's socket paths must stay short: its session folder lives directly under /tmp.
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+        port, mlflow_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{port}"
+        self.mlflow = f"http://127.0.0.1:{mlflow_port}"
+        env = base_env() | {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
+        self.processes.start(
+            "ray-head",
+            [RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+             "--node-ip-address", "127.0.0.1", "--include-dashboard=false",
+             "--disable-usage-stats", "--temp-dir", str(self.ray_tmp)],
+            env,
+        )  # fmt: skip
+        self.processes.start(
+            "mlflow",
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+             "--port", str(mlflow_port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--artifacts-destination", (root / "mlartifacts").as_uri()],
+            base_env(),
+        )  # fmt: skip
+        self.processes.wait("MLflow", lambda: healthy(f"{self.mlflow}/health"), 120)
+        self.processes.wait("the Ray head", lambda: _listening(port), 60)
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.processes.stop()
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    running = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def on_cluster(
+    project: Settings, cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Settings:
+    """This test's project, tracking to the cluster's MLflow, checkpoints in a store folder."""
+    monkeypatch.setenv("IMAGEOPS_MLFLOW_TRACKING_URI", cluster.mlflow)
+    monkeypatch.setenv("IMAGEOPS_CHECKPOINT_URL", str(tmp_path / "checkpoints"))
+    monkeypatch.setenv("IMAGEOPS_MLFLOW_EXPERIMENT", f"cluster-{tmp_path.name}")
+    return Settings()
+
+
+@pytest.fixture
+def data(project: Settings, digits_split: tuple[Path, Path]) -> tuple[Path, Path]:
+    """The digits inside the project: what DVC versions, every node gets."""
+    return tuple(  # type: ignore[return-value]
+        Path(shutil.copytree(path, project.data_path / "digits" / path.name))
+        for path in digits_split
+    )
+
+
+def request(untrained: Path, data: tuple[Path, Path], out: Path, **params: object) -> TrainRequest:
+    train_data, val_data = data
+    return TrainRequest(
+        model=untrained, train_data=train_data, val_data=val_data, out=out,
+        params={**FAST, **params}, transform=PRE,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
+    cluster: Cluster,
+    on_cluster: Settings,
+    untrained: Path,
+    data: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    job = request(untrained, data, tmp_path / "model", epochs=2, nproc_per_node=2,
+                  cluster=cluster.address)  # fmt: skip
+    result = train(job, on_cluster)
+
+    client = MlflowClient(on_cluster.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["world_size"] == "2"
+    for name in METRICS:  # every epoch once
+        assert sorted(m.step for m in client.get_metric_history(result.run_id, name)) == [1, 2]
+    # the node got both data sets from the DVC remote, by md5, into its own folder
+    assert {"train", "val"} <= {k.rsplit(".", 1)[-1] for k in run.data.tags if "data_version" in k}
+    assert len(list((cluster.node_home / "data-versions").glob("*"))) >= 2
+    logs = {Path(a.path).name for a in client.list_artifacts(result.run_id, "logs")}
+    assert {"rank_0.log", "rank_1.log", "torchrun_node_0.log"} <= logs
+    assert (result.model_dir / "model.safetensors").is_file()
+    # the last checkpoint and the best weights are in the store, for a restart elsewhere
+    stored = {p.name for p in (tmp_path / "checkpoints" / result.run_id).iterdir()}
+    assert stored == {"checkpoint.pt", "best.safetensors"}
+
+
+def test_fewer_nodes_than_asked_fail_within_the_wait_naming_what_is_there(
+    cluster: Cluster, on_cluster: Settings, untrained: Path, data: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    job = request(untrained, data, tmp_path / "model", nodes=2, cluster=cluster.address,
+                  cluster_timeout_s=3)  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(ClusterUnavailableError) as err:
+        train(job, on_cluster)
+    assert time.monotonic() - started < 30
+    assert f"The cluster at {cluster.address} offered 1 of the 2 nodes" in str(err.value)
+    assert "within 3 s" in str(err.value)
+
+
+def test_a_node_that_cannot_get_the_data_names_the_version_and_the_host(
+    cluster: Cluster, on_cluster: Settings, untrained: Path, data: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    job = request(untrained, data, tmp_path / "model", cluster=cluster.address)
+    missing = "0123456789abcdef0123456789abcdef.dir"  # a version nobody pushed
+    job = job.model_copy(update={"data_version": {"train": missing, "val": missing}})
+    with pytest.raises(DataUnavailableError) as err:
+        train(job, on_cluster)
+    assert missing in str(err.value) and on_cluster.dvc_remote in str(err.value)
+
+
+def test_a_wrong_cluster_address_is_one_error_within_the_wait(
+    cluster: Cluster, on_cluster: Settings, untrained: Path, data: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """From the CLI, as a user types it: nothing listens at the address given."""
+    nowhere = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = imageops(
+        "train", str(untrained), *map(str, data), str(tmp_path / "model"),
+        "--cluster", nowhere, "--cluster-timeout-s", "3", "--device", "cpu", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert time.monotonic() - started < 60
+    assert result.stderr.count("error: ClusterUnavailableError") == 1, result.stderr
+    assert f"Could not reach the Ray cluster at {nowhere}" in result.stderr
+    assert "Traceback" not in result.stderr
