@@ -307,6 +307,16 @@ def test_every_server_answers_only_with_the_join_files_logins(team: Team) -> Non
     forged = s3_client(endpoint, v["AWS_ACCESS_KEY_ID"], "not-the-secret-key", attempts=1)
     with pytest.raises(ClientError):
         forged.list_objects_v2(Bucket="imageops")
+    # SeaweedFS's master, volume server and filer take no login: they stay on loopback.
+    (weed,) = [
+        p for p in psutil.Process(team.server.pid).children(recursive=True) if p.name() == "weed"
+    ]
+    listening = {
+        (c.laddr.ip, c.laddr.port) for c in weed.net_connections("tcp") if c.status == "LISTEN"
+    }
+    exposed = {port for ip, port in listening if ip != "127.0.0.1"}
+    if team.network.namespace:  # S3, and the S3 gateway's gRPC port (-s3.ip.bind binds both)
+        assert 8333 in exposed and len(exposed) == 2, listening
 
 
 @pytest.mark.slow
