@@ -11,6 +11,7 @@ Details: docs/stack.md#the-team-stack-imageops-team.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import secrets
 import shlex
@@ -207,6 +208,12 @@ class TeamServer(Stack):
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start every service and wait until it answers; on any failure stop what started."""
+        if importlib.util.find_spec("flask_wtf") is None:
+            raise TeamStackError(
+                "MLflow's basic-auth app needs the Flask-WTF package, which is not installed.",
+                "Install the project's lock (`make install`; it has mlflow[auth]), or "
+                "`pip install 'mlflow[auth]==3.17.2'`.",
+            )
         ports = self.team_ports
         busy = [
             f"{name} port {port}"

@@ -15,10 +15,14 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.shared import servers
 from tasks.shared.errors import TeamAuthError, TeamStackError
 from tasks.shared.log_tail import tail
+
+if TYPE_CHECKING:
+    import psycopg
 
 DB_SUPERUSER = "postgres"
 DB_ROLE = "imageops"  # the role Prefect and MLflow connect as (not a superuser)
@@ -145,7 +149,7 @@ class TeamPostgres:
                 "host all all 0.0.0.0/0 scram-sha-256\nhost all all ::/0 scram-sha-256\n"
             )
 
-    def connect(self, password: str | None = None):  # -> psycopg.Connection
+    def connect(self, password: str | None = None) -> psycopg.Connection:
         """A connection as the superuser, over TCP (the cluster has no unix socket)."""
         import psycopg
 

@@ -4,9 +4,10 @@ Everything training nodes share that is not a database goes through S3 (DVC remo
 artifacts, checkpoints), so tests and the team stack run a real S3 server: SeaweedFS's
 ``weed server -s3`` (master, volume server, filer and S3 gateway in one process). S3 listens on
 the address given; the others, which take no login at all, on loopback only, each on a free port.
-An identities file holds the only credentials S3 takes: anonymous requests are refused. It answers S3 a few seconds after start
-and does not exit on SIGTERM for 15 s (its filer waits for gRPC streams), so :meth:`S3Server.stop`
-SIGKILLs it past a deadline. boto3 is imported only by the functions that call S3.
+An identities file holds the only credentials S3 takes: anonymous requests are refused. It
+answers S3 a few seconds after start and does not exit on SIGTERM for 15 s (its filer waits for
+gRPC streams), so :meth:`S3Server.stop` SIGKILLs it past a deadline. boto3 is imported only
+by the functions that call S3.
 """
 
 from __future__ import annotations
