@@ -449,6 +449,26 @@ def test_a_join_file_open_to_others_missing_or_short_is_refused(tmp_path: Path) 
         read_join_file(path)
 
 
+def test_join_says_which_server_does_not_answer(tmp_path: Path) -> None:
+    """The command as a person runs it: exit 2, the server and its address, no traceback."""
+    from projects import imageops
+
+    values = dict.fromkeys(JOIN_VARIABLES, "x") | {
+        "PREFECT_API_URL": "http://127.0.0.1:1/api",  # nothing listens on port 1
+        "IMAGEOPS_RAY_ADDRESS": "127.0.0.1:1",
+    }
+    path = tmp_path / "team.env"
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    path.chmod(0o600)
+    result = imageops("team", "join", "--env", str(path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "TeamUnreachableError: The Prefect server at http://127.0.0.1:1/api" in result.stderr
+    assert "Traceback" not in result.stderr
+    path.chmod(0o640)
+    result = imageops("team", "join", "--env", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and "chmod 600" in result.stderr
+
+
 def test_a_kept_secret_is_made_once_and_owner_only(tmp_path: Path) -> None:
     path = tmp_path / "secrets" / "s"
     first = kept_secret(path, lambda: uuid.uuid4().hex)
