@@ -9,13 +9,15 @@ Details: docs/stack.md#the-stack-imageops-serve.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +48,18 @@ class _Service:
     env: dict[str, str]
     process: subprocess.Popen | None = None
     log: Path | None = None
+    # How to stop it, when not by SIGTERM to its group (Ray drains first; SeaweedFS is slow).
+    stopper: Callable[[], None] | None = None
 
 
-def _kept_secret(path: Path, make: Callable[[], str]) -> str:
-    """A secret made once and kept in ``path`` (owner-only), so restarts agree with storage."""
+def kept_secret(path: Path, make: Callable[[], str]) -> str:
+    """A secret made once and kept in ``path`` (owner-only), so restarts agree with storage.
+
+    A kept file that others may read is made owner-only again before it is used.
+    """
     if path.is_file():
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     value = make()
@@ -62,7 +71,95 @@ def _kept_secret(path: Path, make: Callable[[], str]) -> str:
     return value
 
 
-class Stack:
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGINT raise KeyboardInterrupt, so a stop always runs its cleanup.
+
+    SIGINT too: a shell that starts a command in the background makes it ignore SIGINT otherwise.
+    """
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class Services:
+    """Processes started in order, watched, and stopped last started first, logs in ``dir``.
+
+    What ``imageops serve``, ``imageops team server`` and ``imageops team join`` share.
+    """
+
+    command = "imageops serve"  # what to run again, in an error message
+
+    def __init__(self, directory: Path, cwd: Path) -> None:
+        self.dir, self.cwd = directory, cwd
+        self.services: list[_Service] = []
+
+    def _launch(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        *,
+        user: str | None = None,
+        stopper: Callable[[subprocess.Popen], None] | None = None,
+    ) -> _Service:
+        service = _Service(name, args, env, log=self.dir / "logs" / f"{name}.log")
+        # In a group of its own: Ctrl-C reaches us, and we stop them in order.
+        service.process = servers.start(args, service.log, env, cwd=self.cwd, user=user)
+        if stopper is not None:
+            service.stopper = lambda: stopper(service.process)
+        self.services.append(service)
+        return service
+
+    def check_alive(self) -> None:
+        """Raise, with the end of its log, if a service has exited."""
+        for service in self.services:
+            if service.process is not None and service.process.poll() is not None:
+                raise ImageOpsError(
+                    f"{service.name} exited with code {service.process.returncode}. "
+                    f"End of {service.log}:\n{tail(service.log) or '(empty)'}",
+                    f"Fix what its log says, then run `{self.command}` again.",
+                )
+
+    def serve_forever(self, poll_s: float = 1.0) -> None:
+        """Block until Ctrl-C (or SIGTERM), or until a service dies."""
+        with stop_signals():
+            while True:
+                self.check_alive()
+                time.sleep(poll_s)
+
+    def stop(self) -> None:
+        """Stop every service, last started first: clients before the servers they call."""
+        for service in reversed(self.services):
+            if service.stopper is not None:
+                service.stopper()
+            elif service.process is not None:
+                servers.stop(service.process, STOP_TIMEOUT_S)
+        self.services.clear()
+
+
+def stop_leader_first(process: subprocess.Popen, sig: signal.Signals, timeout_s: float) -> None:
+    """Signal the group's leader alone and wait; then stop the whole group as usual.
+
+    For servers that stop their own children in order (``ray start --block`` drains its node
+    first; PostgreSQL's SIGINT is its fast shutdown): a signal to the whole group would cut that.
+    """
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout_s)
+    servers.stop(process, STOP_TIMEOUT_S)  # what is left of its group
+
+
+class Stack(Services):
     """The local stack; ``start`` brings it up, ``stop`` takes it down (last started, first)."""
 
     def __init__(
@@ -77,8 +174,7 @@ class Stack:
     ) -> None:
         self.settings, self.host, self.ports = settings, host, ports
         self.ui, self.worker, self.say = ui, worker, say
-        self.dir = settings.home_dir / "stack"
-        self.services: list[_Service] = []
+        super().__init__(settings.home_dir / "stack", settings.project_root)
         # Clients reach the servers on loopback when they listen everywhere.
         reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.prefect_url = f"http://{reach}:{ports.prefect}"
@@ -138,7 +234,7 @@ class Stack:
         secret = (
             self.settings.webhook_secret.get_secret_value()
             if self.settings.webhook_secret
-            else _kept_secret(self.dir / "webhook-secret", lambda: secrets.token_urlsafe(32))
+            else kept_secret(self.dir / "webhook-secret", lambda: secrets.token_urlsafe(32))
         )
         try:
             self._start_servers(secret)
@@ -186,7 +282,7 @@ class Stack:
             | quiet
             | {"PREFECT_HOME": str(self.dir / "prefect")},
         )
-        key = _kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
+        key = kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
         self._launch(
             "mlflow-server",
             [_tool("mlflow"), "server", "--host", self.host, "--port", str(self.ports.mlflow),
@@ -208,12 +304,6 @@ class Stack:
             self.client_environment() | {"IMAGEOPS_WEBHOOK_SECRET": secret},
         )  # fmt: skip
 
-    def _launch(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        service = _Service(name, args, env, log=self.dir / "logs" / f"{name}.log")
-        # In a group of its own: Ctrl-C reaches us, and we stop them in order.
-        service.process = servers.start(args, service.log, env, cwd=self.settings.project_root)
-        self.services.append(service)
-
     def _wait(self, timeout_s: float) -> None:
         checks = {
             "Prefect server": f"{self.prefect_api}/health",
@@ -231,24 +321,30 @@ class Stack:
                     f"Read its log in {self.dir / 'logs'}.",
                 )
 
-    def _create_pool(self) -> None:
+    def prefect_client_settings(self) -> dict:
+        """Prefect client settings (for ``temporary_settings``) that reach this stack's API."""
+        from prefect.settings import PREFECT_API_URL
+
+        return {PREFECT_API_URL: self.prefect_api}
+
+    def _create_pool(self, pool: str = POOL) -> None:
         from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import temporary_settings
 
         from app.work_pools import work_pool_create
 
         with (
-            temporary_settings(updates={PREFECT_API_URL: self.prefect_api}),
+            temporary_settings(updates=self.prefect_client_settings()),
             get_client(sync_client=True) as client,
         ):
-            client.create_work_pool(work_pool_create(POOL), overwrite=True)
+            client.create_work_pool(work_pool_create(pool), overwrite=True)
             try:
-                queue = client.read_work_queue_by_name(TRAINING_QUEUE, work_pool_name=POOL)
+                queue = client.read_work_queue_by_name(TRAINING_QUEUE, work_pool_name=pool)
             except ObjectNotFound:
                 client.create_work_queue(
                     name=TRAINING_QUEUE,
-                    work_pool_name=POOL,
+                    work_pool_name=pool,
                     concurrency_limit=1,
                     description="One training at a time on this pool.",
                 )
@@ -259,46 +355,16 @@ class Stack:
                 )  # fmt: skip
 
     def _register(self, secret: str) -> None:
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
         from app.webhook import register_webhook
 
-        with temporary_settings(updates={PREFECT_API_URL: self.prefect_api}):
-            register_deployments(DEPLOYMENTS_FILE, work_pool=POOL)
+        self._register_deployments()
         register_webhook(self.receiver_url, secret=secret, mlflow_url=self.mlflow_url)
 
-    def check_alive(self) -> None:
-        """Raise, with the end of its log, if a service has exited."""
-        for service in self.services:
-            if service.process is not None and service.process.poll() is not None:
-                raise ImageOpsError(
-                    f"{service.name} exited with code {service.process.returncode}. "
-                    f"End of {service.log}:\n{tail(service.log) or '(empty)'}",
-                    "Fix what its log says, then run `imageops serve` again.",
-                )
+    def _register_deployments(self) -> None:
+        from prefect.settings import temporary_settings
 
-    def serve_forever(self, poll_s: float = 1.0) -> None:
-        """Block until Ctrl-C (or SIGTERM), or until a service dies."""
-
-        def interrupt(*_: object) -> None:
-            raise KeyboardInterrupt
-
-        # SIGINT too: a shell that starts us in the background makes us ignore it otherwise.
-        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            while True:
-                self.check_alive()
-                time.sleep(poll_s)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def stop(self) -> None:
-        """Stop every service, last started first: the worker before the servers it calls."""
-        for service in reversed(self.services):
-            if service.process is not None:
-                servers.stop(service.process, STOP_TIMEOUT_S)
-        self.services.clear()
+        with temporary_settings(updates=self.prefect_client_settings()):
+            register_deployments(DEPLOYMENTS_FILE, work_pool=POOL)
 
     def __enter__(self) -> Stack:
         self.start()

@@ -2,7 +2,10 @@
 
 The templates are data (``deployments/work-pools/<pool>.json``, what ``prefect work-pool create``
 takes), so the CLI, the README and ``imageops serve`` create the same pools: ``local`` (process),
-``gpu-docker`` and ``gpu-k8s`` (GPUs and /dev/shm as job variables).
+``gpu-docker`` and ``gpu-k8s`` (GPUs and /dev/shm as job variables). No job variable of any pool
+decides what a worker runs: the command is the worker's own, and what could run other code (the
+process pool's environment and folder, a container's image, privileges, host mounts, a kubeconfig)
+is fixed in the template or held to a list (``FIXED``).
 Details: docs/stack.md#work-pools.
 """
 
@@ -19,6 +22,28 @@ POOLS: dict[str, str] = {
     "local": "process",
     "gpu-docker": "docker",
     "gpu-k8s": "kubernetes",
+}
+
+# Variables of each worker's own default template that an imageops pool does not offer, and why:
+# through any of them an API caller could run a command of its choosing as the worker's user (or
+# in its container). tests/test_work_pools.py checks each stays out.
+FIXED: dict[str, dict[str, str]] = {
+    "local": {
+        "command": "the worker's own `python -m prefect.engine`, nothing else",
+        "env": "PYTHONWARNINGS+BROWSER, LD_PRELOAD, PYTHONPATH... run code; flow runs get the "
+        "worker's environment (the team join file)",
+        "working_dir": "a folder of the caller's choosing; the pull step sets the project root",
+    },
+    "gpu-docker": {
+        "command": "the worker's own command",
+        "privileged": "a privileged container owns the host",
+        "volumes": "a host mount can replace the code the fixed command runs",
+        "registry_credentials": "images come only from the template's list",
+    },
+    "gpu-k8s": {
+        "command": "the worker's own command",
+        "cluster_config": "a kubeconfig's `exec` credential plugin runs a command on the worker",
+    },
 }
 
 # The templates live beside prefect.yaml, not in the package: operators read and edit them there.

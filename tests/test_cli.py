@@ -28,7 +28,8 @@ def test_help_lists_every_step(tmp_path: Path) -> None:
 
 HELP_CHECKED = ["train", "run", "score", "split", "transform init", "transform apply",
                 "promote", "evaluate", "quantize", "serve scoring", "serve webhook",
-                "register-webhook", "tune", "cluster manifest"]  # fmt: skip
+                "register-webhook", "tune", "cluster manifest", "team server",
+                "team join"]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", HELP_CHECKED)

@@ -337,7 +337,8 @@ def test_training_output_and_logs_mask_passwords(
 # 4. Every server imageops starts listens on this machine only, unless told otherwise.
 # Live checks elsewhere: tests/test_stack.py (Prefect server, MLflow server, receiver, worker of
 # `imageops serve` listen on 127.0.0.1 only), tests/test_temporary_api.py (`imageops run`'s
-# temporary Prefect API).
+# temporary Prefect API), tests/test_team.py (`imageops team server` on the address it is given,
+# every server behind a login).
 
 
 def _host_option(*path: str) -> tuple[str, str]:
@@ -352,7 +353,7 @@ def _host_option(*path: str) -> tuple[str, str]:
     return default, given
 
 
-@pytest.mark.parametrize("path", [("serve",), ("serve", "webhook")])
+@pytest.mark.parametrize("path", [("serve",), ("serve", "webhook"), ("team", "server")])
 def test_served_commands_listen_on_localhost_by_default(path: tuple[str, ...]) -> None:
     assert _host_option(*path) == ("127.0.0.1", "0.0.0.0")
 
@@ -364,6 +365,7 @@ def test_library_servers_default_to_localhost() -> None:
 
     from app import webhook
     from app.stack import Stack
+    from app.team import TeamServer
     from tasks.train.params import TrainParams
     from tasks.train.request import TrainRequest
     from tasks.train.torchrun import torchrun_command
@@ -372,6 +374,7 @@ def test_library_servers_default_to_localhost() -> None:
     assert webhook._parser().parse_args(["serve"]).host == "127.0.0.1"  # python -m app.webhook
     assert webhook._parser().parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
     assert inspect.signature(Stack).parameters["host"].default == "127.0.0.1"
+    assert inspect.signature(TeamServer).parameters["host"].default == "127.0.0.1"
     # `imageops serve scoring` runs Prefect's runner: its web server stays off, and would be local.
     runner = get_current_settings().runner.server
     assert runner.enable is False and runner.host in ("localhost", "127.0.0.1")

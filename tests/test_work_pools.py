@@ -1,5 +1,10 @@
 """Work pools: each base job template rendered by its worker's own job configuration class.
 
+No job variable decides what a worker runs: a caller's ``command`` (or an environment, folder,
+image or kubeconfig that would run other code) is refused by the pool's schema and, were it sent
+anyway, left unused by the rendered configuration. ``tests/test_team.py`` sends one to a real
+server and worker.
+
 No Prefect API and no Docker engine or cluster: rendering needs neither (the templates reference no
 blocks or Prefect variables; the client below is never contacted), and the checks stop where the
 worker hands its settings to docker-py's ``containers.create`` or to the Kubernetes API.
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from types import SimpleNamespace
 from typing import Any
 from uuid import uuid4
@@ -25,12 +31,22 @@ from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
-from app.work_pools import POOLS, base_job_template, work_pool_create
+from app.work_pools import FIXED, POOLS, base_job_template, work_pool_create
 
 WORKERS = {"local": ProcessWorker, "gpu-docker": DockerWorker, "gpu-k8s": KubernetesWorker}
 # A flow-run container reaches the API by its address (a local one would make the Docker worker
 # ask the engine for its version to map host.docker.internal).
 API_URL = "http://prefect-server:4200/api"
+# What a caller would send to run its own command: each must change nothing the worker runs.
+HOSTILE = {
+    "command": "touch /tmp/imageops-pwned",
+    "env": {"PYTHONWARNINGS": "all:0:antigravity.x:0:0", "BROWSER": "touch /tmp/x #%s"},
+    "working_dir": "/tmp",
+    "privileged": True,
+    "volumes": ["/:/host"],
+    "image": "attacker.example/imageops-worker:latest",
+    "cluster_config": {"config": {}, "context_name": "x"},
+}
 
 
 def render(config_class: Any, pool: str, values: dict[str, Any]) -> Any:
@@ -75,16 +91,50 @@ def test_each_template_is_a_valid_work_pool_of_its_type(pool: str) -> None:
     check_job_variables(pool, {})
     assert work_pool_create(pool).base_job_template == template
     # Started from the worker's own default: every one of its variables is still offered
-    # (container_create_kwargs is what the gpu-docker template fills in itself).
+    # (container_create_kwargs is what the gpu-docker template fills in itself), except those
+    # that would let a caller run code, which are fixed and refused.
     default = WORKERS[pool].get_default_base_job_template()["variables"]["properties"]
-    assert set(default) - {"container_create_kwargs"} <= set(template["variables"]["properties"])
+    offered = set(template["variables"]["properties"])
+    assert set(default) - {"container_create_kwargs"} - set(FIXED[pool]) <= offered
+    assert not offered & set(FIXED[pool])
+    assert template["variables"]["additionalProperties"] is False
+    assert "{{ command }}" not in json.dumps(template["job_configuration"])
 
 
-def test_local_pool_is_the_process_worker_default() -> None:
-    assert base_job_template("local") == ProcessWorker.get_default_base_job_template()
-    config = render(ProcessJobConfiguration, "local", {"env": {"IMAGEOPS_HOME": "/data/x"}})
-    assert config.env["IMAGEOPS_HOME"] == "/data/x"
-    assert config.command  # the worker's own `prefect flow-run execute` command
+@pytest.mark.parametrize("pool", POOLS)
+def test_no_job_variable_replaces_the_workers_command(pool: str) -> None:
+    for name, value in HOSTILE.items():
+        with pytest.raises(ValidationError):
+            check_job_variables(pool, {name: value})
+    # Sent anyway (Prefect 3.8 validates only a deployment's runs): the worker's command stays.
+    configs = {
+        "local": ProcessJobConfiguration,
+        "gpu-docker": DockerWorkerJobConfiguration,
+        "gpu-k8s": KubernetesWorkerJobConfiguration,
+    }
+    # The container pools take `env` (names checked by the server) and `image` (from a list).
+    hostile = {k: v for k, v in HOSTILE.items() if pool == "local" or k not in ("env", "image")}
+    config = render(configs[pool], pool, hostile)
+    assert "imageops-pwned" not in json.dumps(config.model_dump(mode="json"), default=str)
+    assert "prefect" in config.command and "touch" not in config.command
+    if pool == "local":
+        assert config.working_dir is None
+        assert config.env.get("BROWSER") == os.environ.get("BROWSER")
+        assert config.env.get("PYTHONWARNINGS") == os.environ.get("PYTHONWARNINGS")
+    if pool == "gpu-docker":
+        assert config.privileged is False and config.volumes == []
+    if pool == "gpu-k8s":
+        assert config.cluster_config is None
+        assert config.job_manifest["spec"]["template"]["spec"]["containers"][0]["args"][:3] == [
+            "prefect", "flow-run", "execute",
+        ]  # fmt: skip
+
+
+def test_local_pool_runs_in_the_workers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IMAGEOPS_HOME", "/data/x")
+    config = render(ProcessJobConfiguration, "local", {})
+    assert config.env["IMAGEOPS_HOME"] == "/data/x"  # the worker's, e.g. from the join file
+    assert config.command.endswith("-m prefect.engine")  # the worker's own command
 
 
 def docker_create_settings(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,9 +165,9 @@ def test_gpu_docker_defaults_request_every_gpu_and_a_large_shm() -> None:
 
 def test_gpu_docker_job_variables_override_gpus_and_shm() -> None:
     settings, host_config = docker_create_settings(
-        {"gpus": 2, "shm_size": "16g", "image": "registry.example/imageops-worker:1.2"}
+        {"gpus": 2, "shm_size": "16g", "image": "imageops-worker:latest"}
     )
-    assert settings["image"] == "registry.example/imageops-worker:1.2"
+    assert settings["image"] == "imageops-worker:latest"
     assert host_config["DeviceRequests"][0]["Count"] == 2
     assert host_config["DeviceRequests"][0]["Capabilities"] == [["gpu"]]
     assert host_config["ShmSize"] == 16 * 1024**3
@@ -208,6 +258,18 @@ def test_good_job_variables_pass_the_pool_schema(pool: str, values: dict[str, An
         ("gpu-k8s", {"node_selector": {"nvidia.com/gpu.count": 8}}),
         ("gpu-k8s", {"tolerations": [{"key": "nvidia.com/gpu", "effect": "Sometimes"}]}),
         ("gpu-k8s", {"tolerations": {"key": "nvidia.com/gpu"}}),
+        ("local", {"command": "touch /tmp/x"}),
+        ("local", {"env": {"IMAGEOPS_HOME": "/tmp"}}),
+        ("local", {"working_dir": "/tmp"}),
+        ("gpu-docker", {"command": "touch /tmp/x"}),
+        ("gpu-docker", {"image": "attacker.example/imageops-worker:latest"}),
+        ("gpu-docker", {"privileged": True}),
+        ("gpu-docker", {"volumes": ["/:/host"]}),
+        ("gpu-k8s", {"command": "touch /tmp/x"}),
+        ("gpu-k8s", {"cluster_config": {"config": {}, "context_name": "x"}}),
+        ("gpu-docker", {"env": {"LD_PRELOAD": "/tmp/x.so"}}),
+        ("gpu-k8s", {"env": {"PYTHONWARNINGS": "all:0:antigravity.x:0:0"}}),
+        ("gpu-k8s", {"env": {"PREFECT_API_URL": "http://elsewhere/api"}}),
     ],
 )
 def test_bad_job_variables_are_refused_by_the_pool_schema(

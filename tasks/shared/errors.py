@@ -28,6 +28,10 @@ __all__ = [
     "QuantizationAccuracyError",
     "RegistryError",
     "RendezvousTimeoutError",
+    "TeamAuthError",
+    "TeamJoinFileError",
+    "TeamStackError",
+    "TeamUnreachableError",
     "TrainingDivergedError",
     "TrainingFailedError",
     "TuningFailedError",
@@ -164,3 +168,19 @@ class InvalidTuningSpecError(InvalidParameterError):
 class TuningFailedError(ImageOpsError):
     """A tuning study stopped: more trials failed than ``max_failed_trial_count`` allows, or no
     trial completed. The message gives the count and the last trial's error."""
+
+
+class TeamStackError(ImageOpsError):
+    """The team stack (``imageops team server`` / ``join``) could not start or join."""
+
+
+class TeamJoinFileError(TeamStackError):
+    """The join file is missing, unreadable, readable by others, or lacks a variable."""
+
+
+class TeamUnreachableError(TeamStackError):
+    """A server of the team stack does not answer: the message names which one and where."""
+
+
+class TeamAuthError(TeamStackError):
+    """A server of the team stack refused the join file's credentials (which server, where)."""

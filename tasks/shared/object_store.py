@@ -2,11 +2,12 @@
 
 Everything training nodes share that is not a database goes through S3 (DVC remote, MLflow
 artifacts, checkpoints), so tests and the team stack run a real S3 server: SeaweedFS's
-``weed server -s3`` (master, volume server, filer and S3 gateway in one process). Every one of
-its ports is picked free and bound to one address, and an identities file holds the only
-credentials it takes: anonymous requests are refused. It answers S3 a few seconds after start
-and does not exit on SIGTERM for 15 s (its filer waits for gRPC streams), so :meth:`S3Server.stop`
-SIGKILLs it past a deadline. boto3 is imported only by the functions that call S3.
+``weed server -s3`` (master, volume server, filer and S3 gateway in one process). S3 listens on
+the address given; the others, which take no login at all, on loopback only, each on a free port.
+An identities file holds the only credentials S3 takes: anonymous requests are refused. It
+answers S3 a few seconds after start and does not exit on SIGTERM for 15 s (its filer waits for
+gRPC streams), so :meth:`S3Server.stop` SIGKILLs it past a deadline. boto3 is imported only
+by the functions that call S3.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 REGION = "us-east-1"  # SeaweedFS takes any region; clients must sign with one
 START_TIMEOUT_S = 60.0  # measured here: S3 answers 3 to 4 s after start on 2 busy cores
 STOP_TIMEOUT_S = 10.0
+INTERNAL_HOST = "127.0.0.1"  # SeaweedFS's own servers, which take no login, listen here only
 IDENTITIES_FILE = "s3-identities.json"
 LOG_FILE = "seaweedfs.log"
 # The S3 actions of SeaweedFS's identities file; Admin creates and deletes buckets.
@@ -188,8 +190,11 @@ def _weed_command(
         "server",
         f"-dir={data_dir}",
         f"-master.dir={data_dir}",
-        f"-ip={host}",
-        f"-ip.bind={host}",
+        # Master, volume server and filer answer anyone, with no login: loopback only. S3,
+        # which checks the keys, is the one port on ``host``, for other machines.
+        f"-ip={INTERNAL_HOST}",
+        f"-ip.bind={INTERNAL_HOST}",
+        f"-s3.ip.bind={host}",
         f"-master.port={master}",
         f"-master.port.grpc={master_grpc}",
         "-master.telemetry=false",
@@ -236,9 +241,9 @@ def start_seaweedfs(
         data_dir / IDENTITIES_FILE, _identities(access_key, secret_key), mode=0o600
     )
     s3_port = port if port is not None else servers.free_port(host)
-    ports = servers.free_ports(7, host)
+    ports = servers.free_ports(7, INTERNAL_HOST)
     if s3_port in ports:  # the caller's port was free a moment ago: take other ones
-        ports = [p for p in servers.free_ports(8, host) if p != s3_port][:7]
+        ports = [p for p in servers.free_ports(8, INTERNAL_HOST) if p != s3_port][:7]
     command = _weed_command(data_dir, host, s3_port, identities, ports)
     started = time.monotonic()
     process = servers.start(command, log, dict(os.environ), cwd=data_dir)

@@ -47,8 +47,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def port_free(host: str, port: int) -> bool:
-    """True when a server could listen on ``host:port`` now."""
+    """True when a server could listen on ``host:port`` now.
+
+    With SO_REUSEADDR, as servers bind: connections of a server that just stopped (TIME_WAIT)
+    do not make its port look taken for a minute.
+    """
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -57,13 +62,31 @@ def port_free(host: str, port: int) -> bool:
 
 
 def start(
-    args: list[str], log: Path, env: dict[str, str], cwd: Path | None = None
+    args: list[str],
+    log: Path,
+    env: dict[str, str],
+    cwd: Path | None = None,
+    *,
+    user: str | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``args`` in its own process group, its output appended to ``log``."""
+    """Start ``args`` in its own process group, its output appended to ``log``.
+
+    ``user``: run it as that account (from root), for servers that refuse root (PostgreSQL).
+    util-linux's ``setpriv`` switches to it and asks for the parent-death signal after the
+    switch (a switch clears it); this Python and its wrapper may be private to root.
+    """
     log.parent.mkdir(parents=True, exist_ok=True)
+    command = dying_with_this_process(args)
+    if user is not None:
+        import pwd
+
+        account = pwd.getpwnam(user)
+        command = ["setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}",
+                   "--clear-groups", "--pdeathsig", "KILL", "--", *args]  # fmt: skip
+        env = env | {"HOME": account.pw_dir, "USER": user, "LOGNAME": user}
     with log.open("ab") as sink:
         return subprocess.Popen(
-            dying_with_this_process(args),
+            command,
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,

@@ -1,0 +1,502 @@
+"""The team stack for real: the README's commands as written, every login, and no job variable
+that runs a caller's command.
+
+One stack for the module. The README's block "On the server machine" runs in a project folder of
+its own with ``SERVER`` = 10.231.9.1, an address this test gives the test machine on a veth pair;
+the block "On each GPU machine" runs in another folder, inside a network namespace of its own
+(its own network stack at 10.231.9.2: another machine as far as the servers know). Without root
+or ``ip``, both run on 127.0.0.1. Traffic goes only to those addresses and loopback, and the
+namespace and veth are deleted at the end, even when a test fails. The last test stops both
+commands as a person would (Ctrl-C, SIGTERM) and checks that nothing they started is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from server_processes import base_env
+
+from app.stack import kept_secret
+from app.team import JOIN_VARIABLES, TeamServer
+from app.team_join import check_servers, read_join_file
+from tasks.shared import servers
+from tasks.shared.errors import TeamAuthError, TeamJoinFileError, TeamUnreachableError
+from tasks.shared.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SUBNET = "10.231.9"  # this test's own addresses: .1 the server machine, .2 the GPU machine
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 90.0
+
+
+# --- the README's commands ------------------------------------------------------------------
+
+
+def readme_commands(heading: str) -> list[str]:
+    """The command lines of the first ```bash block under the README heading ``### heading``."""
+    text = README.read_text()
+    start = text.index(f"\n### {heading}\n")
+    block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
+    assert block, f"no bash block under '### {heading}' in the README"
+    lines = [line.split(" #")[0].strip() for line in block.group(1).splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def readme_join_variables() -> list[str]:
+    """The variables the README's team section lists, one ``- `NAME`: what`` line each."""
+    text = README.read_text()
+    section = text[text.index("\n## A team on several machines\n") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(r"^- `([A-Z0-9_]+)`: ", section, re.M)
+
+
+def test_readme_lists_every_variable_of_the_join_file() -> None:
+    assert readme_join_variables() == list(JOIN_VARIABLES)
+    assert readme_commands("On the server machine") == ["imageops team server --host SERVER"]
+    assert readme_commands("On each GPU machine")[-1] == "imageops team join --env team.env"
+
+
+# --- two machines ---------------------------------------------------------------------------
+
+
+@dataclass
+class Network:
+    server_ip: str
+    gpu_ip: str
+    namespace: str | None  # the GPU machine's network namespace; None: both on loopback
+
+    def on_gpu_machine(self, args: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *args] if self.namespace else args
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[Network]:
+    """10.231.9.1 here and 10.231.9.2 in a namespace of its own, joined by a veth pair."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        yield Network("127.0.0.1", "127.0.0.1", None)
+        return
+    tag = f"{os.getpid() % 100000}"
+    namespace, here, there = f"imageops-team-{tag}", f"itm{tag}a", f"itm{tag}b"
+    try:
+        _ip("netns", "add", namespace)
+        _ip("link", "add", here, "type", "veth", "peer", "name", there)
+        _ip("link", "set", there, "netns", namespace)
+        _ip("addr", "add", f"{SUBNET}.1/24", "dev", here)
+        _ip("link", "set", here, "up")
+        _ip("-n", namespace, "addr", "add", f"{SUBNET}.2/24", "dev", there)
+        _ip("-n", namespace, "link", "set", there, "up")
+        _ip("-n", namespace, "link", "set", "lo", "up")
+        yield Network(f"{SUBNET}.1", f"{SUBNET}.2", namespace)
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            _ip("link", "del", here)  # takes its peer in the namespace with it
+        with contextlib.suppress(subprocess.SubprocessError):
+            _ip("netns", "del", namespace)
+
+
+@dataclass
+class Team:
+    network: Network
+    server_dir: Path
+    gpu_dir: Path
+    server: subprocess.Popen
+    logs: Path
+    join: subprocess.Popen | None = None
+    values: dict[str, str] = field(default_factory=dict)
+
+    def report(self) -> str:
+        logs = [self.logs / "server.log", self.logs / "join.log"]
+        logs += sorted((self.server_dir / ".imageops" / "team" / "logs").glob("*.log"))
+        logs += sorted((self.gpu_dir / ".imageops" / "team-join" / "logs").glob("*.log"))
+        return "\n".join(
+            f"----- {p} -----\n{p.read_text(errors='replace')[-2500:]}" for p in logs if p.is_file()
+        )
+
+    def wait(self, what: str, ready: Callable[[], Any], timeout_s: float) -> Any:
+        def attempt() -> Any:
+            for name, proc in (("team server", self.server), ("team join", self.join)):
+                if proc is not None and proc.poll() is not None:
+                    pytest.fail(f"{name} exited ({proc.returncode}) waiting for {what}\n"
+                                f"{self.report()}")  # fmt: skip
+            with contextlib.suppress(httpx.HTTPError, OSError):
+                return ready()
+            return None
+
+        result = servers.wait_until(attempt, timeout_s, interval_s=0.5)
+        if not result:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
+        return result
+
+    def prefect(self) -> httpx.Client:
+        user, _, password = self.values["PREFECT_API_AUTH_STRING"].partition(":")
+        return httpx.Client(
+            base_url=self.values["PREFECT_API_URL"], auth=(user, password), timeout=30
+        )
+
+
+def _environment() -> dict[str, str]:
+    """A person's shell: no Prefect, MLflow or imageops settings; this checkout on PYTHONPATH."""
+    env = base_env()
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *extra])
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _as_run(line: str, network: Network, server_dir: Path) -> list[str]:
+    """A README line, placeholders filled in, with ``imageops`` as this checkout's CLI."""
+    line = line.replace("SERVER", network.server_ip).replace("PROJECT", str(server_dir))
+    words = shlex.split(line)
+    return [sys.executable, "-m", "app.cli", *words[1:]] if words[0] == "imageops" else words
+
+
+def _start(args: list[str], cwd: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with log.open("ab") as sink:
+        return subprocess.Popen(
+            args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=sink,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def team(network: Network) -> Iterator[Team]:
+    """The README's two blocks running: the server machine's command, then the GPU machine's."""
+    # Not under pytest's tmp_path: PostgreSQL runs as `postgres` when we are root, and must
+    # enter the project folder.
+    root = Path(tempfile.mkdtemp(prefix="imageops-team-"))
+    root.chmod(0o755)
+    server_dir, gpu_dir, logs = root / "server-machine", root / "gpu-machine", root / "logs"
+    for folder in (server_dir, gpu_dir, logs):
+        folder.mkdir(mode=0o755)
+    env = _environment()
+    (server_line,) = readme_commands("On the server machine")
+    server = _start(_as_run(server_line, network, server_dir), server_dir, logs / "server.log", env)
+    team = Team(network, server_dir, gpu_dir, server, logs)
+    try:
+        team.wait(
+            "the team server to be ready",
+            lambda: "ready;" in (logs / "server.log").read_text(),
+            START_TIMEOUT_S,
+        )
+        for line in readme_commands("On each GPU machine"):
+            args = _as_run(line, network, server_dir)
+            if args[0] == "scp":  # the one step a test cannot take as written: it copies
+                source, target = args[1].partition(":")[2], gpu_dir / args[2]
+                shutil.copyfile(source, target)
+            elif args[:4] == [sys.executable, "-m", "app.cli", "team"]:
+                join_log = logs / "join.log"
+                team.join = _start(network.on_gpu_machine(args), gpu_dir, join_log, env)
+                joined = lambda log=join_log: "joined;" in log.read_text()  # noqa: E731
+                team.wait("the GPU machine to join", joined, 120)
+            else:
+                subprocess.run(args, cwd=gpu_dir, check=True, timeout=30)
+        team.values = read_join_file(gpu_dir / "team.env")
+        yield team
+    finally:
+        for proc, sig in ((team.join, signal.SIGINT), (server, signal.SIGTERM)):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(sig)
+                try:
+                    proc.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        print(team.report())  # shown by pytest only when a test failed
+        for link in (
+            server_dir / ".imageops" / "team" / "ray",
+            gpu_dir / ".imageops" / "team-join" / "ray",
+        ):
+            if link.is_symlink():  # Ray's short session folder (app.team.ray_temp_dir)
+                shutil.rmtree(link.resolve(), ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --- logins -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_server_answers_only_with_the_join_files_logins(team: Team) -> None:
+    v = team.values
+    assert v["IMAGEOPS_PREFECT_API_URL"] == f"http://{team.network.server_ip}:4200/api"
+    assert v["IMAGEOPS_RAY_ADDRESS"] == f"{team.network.server_ip}:6379"
+
+    # Prefect: 401 without the auth string; with it, the API and the `prefect` command work.
+    api = v["PREFECT_API_URL"]
+    assert httpx.post(f"{api}/work_pools/filter", json={}, timeout=10).status_code == 401
+    with team.prefect() as client:
+        pools = client.post("/work_pools/filter", json={}).raise_for_status().json()
+    assert {pool["name"] for pool in pools} >= {"local", "gpu-docker", "gpu-k8s"}
+    env = _environment() | v
+    listed = subprocess.run(
+        [Path(sys.executable).with_name("prefect"), "deployment", "ls"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert listed.returncode == 0 and "imageops-train-model/train" in listed.stdout, listed
+    refused = subprocess.run(
+        [Path(sys.executable).with_name("prefect"), "deployment", "ls"],
+        env=env | {"PREFECT_API_AUTH_STRING": "imageops:wrong"}, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "401" in refused.stdout + refused.stderr
+
+    # MLflow: 401 without credentials; with them, a run whose artifact lands in S3.
+    uri = v["IMAGEOPS_MLFLOW_TRACKING_URI"]
+    search = f"{uri}/api/2.0/mlflow/experiments/search"
+    assert httpx.get(search, params={"max_results": 1}, timeout=10).status_code == 401
+    wrong = ("admin", "wrong")
+    assert httpx.get(search, params={"max_results": 1}, auth=wrong, timeout=10).status_code == 401
+    script = (
+        "import mlflow, sys\n"
+        "mlflow.set_tracking_uri(sys.argv[1])\n"
+        "mlflow.set_experiment('team-check')\n"
+        "with mlflow.start_run() as run:\n"
+        "    mlflow.log_param('lr', 0.01)\n"
+        "    mlflow.log_text('hello', 'note.txt')\n"
+        "print(mlflow.get_run(run.info.run_id).data.params['lr'])\n"
+        "print(mlflow.artifacts.load_text(run.info.artifact_uri + '/note.txt'))\n"
+    )
+    logged = subprocess.run(
+        [sys.executable, "-c", script, uri], env=env, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert logged.returncode == 0, logged.stderr[-3000:]
+    assert logged.stdout.split()[-2:] == ["0.01", "hello"]
+
+    # S3: the join file's keys read the bucket (MLflow's artifact is there); no keys: refused.
+    from botocore import UNSIGNED
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    from tasks.shared.object_store import s3_client
+
+    endpoint = v["IMAGEOPS_S3_ENDPOINT_URL"]
+    client = s3_client(endpoint, v["AWS_ACCESS_KEY_ID"], v["AWS_SECRET_ACCESS_KEY"])
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="imageops").get("Contents", [])]
+    assert any(k.startswith("mlartifacts/") and k.endswith("/note.txt") for k in keys), keys
+    import boto3
+
+    anonymous = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        config=Config(signature_version=UNSIGNED, s3={"addressing_style": "path"}),
+    )  # fmt: skip
+    with pytest.raises(ClientError, match="AccessDenied"):
+        anonymous.list_objects_v2(Bucket="imageops")
+    forged = s3_client(endpoint, v["AWS_ACCESS_KEY_ID"], "not-the-secret-key", attempts=1)
+    with pytest.raises(ClientError):
+        forged.list_objects_v2(Bucket="imageops")
+    # SeaweedFS's master, volume server and filer take no login: they stay on loopback.
+    (weed,) = [
+        p for p in psutil.Process(team.server.pid).children(recursive=True) if p.name() == "weed"
+    ]
+    listening = {
+        (c.laddr.ip, c.laddr.port) for c in weed.net_connections("tcp") if c.status == "LISTEN"
+    }
+    exposed = {port for ip, port in listening if ip != "127.0.0.1"}
+    if team.network.namespace:  # S3, and the S3 gateway's gRPC port (-s3.ip.bind binds both)
+        assert 8333 in exposed and len(exposed) == 2, listening
+
+
+@pytest.mark.slow
+def test_the_gpu_machine_is_a_ray_node_and_a_prefect_worker(team: Team) -> None:
+    v, gpu_ip = team.values, team.network.gpu_ip
+    env = _environment() | v
+    ray = Path(sys.executable).with_name("ray")
+    status = subprocess.run(
+        [ray, "status", "--address", v["IMAGEOPS_RAY_ADDRESS"]],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert len(re.findall(r"^ 1 node_", status.stdout, re.M)) == 2, status.stdout
+    script = (
+        "import json, ray, sys\n"
+        "ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False)\n"
+        "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))\n"
+    )
+    nodes = subprocess.run(
+        [sys.executable, "-c", script, v["IMAGEOPS_RAY_ADDRESS"]],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert nodes.returncode == 0, nodes.stderr[-2000:]
+    if team.network.namespace:
+        assert gpu_ip in json.loads(nodes.stdout.splitlines()[-1])
+    no_token = subprocess.run(
+        [ray, "status", "--address", v["IMAGEOPS_RAY_ADDRESS"]],
+        env=env | {"RAY_AUTH_TOKEN": "0" * 64}, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert no_token.returncode != 0 and "InvalidAuthToken" in no_token.stdout + no_token.stderr
+
+    with team.prefect() as client:
+        workers = team.wait(
+            "the GPU machine's Prefect worker",
+            lambda: [
+                w for w in client.post("/work_pools/local/workers/filter", json={}).json()
+                if w["status"] == "ONLINE" and w["name"].endswith(f"-{gpu_ip}")
+            ],
+            60,
+        )  # fmt: skip
+    assert len(workers) == 1
+
+
+@pytest.mark.slow
+def test_secrets_are_owner_only_and_kept_for_the_next_start(team: Team) -> None:
+    home = team.server_dir / ".imageops" / "team"
+    secret_files = sorted((home / "secrets").iterdir())
+    assert len(secret_files) >= 8
+    assert (home / "secrets").stat().st_mode & 0o777 == 0o700
+    for path in [*secret_files, home / "team.env", home / "mlflow-auth.ini"]:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    # What a restart uses: the same secrets, so the same join file.
+    settings = Settings(project_root=team.server_dir, home=team.server_dir / ".imageops")
+    again = TeamServer(settings, host=team.network.server_ip, say=lambda _: None)
+    assert again.join_variables() == read_join_file(home / "team.env")
+    assert team.values == read_join_file(home / "team.env")
+
+
+@pytest.mark.slow
+def test_no_job_variable_runs_a_callers_command(team: Team) -> None:
+    """The finding of issue 25: a POST with job_variables.command ran a shell command."""
+    marker = Path(tempfile.gettempdir()) / f"imageops-pwned-{uuid.uuid4().hex}"
+    hostile = {
+        "command": f"touch {marker}",
+        "env": {"BROWSER": f"touch {marker}.env #%s", "PYTHONWARNINGS": "all:0:antigravity.x:0:0"},
+        "working_dir": str(marker.parent),
+    }
+    with team.prefect() as client:
+        deployment = client.get("/deployments/name/imageops-train-model/train").json()
+        for name, value in hostile.items():
+            refused = client.post(
+                f"/deployments/{deployment['id']}/create_flow_run",
+                json={"job_variables": {name: value}},
+            )
+            assert refused.status_code == 422, refused.text
+            assert name in refused.text
+        # Without a deployment Prefect 3.8 does not check job variables: the worker must still
+        # run only its own command, in its own environment.
+        flow = client.post("/flows/", json={"name": "team-hostile"}).json()
+        run = client.post(
+            "/flow_runs/",
+            json={"flow_id": flow["id"], "work_pool_name": "local", "job_variables": hostile,
+                  "state": {"type": "SCHEDULED"}},
+        ).raise_for_status().json()  # fmt: skip
+        final = team.wait(
+            "the worker to take the hostile flow run",
+            lambda: (
+                (s := client.get(f"/flow_runs/{run['id']}").json()["state"])["type"]
+                in ("COMPLETED", "FAILED", "CRASHED")
+                and s
+            ),
+            120,
+        )
+    assert final["type"] == "CRASHED"  # the engine finds no flow to run: nothing else ran
+    assert not marker.exists() and not Path(f"{marker}.env").exists()
+
+
+@pytest.mark.slow
+def test_join_names_the_server_that_refuses_or_does_not_answer(team: Team) -> None:
+    v = team.values
+    check_servers(v, "local")  # what `team join` checked before starting
+    ip = team.network.server_ip
+    cases: list[tuple[dict[str, str], type[Exception], str]] = [
+        ({"PREFECT_API_AUTH_STRING": "imageops:wrong"}, TeamAuthError, "Prefect server at"),
+        ({"MLFLOW_TRACKING_PASSWORD": "wrong"}, TeamAuthError, "MLflow server at"),
+        ({"AWS_SECRET_ACCESS_KEY": "wrong"}, TeamAuthError, "S3 server at"),
+        ({"PREFECT_API_URL": f"http://{ip}:1/api"}, TeamUnreachableError, f"Prefect.*{ip}:1"),
+        ({"IMAGEOPS_MLFLOW_TRACKING_URI": f"http://{ip}:1"}, TeamUnreachableError, "MLflow"),
+        ({"IMAGEOPS_S3_ENDPOINT_URL": f"http://{ip}:1"}, TeamUnreachableError, f"S3.*{ip}:1"),
+        ({"IMAGEOPS_RAY_ADDRESS": f"{ip}:1"}, TeamUnreachableError, f"Ray head at {ip}:1"),
+    ]
+    for change, error, message in cases:
+        with pytest.raises(error, match=message):
+            check_servers(v | change, "local", timeout_s=3)
+
+
+def test_a_join_file_open_to_others_missing_or_short_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "team.env"
+    with pytest.raises(TeamJoinFileError, match="does not exist"):
+        read_join_file(path)
+    path.write_text("".join(f"{k}=x\n" for k in JOIN_VARIABLES))
+    path.chmod(0o644)
+    with pytest.raises(TeamJoinFileError, match="chmod 600"):
+        read_join_file(path)
+    path.chmod(0o600)
+    assert read_join_file(path) == dict.fromkeys(JOIN_VARIABLES, "x")
+    path.write_text("IMAGEOPS_PREFECT_API_URL=http://x/api\n")
+    with pytest.raises(TeamJoinFileError, match="lacks PREFECT_API_URL"):
+        read_join_file(path)
+
+
+def test_join_says_which_server_does_not_answer(tmp_path: Path) -> None:
+    """The command as a person runs it: exit 2, the server and its address, no traceback."""
+    from projects import imageops
+
+    values = dict.fromkeys(JOIN_VARIABLES, "x") | {
+        "PREFECT_API_URL": "http://127.0.0.1:1/api",  # nothing listens on port 1
+        "IMAGEOPS_RAY_ADDRESS": "127.0.0.1:1",
+    }
+    path = tmp_path / "team.env"
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    path.chmod(0o600)
+    result = imageops("team", "join", "--env", str(path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "TeamUnreachableError: The Prefect server at http://127.0.0.1:1/api" in result.stderr
+    assert "Traceback" not in result.stderr
+    path.chmod(0o640)
+    result = imageops("team", "join", "--env", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and "chmod 600" in result.stderr
+
+
+def test_a_kept_secret_is_made_once_and_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "secrets" / "s"
+    first = kept_secret(path, lambda: uuid.uuid4().hex)
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o644)
+    assert kept_secret(path, lambda: "another") == first
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+# --- stopping -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_sigterm_stop_everything(team: Team) -> None:
+    assert team.join is not None
+    started = [
+        p for proc in (team.join, team.server)
+        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    ]  # fmt: skip
+    assert len(started) > 10  # PostgreSQL, SeaweedFS, MLflow, Prefect, two Ray nodes, a worker
+    t0 = time.monotonic()
+    team.join.send_signal(signal.SIGINT)  # Ctrl-C
+    assert team.join.wait(STOP_TIMEOUT_S) == 0, team.report()
+    team.server.send_signal(signal.SIGTERM)
+    assert team.server.wait(STOP_TIMEOUT_S) == 0, team.report()
+    print(f"stopped in {time.monotonic() - t0:.1f} s")
+    _, alive = psutil.wait_procs(started, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    ip = team.network.server_ip
+    for port in (4200, 5000, 8333, 5432, 6379):
+        assert servers.port_free(ip, port), port
