@@ -7,6 +7,7 @@ horizontal flip, since a mirrored digit is not the same digit).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,6 +45,24 @@ DEMO_TRANSFORM = TransformSpec(
 DEMO_MODEL = ModelChoice(name="resnet18", pretrained=False)
 # Two training processes: the demo shows DDP on a 2-core machine.
 DEMO_TRAIN = TrainParams(nproc_per_node=2)
+
+
+def in_project(path: str, what: str, settings: Settings) -> Path:
+    """``path`` under the project root, refused (naming the root) when nothing is there.
+
+    A worker started outside the project's checkout runs its flow runs elsewhere: say so, rather
+    than that the data does not exist.
+    """
+    found = settings.project_root / path
+    if not found.exists():
+        root = os.environ.get("IMAGEOPS_PROJECT_ROOT") or "unset: the working folder"
+        raise InvalidParameterError(
+            f"The {what} {path} does not exist under the project root {settings.project_root} "
+            f"(IMAGEOPS_PROJECT_ROOT: {root}).",
+            "Start the Prefect worker in the project's checkout with IMAGEOPS_PROJECT_ROOT set "
+            "to it (imageops team join does both), or give the path from the project root.",
+        )
+    return found
 
 
 def fills_from(default: BaseModel) -> BeforeValidator:

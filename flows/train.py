@@ -21,6 +21,7 @@ from flows.config import (
     DemoModel,
     DemoTrainParams,
     DemoTransform,
+    in_project,
 )
 from tasks.data.versioning import version_task
 from tasks.inference.export import export_task
@@ -101,23 +102,24 @@ def train_model_flow(
 ) -> TrainedModel:
     """Train one model from the UI or a schedule: build, train (DDP), export, register."""
     settings = get_settings()
-    root = settings.project_root
+    train_path = in_project(train_data, "training data", settings)
+    val_path = in_project(val_data, "validation data", settings)
     name_flow_run(f"train-{model.name}")
     data_version: dict[str, str] = {}
     if steps.version_data:
-        data_version = {name: version_task(root / path) for name, path in
-                        (("train", train_data), ("val", val_data))}  # fmt: skip
+        data_version = {name: version_task(path) for name, path in
+                        (("train", train_path), ("val", val_path))}  # fmt: skip
         name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
     out = settings.home_dir / "outputs" / datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
     request = TrainRequest(
-        model=out / "untrained", train_data=root / train_data, val_data=root / val_data,
+        model=out / "untrained", train_data=train_path, val_data=val_path,
         out=out / "model", params=params, transform=transform, data_version=data_version,
     )  # fmt: skip
     build_model_task(model, request.model)
     trained = train_flow(request)
     version = None
     if steps.register_model:
-        export_task(trained.model_dir, sample=root / val_data)
+        export_task(trained.model_dir, sample=val_path)
         registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
         version = str(registered.version)
     return TrainedModel(

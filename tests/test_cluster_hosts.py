@@ -8,9 +8,11 @@ is scored on host B. See tests/hosts.py for what a host is.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from hosts import Host, Hosts, can_make_hosts
 from mlflow import MlflowClient
@@ -206,9 +209,11 @@ def test_a_two_node_job_from_the_cli_runs_one_rank_on_each_host(team: Team) -> N
     assert any((team.a.home / "data-versions").iterdir())
 
 
-def test_a_two_node_job_from_prefect_is_registered_and_scored_on_the_other_host(
+def test_a_two_node_job_from_prefect_outlives_its_worker_and_is_scored_on_the_other_host(
     team: Team,
 ) -> None:
+    """`prefect deployment run` on host A's worker, SIGKILLed once training runs: the flow run
+    goes on and ends COMPLETED, the MLflow run FINISHED; host B scores the registered model."""
     a, b = team.a, team.b
     root_env = base_env() | team.env
     for command in (
@@ -219,27 +224,72 @@ def test_a_two_node_job_from_prefect_is_registered_and_scored_on_the_other_host(
     ):  # fmt: skip
         done = a.run(command, timeout_s=180, **root_env)
         assert done.returncode == 0, done.stdout + done.stderr
-    team.hosts.start(a, "prefect-worker", [PY, "-m", "prefect", "worker", "start", "--pool",
-                     "local", "--name", "host-a"])  # fmt: skip
-    params = TRAIN | {"cluster": team.cluster}
-    started = a.run(
-        [PY, "-m", "prefect", "deployment", "run", "imageops-train-model/train",
-         "-p", "train_data=data/digits/train", "-p", "val_data=data/digits/val",
-         "-p", f"params={json.dumps(params)}", "-p", f"transform={json.dumps(SMALL)}",
-         "--watch", "--watch-timeout", "540"],
-        timeout_s=600,
-    )  # fmt: skip
-    assert started.returncode == 0, started.stdout + started.stderr + team.hosts.processes.report()
-    assert "Completed" in started.stdout
-
+    worker = start_worker(team, "host-a")
+    flow_run = run_train_deployment(team, TRAIN | {"cluster": team.cluster, "epochs": 2})
     client = MlflowClient(team.mlflow, team.mlflow)
+    wait_for("the cluster job to train", lambda: training_runs(client, "RUNNING"), 300)
+    os.kill(worker.pid, signal.SIGKILL)  # the worker only: its flow run goes on
+
+    state = final_state(team, flow_run, 540)
+    assert state == "COMPLETED", state + team.hosts.processes.report()
     version = client.get_model_version_by_alias(MODEL, "challenger")
     run = client.get_run(version.run_id)
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+    assert not training_runs(client, "RUNNING")
     # Host B never saw this model: it gets it from the registry (artifacts in S3) and scores.
     cli(b, "score", f"models:/{MODEL}/{version.version}", "data/digits/val", "scored.csv")
     rows = (b.project / "scored.csv").read_text().splitlines()
     assert len(rows) > 10 and rows[0].startswith("id,path,category")
+
+
+def test_a_cancelled_flow_run_stops_the_cluster_job_within_30_seconds(team: Team) -> None:
+    start_worker(team, "host-a-again")
+    flow_run = run_train_deployment(team, TRAIN | {"cluster": team.cluster, "epochs": 50})
+    wait_for("torchrun on both hosts", lambda: len(training_processes(team.hosts)) >= 4, 300)
+    cancelled = team.a.run([PY, "-m", "prefect", "flow-run", "cancel", flow_run])
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    started = time.monotonic()
+    wait_for("every training process to stop", lambda: not training_processes(team.hosts), 30)
+    assert time.monotonic() - started < 30
+    assert final_state(team, flow_run, 60) == "CANCELLED"
+
+
+def start_worker(team: Team, name: str) -> subprocess.Popen:
+    command = [PY, "-m", "prefect", "worker", "start", "--pool", "local", "--name", name]
+    return team.hosts.start(team.a, name, command)
+
+
+def run_train_deployment(team: Team, params: dict) -> str:
+    """`prefect deployment run` of the train deployment from host A; the flow run's id."""
+    started = team.a.run(
+        [PY, "-m", "prefect", "deployment", "run", "imageops-train-model/train",
+         "-p", "train_data=data/digits/train", "-p", "val_data=data/digits/val",
+         "-p", f"params={json.dumps(params)}", "-p", f"transform={json.dumps(SMALL)}"],
+        timeout_s=120,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    (flow_run,) = re.findall(r"UUID: ([0-9a-f-]{36})", started.stdout)
+    return flow_run
+
+
+def final_state(team: Team, flow_run: str, timeout_s: float) -> str:
+    """The flow run's state type once final, read from the Prefect API."""
+    final = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+    seen: list[str] = ["?"]
+
+    def ended() -> bool:
+        seen[0] = httpx.get(f"{team.prefect_api}/flow_runs/{flow_run}").json()["state_type"]
+        return seen[0] in final
+
+    wait_for(f"flow run {flow_run} to end", ended, timeout_s)
+    return seen[0]
+
+
+def training_runs(client: MlflowClient, status: str) -> list:
+    experiment = client.get_experiment_by_name("imageops")
+    if experiment is None:
+        return []
+    return client.search_runs([experiment.experiment_id], f"attributes.status = '{status}'")
 
 
 def test_a_lost_node_resumes_from_the_last_checkpoint_once_it_is_back(team: Team) -> None:

@@ -115,3 +115,16 @@ def test_a_prefect_retry_continues_the_run_of_the_killed_attempt(
     # A FINISHED run is never reused: the same request again is a new training run.
     again = open_run(request(untrained, digits_split, tmp_path / "model", params), project)
     assert again not in {reference.run_id, result.run_id}
+
+
+def test_a_flow_run_outside_the_project_names_the_root_it_looked_in(
+    prefect_api: None, project: Settings
+) -> None:
+    """A worker started in another folder: the error says where it looked and what to set."""
+    from flows.train import train_model_flow
+
+    with pytest.raises(InvalidParameterError) as err:
+        train_model_flow(train_data="data/digits/train", val_data="data/digits/val")
+    message = str(err.value)
+    assert f"does not exist under the project root {project.project_root}" in message
+    assert "IMAGEOPS_PROJECT_ROOT" in message and "imageops team join" in message
