@@ -74,8 +74,10 @@ def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Pa
         outcomes = _run_gang(job, run, settings, log)
         result = _unpack(outcomes, run.dir, request.out)
         status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as stop:
+        # Ctrl-C, or Prefect's TerminationSignal of a cancelled flow run: stopped, not failed.
+        if not isinstance(stop, Exception):
+            status = "KILLED"
         raise
     finally:
         if run.id is not None:

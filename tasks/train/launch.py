@@ -96,8 +96,10 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
                 raise torchrun_failure(run_dir, returncode, torchrun_log, output)
             result = json.loads((run_dir / RESULT).read_text())
             status = "FINISHED"
-        except KeyboardInterrupt:
-            status = "KILLED"
+        except BaseException as stop:
+            # Ctrl-C, or Prefect's TerminationSignal of a cancelled flow run: stopped, not failed.
+            if not isinstance(stop, Exception):
+                status = "KILLED"
             raise
         finally:
             complete_run(client, run_id, run_dir, result, status)
