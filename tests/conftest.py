@@ -27,6 +27,13 @@ os.environ.update(
 )
 for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
     os.environ.pop(_var, None)
+# One compute thread per torch process (this one, torchrun's workers, flow runs, servers): pytest
+# runs one worker per core, so the cores are taken already, and OpenMP threads that wait for a
+# core spin. Measured on the busy 2-core CI machine: a resnet18 step on 16 px digits cost 1.0 s
+# of CPU with torch's default 2 threads and 0.1 s with 1; a 2-epoch training run's processes
+# 31 s against 14 s. torchrun sets the same for workers when it starts more than one per node.
+# A value already set wins (to try the default: OMP_NUM_THREADS=2 make test).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from projects import use_project  # noqa: E402
 from server_processes import Processes  # noqa: E402
