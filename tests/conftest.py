@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,9 +51,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     pytest-xdist hands tests out in this order: a minute-long test near the end keeps one worker
     busy while the others have nothing left, so the long ones go first and the short ones fill
     in behind them. Every worker sorts alike (the order must match across workers).
+
+    At the very front, the slow modules whose tests share a module-scoped fixture (a served
+    stack, a PostgreSQL cluster), fewest tests first: worksteal hands an idle worker the back half
+    of another's queue, so the front is never split, and a split module would start its servers
+    a second time on the other worker (and its later tests would find a stack without the runs
+    its earlier tests made).
     """
     heavy = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in heavy)
+    shared = {
+        item.module.__name__
+        for item in items
+        if any(
+            definition.scope == "module"
+            for definitions in item._fixtureinfo.name2fixturedefs.values()
+            for definition in definitions
+        )
+    }
+    size = Counter(item.module.__name__ for item in items)
+
+    def order(item: pytest.Item) -> tuple[bool, bool, int]:
+        name = item.module.__name__
+        front = name in heavy and name in shared
+        return (name not in heavy, not front, size[name] if front else 0)
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")
