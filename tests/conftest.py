@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,13 @@ os.environ.update(
 )
 for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
     os.environ.pop(_var, None)
+# One compute thread per torch process (this one, torchrun's workers, flow runs, servers): pytest
+# runs one worker per core, so the cores are taken already, and OpenMP threads that wait for a
+# core spin. Measured on the busy 2-core CI machine: a resnet18 step on 16 px digits cost 1.0 s
+# of CPU with torch's default 2 threads and 0.1 s with 1; a 2-epoch training run's processes
+# 31 s against 14 s. torchrun sets the same for workers when it starts more than one per node.
+# A value already set wins (to try the default: OMP_NUM_THREADS=2 make test).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from projects import use_project  # noqa: E402
 from server_processes import Processes  # noqa: E402
@@ -43,9 +51,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     pytest-xdist hands tests out in this order: a minute-long test near the end keeps one worker
     busy while the others have nothing left, so the long ones go first and the short ones fill
     in behind them. Every worker sorts alike (the order must match across workers).
+
+    At the very front, the slow modules whose tests share a module-scoped fixture (a served
+    stack, a PostgreSQL cluster), fewest tests first: worksteal hands an idle worker the back half
+    of another's queue, so the front is never split, and a split module would start its servers
+    a second time on the other worker (and its later tests would find a stack without the runs
+    its earlier tests made).
     """
     heavy = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in heavy)
+    shared = {
+        item.module.__name__
+        for item in items
+        if any(
+            definition.scope == "module"
+            for definitions in item._fixtureinfo.name2fixturedefs.values()
+            for definition in definitions
+        )
+    }
+    size = Counter(item.module.__name__ for item in items)
+
+    def order(item: pytest.Item) -> tuple[bool, bool, int]:
+        name = item.module.__name__
+        front = name in heavy and name in shared
+        return (name not in heavy, not front, size[name] if front else 0)
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ from tasks.shared.settings import Settings
 from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from tasks.train.data import ManifestImageFolder
 from tasks.train.failure import read_failures, record_failure
-from tasks.train.launch import train
+from tasks.train.launch import TrainResult, train
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
@@ -305,12 +305,10 @@ def test_a_timeout_stops_the_whole_process_tree(tmp_path: Path) -> None:
 # --- real torchrun runs -----------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_two_process_gloo_run(
-    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
-) -> None:
-    result = run_train(project, untrained, digits_split, tmp_path / "model", nproc_per_node=2)
-
+def assert_a_whole_two_process_run(project: Settings, result: TrainResult, epochs: int) -> None:
+    """What a 2-process gloo run of ``epochs`` epochs leaves: a ModelDirectory that predicts, one
+    MLflow run (not one per rank) with every metric of every epoch, params, both ranks' logs and
+    the curves, and the last epoch's checkpoint. Call it before any other run of the project."""
     model, info = load_model_directory(result.model_dir)
     assert info.classes == ["0", "1", "2"]
     assert info.mlflow_run_id == result.run_id
@@ -327,12 +325,12 @@ def test_two_process_gloo_run(
     assert run.info.status == "FINISHED"
     for name in METRICS:
         history = client.get_metric_history(result.run_id, name)
-        assert sorted(m.step for m in history) == [1, 2], name
+        assert sorted(m.step for m in history) == list(range(1, epochs + 1)), name
         assert all(math.isfinite(m.value) for m in history)
     top1 = {m.step: m.value for m in client.get_metric_history(result.run_id, "val/top1")}
     assert result.metrics["val/top1"] == max(top1.values())  # the best epoch's model was kept
     assert top1[info.best_epoch] == result.metrics["val/top1"]
-    assert run.data.params["epochs"] == "2"
+    assert run.data.params["epochs"] == str(epochs)
     assert run.data.params["batch_size"] == "8"
     assert run.data.params["world_size"] == "2"
     logs = {Path(a.path).name for a in client.list_artifacts(result.run_id, "logs")}
@@ -342,7 +340,7 @@ def test_two_process_gloo_run(
     assert result.run_dir == project.runs_dir / result.run_id
     assert "rank 1 " in (result.run_dir / "rank_1.log").read_text()
     state = torch.load(result.run_dir / CHECKPOINT, map_location="cpu", weights_only=True)
-    assert state["epoch"] == 2
+    assert state["epoch"] == epochs
 
 
 @pytest.mark.slow
@@ -353,8 +351,10 @@ def test_same_seed_gives_the_same_model_even_across_a_crash(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The first run is also the plain two-process gloo run: what it leaves is checked in full.
     ddp = {"seed": 7, "epochs": 3, "nproc_per_node": 2}
     first = run_train(project, untrained, digits_split, tmp_path / "a", **ddp)
+    assert_a_whole_two_process_run(project, first, epochs=3)
     # The second run's rank 1 kills itself (SIGKILL, as an OOM kill would) right after epoch 1's
     # checkpoint: rank 0 is left waiting in epoch 2's first collective, torchrun restarts both
     # workers, and they resume from the checkpoint; reseeding per epoch makes the rest draw what
