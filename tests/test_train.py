@@ -195,6 +195,9 @@ def test_parameter_defaults_are_the_seeds() -> None:
         "device": "auto",
         "precision": "auto",
         "num_workers": None,
+        "cluster": None,  # torchrun on this machine
+        "cluster_timeout_s": 180,  # waits of minutes, not torch's 10
+        "rdzv_timeout_s": 180,
     }
     schema = TrainParams.model_json_schema()["properties"]  # what the Prefect form shows
     assert all(field.get("title") and field.get("description") for field in schema.values())
