@@ -1,14 +1,17 @@
 """A process outlives whoever reads its output: writes to a lost console are dropped, not raised.
 
 A Prefect process worker starts each flow run with its output in a pipe. Killed under a running
-flow, the worker takes the pipe's reading end with it, and every later ``print``, log line or
-MLflow notice (MLflow prints a run's link when it ends it) raises BrokenPipeError in the flow
-run: a training that finished would then fail to record its end. With :func:`survive_lost_console`
-the first failed write turns that stream off; the log files keep every line.
+flow, the worker takes the pipe's reading end with it, and every later ``print`` or log line
+raises BrokenPipeError in the flow run; Prefect's console log handler (rich) even turns it into
+SystemExit, so a training that finished would end the flow run Crashed. With
+:func:`survive_lost_console` the first failed write turns that stream off, for ``sys.stdout`` and
+``sys.stderr`` and for the log handlers that already hold them; the log files (and Prefect's API
+log) keep every line.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, TextIO
 
@@ -40,8 +43,26 @@ class _Survivor:
 
 
 def survive_lost_console() -> None:
-    """Wrap this process's stdout and stderr (once; later calls change nothing)."""
+    """Wrap this process's stdout and stderr, and point the log handlers that write to them at
+    the wrappers (once; later calls only catch up with handlers added since)."""
+    wrapped: dict[int, _Survivor] = {}
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
-        if stream is not None and not isinstance(stream, _Survivor):
-            setattr(sys, name, _Survivor(stream))
+        if stream is None:
+            continue
+        if not isinstance(stream, _Survivor):
+            stream = _Survivor(stream)
+            setattr(sys, name, stream)
+        wrapped[id(stream._stream)] = stream
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if not isinstance(handler, logging.StreamHandler):
+                continue
+            survivor = wrapped.get(id(handler.stream))
+            if survivor is not None:
+                handler.setStream(survivor)  # type: ignore[arg-type]
+            console = getattr(handler, "console", None)  # rich's, in Prefect's handler
+            survivor = wrapped.get(id(getattr(console, "file", None)))
+            if console is not None and survivor is not None:
+                console.file = survivor
