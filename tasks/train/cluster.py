@@ -312,9 +312,11 @@ class _Gang:
 
         params = self.request.params
         assert self.group is not None
-        ready, _ = ray.wait([self.group.ready()], timeout=params.cluster_timeout_s)
-        if ready:
-            return
+        deadline, placed = time.monotonic() + params.cluster_timeout_s, self.group.ready()
+        while time.monotonic() < deadline:  # short waits: a cancellation lands within POLL_S
+            ready, _ = _wait([placed], timeout=POLL_S)
+            if ready:
+                return
         alive = [n for n in ray.nodes() if n.get("Alive")]
         fit = [
             n["NodeManagerAddress"]
@@ -359,6 +361,30 @@ class _Gang:
                 raise
             raise NodeLost(f"node {lost}; the others failed with it", training=True) from None
 
+    def _lost_node(self, calls: list[Any]) -> str | None:
+        """The address of a gang node the cluster finds dead within LOSS_GRACE_S, else None."""
+        import ray
+
+        deadline = time.monotonic() + LOSS_GRACE_S
+        ours = {node.node_id for node in self.nodes}
+        while time.monotonic() < deadline:
+            dead = [
+                n["NodeManagerAddress"]
+                for n in ray.nodes()
+                if not n.get("Alive") and n["NodeID"] in ours
+            ]
+            if dead:
+                return dead[0]
+            done, _ = _wait(calls, num_returns=len(calls), timeout=1.0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError):
+                    return "of an actor that died"
+                except Exception:  # the node's own failure: alive, just failed
+                    continue
+        return None
+
     def _get(self, calls: list[Any], what: str, *, training: bool) -> list[Any]:
         """The calls' values; the first failure raised as the node's own error.
 
@@ -368,7 +394,7 @@ class _Gang:
 
         pending = list(calls)
         while pending:  # short waits: an interrupt or a cancellation lands within POLL_S
-            done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            done, pending = _wait(pending, num_returns=1, timeout=POLL_S)
             for ref in done:
                 try:
                     ray.get(ref)
@@ -394,6 +420,24 @@ class _Gang:
         if self.group is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.group)
+
+
+def _wait(refs: list[Any], **options: Any) -> tuple[list[Any], list[Any]]:
+    """``ray.wait``, letting an interrupt through as itself.
+
+    A signal's exception raised while Ray's wait runs (Ctrl-C, or the TerminationSignal of a
+    cancelled flow run) comes out of it as a SystemError caused by that exception: a stop must
+    stay a stop, never turn into a failure that Prefect retries.
+    """
+    import ray
+
+    try:
+        return ray.wait(refs, **options)
+    except SystemError as error:
+        stop = error.__cause__ or error.__context__
+        if isinstance(stop, BaseException) and not isinstance(stop, Exception):
+            raise stop from None
+        raise
 
 
 def _host(address: str) -> str:
