@@ -51,6 +51,7 @@ class Team:
 
         self.hosts = hosts
         self.a, self.b = hosts.hosts
+        self.deployed = False  # the work pool and the deployments, made by the first worker
         gateway = hosts.gateway
         keys = {"access_key": f"k{secrets.token_hex(4)}", "secret_key": secrets.token_hex(16)}
         self.s3 = start_seaweedfs(root / "s3", host=gateway, **keys)
@@ -190,16 +191,7 @@ def test_a_two_node_job_from_prefect_outlives_its_worker_and_is_scored_on_the_ot
 ) -> None:
     """`prefect deployment run` on host A's worker, SIGKILLed once training runs: the flow run
     goes on and ends COMPLETED, the MLflow run FINISHED; host B scores the registered model."""
-    a, b = team.a, team.b
-    root_env = base_env() | team.env
-    for command in (
-        [PY, "-m", "prefect", "work-pool", "create", "local", "--type", "process",
-         "--base-job-template", "deployments/work-pools/local.json"],
-        [PY, "-m", "prefect", "work-queue", "create", "training", "--pool", "local"],
-        [PY, "-m", "app.deployments"],
-    ):  # fmt: skip
-        done = a.run(command, timeout_s=180, **root_env)
-        assert done.returncode == 0, done.stdout + done.stderr
+    b = team.b
     worker = start_worker(team, "host-a")
     flow_run = run_train_deployment(team, TRAIN | {"cluster": team.cluster, "epochs": 2})
     client = MlflowClient(team.mlflow, team.mlflow)
@@ -233,6 +225,17 @@ def test_a_cancelled_flow_run_stops_the_cluster_job_within_30_seconds(team: Team
 
 
 def start_worker(team: Team, name: str) -> subprocess.Popen:
+    """A Prefect worker on host A's `local` pool (the pool and deployments made first, once)."""
+    if not team.deployed:
+        for command in (
+            [PY, "-m", "prefect", "work-pool", "create", "local", "--type", "process",
+             "--base-job-template", "deployments/work-pools/local.json"],
+            [PY, "-m", "prefect", "work-queue", "create", "training", "--pool", "local"],
+            [PY, "-m", "app.deployments"],
+        ):  # fmt: skip
+            done = team.a.run(command, timeout_s=180, **base_env() | team.env)
+            assert done.returncode == 0, done.stdout + done.stderr
+        team.deployed = True
     command = [PY, "-m", "prefect", "worker", "start", "--pool", "local", "--name", name]
     return team.hosts.start(team.a, name, command)
 
