@@ -128,7 +128,7 @@ class Hosts:
         """A long-running process on ``host`` (logged, stopped at the end)."""
         return self.processes.start(f"{host.name}-{name}", host.command(args), host.env | env)
 
-    def power_off(self, host: Host, timeout_s: float = 10.0) -> None:
+    def power_off(self, host: Host, timeout_s: float = 30.0) -> None:
         """Every process of ``host`` SIGKILLed, as a machine that loses power; returns once
         none is left (a process forked meanwhile is killed in the next round)."""
         deadline = time.monotonic() + timeout_s

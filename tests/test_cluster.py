@@ -62,8 +62,9 @@ class Cluster:
              "--artifacts-destination", (root / "mlartifacts").as_uri()],
             base_env(),
         )  # fmt: skip
-        self.processes.wait("MLflow", lambda: healthy(f"{self.mlflow}/health"), 120)
-        self.processes.wait("the Ray head", lambda: _listening(port), 60)
+        # Generous: on a loaded 2-core machine MLflow's first start has taken 160 s.
+        self.processes.wait("MLflow", lambda: healthy(f"{self.mlflow}/health"), 300)
+        self.processes.wait("the Ray head", lambda: _listening(port), 120)
 
     def stop(self) -> None:
         import ray

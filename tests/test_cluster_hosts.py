@@ -89,8 +89,8 @@ class Team:
         quick = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                  "RAY_health_check_failure_threshold": "3"}  # fmt: skip
         self.start_ray(self.a, "--head", "--port", "6379", "--include-dashboard=false", **quick)
-        servers.wait("MLflow", lambda: healthy(f"{self.mlflow}/health"), 120)
-        servers.wait("Prefect", lambda: healthy(f"{self.prefect_api}/health"), 120)
+        servers.wait("MLflow", lambda: healthy(f"{self.mlflow}/health"), 300)
+        servers.wait("Prefect", lambda: healthy(f"{self.prefect_api}/health"), 300)
         self.start_ray(self.b, "--address", self.cluster)
         self.wait_for_nodes(2)
 
@@ -105,7 +105,8 @@ class Team:
             done = self.a.run([PY, "-c", ask, self.cluster], timeout_s=60)
             return done.returncode == 0 and done.stdout.strip().endswith(str(count))
 
-        self.hosts.processes.wait(f"{count} Ray nodes", alive, 120)
+        # Not Processes.wait: a host's processes that lost power are dead on purpose.
+        wait_for(f"{count} Ray nodes", alive, 180)
 
     def start_ray(self, host: Host, *args: str, **env: str) -> None:
         """A Ray node on ``host``: the head (``--head``) or a worker joining the cluster."""
