@@ -46,6 +46,13 @@ class Cluster:
         port, mlflow_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
         self.mlflow = f"http://127.0.0.1:{mlflow_port}"
+        try:
+            self._start(port, mlflow_port, root)
+        except BaseException:
+            self.stop()  # a server that never answered is not left running
+            raise
+
+    def _start(self, port: int, mlflow_port: int, root: Path) -> None:
         env = base_env() | {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
         self.processes.start(
             "ray-head",

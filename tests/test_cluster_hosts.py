@@ -220,7 +220,7 @@ def test_a_cancelled_flow_run_stops_the_cluster_job_within_30_seconds(team: Team
     started = time.monotonic()
     wait_for("every training process to stop", lambda: not training_processes(team.hosts), 30)
     assert time.monotonic() - started < 30
-    assert final_state(team, flow_run, 60) == "CANCELLED"
+    assert final_state(team, flow_run, 240) == "CANCELLED"  # the API hears it late when busy
     client = MlflowClient(team.mlflow)
     assert training_runs(client, "KILLED") and not training_runs(client, "RUNNING")
 
