@@ -29,7 +29,7 @@ from tasks.shared.step import step_logger
 from tasks.shared.tracking import configure_mlflow
 from tasks.train.cluster_node import NodeAgent, NodeInfo, NodeJob, NodeOutcome
 from tasks.train.finish import RESULT
-from tasks.train.mlflow_run import complete_run, publish_report, require_run, resume_or_create_run
+from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import Request, TrainRequest, check_request
 from tasks.train.torchrun import NodePlace
@@ -69,19 +69,9 @@ def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Pa
         data_md5=data_md5,
     )
     run = _Run(client, experiment_id, checked, settings, request)
-    result, status = None, "FAILED"
-    try:
+    with ending_run(client, lambda: (run.id, run.dir)) as outcome:
         outcomes = _run_gang(job, run, settings, log)
-        result = _unpack(outcomes, run.dir, request.out)
-        status = "FINISHED"
-    except BaseException as stop:
-        # Ctrl-C, or Prefect's TerminationSignal of a cancelled flow run: stopped, not failed.
-        if not isinstance(stop, Exception):
-            status = "KILLED"
-        raise
-    finally:
-        if run.id is not None:
-            complete_run(client, run.id, run.dir, result, status)
+        outcome.result = result = _unpack(outcomes, run.dir, request.out)
     publish_report(run.id, run.dir, result, settings)
     return run.id, run.dir, result
 

@@ -20,7 +20,7 @@ from tasks.shared.settings import Settings, get_settings
 from tasks.shared.step import step, step_logger
 from tasks.shared.tracking import configure_mlflow
 from tasks.train.failure import clear_failures
-from tasks.train.mlflow_run import complete_run, publish_report, require_run, resume_or_create_run
+from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import CONFIG, TrainRequest, check_request
 from tasks.train.run_lock import launch_lock
@@ -83,9 +83,7 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
     torchrun_log = run_dir / TORCHRUN_LOG
     with launch_lock(run_dir, run_id):
         client.update_run(run_id, status="RUNNING")
-        status = "FAILED"
-        result: dict[str, Any] | None = None
-        try:
+        with ending_run(client, lambda: (run_id, run_dir)) as outcome:
             config_path = _write_config(run_dir, config)
             command = torchrun_command(request, config_path, run_id)
             env = torchrun_environment(settings, run_id, request.env)
@@ -94,15 +92,7 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
             if returncode != 0:
                 output = read_from(torchrun_log, offset)
                 raise torchrun_failure(run_dir, returncode, torchrun_log, output)
-            result = json.loads((run_dir / RESULT).read_text())
-            status = "FINISHED"
-        except BaseException as stop:
-            # Ctrl-C, or Prefect's TerminationSignal of a cancelled flow run: stopped, not failed.
-            if not isinstance(stop, Exception):
-                status = "KILLED"
-            raise
-        finally:
-            complete_run(client, run_id, run_dir, result, status)
+            outcome.result = result = json.loads((run_dir / RESULT).read_text())
     log.info("training finished: %s", result["metrics"])
     publish_report(run_id, run_dir, result, settings)
     return _as_result(result, request.out, run_id, run_dir)

@@ -9,7 +9,8 @@ talk with MLflow, and its retries, is in one place. Details: docs/training.md#th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,37 @@ def publish_report(run_id: str, run_dir: Path, result: dict[str, Any], settings:
         if part
     )
     publish_markdown("training-report", markdown, f"Training curves of MLflow run {run_id}")
+
+
+class Outcome:
+    """What the block under :func:`ending_run` trained: ``result`` once it has one."""
+
+    result: dict[str, Any] | None = None
+
+
+@contextmanager
+def ending_run(
+    client: MlflowClient, which: Callable[[], tuple[str | None, Path]]
+) -> Iterator[Outcome]:
+    """End the MLflow run ``which()`` names however the block ends (:func:`complete_run`).
+
+    FINISHED with the block's result, FAILED on an error, KILLED on Ctrl-C or a cancelled flow
+    run's TerminationSignal (stopped, not failed). ``which`` is asked at the end: a cluster job
+    opens its run only once the gang has decided the precision.
+    """
+    outcome, status = Outcome(), "FAILED"
+    try:
+        yield outcome
+        if outcome.result is not None:
+            status = "FINISHED"
+    except BaseException as stop:
+        if not isinstance(stop, Exception):
+            status = "KILLED"
+        raise
+    finally:
+        run_id, run_dir = which()
+        if run_id is not None:
+            complete_run(client, run_id, run_dir, outcome.result, status)
 
 
 def complete_run(
