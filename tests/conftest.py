@@ -36,6 +36,7 @@ for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
 # A value already set wins (to try the default: OMP_NUM_THREADS=2 make test).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from prefect_runs import drain_prefect_workers  # noqa: E402
 from projects import use_project  # noqa: E402
 from server_processes import Processes  # noqa: E402
 
@@ -83,6 +84,7 @@ def prefect_api() -> Iterator[None]:
     """A real, temporary Prefect API (server and SQLite database) for the whole session."""
     from prefect.testing.utilities import prefect_test_harness
 
+    drain_prefect_workers()  # bound to a server an earlier test started (prefect_api_at)
     with prefect_test_harness(server_startup_timeout=120):
         yield
 

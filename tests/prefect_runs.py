@@ -1,18 +1,63 @@
-"""A flow run's task runs, read back through Prefect's client for a test's assertions."""
+"""Prefect in a test's own process: a flow run's task runs read back, another API pointed at."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from tasks.shared.servers import wait_until
 
-def task_runs_of(flow_run_id: object) -> list[Any]:
-    """The task runs (Prefect's ``TaskRun``) of ``flow_run_id``, oldest first."""
+
+def task_runs_of(flow_run_id: object, want: int, timeout_s: float = 60.0) -> list[Any]:
+    """The task runs (Prefect's ``TaskRun``) of ``flow_run_id``, oldest first, once ``want`` of
+    them have ended.
+
+    Prefect 3 records task runs from the events their engine emits, after the flow run has
+    returned: read at once, a busy API has not recorded them all yet.
+    """
     from prefect.client.orchestration import get_client  # the caller has a Prefect API up
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
 
+    runs: list[Any] = []
     with get_client(sync_client=True) as client:
-        return client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
-        )
+
+        def ended() -> bool:
+            runs[:] = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+            )
+            return sum(r.state is not None and r.state.is_final() for r in runs) >= want
+
+        wait_until(ended, timeout_s, interval_s=0.5)
+    return runs
+
+
+@contextmanager
+def prefect_api_at(api: str) -> Iterator[None]:
+    """Prefect in this process pointed at ``api``, its event and log workers rebound to it.
+
+    Both workers are process-wide and read PREFECT_API_URL once, when they start: without a
+    drain, a flow run on another server sends its task runs' events to the server used before
+    it, and every test after it sends them to this one once it has stopped, a minute's timeout
+    an event (seen in CI: task runs missing, then a session teardown that never ended).
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    drain_prefect_workers()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        try:
+            yield
+        finally:
+            drain_prefect_workers()
+
+
+def drain_prefect_workers(timeout_s: float = 60.0) -> None:
+    """Send what Prefect's event and log workers hold and stop them; the next use starts them
+    anew on the API configured then."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    EventsWorker.drain_all(timeout=timeout_s)
+    APILogWorker.drain_all(timeout=timeout_s)

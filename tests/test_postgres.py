@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prefect_runs import prefect_api_at
 from server_processes import Processes, base_env, free_port, healthy
 
 from tasks.shared.settings import Settings
@@ -324,10 +325,8 @@ def test_mlflow_and_prefect_servers_keep_their_state_in_postgres(
     ) == [(0.93,)]  # fmt: skip
 
     # --- Prefect: a flow run against the server; then the same run in PostgreSQL.
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     processes.wait("the Prefect server", lambda: healthy(f"{api}/health"))
-    with temporary_settings(updates={PREFECT_API_URL: api}):
+    with prefect_api_at(api):
         state = _flow()(21, return_state=True)
     assert state.is_completed(), state
     assert state.result() == 42

@@ -29,6 +29,7 @@ from mlflow.webhooks.constants import (
 )
 from mlflow.webhooks.delivery import _generate_hmac_signature
 from mlflow.webhooks.types import ModelVersionAliasCreatedPayload
+from prefect_runs import prefect_api_at
 from server_processes import Processes, base_env, free_port, healthy
 
 from app import webhook
@@ -230,7 +231,6 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     from cryptography.fernet import Fernet
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     bin_dir = Path(sys.executable).parent
     prefect_port, mlflow_port, receiver_port = free_port(), free_port(), free_port()
@@ -239,7 +239,7 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     @contextmanager
     def prefect_client() -> Iterator[Any]:  # Prefect's own client, on this test's server
         with (
-            temporary_settings(updates={PREFECT_API_URL: prefect_api}),
+            prefect_api_at(prefect_api),
             get_client(sync_client=True) as client,
         ):
             yield client

@@ -197,7 +197,7 @@ def test_in_a_flow_the_shards_are_parallel_prefect_tasks(
 
     state = sharded_flow(return_state=True)
     pd.testing.assert_frame_equal(_read_csv(state.result()), _read_csv(whole), atol=1e-9)
-    task_runs = task_runs_of(state.state_details.flow_run_id)
+    task_runs = task_runs_of(state.state_details.flow_run_id, want=3)
     shards = [r for r in task_runs if r.name.startswith("score")]
     assert len(shards) == 3
     assert all(r.state_type.value == "COMPLETED" for r in shards)

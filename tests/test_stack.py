@@ -29,6 +29,7 @@ from uuid import UUID
 import httpx
 import psutil
 import pytest
+from prefect_runs import prefect_api_at
 
 from tasks.shared import servers
 from tasks.shared.servers import free_port
@@ -73,10 +74,9 @@ class Served:
     def client(self) -> Iterator[Any]:
         """Prefect's own Python client, pointed at this stack."""
         from prefect.client.orchestration import get_client
-        from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with (
-            temporary_settings(updates={PREFECT_API_URL: self.api}),
+            prefect_api_at(self.api),
             get_client(sync_client=True) as client,
         ):
             yield client
