@@ -4,9 +4,14 @@ tracked in a real MLflow (SQLite), reproducibility, and the pieces a resumed run
 from __future__ import annotations
 
 import math
+import os
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -39,7 +44,7 @@ from tasks.train.launch import TrainResult, train
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
-from tasks.train.torchrun import run_torchrun
+from tasks.train.torchrun import run_torchrun, torchrun_command
 
 pytest_plugins = ["training_runs"]
 
@@ -435,3 +440,27 @@ def test_a_crash_in_a_worker_quotes_its_log(
     assert "rank 0 failed with UnidentifiedImageError" in message
     assert "Last lines of" in message and "rank_0.log" in message
     assert str(project.runs_dir) in message  # names the folder with every rank's log
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare for a hostname of its own",
+)
+def test_one_machine_workers_meet_whatever_the_hostname(tmp_path: Path) -> None:
+    """A host whose name does not resolve (a container or a network namespace without an
+    /etc/hosts line): the workers meet at 127.0.0.1; at the hostname they waited for ever."""
+    request = TrainRequest(model=Path("m"), train_data=Path("t"), val_data=Path("v"),
+                           out=Path("o"), params=TrainParams(nproc_per_node=2))  # fmt: skip
+    command = torchrun_command(request, tmp_path / "config.json", "run")
+    launcher = command[: command.index("-m", 2)]  # torchrun and its options, not the worker
+    script = tmp_path / "meet.py"
+    script.write_text(
+        "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\n"
+        "print('met', d.get_rank())\n"
+    )
+    shell = f"hostname unresolvable-{uuid.uuid4().hex[:8]} && exec {shlex.join(launcher)} {script}"
+    done = subprocess.run(
+        ["unshare", "--uts", "sh", "-c", shell], capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(re.findall(r"met \d", done.stdout)) == ["met 0", "met 1"]

@@ -83,7 +83,10 @@ def torchrun_command(
     params = request.params
     command = [sys.executable, "-m", "torch.distributed.run"]
     if place is None:
-        command += ["--standalone", "--nnodes", "1", "--max-restarts", str(request.max_restarts)]
+        # The workers meet at 127.0.0.1, not at the hostname: a host whose name does not resolve
+        # (a container or network namespace without an /etc/hosts line) hung them for ever.
+        command += ["--standalone", "--nnodes", "1", "--local-addr", "127.0.0.1"]
+        command += ["--max-restarts", str(request.max_restarts)]
     else:
         # c10d at node 0's store; the cluster restarts the whole gang, so torchrun does not.
         is_host = "1" if place.node_rank == 0 else "0"
