@@ -118,8 +118,9 @@ def run(full: bool, work: Path) -> Section:
         def ray_node(name: str, cpus: int, *args: str, host: object = None) -> None:
             ray_tmp.append(Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")))
             command = [RAY, "start", "--block", "--num-cpus", str(cpus),
-                       "--disable-usage-stats", "--include-dashboard=false",
-                       "--temp-dir", str(ray_tmp[-1]), *args]  # fmt: skip
+                       "--disable-usage-stats", "--temp-dir", str(ray_tmp[-1]), *args]  # fmt: skip
+            if "--head" in args:  # a joining node that names it does not start (Ray's rule)
+                command.append("--include-dashboard=false")
             if host is None:
                 servers.start(
                     name, command, base_env() | team | {"IMAGEOPS_HOME": str(work / name)}
@@ -189,6 +190,23 @@ def run(full: bool, work: Path) -> Section:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _wait_for_nodes(hosts, a, count: int, timeout_s: float = 180) -> None:  # type: ignore[no-untyped-def]
+    """Until the cluster counts ``count`` nodes alive, asked from host A; else the nodes' logs."""
+    ask = (
+        "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+        "print(sum(n['Alive'] for n in ray.nodes()))"
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = a.run([PY, "-c", ask, f"{a.address}:6379"], 60)
+        if done.returncode == 0 and done.stdout.strip().endswith(str(count)):
+            return
+        time.sleep(2)
+    raise RuntimeError(
+        f"{count} Ray nodes not alive in {timeout_s:.0f} s\n{hosts.processes.report()}"
+    )
+
+
 def _two_hosts(hosts, team: dict[str, str], tracking: str, epochs: int, ray_node) -> Table:  # type: ignore[no-untyped-def]
     a, b = hosts.hosts
     for host in (a, b):
@@ -196,7 +214,7 @@ def _two_hosts(hosts, team: dict[str, str], tracking: str, epochs: int, ray_node
     _digits(a.project)
     ray_node("ray-a", 1, "--head", "--port", "6379", "--node-ip-address", a.address, host=a)
     ray_node("ray-b", 1, "--address", f"{a.address}:6379", "--node-ip-address", b.address, host=b)
-    time.sleep(5)  # the worker joins; the job waits for it anyway (cluster_timeout_s)
+    _wait_for_nodes(hosts, a, 2)
 
     def on_a(epochs: int, *options: str) -> float:
         _, run_id = _train(a.project, lambda command: a.run(command, 1800), epochs, *options)
