@@ -149,6 +149,10 @@ def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
     assert len(list((cluster.node_home / "data-versions").glob("*"))) >= 2
     logs = {Path(a.path).name for a in client.list_artifacts(result.run_id, "logs")}
     assert {"rank_0.log", "rank_1.log", "torchrun_node_0.log"} <= logs
+    # one compute thread per process, as on one machine (Ray's OMP_NUM_THREADS is the actor's
+    # CPUs, which each of its 2 processes took whole: 7x slower per step)
+    rank_log = Path(client.download_artifacts(result.run_id, "logs/rank_1.log", str(tmp_path)))
+    assert ", 1 compute threads," in rank_log.read_text()
     assert (result.model_dir / "model.safetensors").is_file()
     # the last checkpoint and the best weights are in the store, for a restart elsewhere
     stored = {p.name for p in (tmp_path / "checkpoints" / result.run_id).iterdir()}

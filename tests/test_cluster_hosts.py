@@ -312,7 +312,8 @@ def test_a_two_node_job_from_the_cli_survives_a_host_losing_power(team: Team) ->
     assert "resumed from the checkpoint after epoch 1" in rank_logs
     # One node's processes per host, and the ranks met at a host's address on its own interface
     # (never at loopback), on each attempt.
-    hosts_of_ranks = set(re.findall(r"rank \d of 2 on cpu on host ([^,\s]+)", rank_logs))
+    ranks_on = r"rank \d of 2 on cpu, \d+ compute threads, on host ([^,\s]+)"
+    hosts_of_ranks = set(re.findall(ranks_on, rank_logs))
     assert hosts_of_ranks == {"host-a", "host-b"}
     meetings = set(re.findall(r"meeting at ([\d.]+):\d+ via (\w+)", rank_logs))
     assert meetings and meetings <= {(a.address, "eth0"), (b.address, "eth0")}

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
@@ -147,12 +148,13 @@ def _check_world(config: RunConfig, dist: distributed.DistInfo) -> None:
         )
         meets += f" via {ifname}" if ifname else ""
     log.info(
-        "attempt %d: rank %d of %d on %s%s on host %s%s, run folder %s",
+        "attempt %d: rank %d of %d on %s%s, %d compute threads, on host %s%s, run folder %s",
         _attempt(),
         dist.rank,
         dist.world_size,
         device,
         f" (CUDA_VISIBLE_DEVICES={lent})" if lent else "",  # a tuning trial's GPUs
+        torch.get_num_threads(),  # more than the CPUs reserved per process spin idle
         socket.gethostname(),
         meets,
         config.run_dir,
