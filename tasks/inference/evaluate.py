@@ -25,7 +25,7 @@ from tasks.inference.tables import CSV_FORMAT, table_format
 from tasks.shared.artifacts import png_markdown, publish_markdown
 from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.shared.settings import Settings, get_settings
-from tasks.shared.step import in_prefect_run, step, step_logger
+from tasks.shared.step import in_prefect_run, step, step_logger, tasks_on_first_use
 from tasks.shared.tracking import mlflow_run
 
 METRIC_PREFIX = "eval/"
@@ -347,4 +347,7 @@ def evaluate(
     return result
 
 
-evaluate_task = step(evaluate, name="evaluate")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    evaluate_task=lambda: step(evaluate, name="evaluate"),
+)

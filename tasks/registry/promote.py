@@ -28,7 +28,7 @@ from tasks.registry.register import check_alias
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -384,4 +384,7 @@ def _announce(settings: Settings, name: str, version: int) -> None:
     emit_alias_event(name, CHAMPION, version)
 
 
-promote_task = step(promote, name="promote")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    promote_task=lambda: step(promote, name="promote"),
+)
