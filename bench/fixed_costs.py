@@ -2,16 +2,17 @@
 
 Usage: ``python -m bench.fixed_costs [--full] [--json PATH]``
 
-Each command runs as a user runs it (``python -m app.cli ...``, what the ``imageops`` script
-calls), in a fresh process, in a project of its own (``IMAGEOPS_HOME`` under the scratch folder).
+Each command runs as a user runs it (``app.cli.main``, what the ``imageops`` script calls), in
+a fresh process, in a project of its own (``IMAGEOPS_HOME`` under the scratch folder).
 ``--help`` and ``evaluate`` of a small scored CSV (the digits' 30 images, scored by an untrained
 resnet18 at 32 px) are timed until they exit; ``evaluate`` logs its metrics to MLflow (SQLite)
 as always, after one untimed run has created the project's database. ``score`` and ``export``
 are timed until they open their first image: the process starts under an audit hook that ends it
 at the first ``open`` of an image below the input folder, so the figure is the start-up (imports,
 model and ONNX Runtime session) and nothing of the work on the data. Each process's CPU seconds
-and peak RSS come from ``wait4``. Goals (issue 26, point 4): evaluate under 2 s, ``--help`` under
-1 s, score and export at their first image within 3 s. Quick: 3 runs each; ``--full``: 7.
+come from ``wait4``, its peak RSS (``VmHWM``) from the process itself as it ends. Goals (issue
+26, point 4): evaluate under 2 s, ``--help`` under 1 s, score and export at their first image
+within 3 s. Quick: 3 runs each; ``--full``: 7.
 """
 
 from __future__ import annotations
@@ -31,21 +32,27 @@ from bench.report import ROOT, Section, Stat, Table, run_main
 
 SIZE = 32  # px: the smallest input resnet18 takes
 GOALS = {"--help": 1.0, "evaluate": 2.0, "score": 3.0, "export": 3.0}  # seconds
-MARK = "FIRST-IMAGE"
-# Run as ``python -c PROBE FOLDER ARGS...``: the imageops command line, ended (os._exit) at the
-# first image it opens below FOLDER; prints when that was (time.time(), comparable across
-# processes on one machine).
+MARK = "FIXED-COSTS"
+# ``python -c PROBE FOLDER ARGS...`` is ``imageops ARGS...`` that prints, as it ends, the time
+# (time.time(): comparable across processes on one machine) and its own peak RSS (VmHWM: the
+# parent's rusage would report at least the parent's size, which Linux carries across exec).
+# With a FOLDER, it ends (os._exit) at the first image it opens below it.
 PROBE = f"""
-import os, sys, time
-folder = os.path.realpath(sys.argv[1]) + os.sep
+import atexit, os, sys, time
+folder = os.path.realpath(sys.argv[1]) + os.sep if sys.argv[1] else None
 suffixes = (".png", ".jpg", ".jpeg")
+def report(kind):
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    os.write(1, f"\\n{MARK} {{kind}} {{time.time()!r}} {{peak}}\\n".encode())
 def first_image(event, args):
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+    if folder and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
         path = os.path.realpath(os.fsdecode(args[0]))
         if path.startswith(folder) and path.lower().endswith(suffixes):
-            os.write(1, f"\\n{MARK} {{time.time()!r}}\\n".encode())
+            report("image")
             os._exit(0)
 sys.addaudithook(first_image)
+atexit.register(report, "exit")
 sys.argv = ["imageops", *sys.argv[2:]]
 from app.cli import main
 main()
@@ -73,13 +80,10 @@ def _env(home: Path) -> dict[str, str]:
 def timed(
     args: list[str], env: dict[str, str], logs: Path, *, until_image: Path | None = None
 ) -> Run:
-    """One fresh ``python -m app.cli ARGS``, or the probe, stopped at its first image below
-    ``until_image``. CPU and peak RSS of that process alone, from ``wait4``."""
-    command = (
-        [sys.executable, "-m", "app.cli", *args]
-        if until_image is None
-        else [sys.executable, "-c", PROBE, str(until_image), *args]
-    )
+    """One fresh ``imageops ARGS`` (the probe), to its exit or to its first image below
+    ``until_image``: wall time, its CPU time (``wait4``) and its peak RSS (its own report)."""
+    folder = "" if until_image is None else str(until_image)
+    command = [sys.executable, "-c", PROBE, folder, *args]
     out, err = logs.with_suffix(".out"), logs.with_suffix(".err")
     with out.open("wb") as stdout, err.open("wb") as stderr:
         start = time.time()
@@ -90,12 +94,15 @@ def timed(
     if proc.returncode != 0:
         tail = err.read_text(errors="replace")[-3000:]
         raise SystemExit(f"{' '.join(args)} failed ({proc.returncode}):\n{tail}")
+    marks = [line.split() for line in out.read_text().splitlines() if line.startswith(MARK)]
+    if not marks:
+        raise SystemExit(f"{' '.join(args)} ended without reporting (no {MARK} line)")
+    kind, when, peak_kb = marks[-1][1:]
     if until_image is not None:
-        marks = [line for line in out.read_text().splitlines() if line.startswith(MARK)]
-        if not marks:
+        if kind != "image":
             raise SystemExit(f"{' '.join(args)} ended without opening an image in {until_image}")
-        end = float(marks[0].split()[1])
-    return Run(end - start, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)
+        end = float(when)
+    return Run(end - start, usage.ru_utime + usage.ru_stime, int(peak_kb) / 1024)
 
 
 def prepare(work: Path) -> tuple[Path, Path, Path]:
