@@ -38,6 +38,7 @@ def _run(code: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch (and, in the other case, MLflow)
 @pytest.mark.parametrize(
     "code",
     [
@@ -57,6 +58,7 @@ def test_a_command_imports_only_what_it_uses(code: str) -> None:
     _run(code)
 
 
+@pytest.mark.slow  # a fresh interpreter importing Prefect, torch and MLflow
 def test_a_flow_still_gets_real_prefect_tasks() -> None:
     """The tasks are made on first use: asking for one imports Prefect and returns a Task."""
     _run(

@@ -163,6 +163,7 @@ def _work_folder(project: Settings, challenger: int) -> Path:
     return sorted((project.home_dir / "promotions").glob(f"*-v{challenger}"))[-1]
 
 
+@pytest.mark.slow  # three promotions
 def test_the_champion_is_scored_once_per_holdout_version(
     project: Settings, always: dict[str, Path], holdout: Path, digits_raw: Path, tmp_path: Path
 ) -> None:
