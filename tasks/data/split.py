@@ -25,7 +25,7 @@ from tasks.data.imagedir import (
     read_manifest,
     write_manifest,
 )
-from tasks.shared.step import step
+from tasks.shared.step import step, tasks_on_first_use
 
 
 def _write_subset(
@@ -150,4 +150,7 @@ def split(
     return tuple(written)
 
 
-split_task = step(split, name="split")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    split_task=lambda: step(split, name="split"),
+)

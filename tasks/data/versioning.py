@@ -27,7 +27,7 @@ from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings, redact_uri
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 if TYPE_CHECKING:  # importing DVC takes half a second; only the functions below need it
     from dvc.repo import Repo
@@ -391,7 +391,6 @@ def version(path: Path, settings: Settings | None = None) -> str:
     return md5
 
 
-version_task = step(version, name="version")
 
 
 def _open_versions_repo(settings: Settings) -> Repo:
@@ -486,3 +485,9 @@ def fetch_version(md5: str, settings: Settings | None = None) -> Path:
                 dvc_file.unlink(missing_ok=True)
     step_logger(__name__).info("fetched data version %s into %s", md5, dest)
     return dest
+
+
+__getattr__ = tasks_on_first_use(
+    globals(),
+    version_task=lambda: step(version, name="version"),
+)

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from tasks.shared.errors import InvalidParameterError
 from tasks.shared.settings import Settings, get_settings
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 from tasks.shared.tracking import configure_mlflow
 from tasks.train.failure import clear_failures
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
@@ -110,9 +110,6 @@ def _as_result(result: dict[str, Any], out: Path, run_id: str, run_dir: Path) ->
     )
 
 
-train_task = step(train, name="train")
-
-
 def open_run(request: TrainRequest, settings: Settings | None = None) -> str:
     """Check the training request in full and return the id of the MLflow run to train it in.
 
@@ -146,3 +143,9 @@ def _write_config(run_dir: Path, config: RunConfig) -> Path:
     clear_failures(run_dir)
     (run_dir / RESULT).unlink(missing_ok=True)
     return config.save(path)
+
+
+__getattr__ = tasks_on_first_use(
+    globals(),
+    train_task=lambda: step(train, name="train"),
+)
