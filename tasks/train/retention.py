@@ -26,17 +26,10 @@ from tasks.shared.errors import InvalidParameterError, ObjectStoreError, Registr
 from tasks.shared.reclaim import Reclaimable, disk_size, newest_change, trash
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
-from tasks.train.checkpoint import CHECKPOINT
-from tasks.train.checkpoint_store import discard_stored_checkpoint
 from tasks.train.params import RunConfig
-from tasks.train.progress import BEST_WEIGHTS
-from tasks.train.request import CONFIG
 from tasks.train.run_lock import LAUNCH_LOCK, in_training
 from tasks.train.tracker import transient
 
-# The checkpoint first: a folder with best weights and no checkpoint starts over; the other way
-# round a resume would find a checkpoint whose best weights are gone.
-CHECKPOINT_FILES = (CHECKPOINT, BEST_WEIGHTS)
 RUN_FOLDER = "run folder"
 # flows/pipeline.py names its outputs folder <UTC time>-<data set>-<flow run id[:8]>.
 _PIPELINE_OUTPUTS = re.compile(r"^\d{8}-\d{6}-(?P<dataset>.+)-[0-9a-f]{8}$")
@@ -49,17 +42,25 @@ def discard_checkpoints(run_id: str, run_dir: Path, settings: Settings) -> int:
     Returns the bytes freed in the run folder. Call it only once MLflow has the run FINISHED.
     A store that does not answer is a warning, not an error: the training itself succeeded.
     """
+    # Here, not at the top: they import torch, which `imageops gc` does without.
+    from tasks.train.checkpoint import CHECKPOINT
+    from tasks.train.checkpoint_store import discard_stored_checkpoint
+    from tasks.train.progress import BEST_WEIGHTS
+
     if settings.keep_checkpoints:
         return 0
+    # The checkpoint first: a folder with best weights and no checkpoint starts over; the other
+    # way round a resume would find a checkpoint whose best weights are gone.
+    names = [CHECKPOINT, BEST_WEIGHTS]
     freed = 0
-    for name in CHECKPOINT_FILES:
+    for name in names:
         path = run_dir / name
         freed += disk_size(path)
         path.unlink(missing_ok=True)
         remove_leftovers(path)  # the temporary file of a write that was killed
     log = step_logger(__name__)
     try:
-        discard_stored_checkpoint(run_id, list(CHECKPOINT_FILES), settings)
+        discard_stored_checkpoint(run_id, names, settings)
     except ObjectStoreError as exc:
         log.warning("the stored checkpoint of finished run %s stays: %s", run_id, exc.message)
     if freed:
@@ -137,6 +138,8 @@ def remove_run_folder(run_dir: Path) -> bool:
 
 def _outputs_in_training(settings: Settings) -> set[Path]:
     """The outputs folders that a run being trained now writes its model into."""
+    from tasks.train.request import CONFIG  # here: it imports torchvision, rarely needed
+
     root = settings.outputs_dir.resolve()
     busy = set()
     for run_dir in _run_folders(settings):
