@@ -31,9 +31,9 @@ from tasks.train.run_lock import LAUNCH_LOCK, in_training
 from tasks.train.tracker import transient
 
 RUN_FOLDER = "run folder"
+OUTPUTS = "outputs"
 # flows/pipeline.py names its outputs folder <UTC time>-<data set>-<flow run id[:8]>.
 _PIPELINE_OUTPUTS = re.compile(r"^\d{8}-\d{6}-(?P<dataset>.+)-[0-9a-f]{8}$")
-OUTPUTS = "outputs"
 
 
 def discard_checkpoints(run_id: str, run_dir: Path, settings: Settings) -> int:
