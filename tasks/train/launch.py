@@ -23,6 +23,7 @@ from tasks.train.failure import clear_failures
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import CONFIG, TrainRequest, check_request
+from tasks.train.retention import discard_checkpoints
 from tasks.train.run_lock import launch_lock
 from tasks.train.torchrun import (
     TORCHRUN_LOG,
@@ -93,6 +94,8 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
                 output = read_from(torchrun_log, offset)
                 raise torchrun_failure(run_dir, returncode, torchrun_log, output)
             outcome.result = result = json.loads((run_dir / RESULT).read_text())
+        # Still under the lock: MLflow has the run FINISHED, so nothing resumes it any more.
+        discard_checkpoints(run_id, run_dir, settings)
     log.info("training finished: %s", result["metrics"])
     publish_report(run_id, run_dir, result, settings)
     return _as_result(result, request.out, run_id, run_dir)
