@@ -211,9 +211,12 @@ def _with_autostage(repo: Repo) -> Repo:
 def _link_from_cache(repo: Repo, level: str) -> Repo:
     """``repo`` with ``cache.type`` set to :data:`CACHE_TYPE` at ``level``, reopened to apply it.
 
-    Outside git at init (``repo``, the shared file), and in ``config.local`` for a repository
-    that has no cache type at any level yet (one made by an earlier imageops, or by hand): the
-    choice DVC leaves to the user, made for them only where they made none.
+    At init outside git (in git, :func:`_with_autostage` sets it), and for a repository that has
+    no cache type at any level yet (one an earlier imageops or a person made): the choice DVC
+    leaves to the user, made for them only where they made none. Always in the shared
+    ``.dvc/config``, where ``dvc config cache.type`` writes: a value in ``config.local`` would
+    silently outrank the one a user sets there later. In git, the change shows as a modified
+    ``.dvc/config`` for the user to commit (``version`` names it).
     """
     from dvc.repo import Repo
 
@@ -287,11 +290,11 @@ def _ensure(settings: Settings) -> Repo:
             _repair_rwlock(repo)
             _configure_remote(repo, settings)
             if repo.config["cache"].get("type") is None:
-                repo = _link_from_cache(repo, "local")
+                repo = _link_from_cache(repo, "repo")
                 step_logger(__name__).info(
                     "DVC now links data from its cache (cache.type %s in %s)",
                     CACHE_TYPE,
-                    repo.config.files["local"],
+                    repo.config.files["repo"],
                 )
         except BaseException:
             repo.close()
