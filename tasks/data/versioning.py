@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from models.atomic import atomic_directory, write_text
-from tasks.data.file_links import can_reflink
+from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
@@ -43,9 +43,6 @@ LOCK_FILE = "dvc.lock"
 # A push of a large data set to a slow remote can take long; past this, something is stuck.
 LOCK_TIMEOUT_SECONDS = 3600.0
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-# DVC links files from its cache rather than copying them: a clone where the file system makes
-# one, else a hard link (DVC then makes the file read-only: `dvc unprotect` gives a copy back).
-CACHE_TYPE = "reflink,hardlink,copy"
 
 
 def _serialised(settings: Settings) -> AbstractContextManager[None]:
@@ -208,52 +205,6 @@ def _with_autostage(repo: Repo) -> Repo:
     return Repo(root)
 
 
-def _link_from_cache(repo: Repo, level: str) -> Repo:
-    """``repo`` with ``cache.type`` set to :data:`CACHE_TYPE` at ``level``, reopened to apply it.
-
-    At init outside git (in git, :func:`_with_autostage` sets it), and for a repository that has
-    no cache type at any level yet (one an earlier imageops or a person made): the choice DVC
-    leaves to the user, made for them only where they made none. Always in the shared
-    ``.dvc/config``, where ``dvc config cache.type`` writes: a value in ``config.local`` would
-    silently outrank the one a user sets there later. In git, the change shows as a modified
-    ``.dvc/config`` for the user to commit (``version`` names it).
-    """
-    from dvc.repo import Repo
-
-    with repo.config.edit(level) as conf:
-        conf["cache"]["type"] = CACHE_TYPE
-    root = repo.root_dir
-    repo.close()
-    return Repo(root)
-
-
-def _linking_add(repo: Repo) -> Repo:
-    """``repo`` as ``dvc add`` should use it to link the added files into its cache.
-
-    DVC moves an added file into the cache by a hard link only when ``hardlink`` is the first
-    cache type; with :data:`CACHE_TYPE` on a file system that cannot clone (ext4), it copies
-    every file into the cache and leaves the workspace's as they were: two copies. So where the
-    cache cannot reflink and the type is imageops' own, the add runs with ``hardlink,copy``
-    (this process only; the file keeps :data:`CACHE_TYPE`, which checkouts use as it is). A
-    type the user chose is used as it is.
-    """
-    from dvc.repo import Repo
-
-    try:
-        if repo.config["cache"].get("type") != CACHE_TYPE.split(","):
-            return repo
-        cache_dir = Path(repo.cache.local.path)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        if can_reflink(cache_dir):
-            return repo
-    except BaseException:
-        repo.close()
-        raise
-    root = repo.root_dir
-    repo.close()
-    return Repo(root, config={"cache": {"type": ["hardlink", "copy"]}})
-
-
 def _quiet_dvc_logs() -> None:
     """Importing dvc sets its loggers to INFO with handlers of their own, which would print every
     "git add ..." hint twice inside a Prefect run; a step reports what it did itself."""
@@ -282,7 +233,7 @@ def _ensure(settings: Settings) -> Repo:
             force = dvc_dir.is_dir()  # an init cut short: start it again
             if git_root is None:
                 repo = Repo.init(str(root), no_scm=True, force=force)
-                repo = _link_from_cache(repo, "repo")
+                repo = link_from_cache(repo, "repo")
             else:
                 # In git, DVC stages its own files and writes .gitignore entries for the data.
                 repo = _with_autostage(Repo.init(str(root), subdir=git_root != root, force=force))
@@ -290,7 +241,7 @@ def _ensure(settings: Settings) -> Repo:
             _repair_rwlock(repo)
             _configure_remote(repo, settings)
             if repo.config["cache"].get("type") is None:
-                repo = _link_from_cache(repo, "repo")
+                repo = link_from_cache(repo, "repo")
                 step_logger(__name__).info(
                     "DVC now links data from its cache (cache.type %s in %s)",
                     CACHE_TYPE,
@@ -425,7 +376,7 @@ def version(path: Path, settings: Settings | None = None) -> str:
 
     settings = settings or get_settings()
     target = _inside_project(path, settings)
-    with _serialised(settings), _linking_add(_ensure(settings)) as repo:
+    with _serialised(settings), linking_add(_ensure(settings)) as repo:
         try:
             stages = repo.add([str(target)])
             dvc_file = Path(stages[0].path)
