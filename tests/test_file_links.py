@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import PIL.Image
 import pytest
 
 from tasks.data.convert import convert
@@ -94,6 +95,17 @@ def test_a_run_on_new_data_keeps_one_working_copy(project: Settings, digits_raw:
     raw = source / (first.source_path or first.path)
     assert not os.path.samefile(raw, data / "images" / first.path)
     assert raw.stat().st_mode & _WRITE
+
+    # A second run on changed data: unchanged images link to the cache's objects again.
+    PIL.Image.new("RGB", (16, 16), (200, 10, 10)).save(source / "0" / "added.png")
+    manifest = convert(source, data / "images")
+    split(data / "images", data / "train", data / "val", fraction=0.8, seed=1)
+    for part in ("images", "train", "val"):
+        version(data / part, project)
+    images |= {entry.sha256 for entry in manifest.images}
+    source_bytes, _ = _on_disk([source], images)
+    again, _ = _on_disk([project.project_root], images)
+    assert again <= 3.2 * source_bytes, f"{again / source_bytes:.2f}x after a second run"
 
     # DVC sees nothing to do, and `dvc unprotect` gives one data set's file back as a copy.
     assert "up to date" in dvc("status", cwd=project.project_root).stdout

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.data.file_links import can_reflink
+from tasks.data.file_links import can_hardlink, can_reflink
 
 if TYPE_CHECKING:
     from dvc.repo import Repo
@@ -37,15 +37,17 @@ def link_from_cache(repo: Repo, level: str) -> Repo:
     return Repo(root)
 
 
-def linking_add(repo: Repo) -> Repo:
-    """``repo`` as ``dvc add`` should use it to link the added files into its cache.
+def linking_add(repo: Repo, target: Path) -> Repo:
+    """``repo`` as ``dvc add`` of ``target`` should use it to link the files into its cache.
 
-    DVC moves an added file into the cache by a hard link only when ``hardlink`` is the first
-    cache type; with :data:`CACHE_TYPE` on a file system that cannot clone (ext4), it copies
-    every file into the cache and leaves the workspace's as they were: two copies. So where the
-    cache cannot reflink and the type is imageops' own, the add runs with ``hardlink,copy``
-    (this process only; the file keeps :data:`CACHE_TYPE`, which checkouts use as it is). A
-    type the user chose is used as it is.
+    DVC 3 links an added file into the cache only when ``hardlink`` comes first in the cache
+    type; with :data:`CACHE_TYPE` on a file system that cannot clone (ext4) it copies every file
+    into the cache beside the workspace's: two copies. And with ``hardlink,copy`` a file whose
+    content the cache already holds (an unchanged image in a new conversion) stays a copy of its
+    own. So where the cache cannot reflink but can hard-link ``target``'s files (one file
+    system), and the type is imageops' own, the add runs with ``hardlink`` alone (this process
+    only; the file keeps :data:`CACHE_TYPE`, which checkouts use as it is). A type the user
+    chose is used as it is.
     """
     from dvc.repo import Repo
 
@@ -54,11 +56,11 @@ def linking_add(repo: Repo) -> Repo:
             return repo
         cache_dir = Path(repo.cache.local.path)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        if can_reflink(cache_dir):
+        if can_reflink(cache_dir) or not can_hardlink(cache_dir, target):
             return repo
     except BaseException:
         repo.close()
         raise
     root = repo.root_dir
     repo.close()
-    return Repo(root, config={"cache": {"type": ["hardlink", "copy"]}})
+    return Repo(root, config={"cache": {"type": ["hardlink"]}})

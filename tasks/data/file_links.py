@@ -114,3 +114,25 @@ def can_reflink(folder: Path) -> bool:
     finally:
         probe.unlink(missing_ok=True)
         clone.unlink(missing_ok=True)
+
+
+def can_hardlink(folder: Path, other: Path) -> bool:
+    """Whether files under ``other`` can be hard-linked into ``folder`` (which exists).
+
+    One file system, and one that makes hard links (a probe in ``folder``: nothing is written
+    beside ``other``, which may be a user's data).
+    """
+    if os.stat(folder).st_dev != os.stat(other).st_dev:
+        return False
+    probe = folder / f".hardlink-probe-{os.getpid()}"
+    link = probe.with_name(probe.name + ".link")
+    try:
+        probe.write_bytes(b"imageops")
+        os.link(probe, link)
+    except OSError:
+        return False
+    else:
+        return True
+    finally:
+        probe.unlink(missing_ok=True)
+        link.unlink(missing_ok=True)

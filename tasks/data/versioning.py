@@ -376,7 +376,7 @@ def version(path: Path, settings: Settings | None = None) -> str:
 
     settings = settings or get_settings()
     target = _inside_project(path, settings)
-    with _serialised(settings), linking_add(_ensure(settings)) as repo:
+    with _serialised(settings), linking_add(_ensure(settings), target) as repo:
         try:
             stages = repo.add([str(target)])
             dvc_file = Path(stages[0].path)
