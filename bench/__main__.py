@@ -36,8 +36,8 @@ from bench.report import (
 # In this order: the ceiling first, so nothing else warms or loads the machine before it.
 # gpu_train last: it is skipped (with a message) on machines without a CUDA GPU.
 BENCHMARKS = (
-    "ceiling", "convert_speed", "train_speed", "score_speed", "orchestration", "scale_out",
-    "gpu_train",
+    "ceiling", "convert_speed", "train_speed", "score_speed", "fixed_costs", "orchestration",
+    "scale_out", "gpu_train",
 )  # fmt: skip
 PACKAGES = (
     "torch", "torchvision", "onnxruntime", "Pillow", "numpy",

@@ -76,7 +76,7 @@ def pipeline(
     name_flow_run(run_name)
     source, data = config.check_sources(settings)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    outputs = settings.home_dir / "outputs" / f"{stamp}-{name}-{_run_id()}"
+    outputs = settings.outputs_dir / f"{stamp}-{name}-{_run_id()}"
 
     # From convert to the end: another run on this data set would replace the split mid-training.
     with dataset_lock(settings, name):

@@ -110,7 +110,7 @@ def train_model_flow(
         data_version = {name: version_task(path) for name, path in
                         (("train", train_path), ("val", val_path))}  # fmt: skip
         name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
-    out = settings.home_dir / "outputs" / datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
+    out = settings.outputs_dir / datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
     request = TrainRequest(
         model=out / "untrained", train_data=train_path, val_data=val_path,
         out=out / "model", params=params, transform=transform, data_version=data_version,

@@ -4,24 +4,25 @@
 appear once the quantize step has accepted a static INT8 version of ``model.onnx``.
 
 Everything needed to rebuild, score or audit the model sits in ``model.json`` as plain JSON; the
-weights are safetensors, so loading a model directory can never run code.
+weights are safetensors, so loading a model directory can never run code. torch is imported only
+to load or save the weights: reading ``model.json`` (scoring's ONNX path, promotion, evaluate)
+does not pay for it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 from models.atomic import atomic_directory, write_json
 from models.errors import InvalidModelDirectoryError
 from models.transform_spec import TransformSpec
 from models.untrained import MODEL_JSON, ModelSpec
-from models.zoo import build_model
+
+if TYPE_CHECKING:
+    from torch import nn
 
 WEIGHTS = "model.safetensors"
 ONNX = "model.onnx"
@@ -50,6 +51,8 @@ class ModelInfo(BaseModel):
 
 def save_model_directory(dest: Path, model: nn.Module, info: ModelInfo) -> Path:
     """Write weights and ``model.json`` to ``dest`` atomically (a half model never looks whole)."""
+    from safetensors.torch import save_file
+
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     with atomic_directory(Path(dest), replaces=MODEL_JSON) as tmp:
         save_file(state, str(tmp / WEIGHTS))
@@ -74,6 +77,11 @@ def read_model_info(path: Path) -> ModelInfo:
 
 def load_model_directory(path: Path) -> tuple[nn.Module, ModelInfo]:
     """Rebuild the network from ``model.json`` and load its safetensors weights (eval mode)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from models.zoo import build_model
+
     path = Path(path)
     info = read_model_info(path)
     if not (path / WEIGHTS).is_file():

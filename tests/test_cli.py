@@ -16,7 +16,7 @@ from tasks.data.imagedir import read_manifest
 
 COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "tune",
             "export", "quantize", "register", "promote", "score", "evaluate", "serve",
-            "run", "cluster"]  # fmt: skip
+            "run", "cluster", "gc"]  # fmt: skip
 
 
 def test_help_lists_every_step(tmp_path: Path) -> None:
@@ -29,7 +29,7 @@ def test_help_lists_every_step(tmp_path: Path) -> None:
 HELP_CHECKED = ["train", "run", "score", "split", "transform init", "transform apply",
                 "promote", "evaluate", "quantize", "serve scoring", "serve webhook",
                 "register-webhook", "tune", "cluster manifest", "team server",
-                "team join"]  # fmt: skip
+                "team join", "gc"]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", HELP_CHECKED)

@@ -136,7 +136,8 @@ def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
 ) -> None:
     job = request(untrained, data, tmp_path / "model", epochs=2, nproc_per_node=2,
                   cluster=cluster.address)  # fmt: skip
-    result = train(job, on_cluster)
+    # Kept once FINISHED, to see what was stored (by default they go: tests/test_gc.py).
+    result = train(job, on_cluster.model_copy(update={"keep_checkpoints": True}))
 
     client = MlflowClient(on_cluster.tracking_uri)
     run = client.get_run(result.run_id)

@@ -19,8 +19,9 @@ from model_helpers import make_model_dir
 
 from models.directory import load_model_directory, save_model_directory
 from tasks.data.convert import convert
+from tasks.data.imagedir import content_digest, read_manifest
 from tasks.inference.export import export_onnx
-from tasks.registry.promote import CHALLENGER, CHAMPION, promote
+from tasks.registry.promote import CHALLENGER, CHAMPION, SCORES_TAG, promote
 from tasks.registry.register import register
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.settings import Settings
@@ -57,16 +58,21 @@ def always(
     }
 
 
-@pytest.fixture(scope="module")
-def holdout(tmp_path_factory: pytest.TempPathFactory, digits_raw: Path) -> Path:
-    """A labeled ImageDirectory of three 0s and one 1."""
-    root = tmp_path_factory.mktemp("holdout")
+def _holdout(root: Path, digits_raw: Path, skip: int = 0) -> Path:
+    """A labeled ImageDirectory of three 0s and one 1; ``skip`` picks other scans of the 0s."""
     for digit, count in (("0", 3), ("1", 1)):
         (root / "raw" / digit).mkdir(parents=True)
-        for path in sorted((digits_raw / digit).glob("*.png"))[:count]:
+        first = skip if digit == "0" else 0
+        for path in sorted((digits_raw / digit).glob("*.png"))[first : first + count]:
             shutil.copyfile(path, root / "raw" / digit / path.name)
     convert(root / "raw", root / "images")
     return root / "images"
+
+
+@pytest.fixture(scope="module")
+def holdout(tmp_path_factory: pytest.TempPathFactory, digits_raw: Path) -> Path:
+    """A labeled ImageDirectory of three 0s and one 1. Do not modify."""
+    return _holdout(tmp_path_factory.mktemp("holdout"), digits_raw)
 
 
 def _alias(alias: str) -> int:
@@ -150,6 +156,59 @@ def test_the_champion_against_itself_stays(
 
     assert not decision.promoted
     assert "already the champion" in decision.reason
+
+
+def _work_folder(project: Settings, challenger: int) -> Path:
+    """The newest promotion's work folder (where the versions it scored leave their tables)."""
+    return sorted((project.home_dir / "promotions").glob(f"*-v{challenger}"))[-1]
+
+
+@pytest.mark.slow  # three promotions
+def test_the_champion_is_scored_once_per_holdout_version(
+    project: Settings, always: dict[str, Path], holdout: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    register(always["1"], settings=project, alias=CHAMPION)  # v1: 0.25 on the holdout
+    register(always["0"], settings=project, alias=CHALLENGER)  # v2: 0.75
+    first = promote(holdout, settings=project, margin=0.6)  # not enough: v1 stays champion
+    assert not first.champion_score_reused and not first.challenger_score_reused
+    assert (_work_folder(project, 2) / "v1.csv").is_file()  # the champion was scored
+    client = MlflowClient()
+    record = json.loads(client.get_model_version(NAME, "1").tags[SCORES_TAG + first.holdout_digest])
+    assert record["metrics"]["accuracy"] == pytest.approx(0.25)
+    assert record["images"] == 4
+
+    # The next challenger, same holdout: the champion's score is read from its record.
+    register(always["0"], settings=project, alias=CHALLENGER)  # v3
+    second = promote(holdout, settings=project, margin=0.6, metric="f1_macro")
+
+    assert second.champion_score_reused and not second.challenger_score_reused
+    assert second.holdout_digest == first.holdout_digest
+    assert second.champion_score == pytest.approx(record["metrics"]["f1_macro"])
+    assert not (_work_folder(project, 3) / "v1.csv").exists()
+    assert (_work_folder(project, 3) / "v3.csv").is_file()
+    assert client.get_model_version(NAME, "3").tags["promotion.scores_reused"] == "v1"
+
+    # One 0 replaced by another scan: another holdout version, so the champion is scored again.
+    changed = _holdout(tmp_path / "changed", digits_raw, skip=1)
+    third = promote(changed, candidate=3, settings=project, margin=0.6)
+
+    assert third.holdout_digest != first.holdout_digest
+    assert not third.champion_score_reused and not third.challenger_score_reused
+    assert (_work_folder(project, 3) / "v1.csv").is_file()
+    assert third.champion_score == pytest.approx(0.25)
+
+
+def test_a_holdouts_identity_is_its_content_not_its_place(holdout: Path, tmp_path: Path) -> None:
+    copy = shutil.copytree(holdout, tmp_path / "elsewhere" / "holdout")
+    digest = content_digest(holdout)
+
+    assert digest is not None and content_digest(copy) == digest  # another folder, same images
+    manifest = read_manifest(copy)
+    manifest.images[0].label = 1 - int(manifest.images[0].label or 0)  # one image relabeled
+    assert content_digest(copy, manifest) not in (None, digest)
+    image = copy / read_manifest(copy).images[0].path
+    image.write_bytes(image.read_bytes() + b"edited")  # an image edited in place
+    assert content_digest(copy) is None  # the manifest no longer says what the folder holds
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,10 @@ def test_a_prefect_retry_continues_the_run_of_the_killed_attempt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     params = TrainParams.checked(**FAST, epochs=2, seed=7)
-    reference = train(request(untrained, digits_split, tmp_path / "reference", params), project)
+    # Both runs keep their last checkpoint once FINISHED, to compare the last epochs' weights.
+    monkeypatch.setenv("IMAGEOPS_KEEP_CHECKPOINTS", "true")
+    keeping = project.model_copy(update={"keep_checkpoints": True})
+    reference = train(request(untrained, digits_split, tmp_path / "reference", params), keeping)
     quick = train_task.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
 
     @flow(name="train-with-retries")

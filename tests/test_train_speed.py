@@ -173,8 +173,9 @@ def test_augmentation_does_not_depend_on_loader_processes(
 def test_one_gpu_run_with_fp16_and_a_gradient_scaler(
     project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    keeping = project.model_copy(update={"keep_checkpoints": True})  # to read the scaler
     result = run_train(
-        project, untrained, digits_split, tmp_path / "model", device="cuda", precision="fp16"
+        keeping, untrained, digits_split, tmp_path / "model", device="cuda", precision="fp16"
     )
     assert all(math.isfinite(v) for v in result.metrics.values())
     assert run_config(result)["precision"] == "fp16"

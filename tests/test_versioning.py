@@ -111,9 +111,9 @@ def test_ensure_dvc_repo_is_idempotent_and_configures_the_local_remote(
     assert remote == str(project.home_dir / "dvc-remote")
     assert config.read_text() == written and config.stat().st_mtime_ns == stamp
     assert f'remote "{REMOTE_NAME}"' in written
-    assert (
-        project.project_root / ".dvc" / "config"
-    ).read_text().strip() == "[core]\n    no_scm = True"
+    shared = (project.project_root / ".dvc" / "config").read_text()
+    assert shared.split() == ["[core]", "no_scm", "=", "True", "[cache]", "type", "=",
+                              '"reflink,hardlink,copy"']  # fmt: skip
 
 
 def test_parallel_versions_wait_for_each_other(
@@ -192,3 +192,26 @@ def test_a_path_outside_the_project_is_refused(project: Settings, tmp_path: Path
     with pytest.raises(VersioningError, match="does not exist"):
         version("data/missing", project)
     assert not (project.project_root / ".dvc").exists()  # refused before DVC was touched
+
+
+def test_an_existing_repo_links_from_its_cache_unless_its_user_chose(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    from tests.projects import dvc
+
+    root = project.project_root
+    assert dvc("init", "--no-scm", "-q", cwd=root).returncode == 0  # a repo imageops did not make
+    with ensure_dvc_repo(project) as repo:
+        assert repo.config["cache"]["type"] == ["reflink", "hardlink", "copy"]
+    # Where `dvc config` writes, so that a type the user sets later replaces imageops' one.
+    assert 'type = "reflink,hardlink,copy"' in (root / ".dvc" / "config").read_text()
+    assert "cache" not in (root / ".dvc" / "config.local").read_text()
+
+    # A type the user set is theirs: `copy` keeps the data and the cache apart.
+    assert dvc("config", "cache.type", "copy", cwd=root).returncode == 0
+    data = _data(project, digits_split[1])
+    version(data, project)
+    image = next(data.rglob("*.png"))
+    cached = [p for p in (root / ".dvc" / "cache").rglob("*") if p.is_file()]
+    assert not any(p.samefile(image) for p in cached)
+    assert "type = copy" in (root / ".dvc" / "config").read_text()

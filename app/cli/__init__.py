@@ -8,7 +8,7 @@ stage registers its commands on :data:`app` when imported here.
 
 # The import order is the order of the commands in --help: the pipeline's order.
 # isort: off
-from app.cli import data, training, inference, registry, pipeline, cluster, team  # noqa: F401
+from app.cli import data, training, inference, registry, pipeline, cluster, team, housekeeping  # noqa: F401
 
 # isort: on
 from app.cli.root import app, main

@@ -68,12 +68,16 @@ def promote(
 ) -> None:
     """Give the candidate the champion alias if it beats the champion on the holdout (via ONNX)."""
     from tasks.registry.promote import promote as run
+    from tasks.registry.promote import reused_versions
 
     decision = run(
         holdout, candidate=candidate, metric=metric, margin=margin, settings=_with_model_name(name)
     )
     verdict = "is now @champion" if decision.promoted else "stays where it is"
     out.print(f"{decision.name} v{decision.challenger_version} {verdict}: {decision.reason}")
+    if reused := reused_versions(decision):
+        versions = ", ".join(f"v{v}" for v in reused)
+        out.print(f"(score of {versions} on this holdout read from the registry, not scored again)")
 
 
 @app.command("register-webhook")

@@ -12,6 +12,7 @@ import re
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from models.locks import is_held
 from tasks.data.archive import ARCHIVE_SUFFIXES
 from tasks.shared.errors import DatasetBusyError
 from tasks.shared.project_lock import taking_turns
@@ -45,12 +46,16 @@ def name_problem(name: str) -> str | None:
     return None
 
 
+def _lock_path(settings: Settings, name: str) -> Path:
+    return settings.home_dir / "locks" / f"data-{name}.lock"
+
+
 def dataset_lock(
     settings: Settings, name: str, timeout_s: float = LOCK_TIMEOUT_S
 ) -> AbstractContextManager[None]:
     """Hold data set ``name`` for one run; say so when another run has it, and wait for it."""
     return taking_turns(
-        settings.home_dir / "locks" / f"data-{name}.lock",
+        _lock_path(settings, name),
         timeout_s,
         DatasetBusyError,
         f"another imageops run using data/{name}",
@@ -58,3 +63,8 @@ def dataset_lock(
         "(--dataset NAME).",
         waiting=f"waiting for another run using data set {name}",
     )
+
+
+def dataset_in_use(settings: Settings, name: str) -> bool:
+    """True while a run holds data set ``name`` (its outputs may still be written)."""
+    return is_held(_lock_path(settings, name))

@@ -8,6 +8,8 @@ by name, exactly as ImageFolder sorts them) and for which files belong to the se
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from collections.abc import Iterable
@@ -187,6 +189,35 @@ def _bad_shape(name: str) -> str | None:
     if any(part in ("", ".") for part in name.split("/")):
         return "not a normalised POSIX path (empty or '.' parts)"
     return None
+
+
+def content_digest(root: Path, manifest: Manifest | None = None) -> str | None:
+    """sha256 of what a model is scored on here: each image's path, label and content (the
+    manifest's sha256), the classes and the applied transform; None when the folder no longer
+    matches its manifest.
+
+    The same on every machine and wherever the folder sits (the manifest is read, no image is),
+    and one image replaced or relabeled changes it. Names, sources and skipped files are left
+    out: they change no score. A file whose size differs from the manifest's has been edited
+    in place; the manifest then no longer says what the folder holds, so there is no identity.
+    """
+    root = Path(root)
+    manifest = manifest or read_manifest(root)
+    for entry in manifest.images:
+        if entry.size is not None:
+            try:
+                if os.stat(root / entry.path).st_size != entry.size:
+                    return None
+            except OSError:
+                return None
+    content = {
+        "format_version": manifest.format_version,
+        "labeled": manifest.labeled,
+        "classes": manifest.classes,
+        "transform": None if manifest.transform is None else manifest.transform.model_dump(mode="json"),
+        "images": [[e.path, e.label, e.sha256] for e in manifest.images],
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 def write_manifest(root: Path, manifest: Manifest) -> Path:

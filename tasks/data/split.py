@@ -5,18 +5,23 @@ the same seed and input always give the same split. An optional third (test) out
 ``third_fraction`` of each class from what the first left, and the second keeps the rest; with no
 third output the split is exactly Azure's two-way one. Every output keeps the full class list,
 so their class ids agree. An unlabeled directory is split the same way, as one group.
+
+The outputs hold the source's images linked, not copied (:mod:`tasks.data.file_links`): a hard
+link is read-only, and each source image is checked against the manifest's sha256 first, so an
+image edited in place (which a link would carry into every output) is refused, not spread.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from models.atomic import atomic_directory, check_destination
-from tasks.shared.errors import InvalidParameterError
+from tasks.data.file_links import Placer
+from tasks.shared.errors import InvalidImageDirectoryError, InvalidParameterError
 from tasks.data.imagedir import (
     MANIFEST,
     ImageEntry,
@@ -25,11 +30,29 @@ from tasks.data.imagedir import (
     read_manifest,
     write_manifest,
 )
-from tasks.shared.step import step
+from tasks.shared.step import step, step_logger, tasks_on_first_use
+
+
+def _check_unchanged(source: Path, entry: ImageEntry) -> None:
+    """Refuse an image whose bytes are not the ones convert recorded.
+
+    Outputs share the source's files: an image edited in place (in this folder, or through a
+    hard link in an earlier split's) would otherwise reach every output with a manifest that
+    says otherwise.
+    """
+    with open(source / entry.path, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    if digest != entry.sha256:
+        raise InvalidImageDirectoryError(
+            f"{source / entry.path} is not the image {MANIFEST} lists (its sha256 is {digest}, "
+            f"not {entry.sha256}): it was changed after {source} was written.",
+            "Edit images in the raw source and run `imageops convert` again (docs/images.md"
+            "#links says why an edit in place is refused).",
+        )
 
 
 def _write_subset(
-    source: Path, dest: Path, manifest: Manifest, entries: list[ImageEntry]
+    source: Path, dest: Path, manifest: Manifest, entries: list[ImageEntry], placer: Placer
 ) -> Manifest:
     counts = {c: sum(1 for e in entries if e.label == i) for i, c in enumerate(manifest.classes)}
     subset = manifest.model_copy(
@@ -47,7 +70,7 @@ def _write_subset(
         for entry in entries:
             target = tmp / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source / entry.path, target)
+            placer.place(source / entry.path, target)
         write_manifest(tmp, subset)
     return subset
 
@@ -141,13 +164,20 @@ def split(
         chosen += [entries[i] for i in sorted(order[:cut])]
         held_out += [entries[i] for i in sorted(order[cut:cut_third])]
         rest += [entries[i] for i in sorted(order[cut_third:])]
+    for entry in manifest.images:  # all before writing any output: no half split
+        _check_unchanged(source, entry)
+    placer = Placer()
     written = [
-        _write_subset(source, first, manifest, chosen),
-        _write_subset(source, second, manifest, rest),
+        _write_subset(source, first, manifest, chosen, placer),
+        _write_subset(source, second, manifest, rest, placer),
     ]
     if third is not None:
-        written.append(_write_subset(source, Path(third), manifest, held_out))
+        written.append(_write_subset(source, Path(third), manifest, held_out, placer))
+    step_logger(__name__).info("split %s: images %s", source, placer.summary())
     return tuple(written)
 
 
-split_task = step(split, name="split")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    split_task=lambda: step(split, name="split"),
+)

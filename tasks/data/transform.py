@@ -39,6 +39,7 @@ from tasks.data.imagedir import (
     read_manifest,
     write_manifest,
 )
+from tasks.shared.step import step, tasks_on_first_use
 from tasks.shared.validation import checked, describe
 
 TRANSFORM_JSON = "transform.json"
@@ -425,22 +426,10 @@ def _png_path(path: str, taken: set[str]) -> str:
     return candidate.as_posix()
 
 
-_TASKS = {
-    "init_transformation_task": (init_transformation, "init-image-transformation"),
-    "apply_transformation_task": (apply_transformation, "apply-image-transformation"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """``init_transformation_task`` and ``apply_transformation_task``, made on first use.
-
-    Workers import this module and must not import Prefect (seconds per process, and threads
-    that a forked DataLoader worker could deadlock on).
-    """
-    if name not in _TASKS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from tasks.shared.step import step
-
-    fn, task_name = _TASKS[name]
-    globals()[name] = step(fn, name=task_name)
-    return globals()[name]
+# Workers import this module and must not import Prefect (seconds per process, and threads that a
+# forked DataLoader worker could deadlock on): the tasks are made on first use.
+__getattr__ = tasks_on_first_use(
+    globals(),
+    init_transformation_task=lambda: step(init_transformation, name="init-image-transformation"),
+    apply_transformation_task=lambda: step(apply_transformation, name="apply-image-transformation"),
+)

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 import yaml
 
 from models.atomic import atomic_directory, write_text
+from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings, redact_uri
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 if TYPE_CHECKING:  # importing DVC takes half a second; only the functions below need it
     from dvc.repo import Repo
@@ -191,11 +192,13 @@ def _with_autostage(repo: Repo) -> Repo:
     which a Prefect run's log buries. A pointer left out of git is left out of every commit and
     experiment, so that data version is not recorded where DVC looks for it. Set once, at init,
     in the shared ``.dvc/config`` (staged here): a user who turns it off later is not overruled.
+    The cache's link types (:data:`CACHE_TYPE`) go in the same edit.
     """
     from dvc.repo import Repo
 
     with repo.config.edit("repo") as conf:
         conf["core"]["autostage"] = True
+        conf["cache"]["type"] = CACHE_TYPE
     repo.scm.add([repo.config.files["repo"]])
     root = repo.root_dir
     repo.close()  # its scm_context read the configuration before the change
@@ -230,12 +233,20 @@ def _ensure(settings: Settings) -> Repo:
             force = dvc_dir.is_dir()  # an init cut short: start it again
             if git_root is None:
                 repo = Repo.init(str(root), no_scm=True, force=force)
+                repo = link_from_cache(repo, "repo")
             else:
                 # In git, DVC stages its own files and writes .gitignore entries for the data.
                 repo = _with_autostage(Repo.init(str(root), subdir=git_root != root, force=force))
         try:
             _repair_rwlock(repo)
             _configure_remote(repo, settings)
+            if repo.config["cache"].get("type") is None:
+                repo = link_from_cache(repo, "repo")
+                step_logger(__name__).info(
+                    "DVC now links data from its cache (cache.type %s in %s)",
+                    CACHE_TYPE,
+                    repo.config.files["repo"],
+                )
         except BaseException:
             repo.close()
             raise
@@ -365,7 +376,7 @@ def version(path: Path, settings: Settings | None = None) -> str:
 
     settings = settings or get_settings()
     target = _inside_project(path, settings)
-    with _serialised(settings), _ensure(settings) as repo:
+    with _serialised(settings), linking_add(_ensure(settings), target) as repo:
         try:
             stages = repo.add([str(target)])
             dvc_file = Path(stages[0].path)
@@ -391,7 +402,6 @@ def version(path: Path, settings: Settings | None = None) -> str:
     return md5
 
 
-version_task = step(version, name="version")
 
 
 def _open_versions_repo(settings: Settings) -> Repo:
@@ -412,7 +422,7 @@ def _open_versions_repo(settings: Settings) -> Repo:
         root.mkdir(parents=True, exist_ok=True)
         repo = Repo.init(str(root), no_scm=True, force=(root / ".dvc").is_dir())
         with repo.config.edit("repo") as conf:
-            conf["cache"]["type"] = "reflink,hardlink,copy"
+            conf["cache"]["type"] = CACHE_TYPE
         repo.close()
         repo = Repo(str(root))
     try:
@@ -486,3 +496,9 @@ def fetch_version(md5: str, settings: Settings | None = None) -> Path:
                 dvc_file.unlink(missing_ok=True)
     step_logger(__name__).info("fetched data version %s into %s", md5, dest)
     return dest
+
+
+__getattr__ = tasks_on_first_use(
+    globals(),
+    version_task=lambda: step(version, name="version"),
+)

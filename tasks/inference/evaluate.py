@@ -1,11 +1,11 @@
 """Evaluate Model: metrics of a labeled scored table, written beside it and logged to MLflow.
 
 Accuracy, top-k accuracy (k = min(5, classes)) from the probability columns, per-class
-precision/recall/F1 with macro and weighted averages (scikit-learn), and the confusion matrix as
-a PNG and as JSON. Like the Azure component, a second scored table (its second input, e.g. the
-same images scored by another model) is evaluated side by side. Metrics go to MLflow with the
-``eval/`` prefix (``eval/compare/`` for the second table), in the given run (resumed, never a
-second one) or a new run; inside a Prefect run they are also published as Prefect artifacts.
+precision/recall/F1 with macro and weighted averages (as scikit-learn defines them), and the
+confusion matrix as a PNG and as JSON. Like the Azure component, a second scored table (its second
+input, e.g. the same images scored by another model) is evaluated side by side. Metrics go to MLflow
+with the ``eval/`` prefix (``eval/compare/`` for the second table), in the given run (resumed, never
+a second one) or a new run; inside a Prefect run they are also published as Prefect artifacts.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tasks.inference.tables import CSV_FORMAT, table_format
 from tasks.shared.artifacts import png_markdown, publish_markdown
 from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.shared.settings import Settings, get_settings
-from tasks.shared.step import in_prefect_run, step, step_logger
+from tasks.shared.step import in_prefect_run, step, step_logger, tasks_on_first_use
 from tasks.shared.tracking import mlflow_run
 
 METRIC_PREFIX = "eval/"
@@ -117,27 +117,18 @@ def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
     true_index = np.array([index.get(t, -1) for t in truth])
     top_k_hits = (top == true_index[:, None]).any(axis=1)
 
-    # Imported here: scikit-learn takes over a second to import, and most flows never evaluate.
-    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
-
-    precision, recall, f1, support = precision_recall_fscore_support(
-        truth, predicted, labels=labels, zero_division=0
-    )
-    macro, weighted = (
-        precision_recall_fscore_support(
-            truth, predicted, labels=labels, average=average, zero_division=0
-        )
-        for average in ("macro", "weighted")
-    )
+    matrix, precision, recall, f1, support = _per_class(truth, predicted, labels)
+    macro = [float(values.mean()) for values in (precision, recall, f1)]
+    weighted = [float(np.average(values, weights=support)) for values in (precision, recall, f1)]
     metrics = {
         "accuracy": float(np.mean(truth == predicted)),
         "top5_accuracy": float(top_k_hits.mean()),
-        "precision_macro": float(macro[0]),
-        "recall_macro": float(macro[1]),
-        "f1_macro": float(macro[2]),
-        "precision_weighted": float(weighted[0]),
-        "recall_weighted": float(weighted[1]),
-        "f1_weighted": float(weighted[2]),
+        "precision_macro": macro[0],
+        "recall_macro": macro[1],
+        "f1_macro": macro[2],
+        "precision_weighted": weighted[0],
+        "recall_weighted": weighted[1],
+        "f1_weighted": weighted[2],
         "images": float(len(table)),
         "unscored_images": float(unscored),
     }
@@ -151,13 +142,47 @@ def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
         }
         for i, label in enumerate(labels)
     ]
-    matrix = confusion_matrix(truth, predicted, labels=labels)
     return EvaluationResult(
         metrics=metrics,
         per_class=per_class,
         labels=labels,
         confusion=matrix.tolist(),
         top_k=k,
+    )
+
+
+def _per_class(
+    truth: np.ndarray, predicted: np.ndarray, labels: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Confusion matrix (rows: true) and per-class precision, recall, F1 and support.
+
+    What scikit-learn's ``confusion_matrix`` and ``precision_recall_fscore_support(labels=...,
+    zero_division=0)`` return (tests/test_evaluate.py holds them to it), in a few lines of numpy:
+    importing scikit-learn (and scipy with it) cost more than a second of every `imageops
+    evaluate`. A prediction outside ``labels`` is a miss for its true class and nobody's false
+    positive, as there.
+    """
+    where = {label: i for i, label in enumerate(labels)}
+    n = len(labels)
+    true_ids = np.array([where[t] for t in truth], dtype=np.int64)  # labels holds every truth
+    pred_ids = np.array([where.get(p, -1) for p in predicted], dtype=np.int64)
+    known = pred_ids >= 0
+    matrix = np.zeros((n, n), dtype=np.int64)
+    np.add.at(matrix, (true_ids[known], pred_ids[known]), 1)
+    hits = np.diag(matrix).astype(np.float64)
+    support = np.bincount(true_ids, minlength=n)
+    guessed = np.bincount(pred_ids[known], minlength=n)
+
+    def ratio(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
+        return np.divide(top, bottom, out=np.zeros(n), where=bottom > 0)
+
+    # F1 as scikit-learn computes it: 2 tp / (2 tp + fp + fn), 0 where nothing was true or guessed.
+    return (
+        matrix,
+        ratio(hits, guessed),
+        ratio(hits, support),
+        ratio(2 * hits, guessed + support),
+        support,
     )
 
 
@@ -347,4 +372,7 @@ def evaluate(
     return result
 
 
-evaluate_task = step(evaluate, name="evaluate")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    evaluate_task=lambda: step(evaluate, name="evaluate"),
+)

@@ -4,6 +4,9 @@ The network is rebuilt from the ModelDirectory (safetensors, nothing unpickled),
 replaces ``model.onnx`` only if ONNX Runtime matches PyTorch on the same batch (within
 :data:`PARITY_TOLERANCE`, same argmax, two batch sizes). The file records the sha256 of its
 weights, so registration can tell a stale ``model.onnx``. Details: docs/precision.md#onnx-export.
+
+torch, onnx and ONNX Runtime are imported by the functions that use them: scoring imports this
+module for the tensor names and :func:`sha256_file` only.
 """
 
 from __future__ import annotations
@@ -12,20 +15,20 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-import onnxruntime as ort
-import torch
-from onnx.external_data_helper import uses_external_data
-from torch import nn
 
 from models.atomic import atomic_file
 from models.directory import INT8_REPORT, ONNX, ONNX_INT8, WEIGHTS, ModelInfo, load_model_directory
 from tasks.data.imagedir import load_rgb, read_manifest
 from tasks.data.transform import input_size, transform_for
 from tasks.shared.errors import ExportParityError, InvalidModelDirectoryError, NoUsableImagesError
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
@@ -62,6 +65,8 @@ def parity_batch(info: ModelInfo, sample: Path | None, size: int = PARITY_BATCH)
     Real images (spread over the sample's manifest, through the model's inference transform) test
     what scoring will see; without a sample, a seeded normal batch still compares every weight.
     """
+    import torch
+
     side = input_size(info.transform)
     if sample is None:
         generator = torch.Generator().manual_seed(SEED)
@@ -92,6 +97,9 @@ def check_parity(onnx_path: Path, model: nn.Module, batch: torch.Tensor) -> tupl
     difference over both and the batch sizes run; raises ExportParityError when the difference
     exceeds :data:`PARITY_TOLERANCE` or any argmax differs.
     """
+    import onnxruntime as ort
+    import torch
+
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     session = ort.InferenceSession(
@@ -133,6 +141,10 @@ def export_onnx(
     ExportParityError when ONNX Runtime disagrees with PyTorch; ``model.onnx`` is then left as it
     was (written atomically, only after the check passed).
     """
+    import onnx
+    import torch
+    from onnx.external_data_helper import uses_external_data
+
     model_dir = Path(model_dir)
     model, info = load_model_directory(model_dir)
     batch = parity_batch(info, sample)
@@ -181,6 +193,8 @@ def export_onnx(
 
 def verify_onnx(model_dir: Path, *, sample: Path | None = None) -> ExportResult:
     """Check an existing ``model.onnx`` against the directory's weights (the same parity gate)."""
+    import onnx
+
     model_dir = Path(model_dir)
     model, info = load_model_directory(model_dir)
     path = model_dir / ONNX
@@ -198,8 +212,13 @@ def verify_onnx(model_dir: Path, *, sample: Path | None = None) -> ExportResult:
 
 def onnx_weights_sha256(onnx_path: Path) -> str | None:
     """The weights sha256 recorded in ``model.onnx`` at export (None for a foreign file)."""
+    import onnx
+
     proto = onnx.load(str(onnx_path), load_external_data=False)
     return {p.key: p.value for p in proto.metadata_props}.get(META_WEIGHTS_SHA256)
 
 
-export_task = step(export_onnx, name="export-onnx")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    export_task=lambda: step(export_onnx, name="export-onnx"),
+)

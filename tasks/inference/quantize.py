@@ -38,7 +38,7 @@ from tasks.shared.errors import (
     NoUsableImagesError,
     QuantizationAccuracyError,
 )
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 REPORT_FORMAT = "imageops.Int8Report"
 META_QUANTIZATION = "imageops.quantization"
@@ -322,4 +322,7 @@ def quantize(
     return result
 
 
-quantize_task = step(quantize, name="quantize")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    quantize_task=lambda: step(quantize, name="quantize"),
+)

@@ -3,7 +3,8 @@
 ``models:/<name>@<alias>`` and ``models:/<name>/<version>`` resolve to one version, downloaded
 (``model.json`` and ``model.onnx``) into a per-version cache laid out as a ModelDirectory. An alias
 is resolved at each call, so a promotion is picked up; a cached folder is reused only while the
-registry still names the same run; downloads are atomic and locked.
+registry still names the same run; downloads are atomic and locked. MLflow is imported only for a
+URI: scoring a ModelDirectory path does not pay for it.
 Details: docs/promotion.md#scoring-a-registered-model-models-uris.
 """
 
@@ -15,21 +16,20 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-from mlflow.artifacts import download_artifacts
-from mlflow.exceptions import MlflowException
-from mlflow.models import Model
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from models.atomic import atomic_directory, write_json
 from models.directory import ONNX
 from models.locks import holding
 from models.untrained import MODEL_JSON
 from tasks.inference.export import sha256_file
-from tasks.registry.register import DIRECTORY_ARTIFACTS, ONNX_ARTIFACT
 from tasks.shared.errors import RegistryError, RegistryUnreachableError
 from tasks.shared.settings import Settings, get_settings, redact_uri
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
+
+if TYPE_CHECKING:
+    from mlflow.models import Model
+    from mlflow.tracking import MlflowClient
 
 MODELS_SCHEME = "models:/"
 CACHE_DIR = "registry-cache"
@@ -90,6 +90,8 @@ def cache_path(settings: Settings, name: str, version: int) -> Path:
 
 
 def _client(settings: Settings) -> MlflowClient:
+    from mlflow.tracking import MlflowClient
+
     # An explicit client, not the process-wide tracking URI: resolving never re-points MLflow.
     return MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.registry_uri)
 
@@ -98,6 +100,8 @@ def _not_found(
     client: MlflowClient, uri: str, name: str, alias: str | None, version: int | None, registry: str
 ) -> RegistryError:
     """The error for a name, alias or version the registry does not have, with what it has."""
+    from mlflow.exceptions import MlflowException
+
     registry = redact_uri(registry)
     try:
         registered = client.get_registered_model(name)
@@ -138,6 +142,12 @@ def _download(
     client: MlflowClient, settings: Settings, cached: CachedModel, onnx_sha256: str | None
 ) -> None:
     """Fetch model.json and the ONNX file of one version into ``cached.path``, atomically."""
+    from mlflow.artifacts import download_artifacts
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
+
+    from tasks.registry.register import DIRECTORY_ARTIFACTS
+
     uri = client.get_model_version_download_uri(cached.name, str(cached.version))
     fetch = {"tracking_uri": settings.tracking_uri, "registry_uri": settings.registry_uri}
     with atomic_directory(cached.path) as tmp:
@@ -190,6 +200,8 @@ def _onnx_path(mlmodel: Model) -> str | None:
     """Where a version keeps its ONNX file, relative to the model: the pyfunc's ONNX artifact
     (:func:`tasks.registry.register.register`), or the ONNX flavor's file (versions registered
     before)."""
+    from tasks.registry.register import ONNX_ARTIFACT
+
     pyfunc = mlmodel.flavors.get("python_function", {})
     artifact = (pyfunc.get("artifacts") or {}).get(ONNX_ARTIFACT)
     if artifact is not None:
@@ -220,6 +232,8 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
     lists the aliases the model has), a version without an ONNX model or model.json, or a
     download that does not match the registered sha256.
     """
+    from mlflow.exceptions import MlflowException
+
     settings = settings or get_settings()
     name, alias, number = parse_model_uri(uri)
     client = _client(settings)
@@ -273,5 +287,8 @@ def resolve_model(model: str | Path, settings: Settings | None = None) -> Path:
     return fetch_registered_model(str(model), settings).path
 
 
-fetch_registered_model_task = step(fetch_registered_model, name="fetch-registered-model")
-resolve_model_task = step(resolve_model, name="resolve-model")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    fetch_registered_model_task=lambda: step(fetch_registered_model, name="fetch-registered-model"),
+    resolve_model_task=lambda: step(resolve_model, name="resolve-model"),
+)

@@ -2,12 +2,15 @@
 
 Both versions' ONNX models (what batch scoring runs) are scored on the same held-out images and
 compared on one Evaluate Model metric, with a ``margin``; the decision and both scores become
-registry tags, so the registry says why the alias sits where it does. Moving ``champion`` starts
-the next batch scoring. Details: docs/promotion.md#promotion.
+registry tags, so the registry says why the alias sits where it does. A version's metrics on a
+holdout are kept as a tag on the version, keyed by the holdout's content digest, so the champion
+is scored once per holdout version, not on every promotion. Moving ``champion`` starts the next
+batch scoring. Details: docs/promotion.md#promotion.
 """
 
 from __future__ import annotations
 
+import json
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -18,20 +21,25 @@ from mlflow.tracking import MlflowClient
 
 from models.atomic import write_json
 from models.directory import read_model_info
-from tasks.data.imagedir import MANIFEST, read_manifest
+from tasks.data.imagedir import MANIFEST, Manifest, content_digest, read_manifest
 from tasks.inference.evaluate import SUMMARY_ROWS, compute_metrics, read_scored
 from tasks.inference.score import score
 from tasks.registry.register import check_alias
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 TAG_PREFIX = "promotion."
 METRICS = tuple(SUMMARY_ROWS)  # all "higher is better"
 LOCK_TIMEOUT_S = 1800.0  # other promotions scoring a large holdout first
+# A version's metrics on one holdout: tag SCORES_TAG + the holdout's content digest. Raise
+# SCORES_FORMAT when scoring or the metrics change what they compute: older records are then
+# ignored (and replaced), never reused.
+SCORES_TAG = TAG_PREFIX + "scores."
+SCORES_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,11 @@ class Promotion:
     promoted: bool
     reason: str
     holdout: str
+    # The holdout's content digest (None: its files no longer match its manifest, so no score
+    # was reused or kept), and whether each score was read from the version's record instead.
+    holdout_digest: str | None = None
+    challenger_score_reused: bool = False
+    champion_score_reused: bool = False
 
 
 def _version(client: MlflowClient, name: str, candidate: str | int) -> int:
@@ -85,12 +98,88 @@ def _version_dir(name: str, version: int, settings: Settings) -> Path:
     return resolve_model(f"models:/{name}/{version}", settings)
 
 
-def _score_version(model_dir: Path, holdout: Path, dest: Path, metric: str) -> float:
-    """``metric`` of the model in ``model_dir`` on ``holdout``, scored through ONNX Runtime."""
-    return compute_metrics(read_scored(score(model_dir, holdout, dest)))[metric]
+@dataclass(frozen=True)
+class _Holdout:
+    path: Path
+    digest: str | None  # content_digest: what a recorded score is keyed by
+    images: int
 
 
-def _check(holdout: Path, metric: str, margin: float) -> None:
+def _recorded_metrics(
+    client: MlflowClient, name: str, version: int, holdout: _Holdout
+) -> dict[str, float] | None:
+    """The metrics recorded for ``version`` on this holdout's content, or None."""
+    if holdout.digest is None:
+        return None
+    tag = client.get_model_version(name, str(version)).tags.get(SCORES_TAG + holdout.digest)
+    try:
+        record = json.loads(tag) if tag else {}
+        if record.get("format") == SCORES_FORMAT and record.get("holdout_digest") == holdout.digest:
+            return {str(k): float(v) for k, v in record["metrics"].items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        step_logger(__name__).warning(
+            "%s v%d: unreadable score record %s, scoring again", name, version, SCORES_TAG
+        )
+    return None
+
+
+def _score_version(
+    client: MlflowClient,
+    name: str,
+    version: int,
+    model_dir: Path,
+    holdout: _Holdout,
+    dest: Path,
+    metric: str,
+) -> tuple[float, bool]:
+    """``metric`` of ``version`` on the holdout, and whether it was reused rather than scored.
+
+    Scored through ONNX Runtime (the version's ``model.onnx`` in ``model_dir``) into ``dest``
+    unless the version already has a record for this holdout's content; a new score is recorded
+    on the version in the registry, so every machine of a team reuses it.
+    """
+    known = _recorded_metrics(client, name, version, holdout)
+    if known is not None and metric in known:
+        step_logger(__name__).info(
+            "%s v%d: %s on this holdout (digest %s) reused from the registry",
+            name,
+            version,
+            metric,
+            holdout.digest[:12] if holdout.digest else "",
+        )
+        return known[metric], True
+    result = compute_metrics(read_scored(score(model_dir, holdout.path, dest)))
+    metrics = {key: float(value) for key, value in result.metrics.items()}
+    if holdout.digest is not None:
+        record = {
+            "format": SCORES_FORMAT,
+            "holdout_digest": holdout.digest,
+            "images": holdout.images,
+            "metrics": metrics,
+            "holdout": str(holdout.path.resolve()),
+            "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        client.set_model_version_tag(
+            name, str(version), SCORES_TAG + holdout.digest, json.dumps(record, sort_keys=True)
+        )
+    return metrics[metric], False
+
+
+def _identify(holdout: Path, manifest: Manifest) -> _Holdout:
+    """The holdout and its content digest (from its manifest and a stat per image)."""
+    digest = content_digest(holdout, manifest)
+    if digest is None:
+        step_logger(__name__).warning(
+            "%s: files differ from its %s (edited in place?): both models are scored and no "
+            "score is kept; convert the folder again to give it an identity",
+            holdout,
+            MANIFEST,
+        )
+    return _Holdout(holdout, digest, len(manifest.images))
+
+
+def _check(holdout: Path, metric: str, margin: float) -> Manifest:
+    """The holdout's manifest, once the parameters are known to be sound."""
     if metric not in METRICS:
         raise InvalidParameterError(
             f"metric must be one of {', '.join(METRICS)}, got {metric!r}.",
@@ -107,11 +196,13 @@ def _check(holdout: Path, metric: str, margin: float) -> None:
             "Pass a converted, labeled data set the candidates did not train on, e.g. the "
             "validation or test output of the split step.",
         )
-    if not read_manifest(holdout).labeled:
+    manifest = read_manifest(holdout)
+    if not manifest.labeled:
         raise InvalidParameterError(
             f"holdout {holdout} is unlabeled: there is no truth to compare the models on.",
             "Pass a labeled ImageDirectory (one sub-folder per class).",
         )
+    return manifest
 
 
 def promote(
@@ -132,14 +223,14 @@ def promote(
     """
     settings = settings or get_settings()
     holdout = Path(holdout)
-    _check(holdout, metric, margin)
+    held = _identify(holdout, _check(holdout, metric, margin))
     if isinstance(candidate, str) and not candidate.isdigit():
         check_alias(candidate)
     name = settings.registered_model_name
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     challenger = _version(client, name, candidate)
     with _one_decision_at_a_time(settings):
-        return _decide(client, settings, holdout, name, challenger, metric, margin)
+        return _decide(client, settings, held, name, challenger, metric, margin)
 
 
 def _one_decision_at_a_time(settings: Settings) -> AbstractContextManager[None]:
@@ -157,7 +248,7 @@ def _one_decision_at_a_time(settings: Settings) -> AbstractContextManager[None]:
 def _decide(
     client: MlflowClient,
     settings: Settings,
-    holdout: Path,
+    held: _Holdout,
     name: str,
     challenger: int,
     metric: str,
@@ -171,14 +262,16 @@ def _decide(
     work.mkdir(parents=True, exist_ok=True)
 
     challenger_dir = _version_dir(name, challenger, settings)
-    challenger_score = _score_version(challenger_dir, holdout, work / f"v{challenger}.csv", metric)
+    challenger_score, challenger_reused = _score_version(
+        client, name, challenger, challenger_dir, held, work / f"v{challenger}.csv", metric
+    )
     champion_dir = _version_dir(name, champion, settings) if champion else None
-    champion_score = None
+    champion_score, champion_reused = None, False
     if champion is None:
         promoted, reason = True, "first model: there was no champion"
     elif champion == challenger:
         promoted, reason = False, f"version {challenger} is already the champion"
-        champion_score = challenger_score
+        champion_score, champion_reused = challenger_score, challenger_reused
     elif (theirs := read_model_info(champion_dir).classes) != (
         ours := read_model_info(challenger_dir).classes
     ):
@@ -191,7 +284,9 @@ def _decide(
             "registered model (IMAGEOPS_REGISTERED_MODEL_NAME)"
         )
     else:
-        champion_score = _score_version(champion_dir, holdout, work / f"v{champion}.csv", metric)
+        champion_score, champion_reused = _score_version(
+            client, name, champion, champion_dir, held, work / f"v{champion}.csv", metric
+        )
         gain = challenger_score - champion_score
         promoted = gain > margin
         reason = (
@@ -209,7 +304,10 @@ def _decide(
         margin=margin,
         promoted=promoted,
         reason=reason,
-        holdout=str(holdout.resolve()),
+        holdout=str(held.path.resolve()),
+        holdout_digest=held.digest,
+        challenger_score_reused=challenger_reused,
+        champion_score_reused=champion_reused,
     )
     _record(client, decision, stamp)
     write_json(work / "promotion.json", asdict(decision))
@@ -243,6 +341,8 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
         "champion_version": str(decision.champion_version or ""),
         "champion_score": "" if decision.champion_score is None else repr(decision.champion_score),
         "holdout": decision.holdout,
+        "holdout_digest": decision.holdout_digest or "",
+        "scores_reused": ",".join(f"v{v}" for v in reused_versions(decision)),
         "time": stamp,
     }
     _set_tags(client, decision.name, decision.challenger_version, tags)
@@ -260,6 +360,15 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
     _set_tags(client, decision.name, champion, against)
 
 
+def reused_versions(decision: Promotion) -> list[int]:
+    """The versions whose score came from their record on this holdout, not from scoring."""
+    pairs = (
+        (decision.challenger_version, decision.challenger_score_reused),
+        (decision.champion_version, decision.champion_score_reused),
+    )
+    return sorted({v for v, reused in pairs if reused and v is not None})
+
+
 def _set_tags(client: MlflowClient, name: str, version: int, tags: dict[str, str]) -> None:
     for key, value in tags.items():
         client.set_model_version_tag(name, str(version), TAG_PREFIX + key, value)
@@ -275,4 +384,7 @@ def _announce(settings: Settings, name: str, version: int) -> None:
     emit_alias_event(name, CHAMPION, version)
 
 
-promote_task = step(promote, name="promote")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    promote_task=lambda: step(promote, name="promote"),
+)

@@ -33,7 +33,7 @@ from tasks.inference.export import META_WEIGHTS_SHA256, sha256_file
 from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.settings import Settings, get_settings, redact_uri
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 from tasks.shared.tracking import mlflow_run
 
 ARTIFACT_NAME = "model"
@@ -237,4 +237,7 @@ def register(
     )
 
 
-register_task = step(register, name="register-model")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    register_task=lambda: step(register, name="register-model"),
+)

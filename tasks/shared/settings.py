@@ -102,6 +102,12 @@ class Settings(BaseSettings):
         description="Optuna storage of the tuning studies: a database URL every machine reaches "
         "(postgresql://...); default: one journal file per study under `home`/tuning.",
     )
+    keep_checkpoints: bool = Field(
+        default=False,
+        description="Keep a FINISHED training run's checkpoint and best weights (run folder and "
+        "checkpoint store); default: removed once the run is FINISHED (the model folder and "
+        "MLflow have what it produced). FAILED and KILLED runs always keep them, to resume.",
+    )
     weights_cache: Path | None = Field(
         default=None,
         description="Pretrained weights cache (TORCH_HOME); default: `home`/torch.",
@@ -122,6 +128,11 @@ class Settings(BaseSettings):
     def runs_dir(self) -> Path:
         """One folder per training run: configuration, checkpoints, rank logs, the model."""
         return self.home_dir / "runs"
+
+    @cached_property
+    def outputs_dir(self) -> Path:
+        """One folder per flow run: the untrained and trained model, the scored table."""
+        return self.home_dir / "outputs"
 
     @cached_property
     def tracking_uri(self) -> str:

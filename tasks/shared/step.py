@@ -4,22 +4,24 @@ Transient failures (a locked database, a worker killed mid-epoch, a full disk fr
 with exponential back-off. An :class:`~models.errors.ImageOpsError` means the input is wrong, and
 retrying cannot fix it, so it fails the task at once with its message, unless the error says it is
 ``retryable`` (a crashed training worker).
+
+Prefect is imported only when a task is made or a run is asked about: importing it costs about a
+second, and the command line, DVC stages and training workers call the steps as plain functions.
+A module makes its tasks on first use with :func:`tasks_on_first_use`.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from collections.abc import Callable
-from typing import Any
-
-from prefect import Task, task
-from prefect.cache_policies import NO_CACHE
-from prefect.context import get_run_context
-from prefect.exceptions import MissingContextError
-from prefect.logging import get_run_logger
-from prefect.tasks import exponential_backoff
+from typing import TYPE_CHECKING, Any
 
 from models.errors import ImageOpsError
+
+if TYPE_CHECKING:
+    from prefect import Task
 
 RETRIES = 2
 BACKOFF_SECONDS = 2.0
@@ -42,6 +44,10 @@ def step(fn: Callable[..., Any], *, name: str, retries: int = RETRIES, **options
     steps pass only paths and small JSON-able values anyway; each step keeps its own outputs on
     disk, written atomically.
     """
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.tasks import exponential_backoff
+
     settings: dict[str, Any] = {
         "retry_delay_seconds": exponential_backoff(backoff_factor=BACKOFF_SECONDS),
         "retry_jitter_factor": 0.5,
@@ -52,12 +58,42 @@ def step(fn: Callable[..., Any], *, name: str, retries: int = RETRIES, **options
     return task(fn, name=name, retries=retries, **{**settings, **options})
 
 
+_MAKING = threading.Lock()
+
+
+def tasks_on_first_use(
+    namespace: dict[str, Any], **makers: Callable[[], Task]
+) -> Callable[[str], Task]:
+    """A module ``__getattr__`` that makes the module's Prefect tasks when first asked for.
+
+    ``__getattr__ = tasks_on_first_use(globals(), score_task=lambda: step(score, name="score"))``:
+    ``from module import score_task`` (a flow) imports Prefect and makes the task once; importing
+    the module for its plain functions does neither.
+    """
+    module = namespace["__name__"]
+
+    def __getattr__(name: str) -> Task:
+        if name not in makers:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        with _MAKING:  # two threads asking at once get the same task
+            if name not in namespace:
+                namespace[name] = makers[name]()
+        return namespace[name]
+
+    return __getattr__
+
+
 def in_prefect_run() -> bool:
     """True inside a Prefect flow or task run.
 
     Steps are plain functions first: they publish Prefect artifacts and use the run logger only
     when a run is there to receive them, and work unchanged from tests, DVC stages and workers.
     """
+    if "prefect.context" not in sys.modules:
+        return False  # no run without Prefect loaded; importing it to ask would cost a second
+    from prefect.context import get_run_context
+    from prefect.exceptions import MissingContextError
+
     try:
         get_run_context()
     except MissingContextError:
@@ -67,7 +103,11 @@ def in_prefect_run() -> bool:
 
 def step_logger(name: str) -> logging.Logger | logging.LoggerAdapter:
     """Prefect's run logger inside a run (messages reach the UI), else the module's own logger."""
-    return get_run_logger() if in_prefect_run() else logging.getLogger(name)
+    if not in_prefect_run():
+        return logging.getLogger(name)
+    from prefect.logging import get_run_logger
+
+    return get_run_logger()
 
 
 def name_flow_run(name: str) -> None:

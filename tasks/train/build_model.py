@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from models.untrained import ModelChoice, ModelSpec, write_untrained
-from tasks.shared.step import step
+from tasks.shared.step import step, tasks_on_first_use
 from tasks.shared.validation import checked
 
 
@@ -29,4 +29,7 @@ def model_choice(**values: Any) -> ModelChoice:
     return checked(ModelChoice, values, "model option")
 
 
-build_model_task = step(build_model, name="build-model")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    build_model_task=lambda: step(build_model, name="build-model"),
+)

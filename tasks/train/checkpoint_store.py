@@ -11,6 +11,7 @@ once complete, so a crash on either side leaves the previous checkpoint. The key
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -135,3 +136,28 @@ def stored_checkpoint(run_id: str, settings: Settings) -> bool:
     except BotoCoreError as exc:
         raise _s3_error(exc, "look up", f"{_S3}{bucket}/{key}", settings) from exc
     return True
+
+
+def discard_stored_checkpoint(run_id: str, names: list[str], settings: Settings) -> None:
+    """Delete ``run_id``'s stored files ``names`` under ``settings.checkpoint_url``, if any.
+
+    For a FINISHED run only: nothing resumes it, so its checkpoint is dead weight. Raises
+    :class:`ObjectStoreError` naming the URL when S3 refuses or does not answer.
+    """
+    url = settings.checkpoint_url
+    if url is None:
+        return
+    if not url.startswith(_S3):
+        for name in names:
+            _folder_location(url, run_id, settings, name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # only when nothing else is left in it
+            _folder_location(url, run_id, settings).parent.rmdir()
+        return
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    for name in names:
+        bucket, key = _s3_location(url, run_id, name)
+        try:
+            _client(settings).delete_object(Bucket=bucket, Key=key)
+        except (BotoCoreError, ClientError) as exc:
+            raise _s3_error(exc, "delete", f"{_S3}{bucket}/{key}", settings) from exc

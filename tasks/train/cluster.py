@@ -32,6 +32,7 @@ from tasks.train.finish import RESULT
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import Request, TrainRequest, check_request
+from tasks.train.retention import discard_checkpoints
 from tasks.train.torchrun import NodePlace
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Pa
     with ending_run(client, lambda: (run.id, run.dir)) as outcome:
         outcomes = _run_gang(job, run, settings, log)
         outcome.result = result = _unpack(outcomes, run.dir, request.out)
+    # MLflow has the run FINISHED: the copies in the checkpoint store are dead weight now.
+    discard_checkpoints(run.id, run.dir, settings)
     publish_report(run.id, run.dir, result, settings)
     return run.id, run.dir, result
 

@@ -17,12 +17,13 @@ from pydantic import BaseModel
 
 from tasks.shared.errors import InvalidParameterError
 from tasks.shared.settings import Settings, get_settings
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 from tasks.shared.tracking import configure_mlflow
 from tasks.train.failure import clear_failures
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import CONFIG, TrainRequest, check_request
+from tasks.train.retention import discard_checkpoints
 from tasks.train.run_lock import launch_lock
 from tasks.train.torchrun import (
     TORCHRUN_LOG,
@@ -93,6 +94,8 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
                 output = read_from(torchrun_log, offset)
                 raise torchrun_failure(run_dir, returncode, torchrun_log, output)
             outcome.result = result = json.loads((run_dir / RESULT).read_text())
+        # Still under the lock: MLflow has the run FINISHED, so nothing resumes it any more.
+        discard_checkpoints(run_id, run_dir, settings)
     log.info("training finished: %s", result["metrics"])
     publish_report(run_id, run_dir, result, settings)
     return _as_result(result, request.out, run_id, run_dir)
@@ -108,9 +111,6 @@ def _as_result(result: dict[str, Any], out: Path, run_id: str, run_dir: Path) ->
         history=result.get("history", []),
         pruned=bool(result.get("pruned", False)),
     )
-
-
-train_task = step(train, name="train")
 
 
 def open_run(request: TrainRequest, settings: Settings | None = None) -> str:
@@ -146,3 +146,9 @@ def _write_config(run_dir: Path, config: RunConfig) -> Path:
     clear_failures(run_dir)
     (run_dir / RESULT).unlink(missing_ok=True)
     return config.save(path)
+
+
+__getattr__ = tasks_on_first_use(
+    globals(),
+    train_task=lambda: step(train, name="train"),
+)

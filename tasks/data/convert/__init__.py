@@ -11,7 +11,7 @@ Details: docs/convert.md#convert-to-image-directory.
 from tasks.data.convert.checking import MIN_BYTES_FOR_POOL, MIN_FILES_FOR_POOL
 from tasks.data.convert.limits import ConvertLimits
 from tasks.data.convert.plan import ConversionPlan, PlannedFile
-from tasks.data.convert.run import convert, convert_task, source_classes
+from tasks.data.convert.run import convert, source_classes
 from tasks.data.convert.sources import (
     INPUT_SOURCES,
     InputSource,
@@ -19,6 +19,17 @@ from tasks.data.convert.sources import (
     find_source,
     register_source,
 )
+
+
+
+def __getattr__(name: str) -> object:
+    """``convert_task``: made (and Prefect imported) only when a flow asks for it."""
+    if name == "convert_task":
+        from tasks.data.convert import run
+
+        return run.convert_task
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "INPUT_SOURCES",

@@ -24,7 +24,7 @@ from tasks.data.imagedir import (
     printable_name,
     write_manifest,
 )
-from tasks.shared.step import step
+from tasks.shared.step import step, tasks_on_first_use
 
 # Part of every fingerprint: bump it when a change here or in tasks.data.imagecheck can change the
 # result for the same input, so directories converted before are converted again.
@@ -185,4 +185,7 @@ def _convert_plan(
     return manifest
 
 
-convert_task = step(convert, name="convert")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    convert_task=lambda: step(convert, name="convert"),
+)

@@ -6,50 +6,42 @@ One job per module: ``images`` (what is read, in which order), ``session`` (ONNX
 Details: docs/scoring.md#the-package.
 """
 
-from tasks.inference.score.batches import score, score_task, shard_bounds
-from tasks.inference.score.images import ImageRef, list_images
-from tasks.inference.score.session import default_threads, inference_session
-from tasks.inference.score.shards import (
-    CHECKPOINT_FORMAT,
-    CHECKPOINTS,
-    SCRATCH,
-    SHARD_IMAGES,
-    ShardedScoring,
-    ShardJob,
-    checkpoint_dir,
-    run_in_turn,
-    score_in_shards,
-    score_sharded,
-)
-from tasks.inference.score.table import (
-    ERROR_COLUMN,
-    LABEL_COLUMN,
-    PROBABILITY_PREFIX,
-    merge_tables,
-    table_schema,
-)
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "CHECKPOINTS",
-    "CHECKPOINT_FORMAT",
-    "ERROR_COLUMN",
-    "LABEL_COLUMN",
-    "PROBABILITY_PREFIX",
-    "SCRATCH",
-    "SHARD_IMAGES",
-    "ImageRef",
-    "ShardJob",
-    "ShardedScoring",
-    "checkpoint_dir",
-    "default_threads",
-    "inference_session",
-    "list_images",
-    "merge_tables",
-    "run_in_turn",
-    "score",
-    "score_in_shards",
-    "score_sharded",
-    "score_task",
-    "shard_bounds",
-    "table_schema",
-]
+# What the package offers -> the module that has it. Imported on first use: the table's columns
+# (evaluate) need neither ONNX Runtime nor torch, and the tasks need Prefect.
+_WHERE = {
+    "score": "batches",
+    "score_task": "batches",
+    "shard_bounds": "batches",
+    "ImageRef": "images",
+    "list_images": "images",
+    "default_threads": "session",
+    "inference_session": "session",
+    "CHECKPOINT_FORMAT": "shards",
+    "CHECKPOINTS": "shards",
+    "SCRATCH": "shards",
+    "SHARD_IMAGES": "shards",
+    "ShardedScoring": "shards",
+    "ShardJob": "shards",
+    "checkpoint_dir": "shards",
+    "run_in_turn": "shards",
+    "score_in_shards": "shards",
+    "score_sharded": "shards",
+    "ERROR_COLUMN": "table",
+    "LABEL_COLUMN": "table",
+    "PROBABILITY_PREFIX": "table",
+    "merge_tables": "table",
+    "table_schema": "table",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    return value
+
+
+__all__ = sorted(_WHERE)

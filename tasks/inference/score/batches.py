@@ -32,7 +32,7 @@ from tasks.shared.errors import (
     InvalidParameterError,
     NoUsableImagesError,
 )
-from tasks.shared.step import step, step_logger
+from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 LOGGER = "tasks.inference.score"  # one logger for the whole step, whichever module logs
 
@@ -193,4 +193,7 @@ def score(
     return dest
 
 
-score_task = step(score, name="score")
+__getattr__ = tasks_on_first_use(
+    globals(),
+    score_task=lambda: step(score, name="score"),
+)

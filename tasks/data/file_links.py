@@ -1,0 +1,138 @@
+"""Placing an image that a step only selects or renames: linked, not copied, where it can be.
+
+A reflink (copy-on-write clone: XFS, btrfs, APFS) shares the blocks until either file is
+written, so the two stay independent. A hard link is the same file under two names: an edit
+through one name is an edit of both (and of DVC's cache when DVC links it too), so a hard-linked
+file is made read-only, as DVC does with the files it links from its cache. Where neither works
+(another file system, links refused, too many links), the file is copied. The choice is made per
+file: one failure does not stop the next file from being linked. Details: docs/images.md#links.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+Method = Literal["reflink", "hardlink", "copy"]
+
+# What a file system or a policy answers when it cannot link these two paths: try the next way.
+_CANNOT_LINK = frozenset(
+    {
+        errno.EXDEV,  # another file system
+        errno.EPERM,  # fs.protected_hardlinks, or a file system without hard links
+        errno.EACCES,
+        errno.EOPNOTSUPP,
+        errno.ENOTSUP,
+        errno.ENOTTY,  # the ioctl is unknown to this file system
+        errno.EINVAL,  # FICLONE between files it cannot share blocks of
+        errno.ENOSYS,
+        errno.EMLINK,  # the source has the most links its file system allows
+        errno.ETXTBSY,
+    }
+)
+_WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+
+
+def _reflink(source: Path, target: Path) -> None:
+    # DVC's own clone call (FICLONE on Linux, clonefile on macOS); imported here, not at the
+    # top, so that importing a step does not import DVC's file system layer.
+    from dvc_objects.fs.system import reflink
+
+    reflink(os.fspath(source), os.fspath(target))
+
+
+def read_only(path: Path) -> None:
+    """Clear the write bits of ``path`` (a hard link's every name: they are one file)."""
+    mode = os.stat(path).st_mode
+    if mode & _WRITE_BITS:
+        os.chmod(path, stat.S_IMODE(mode) & ~_WRITE_BITS)
+
+
+class Placer:
+    """Places files by the cheapest way that works, remembering what failed.
+
+    A way that failed once between two file systems is not tried again for that pair (a reflink
+    on ext4 fails for every file); ``counts`` says how many files went each way, for the log.
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[Method] = Counter()
+        self._failed: set[tuple[Method, int, int]] = set()
+
+    def place(self, source: Path, target: Path) -> Method:
+        """Make ``target`` (not existing; its folder does) hold the bytes of ``source``.
+
+        Returns how: "reflink", "hardlink" (the file is then read-only under both names) or
+        "copy". Errors other than "cannot link these" (a missing source, a full disk) raise.
+        """
+        pair = (os.stat(source).st_dev, os.stat(target.parent).st_dev)
+        for method in ("reflink", "hardlink"):
+            if (method, *pair) in self._failed:
+                continue
+            try:
+                if method == "reflink":
+                    _reflink(source, target)
+                else:
+                    os.link(source, target)
+                    read_only(target)
+            except OSError as exc:
+                if exc.errno not in _CANNOT_LINK:
+                    raise
+                if method == "reflink" or exc.errno == errno.EXDEV:
+                    # Says something of the two file systems, not of this one file (EMLINK,
+                    # or EPERM from fs.protected_hardlinks, does).
+                    self._failed.add((method, *pair))
+                continue
+            self.counts[method] += 1
+            return method
+        shutil.copyfile(source, target)
+        self.counts["copy"] += 1
+        return "copy"
+
+    def summary(self) -> str:
+        """E.g. "90 hard-linked, 0 reflinked, 0 copied"."""
+        c = self.counts
+        return f"{c['hardlink']} hard-linked, {c['reflink']} reflinked, {c['copy']} copied"
+
+
+def can_reflink(folder: Path) -> bool:
+    """Whether the file system of ``folder`` (which exists) clones files (a reflink)."""
+    probe = folder / f".reflink-probe-{os.getpid()}"
+    clone = probe.with_name(probe.name + ".clone")
+    try:
+        probe.write_bytes(b"imageops")
+        _reflink(probe, clone)
+    except OSError:
+        return False
+    else:
+        return True
+    finally:
+        probe.unlink(missing_ok=True)
+        clone.unlink(missing_ok=True)
+
+
+def can_hardlink(folder: Path, other: Path) -> bool:
+    """Whether files under ``other`` can be hard-linked into ``folder`` (which exists).
+
+    One file system, and one that makes hard links (a probe in ``folder``: nothing is written
+    beside ``other``, which may be a user's data).
+    """
+    if os.stat(folder).st_dev != os.stat(other).st_dev:
+        return False
+    probe = folder / f".hardlink-probe-{os.getpid()}"
+    link = probe.with_name(probe.name + ".link")
+    try:
+        probe.write_bytes(b"imageops")
+        os.link(probe, link)
+    except OSError:
+        return False
+    else:
+        return True
+    finally:
+        probe.unlink(missing_ok=True)
+        link.unlink(missing_ok=True)

@@ -1,0 +1,95 @@
+"""Which registry-cache entries may go: versions no alias points at.
+
+The cache (:mod:`tasks.registry.model_uri`) keeps one folder per version ever scored by URI. A
+version an alias names is what scoring asks for next (``models:/<name>@champion``), so it stays;
+any other entry is downloaded again if a URI names it. Entries of a model this registry does not
+know are kept (they may come from another registry). Details: docs/training.md#disk-space.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import RegisteredModel
+from mlflow.exceptions import MlflowException
+
+from models.locks import acquire
+from tasks.registry.model_uri import CACHE_DIR, cache_path
+from tasks.shared.errors import RegistryError, RegistryUnreachableError
+from tasks.shared.reclaim import Reclaimable, disk_size, trash
+from tasks.shared.settings import Settings, redact_uri
+
+REGISTRY_CACHE = "registry cache"
+
+
+def _registered_models(client: MlflowClient, settings: Settings) -> list[RegisteredModel]:
+    models: list[RegisteredModel] = []
+    token = None
+    try:
+        while True:
+            page = client.search_registered_models(max_results=100, page_token=token)
+            models += list(page)
+            token = page.token
+            if not token:
+                return models
+    except MlflowException as exc:
+        raise RegistryUnreachableError(
+            f"The MLflow registry at {redact_uri(settings.registry_uri)} did not list its "
+            f"models: {redact_uri(exc.message)}",
+            "Check that the server runs and IMAGEOPS_MLFLOW_REGISTRY_URI, then run `imageops gc` "
+            "again; nothing was removed.",
+        ) from None
+
+
+def _aliased(client: MlflowClient, name: str) -> set[int]:
+    return {int(v) for v in client.get_registered_model(name).aliases.values()}
+
+
+def unaliased_cache_entries(settings: Settings) -> list[Reclaimable]:
+    """The cached versions of registered models that no alias points at now."""
+    root = settings.home_dir / CACHE_DIR
+    if not root.is_dir():
+        return []
+    client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.registry_uri)
+    models = _registered_models(client, settings)
+    by_folder = {cache_path(settings, m.name, 0).parent.name: m for m in models}
+    found = []
+    for folder in sorted(p for p in root.iterdir() if p.name in by_folder):
+        model = by_folder[folder.name]
+        aliased = {int(v) for v in model.aliases.values()}
+        for entry in sorted(folder.iterdir()):
+            if not entry.is_dir() or entry.is_symlink() or not entry.name.isdigit():
+                continue
+            if int(entry.name) in aliased:
+                continue
+            found.append(
+                Reclaimable(
+                    kind=REGISTRY_CACHE,
+                    path=entry,
+                    size=disk_size(entry),
+                    reason=f"{model.name} version {entry.name} has no alias",
+                    remove=partial(_remove_entry, client, model.name, entry),
+                )
+            )
+    return found
+
+
+def _remove_entry(client: MlflowClient, name: str, entry: Path) -> bool:
+    """Remove a cached version under its download lock, if still no alias points at it."""
+    lock_path = entry.with_name(entry.name + ".lock")
+    try:
+        lock = acquire(lock_path, 0, RegistryError(f"{entry} is being downloaded."))
+    except RegistryError:
+        return False
+    try:
+        try:
+            if int(entry.name) in _aliased(client, name):  # promoted since it was listed
+                return False
+        except MlflowException:  # the registry does not answer now: keep it
+            return False
+        trash(entry)
+    finally:
+        lock.release()
+    return True

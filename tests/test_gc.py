@@ -1,0 +1,282 @@
+"""Retention and ``imageops gc``: what a finished run gives back, what gc reclaims, and what it
+never touches (a registered version's files, an aliased version's cache entry, a job being
+trained, a committed .dvc file's cache entries), on a real MLflow (SQLite), DVC and git."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from training_runs import FAST, PRE, run_train
+from typer.testing import CliRunner
+
+from app.cli import app
+from app.cli.housekeeping import list_reclaimable
+from models.atomic import temp_name
+from tasks.data.datasets import dataset_lock
+from tasks.data.versioning import version
+from tasks.inference.export import sha256_file
+from tasks.registry.model_uri import cache_path, fetch_registered_model
+from tasks.registry.register import register
+from tasks.shared import faults
+from tasks.shared.errors import TrainingFailedError
+from tasks.shared.reclaim import TRASH
+from tasks.shared.settings import Settings
+from tasks.shared.tracking import configure_mlflow
+from tasks.train.checkpoint import CHECKPOINT
+from tasks.train.progress import BEST_WEIGHTS
+from tasks.train.request import CONFIG, TrainRequest, check_request
+from tasks.train.retention import discard_checkpoints
+from tasks.train.run_lock import launch_lock
+
+pytest_plugins = ["model_fixtures", "training_runs"]
+
+NAME = "imageops-classifier"
+OLD = time.time() - 30 * 86400  # a month ago: older than gc's default 7 days
+
+
+def _paths(settings: Settings, kind: str | None = None) -> list[Path]:
+    return [i.path for i in list_reclaimable(settings, 7.0) if kind is None or i.kind == kind]
+
+
+def _age(folder: Path, when: float = OLD) -> Path:
+    for path in [folder, *folder.rglob("*")]:
+        os.utime(path, (when, when), follow_symlinks=False)
+    return folder
+
+
+def _run(settings: Settings, status: str) -> tuple[str, Path]:
+    """A real MLflow run ended with ``status`` and a run folder as training leaves one."""
+    client = MlflowClient(settings.tracking_uri)
+    run_id = client.create_run(configure_mlflow(settings)).info.run_id
+    client.set_terminated(run_id, status)
+    run_dir = settings.runs_dir / run_id
+    run_dir.mkdir(parents=True)
+    for name in ("config.json", "result.json", "rank_0.log", CHECKPOINT):
+        (run_dir / name).write_bytes(b"x" * 1000)
+    return run_id, run_dir
+
+
+def _gc(*args: str) -> str:
+    result = CliRunner().invoke(app, ["gc", *args], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+# --- retention: what a training run keeps once it is FINISHED ---------------------------------
+
+
+@pytest.mark.slow
+def test_a_finished_run_drops_its_checkpoint_and_a_failed_one_keeps_it_to_resume(
+    project: Settings,
+    untrained: Path,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Killed (torchrun and worker) right after epoch 1's checkpoint: the run ends FAILED.
+    monkeypatch.setenv(faults.FAULT, "train.epoch_end:epoch=1:kill_parent")
+    with pytest.raises(TrainingFailedError):
+        run_train(project, untrained, digits_split, tmp_path / "model", epochs=2)
+    client = MlflowClient(project.tracking_uri)
+    (failed,) = client.search_runs([configure_mlflow(project)])
+    assert failed.info.status == "FAILED"
+    run_dir = project.runs_dir / failed.info.run_id
+    assert (run_dir / CHECKPOINT).is_file() and (run_dir / BEST_WEIGHTS).is_file()
+    assert _paths(project, "run folder") == []  # gc keeps what a retry resumes from
+
+    # The same request again continues that run from the checkpoint and finishes it: the
+    # checkpoint and best weights go, the model and what MLflow was sent stay.
+    monkeypatch.delenv(faults.FAULT)
+    result = run_train(project, untrained, digits_split, tmp_path / "model", epochs=2)
+    assert result.run_id == failed.info.run_id
+    assert "resumed from the checkpoint after epoch 1" in (run_dir / "rank_0.log").read_text()
+    assert client.get_run(result.run_id).info.status == "FINISHED"
+    assert not (run_dir / CHECKPOINT).exists() and not (run_dir / BEST_WEIGHTS).exists()
+    assert [p.name for p in run_dir.iterdir() if p.name.startswith(".")] == []
+    assert (result.model_dir / "model.safetensors").is_file()
+    assert {"config.json", "result.json", "rank_0.log"} <= {p.name for p in run_dir.iterdir()}
+    # ... and the whole run folder is now something gc may reclaim.
+    assert _paths(project, "run folder") == [run_dir]
+
+
+def test_keep_checkpoints_keeps_them_and_the_store_copies_go_with_the_run_folders(
+    project: Settings, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    settings = project.model_copy(update={"checkpoint_url": str(store)})
+    run_dir = settings.runs_dir / "run-1"
+    for folder in (run_dir, store / "run-1"):
+        folder.mkdir(parents=True)
+        for name in (CHECKPOINT, BEST_WEIGHTS):
+            (folder / name).write_bytes(b"w" * 100)
+    (run_dir / "result.json").write_text("{}")
+
+    keeping = settings.model_copy(update={"keep_checkpoints": True})
+    assert discard_checkpoints("run-1", run_dir, keeping) == 0
+    assert len(list(run_dir.iterdir())) == 3 and len(list((store / "run-1").iterdir())) == 2
+
+    assert discard_checkpoints("run-1", run_dir, settings) == 200
+    assert [p.name for p in run_dir.iterdir()] == ["result.json"]
+    assert not (store / "run-1").exists()
+
+
+# --- imageops gc: what it reclaims ------------------------------------------------------------
+
+
+def test_gc_lists_then_removes_finished_runs_old_outputs_and_trash(project: Settings) -> None:
+    finished_id, finished = _run(project, "FINISHED")
+    _, failed = _run(project, "FAILED")
+    _, killed = _run(project, "KILLED")
+    old = project.outputs_dir / "20250101-120000-digits-abcd1234"
+    (old / "model").mkdir(parents=True)
+    (old / "model" / "model.safetensors").write_bytes(b"w" * 5000)
+    _age(old)
+    new = project.outputs_dir / "20991231-235959-digits-0123abcd"
+    (new / "model").mkdir(parents=True)
+    trash = project.runs_dir / temp_name("some-run", TRASH)  # a removal a crash cut short
+    trash.mkdir()
+    (trash / CHECKPOINT).write_bytes(b"c" * 100)
+
+    listed = list_reclaimable(project, 7.0)
+    assert {(i.kind, i.path) for i in listed} == {
+        ("trash", trash), ("outputs", old), ("run folder", finished)
+    }  # fmt: skip
+    assert {i.path: i.size for i in listed}[old] == 5000
+    # The dry run (the default) shows them and their sizes, and removes nothing.
+    shown = _gc()
+    assert finished_id in shown and old.name in shown and "5.0 kB" in shown
+    assert "nothing removed" in shown
+    assert finished.is_dir() and old.is_dir() and trash.is_dir()
+
+    shown = _gc("--yes")
+    assert "removed 3 of 3" in shown
+    assert not finished.exists() and not old.exists() and not trash.exists()
+    assert failed.is_dir() and killed.is_dir() and new.is_dir()  # unfinished runs resume
+    assert sorted(p.name for p in project.runs_dir.iterdir()) == sorted([failed.name, killed.name])
+    assert "nothing to reclaim" in _gc()
+    # A younger outputs folder goes once the age asked for is shorter.
+    assert _paths(project) == []
+    assert [i.path for i in list_reclaimable(project, 0.0)] == [new]
+
+
+# --- imageops gc: what it never removes -------------------------------------------------------
+
+
+def test_gc_never_removes_a_job_being_trained(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path]
+) -> None:
+    run_id, run_dir = _run(project, "FINISHED")  # e.g. trained again under its run id
+    outputs = project.outputs_dir / "train-20250101-120000"  # the train flow's
+    (outputs / "untrained").mkdir(parents=True)
+    pipeline = project.outputs_dir / "20250101-120000-digits-abcd1234"  # a pipeline's
+    (pipeline / "model").mkdir(parents=True)
+    _age(pipeline)
+    request = TrainRequest(
+        model=untrained, train_data=digits_split[0], val_data=digits_split[1],
+        out=outputs / "model", params={**FAST, "precision": "fp32"}, transform=PRE,
+    )  # fmt: skip
+    # A pipeline holds its data set from convert to its last step (exporting, scoring, ...).
+    with launch_lock(run_dir, run_id), dataset_lock(project, "digits"):
+        # What the launcher writes under its lock: the run's config, naming where its model goes.
+        check_request(request, project).bind(run_id, run_dir).save(run_dir / CONFIG)
+        _age(outputs)
+        assert _paths(project) == []
+        assert "nothing to reclaim" in _gc("--yes")
+        assert run_dir.is_dir() and outputs.is_dir() and pipeline.is_dir()
+    # Once the launcher and the pipeline have let go, all three may go.
+    assert set(_paths(project)) == {run_dir, outputs, pipeline}
+
+
+def test_gc_keeps_a_job_that_starts_while_it_removes(project: Settings) -> None:
+    run_id, run_dir = _run(project, "FINISHED")
+    (item,) = list_reclaimable(project, 7.0)
+    with launch_lock(run_dir, run_id):  # a launcher took the run after the listing
+        assert item.remove() is False
+    assert run_dir.is_dir()
+    assert item.remove() is True and not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_gc_keeps_registered_versions_and_aliased_cache_entries(
+    project: Settings, exported_model: Path
+) -> None:
+    register(exported_model, settings=project, alias="champion")  # v1, the champion
+    register(exported_model, settings=project)  # v2, no alias
+    for uri in (f"models:/{NAME}@champion", f"models:/{NAME}/2"):
+        fetch_registered_model(uri, project)
+    v1, v2 = cache_path(project, NAME, 1), cache_path(project, NAME, 2)
+    v1_files = {p.name: p.read_bytes() for p in v1.iterdir()}
+
+    assert _paths(project) == [v2]
+    assert "removed 1 of 1" in _gc("--yes")
+    assert not v2.exists()
+    assert {p.name: p.read_bytes() for p in v1.iterdir()} == v1_files  # the alias's, untouched
+    # What the registered versions themselves refer to (MLflow's artifacts) was never touched:
+    # v2 downloads again, whole, matching its registered sha256.
+    again = fetch_registered_model(f"models:/{NAME}/2", project)
+    tags = MlflowClient(project.tracking_uri).get_model_version(NAME, "2").tags
+    assert sha256_file(again.path / "model.onnx") == tags["onnx_sha256"]
+    # Once the alias moves to v2, v1's cache entry is the one gc may reclaim.
+    MlflowClient(project.tracking_uri).set_registered_model_alias(NAME, "champion", "2")
+    assert _paths(project) == [v1]
+
+
+def _git(*args: str, cwd: Path) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _cache_file(settings: Settings, md5: str) -> Path:
+    return settings.project_root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+
+
+@pytest.mark.slow
+def test_gc_keeps_dvc_cache_a_committed_or_workspace_dvc_file_refers_to(
+    project: Settings, digits_split: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("GIT_AUTHOR", "GIT_COMMITTER"):
+        monkeypatch.setenv(f"{var}_NAME", "imageops tests")
+        monkeypatch.setenv(f"{var}_EMAIL", "tests@example.org")
+    root = project.project_root
+    _git("init", "-q", cwd=root)
+    (root / ".gitignore").write_text(".imageops/\n")
+    data = root / "data" / "train"
+    shutil.copytree(digits_split[0], data)
+    committed = version(data, project)
+    _git("add", "-A", cwd=root)
+    _git("commit", "-q", "-m", "data v1", cwd=root)
+    # Two more versions, neither committed: the last is the work tree's, the middle one nobody's.
+    (data / "extra.bin").write_bytes(b"middle version only")
+    middle = version(data, project)
+    (data / "extra.bin").write_bytes(b"the work tree's version")
+    current = version(data, project)
+    assert len({committed, middle, current}) == 3
+
+    (item,) = list_reclaimable(project, 7.0)
+    assert item.kind == "DVC cache" and "2 objects" in item.reason  # the .dir and extra.bin
+    assert _cache_file(project, middle).is_file()
+    assert "removed 1 of 1" in _gc("--yes")
+    assert not _cache_file(project, middle).exists()
+    assert _cache_file(project, committed).is_file() and _cache_file(project, current).is_file()
+    # Both kept versions check out whole: the work tree's, then the committed one.
+    from dvc.repo import Repo
+
+    shutil.rmtree(data)
+    with Repo(str(root)) as repo:
+        repo.checkout(force=True)
+    assert (data / "extra.bin").read_bytes() == b"the work tree's version"
+    _git("checkout", "-q", "HEAD", "--", "data/train.dvc", cwd=root)
+    shutil.rmtree(data)
+    with Repo(str(root)) as repo:
+        repo.checkout(force=True)
+    assert not (data / "extra.bin").exists()
+    expected = sorted(p.relative_to(digits_split[0]) for p in digits_split[0].rglob("*"))
+    assert sorted(p.relative_to(data) for p in data.rglob("*")) == expected
+    # The version no .dvc file refers to any more is what gc may reclaim now.
+    (item,) = list_reclaimable(project, 7.0)
+    assert "2 objects" in item.reason

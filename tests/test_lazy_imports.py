@@ -1,0 +1,80 @@
+"""What a command imports before it does anything: the heavy libraries only where it uses them.
+
+torch, MLflow, Prefect, ONNX Runtime and pandas each cost up to seconds to import. `imageops
+--help` needs none of them, `evaluate` needs pandas and MLflow but no network, and scoring needs
+neither Prefect nor MLflow (nor onnx, the exporter's library). What each costs in seconds is
+measured by bench/fixed_costs.py; these tests only say which modules are loaded, in a fresh
+interpreter each (sys.modules here holds everything the suite imported).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = """
+import importlib, sys
+def absent(after, *names):
+    for module in after.split():
+        importlib.import_module(module)
+    loaded = sorted(n for n in names if n in sys.modules)
+    assert not loaded, f"importing {after} loaded {loaded}"
+"""
+
+
+def _run(code: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK + code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch (and, in the other case, MLflow)
+@pytest.mark.parametrize(
+    "code",
+    [
+        # --help and evaluate: the command line, then evaluate's module.
+        "absent('app.cli', 'torch', 'torchvision', 'mlflow', 'prefect', 'onnxruntime', 'onnx', "
+        "'pandas', 'matplotlib', 'sklearn')\n"
+        "absent('tasks.inference.evaluate', 'torch', 'torchvision', 'prefect', 'onnxruntime', "
+        "'onnx', 'matplotlib')",
+        # score, from a ModelDirectory: the modules the command uses, then export's.
+        "absent('tasks.inference.score.batches tasks.inference.score.shards "
+        "tasks.registry.model_uri', 'prefect', 'mlflow', 'onnx')\n"
+        "absent('tasks.inference.export', 'prefect', 'mlflow', 'onnx', 'onnxscript')",
+    ],
+    ids=["help-and-evaluate", "score-and-export"],
+)
+def test_a_command_imports_only_what_it_uses(code: str) -> None:
+    _run(code)
+
+
+@pytest.mark.slow  # a fresh interpreter importing Prefect, torch and MLflow
+def test_a_flow_still_gets_real_prefect_tasks() -> None:
+    """The tasks are made on first use: asking for one imports Prefect and returns a Task."""
+    _run(
+        "absent('tasks.registry.promote tasks.inference.score', 'prefect')\n"
+        "from prefect import Task\n"
+        "from tasks.registry.promote import promote_task\n"
+        "from tasks.inference.score import score_task\n"
+        "from tasks.data.convert import convert_task\n"
+        "import tasks.registry.promote as module\n"
+        "assert isinstance(promote_task, Task) and isinstance(score_task, Task)\n"
+        "assert isinstance(convert_task, Task) and module.promote_task is promote_task\n"
+        "assert promote_task.name == 'promote' and promote_task.retries == 2\n"
+        "try:\n"
+        "    module.no_such_task\n"
+        "except AttributeError as exc:\n"
+        "    assert 'no_such_task' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('an unknown name must raise AttributeError')"
+    )
