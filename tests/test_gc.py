@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from projects import imageops
 from training_runs import FAST, PRE, run_train
 from typer.testing import CliRunner
 
@@ -148,8 +149,11 @@ def test_gc_lists_then_removes_finished_runs_old_outputs_and_trash(project: Sett
         ("trash", trash), ("outputs", old), ("run folder", finished)
     }  # fmt: skip
     assert {i.path: i.size for i in listed}[old] == 5000
-    # The dry run (the default) shows them and their sizes, and removes nothing.
-    shown = _gc()
+    # The dry run (the default) shows them and their sizes, and removes nothing: the command
+    # as a user runs it (in this process, the console's width is whatever it was at import).
+    done = imageops("gc", cwd=project.project_root)
+    assert done.returncode == 0, done.stderr
+    shown = done.stdout
     assert finished_id in shown and old.name in shown and "5.0 kB" in shown
     assert "nothing removed" in shown
     assert finished.is_dir() and old.is_dir() and trash.is_dir()

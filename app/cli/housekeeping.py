@@ -7,6 +7,7 @@ Each stage says what of its own may go and checks again under its owner's lock a
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -79,8 +80,11 @@ def collect_garbage(
         out.print("nothing to reclaim")
         return
     table = Table("what", "path", "size", "why it can go", title_justify="left")
+    table.columns[1].no_wrap = True  # whole paths, to copy; the reasons wrap instead
     for item in items:
-        table.add_row(item.kind, escape(str(item.path)), _size(item.size), escape(item.reason))
+        table.add_row(
+            item.kind, escape(_shown(item.path, settings)), _size(item.size), escape(item.reason)
+        )
     total = sum(item.size for item in items)
     table.title = f"reclaimable: {_size(total)} in {len(items)} places"
     out.print(table)
@@ -96,3 +100,9 @@ def collect_garbage(
     for item in kept:
         out.print(escape(f"kept {item.path}: in use now"))
     out.print(f"removed {len(items) - len(kept)} of {len(items)}, {_size(freed)} freed")
+
+
+def _shown(path: Path, settings: Settings) -> str:
+    """``path`` from the project's root when it is inside (shorter: the table fits a terminal)."""
+    root, full = settings.project_root.resolve(), path.resolve()
+    return str(full.relative_to(root)) if full.is_relative_to(root) else str(path)

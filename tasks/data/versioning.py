@@ -304,21 +304,6 @@ def _tracked_md5(dvc_file: Path) -> str:
     return md5
 
 
-def git_revision(root: Path) -> str:
-    """The commit checked out at ``root`` ("unknown" outside a git repository or without git)."""
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
-
-
 def _dvc_files(root: Path, targets: Iterable[Path]) -> list[Path]:
     """The files of DVC's that git must hold for ``targets`` to be reproducible from a commit.
 

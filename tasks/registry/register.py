@@ -27,8 +27,8 @@ from PIL import Image
 import models
 from models.directory import ONNX, WEIGHTS, ModelInfo, read_model_info
 from models.untrained import MODEL_JSON
+from tasks.data.git_revision import git_revision
 from tasks.data.transform import inference_steps
-from tasks.data.versioning import git_revision
 from tasks.inference.export import META_WEIGHTS_SHA256, sha256_file
 from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.shared.errors import InvalidParameterError, RegistryError

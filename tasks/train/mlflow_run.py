@@ -20,9 +20,9 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 
 from models.untrained import ModelSpec
+from tasks.data.git_revision import git_revision
 from tasks.data.imagedir import Manifest
 from tasks.data.transform import input_size
-from tasks.data.versioning import git_revision
 from tasks.shared.artifacts import markdown_table, png_markdown, publish_markdown
 from tasks.shared.errors import InvalidParameterError, TrainingFailedError
 from tasks.shared.settings import Settings, redact_uri
