@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -102,18 +103,7 @@ class Placer:
 
 def can_reflink(folder: Path) -> bool:
     """Whether the file system of ``folder`` (which exists) clones files (a reflink)."""
-    probe = folder / f".reflink-probe-{os.getpid()}"
-    clone = probe.with_name(probe.name + ".clone")
-    try:
-        probe.write_bytes(b"imageops")
-        _reflink(probe, clone)
-    except OSError:
-        return False
-    else:
-        return True
-    finally:
-        probe.unlink(missing_ok=True)
-        clone.unlink(missing_ok=True)
+    return _probe(folder, "reflink", _reflink)
 
 
 def can_hardlink(folder: Path, other: Path) -> bool:
@@ -124,15 +114,20 @@ def can_hardlink(folder: Path, other: Path) -> bool:
     """
     if os.stat(folder).st_dev != os.stat(other).st_dev:
         return False
-    probe = folder / f".hardlink-probe-{os.getpid()}"
-    link = probe.with_name(probe.name + ".link")
+    return _probe(folder, "hardlink", os.link)
+
+
+def _probe(folder: Path, kind: str, make: Callable[[Path, Path], None]) -> bool:
+    """Whether ``make(file, new_name)`` works in ``folder``, tried on a file of its own."""
+    probe = folder / f".{kind}-probe-{os.getpid()}"
+    made = probe.with_name(probe.name + ".made")
     try:
         probe.write_bytes(b"imageops")
-        os.link(probe, link)
+        make(probe, made)
     except OSError:
         return False
     else:
         return True
     finally:
         probe.unlink(missing_ok=True)
-        link.unlink(missing_ok=True)
+        made.unlink(missing_ok=True)
