@@ -35,8 +35,9 @@ from tasks.shared.object_store import S3Server, ensure_bucket, s3_client, start_
 from tasks.shared.servers import free_port
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
-from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from tasks.train.checkpoint_store import download_checkpoint, upload_checkpoint
+from tasks.train.run_folder import CHECKPOINT
 
 pytest_plugins = ["model_fixtures"]
 
@@ -150,6 +151,13 @@ def test_an_s3_dvc_remote_gets_its_endpoint_and_the_pushed_version(
     assert remote["url"] == f"s3://{s3_bucket}/dvc"
     assert remote["endpointurl"] == s3_server.endpoint_url
     assert remote["region"] == "us-east-1"
+
+    # Back to a folder: the S3 options go (DVC refuses them on a folder remote), it versions.
+    monkeypatch.setenv("IMAGEOPS_DVC_REMOTE_URL", str(settings.home_dir / "remote"))
+    assert version(data, Settings()) == md5
+    with ensure_dvc_repo(Settings()) as repo:
+        written = repo.config.read("local")["remote"][REMOTE_NAME]
+    assert written == {"url": str(settings.home_dir / "remote")}
 
 
 # --- a version by md5 on a machine without the data --------------------------------------------

@@ -126,14 +126,22 @@ def _configure_remote(repo: Repo, settings: Settings) -> None:
     ):
         return  # idempotent: no rewrite, so the file's mtime says when it last changed
     with repo.config.edit("local") as conf:
-        # setdefault: keep options a user added to this remote (credentials, region, endpoint
-        # when IMAGEOPS_S3_ENDPOINT_URL does not say one).
+        # Keep options a user added to this remote (credentials, region, endpoint when
+        # IMAGEOPS_S3_ENDPOINT_URL does not say one) while it stays of one kind; a remote of
+        # another kind (s3:// -> a folder) refuses them ("extra keys not allowed").
         options = conf["remote"].setdefault(REMOTE_NAME, {})
+        if _scheme(str(options.get("url", url))) != _scheme(url):
+            options.clear()
         options["url"] = url
         if endpoint is not None:
             options["endpointurl"] = endpoint
         conf["core"]["remote"] = REMOTE_NAME
         conf["core"]["analytics"] = False
+
+
+def _scheme(url: str) -> str:
+    """``s3``, ``gs``, ... for a URL; ``""`` for a folder."""
+    return url.split("://", 1)[0] if _URL.match(url) else ""
 
 
 # What `dvc init` puts in .dvc/ before imageops writes config.local; a cache or anything else
