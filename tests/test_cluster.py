@@ -134,8 +134,9 @@ def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
     data: tuple[Path, Path],
     tmp_path: Path,
 ) -> None:
+    # "auto": node 0 decides it (importing torch in a thread of its own, started with the actor).
     job = request(untrained, data, tmp_path / "model", epochs=2, nproc_per_node=2,
-                  cluster=cluster.address)  # fmt: skip
+                  cluster=cluster.address, precision="auto")  # fmt: skip
     # Kept once FINISHED, to see what was stored (by default they go: tests/test_gc.py).
     result = train(job, on_cluster.model_copy(update={"keep_checkpoints": True}))
 
@@ -143,6 +144,7 @@ def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["world_size"] == "2"
+    assert run.data.params["resolved_precision"] == "fp32"  # a 16 px input: fp32 on any CPU
     for name in METRICS:  # every epoch once
         assert sorted(m.step for m in client.get_metric_history(result.run_id, name)) == [1, 2]
     # the node got both data sets from the DVC remote, by md5, into its own folder

@@ -29,10 +29,9 @@ from tasks.shared.errors import TrainingFailedError
 from tasks.shared.reclaim import TRASH
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
-from tasks.train.checkpoint import CHECKPOINT
-from tasks.train.progress import BEST_WEIGHTS
 from tasks.train.request import CONFIG, TrainRequest, check_request
 from tasks.train.retention import discard_checkpoints
+from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT
 from tasks.train.run_lock import launch_lock
 
 pytest_plugins = ["model_fixtures", "training_runs"]

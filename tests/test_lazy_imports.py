@@ -51,8 +51,11 @@ def _run(code: str) -> None:
         "absent('tasks.inference.score.batches tasks.inference.score.shards "
         "tasks.registry.model_uri', 'prefect', 'mlflow', 'onnx')\n"
         "absent('tasks.inference.export', 'prefect', 'mlflow', 'onnx', 'onnxscript')",
+        # A cluster node's actor: started for every job, before anything else can go on (its
+        # torchrun's workers import torch themselves).
+        "absent('tasks.train.cluster_node', 'torch', 'torchvision', 'mlflow', 'dvc', 'prefect')",
     ],
-    ids=["help-and-evaluate", "score-and-export"],
+    ids=["help-and-evaluate", "score-and-export", "cluster-node"],
 )
 def test_a_command_imports_only_what_it_uses(code: str) -> None:
     _run(code)

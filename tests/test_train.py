@@ -36,13 +36,14 @@ from tasks.shared.errors import (
     TrainingFailedError,
 )
 from tasks.shared.settings import Settings
-from tasks.train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from tasks.train.data import ManifestImageFolder
 from tasks.train.failure import read_failures, record_failure
 from tasks.train.launch import TrainResult, train
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
+from tasks.train.run_folder import CHECKPOINT
 from tasks.train.torchrun import run_torchrun, torchrun_command
 
 pytest_plugins = ["training_runs"]

@@ -16,11 +16,11 @@ from models.transform_spec import TransformSpec
 from tasks.shared import faults
 from tasks.shared.errors import InvalidParameterError
 from tasks.shared.settings import Settings
-from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.launch import TrainResult, open_run, train, train_task
 from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
+from tasks.train.run_folder import CHECKPOINT
 
 pytest_plugins = ["training_runs"]
 PRE = TransformSpec(resize_size=16, center_crop_size=16, random_horizontal_flip=False)

@@ -18,12 +18,12 @@ from tasks.data.imagedir import read_manifest
 from tasks.data.transform import build_transform
 from tasks.shared.errors import InvalidParameterError, TrainingDivergedError
 from tasks.shared.settings import Settings
-from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
 from tasks.train.launch import TrainResult
 from tasks.train.loop import THROUGHPUT_PER_PROCESS, check_weights, to_device
 from tasks.train.params import TrainParams
 from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision
+from tasks.train.run_folder import CHECKPOINT
 
 pytest_plugins = ["training_runs"]
 # From 64 px a CPU run trains channels-last (and, under auto, in bf16): the fast path.

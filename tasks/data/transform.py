@@ -14,11 +14,9 @@ import io
 import json
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import ValidationError
-from torchvision.transforms import v2
 
 from models.atomic import atomic_directory, check_destination, write_json
 from models.transform_spec import MODES, AppliedTransform, Mode, TransformSpec
@@ -41,6 +39,9 @@ from tasks.data.imagedir import (
 )
 from tasks.shared.step import step, tasks_on_first_use
 from tasks.shared.validation import checked, describe
+
+if TYPE_CHECKING:  # torch and torchvision take seconds to import: only building a pipeline does
+    from torchvision.transforms import v2
 
 TRANSFORM_JSON = "transform.json"
 FORMAT = "imageops.TransformationDirectory"
@@ -199,6 +200,9 @@ def build_transform(
     Transformation already ran on the images, whose steps are not run again. Raises
     InvalidParameterError for an unknown mode. Details: docs/images.md#transforms.
     """
+    import torch
+    from torchvision.transforms import v2
+
     if mode not in MODES:
         raise InvalidParameterError(
             f"mode = {mode!r}, expected one of {', '.join(MODES)}.",
@@ -228,6 +232,8 @@ def build_transform(
 
 def _geometry(spec: TransformSpec, training: bool) -> list[v2.Transform]:
     """Resize, crop and pad: every image leaves as an ``input_size`` square (when it has one)."""
+    from torchvision.transforms import v2
+
     crop = _crop(spec)
     steps: list[v2.Transform] = []
     if training and spec.random_resized_crop:
@@ -311,6 +317,8 @@ def data_transform(
 
 
 def _random_steps(spec: TransformSpec) -> list[v2.Transform]:
+    from torchvision.transforms import v2
+
     chosen: list[tuple[bool, Any]] = [
         (spec.random_horizontal_flip, lambda: v2.RandomHorizontalFlip()),
         (spec.random_vertical_flip, lambda: v2.RandomVerticalFlip()),
@@ -333,6 +341,9 @@ def apply_transformation(
     InvalidImageDirectoryError, InvalidParameterError (bad mode, ``dest`` overlapping an input),
     NoUsableImagesError. Details: docs/images.md#transforms.
     """
+    import torch
+    from torchvision.transforms import v2
+
     transform, images, dest = Path(transform), Path(images), Path(dest)
     spec = read_transformation(transform)
     pipeline = build_transform(spec, mode, normalize=False)

@@ -16,7 +16,6 @@ from models.atomic import atomic_file
 from tasks.shared.errors import TrainingFailedError
 
 SCHEMA_VERSION = 1
-CHECKPOINT = "checkpoint.pt"
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> Path:

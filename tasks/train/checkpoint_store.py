@@ -20,7 +20,7 @@ from models.atomic import atomic_file
 from tasks.shared.errors import InvalidParameterError, ObjectStoreError
 from tasks.shared.object_store import s3_client
 from tasks.shared.settings import Settings
-from tasks.train.checkpoint import CHECKPOINT
+from tasks.train.run_folder import CHECKPOINT
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient

@@ -12,10 +12,12 @@ Why a placement group and not Ray Train: docs/training.md#cluster-jobs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import json
-import socket
-import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +29,13 @@ from tasks.shared.errors import ClusterUnavailableError, ImageOpsError, InvalidP
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.shared.tracking import configure_mlflow
+from tasks.train.cluster_connect import connect
 from tasks.train.cluster_node import NodeAgent, NodeInfo, NodeJob, NodeOutcome
-from tasks.train.finish import RESULT
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import Request, TrainRequest, check_request
 from tasks.train.retention import discard_checkpoints
+from tasks.train.run_folder import RESULT
 from tasks.train.torchrun import NodePlace
 
 if TYPE_CHECKING:
@@ -54,29 +57,70 @@ def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Pa
     log = step_logger(__name__)
     params = request.params
     _require_servers(settings)
-    data_md5 = _data_versions(request, settings)
-    request = request.model_copy(update={"data_version": {**request.data_version, **data_md5}})
-    _connect(str(params.cluster), params.cluster_timeout_s, log)
+    connect(str(params.cluster), params.cluster_timeout_s, log)
     device = _cluster_device(request)
-    checked = check_request(request, settings, device=device)
+    checked = check_request(request, settings, device=device)  # bad data: refused here
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     if request.run_id is not None:
         require_run(client, request.run_id)
-    job = NodeJob(
-        request=request,
-        config=checked.config,
-        untrained=json.loads((request.model / MODEL_JSON).read_text()),
-        data_md5=data_md5,
-    )
-    run = _Run(client, experiment_id, checked, settings, request)
-    with ending_run(client, lambda: (run.id, run.dir)) as outcome:
-        outcomes = _run_gang(job, run, settings, log)
+    run = _Run(client, experiment_id, settings, request)
+    with (
+        _versioned_in_background(checked, request, settings) as pending,
+        ending_run(client, lambda: (run.id, run.dir)) as outcome,
+    ):
+        outcomes = _run_gang(pending, run, settings, log)
         outcome.result = result = _unpack(outcomes, run.dir, request.out)
     # MLflow has the run FINISHED: the copies in the checkpoint store are dead weight now.
     discard_checkpoints(run.id, run.dir, settings)
     publish_report(run.id, run.dir, result, settings)
     return run.id, run.dir, result
+
+
+class _PendingJob:
+    """The job the nodes get, ready once the driver has versioned the data.
+
+    Versioning (``dvc add`` + ``dvc push`` of unchanged data still hashes and asks the remote)
+    takes seconds, and so do placing the gang and starting its actors: the two overlap
+    (measured: bench.scale_out, docs/benchmarks.md).
+    """
+
+    def __init__(
+        self, versions: Future[dict[str, str]], checked: Request, request: TrainRequest
+    ) -> None:
+        self._versions, self._checked, self._request = versions, checked, request
+        self._ready: tuple[NodeJob, Request] | None = None
+
+    def get(self) -> tuple[NodeJob, Request]:
+        """The job and its checked request with the data versions; waits for the versioning."""
+        if self._ready is None:
+            md5 = self._versions.result()
+            request = self._request
+            request = request.model_copy(update={"data_version": {**request.data_version, **md5}})
+            config = self._checked.config.model_copy(update={"data_version": request.data_version})
+            checked = dataclasses.replace(self._checked, config=config)
+            job = NodeJob(
+                request=request,
+                config=checked.config,
+                untrained=json.loads((request.model / MODEL_JSON).read_text()),
+                data_md5=md5,
+            )
+            self._ready = job, checked
+        return self._ready
+
+
+@contextlib.contextmanager
+def _versioned_in_background(
+    checked: Request, request: TrainRequest, settings: Settings
+) -> Iterator[_PendingJob]:
+    """The job, its data versioned in a thread (with this context: Prefect's run logger)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="versioning") as pool:
+        context = contextvars.copy_context()
+        versions = pool.submit(context.run, _data_versions, request, settings)
+        try:
+            yield _PendingJob(versions, checked, request)
+        finally:
+            versions.cancel()  # not started yet: never starts; under way: DVC finishes it
 
 
 class NodeLost(Exception):
@@ -92,15 +136,15 @@ class NodeLost(Exception):
 PLACEMENTS = 3
 
 
-def _run_gang(job: NodeJob, run: _Run, settings: Settings, log: Any) -> list[NodeOutcome]:
+def _run_gang(pending: _PendingJob, run: _Run, settings: Settings, log: Any) -> list[NodeOutcome]:
     """The gang, placed and trained, again from the last checkpoint when a node is lost."""
-    request = job.request
+    request = run.request
     params = request.params
     restarts, placements = request.max_restarts, PLACEMENTS
     while True:
         try:
             with _Gang(request, settings, log) as gang:
-                return gang.run(job, run)
+                return gang.run(pending, run)
         except NodeLost as lost:
             if lost.training:
                 restarts -= 1
@@ -124,14 +168,9 @@ class _Run:
     """The job's MLflow run: opened once the precision is decided, then reused by every gang."""
 
     def __init__(
-        self,
-        client: MlflowClient,
-        experiment_id: str,
-        checked: Request,
-        settings: Settings,
-        request: TrainRequest,
+        self, client: MlflowClient, experiment_id: str, settings: Settings, request: TrainRequest
     ) -> None:
-        self.client, self.experiment_id, self.checked = client, experiment_id, checked
+        self.client, self.experiment_id = client, experiment_id
         self.settings, self.request = settings, request
         self.id: str | None = request.run_id
 
@@ -139,9 +178,8 @@ class _Run:
     def dir(self) -> Path:
         return self.settings.runs_dir / str(self.id)
 
-    def config(self, precision: str) -> RunConfig:
+    def config(self, checked: Request, precision: str) -> RunConfig:
         """The run's config with ``precision``, the run opened (or continued) first."""
-        checked = self.checked
         if self.id is None:
             decided = Request(
                 checked.spec,
@@ -179,74 +217,6 @@ def _data_versions(request: TrainRequest, settings: Settings) -> dict[str, str]:
     for name, path in (("train", request.train_data), ("val", request.val_data)):
         md5[name] = request.data_version.get(name) or version(path, settings)
     return md5
-
-
-def _connect(address: str, timeout_s: int, log: Any) -> None:
-    """Join the cluster as a driver, or fail naming the address within ``timeout_s``.
-
-    Ray itself retries an address where nothing listens for ever: a plain TCP connect to the
-    head's port tells first whether anything is there.
-    """
-    import ray
-
-    global _connected
-    if ray.is_initialized():
-        if _connected == address:
-            return
-        ray.shutdown()  # another cluster than this job's
-    deadline = time.monotonic() + timeout_s
-    log.info("connecting to the Ray cluster at %s", address)
-    _wait_for_port(address, deadline)
-    failure: list[BaseException] = []
-
-    def connect() -> None:
-        try:
-            ray.init(
-                address=address,
-                logging_level="ERROR",
-                log_to_driver=True,  # the nodes' torchrun lines, prefixed with their address
-                configure_logging=False,
-            )
-        except BaseException as exc:  # handed to the caller's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=connect, daemon=True, name="ray-connect")
-    thread.start()
-    thread.join(max(1.0, deadline - time.monotonic()))
-    if thread.is_alive() or failure:
-        why = f": {failure[0]}" if failure else f": no answer in {timeout_s} s"
-        raise _unreachable(address, why, timeout_s)
-    _connected = address
-
-
-_connected: str | None = None
-
-
-def _wait_for_port(address: str, deadline: float) -> None:
-    """Until ``deadline``, try a TCP connection to ``host:port`` (other address forms pass)."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not port.isdigit():
-        return
-    host = host.strip("[]")
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=2.0):
-                return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise _unreachable(address, f": {exc.strerror or exc}", None) from None
-        time.sleep(1.0)
-
-
-def _unreachable(address: str, why: str, timeout_s: int | None) -> ClusterUnavailableError:
-    return ClusterUnavailableError(
-        f"Could not reach the Ray cluster at {address}{why}"
-        + (f" (waited {timeout_s} s)." if timeout_s else "."),
-        "Check the address (host:port of the cluster's head, 6379 by default: `ray status "
-        "--address HOST:6379` on a node tells), that this machine is one of the cluster's nodes "
-        "(imageops team join) or use ray://host:10001; wait longer with cluster_timeout_s "
-        "(--cluster-timeout-s).",
-    )
 
 
 def _cluster_device(request: TrainRequest) -> str:
@@ -291,7 +261,7 @@ class _Gang:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.group, placement_group_bundle_index=rank
                 ),
-            ).remote(servers)
+            ).remote(servers, rank == 0 and params.precision != "fp32")
             for rank in range(params.nodes)
         ]
         self.nodes = self._get(
@@ -325,11 +295,12 @@ class _Gang:
             "node, or wait longer with cluster_timeout_s.",
         )
 
-    def run(self, job: NodeJob, run: _Run) -> list[NodeOutcome]:
+    def run(self, pending: _PendingJob, run: _Run) -> list[NodeOutcome]:
         """Every node gets the data (node 0 decides the precision), then all train."""
+        job, checked = pending.get()
         calls = [a.prepare.remote(job, rank) for rank, a in enumerate(self.agents)]
         precision = str(self._get(calls, "prepare the nodes", training=False)[0])
-        config = run.config(precision)
+        config = run.config(checked, precision)
         params = self.request.params
         self.log.info(
             "MLflow run %s: %d nodes x %d processes on the cluster at %s",

@@ -10,9 +10,11 @@ to the driver as the call's value. Details: docs/training.md#cluster-jobs.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import ipaddress
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +25,11 @@ from models.atomic import write_json
 from models.untrained import MODEL_JSON
 from tasks.shared.errors import ImageOpsError, InvalidDatasetError
 from tasks.shared.settings import Settings
-from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.failure import clear_failures
-from tasks.train.finish import RESULT
 from tasks.train.params import RunConfig, manifest_fingerprint
-from tasks.train.precision import resolve_precision
-from tasks.train.progress import BEST_WEIGHTS
 from tasks.train.rendezvous import RDZV_TIMEOUT_MARK, rendezvous_timeout
 from tasks.train.request import CONFIG, TrainRequest
+from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT, RESULT
 from tasks.train.torchrun import (
     NodePlace,
     read_from,
@@ -81,21 +80,29 @@ class NodeAgent:
     driver names: tracking, registry, DVC remote, checkpoint store.
     """
 
-    def __init__(self, servers: dict[str, str]) -> None:
+    def __init__(self, servers: dict[str, str], decides_precision: bool = False) -> None:
         os.environ.update(servers)
+        if decides_precision:
+            # Deciding "auto" precision needs torch (seconds to import): imported while the
+            # driver versions the data, not after (Python's import lock makes prepare wait).
+            threading.Thread(
+                target=importlib.import_module,
+                args=("tasks.train.precision",),
+                name="import-torch",
+                daemon=True,
+            ).start()
         self.settings = Settings()
         self.node_rank = -1
         self.paths: dict[str, Path] = {}
 
     def where(self) -> NodeInfo:
         import ray
-        import torch
 
         address = ray.util.get_node_ip_address()
         with socket.socket(_family(address), socket.SOCK_STREAM) as probe:
             probe.bind((address, 0))
             port = probe.getsockname()[1]
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = len(ray.get_gpu_ids())  # the GPUs the placement gave this node (torch not needed)
         node_id = ray.get_runtime_context().get_node_id()
         return NodeInfo(
             hostname=socket.gethostname(), node_id=node_id, address=address, port=port, gpus=gpus
@@ -123,9 +130,13 @@ class NodeAgent:
         write_json(home / "untrained" / MODEL_JSON, job.untrained)
         self.paths["untrained"] = home / "untrained"
         self.paths["out"] = home / "model"
+        config = job.config
         if node_rank != 0:
             return None
-        config = job.config
+        if config.params.precision == "fp32":
+            return "fp32"  # nothing to decide
+        from tasks.train.precision import resolve_precision
+
         size = input_size(config.transform)
         return resolve_precision(config.params.precision, config.device, size)
 

@@ -15,9 +15,7 @@ from tasks.shared.errors import TrainingFailedError
 from tasks.train.curves import plot_curves
 from tasks.train.params import RunConfig
 from tasks.train.progress import Progress
-
-RESULT = "result.json"
-CURVES = "training_curves.png"
+from tasks.train.run_folder import CURVES, RESULT
 
 log = logging.getLogger("imageops.train")
 

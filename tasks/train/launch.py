@@ -24,6 +24,7 @@ from tasks.train.mlflow_run import ending_run, publish_report, require_run, resu
 from tasks.train.params import RunConfig
 from tasks.train.request import CONFIG, TrainRequest, check_request
 from tasks.train.retention import discard_checkpoints
+from tasks.train.run_folder import RESULT
 from tasks.train.run_lock import launch_lock
 from tasks.train.torchrun import (
     TORCHRUN_LOG,
@@ -33,7 +34,6 @@ from tasks.train.torchrun import (
     torchrun_environment,
     torchrun_failure,
 )
-from tasks.train.worker import RESULT
 
 
 class TrainResult(BaseModel):

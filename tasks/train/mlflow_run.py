@@ -28,13 +28,12 @@ from tasks.shared.errors import InvalidParameterError, TrainingFailedError
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.shared.tracking import run_url
-from tasks.train.checkpoint import CHECKPOINT
 from tasks.train.loop import TOP1
 from tasks.train.params import RunConfig, TrainParams
 from tasks.train.request import CONFIG, Request
+from tasks.train.run_folder import CHECKPOINT, CURVES
 from tasks.train.run_lock import in_training
 from tasks.train.tracker import log_missing, transient
-from tasks.train.worker import CURVES
 
 LOG_ARTIFACTS = "logs"
 # Tag of a training run: the request it trains (RunConfig.job_key), to find it again on a retry.

@@ -20,14 +20,13 @@ from torch import nn
 
 from models.atomic import atomic_file
 from tasks.train import distributed
-from tasks.train.checkpoint import CHECKPOINT, load_checkpoint
+from tasks.train.checkpoint import load_checkpoint
 from tasks.train.loop import METRICS, TOP1, TOP5, VAL_LOSS, StepParts, TrainStats
 from tasks.train.params import RunConfig
+from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT
 
 if TYPE_CHECKING:
     from tasks.tune.pruning import TrialReporter
-
-BEST_WEIGHTS = "best.safetensors"
 
 log = logging.getLogger("imageops.train")
 

@@ -15,13 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from models.atomic import check_destination
 from models.transform_spec import AppliedTransform, TransformSpec
 from models.untrained import MODEL_JSON, ModelSpec, read_untrained
-from models.zoo import build_model, pretrained_weights_path
 from tasks.data.imagedir import Manifest, read_manifest, require_labeled, require_same_classes
 from tasks.data.transform import (
     check_applied,
@@ -35,7 +33,6 @@ from tasks.shared.settings import Settings
 from tasks.shared.step import step_logger
 from tasks.shared.validation import checked
 from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
-from tasks.train.precision import resolve_precision
 
 CONFIG = "config.json"
 
@@ -69,6 +66,8 @@ class Request:
         if recorded is not None and recorded.job_key() == self.config.job_key():
             precision = recorded.precision
         else:
+            from tasks.train.precision import resolve_precision
+
             size = input_size(self.config.transform)
             precision = resolve_precision("auto", self.config.device, size)
         return self.config.model_copy(update={"precision": precision})
@@ -179,6 +178,8 @@ def check_request(
     _check_sizes(params, train_manifest)
     on_cluster = device is not None
     device = device or _resolve_device(params)
+    from tasks.train.precision import resolve_precision  # imports torch
+
     # Refused here, before a run exists: fp16 on CPU, bf16 where the device cannot train in it.
     # "auto" is decided later, once per run (Request.decided): a resume keeps what it recorded.
     precision = (
@@ -269,6 +270,8 @@ def _check_sizes(params: TrainParams, train_manifest: Manifest) -> None:
 
 
 def _resolve_device(params: TrainParams) -> str:
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = params.device if params.device != "auto" else ("cuda" if gpus else "cpu")
     if device == "cuda" and gpus == 0:
@@ -297,6 +300,8 @@ def _ensure_pretrained_weights(spec: ModelSpec, settings: Settings) -> None:
     A missing file then fails before any run exists, with PretrainedWeightsMissingError naming
     the path, instead of as a worker traceback.
     """
+    from models.zoo import build_model, pretrained_weights_path  # imports torchvision
+
     # Workers get TORCH_HOME = settings.torch_home, and torch.hub's cache is <TORCH_HOME>/hub.
     cached = settings.torch_home / "hub" / "checkpoints" / pretrained_weights_path(spec.arch).name
     if cached.is_file():

@@ -27,6 +27,7 @@ from tasks.shared.reclaim import Reclaimable, disk_size, newest_change, trash
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.train.params import RunConfig
+from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT
 from tasks.train.run_lock import LAUNCH_LOCK, in_training
 from tasks.train.tracker import transient
 
@@ -42,10 +43,7 @@ def discard_checkpoints(run_id: str, run_dir: Path, settings: Settings) -> int:
     Returns the bytes freed in the run folder. Call it only once MLflow has the run FINISHED.
     A store that does not answer is a warning, not an error: the training itself succeeded.
     """
-    # Here, not at the top: they import torch, which `imageops gc` does without.
-    from tasks.train.checkpoint import CHECKPOINT
-    from tasks.train.checkpoint_store import discard_stored_checkpoint
-    from tasks.train.progress import BEST_WEIGHTS
+    from tasks.train.checkpoint_store import discard_stored_checkpoint  # boto3: on first use
 
     if settings.keep_checkpoints:
         return 0

@@ -32,7 +32,7 @@ from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.train.failure import read_failures
 from tasks.train.rendezvous import RDZV_CONNECTION_MARK
-from tasks.train.worker import rank_log
+from tasks.train.run_folder import rank_log
 
 if TYPE_CHECKING:
     from tasks.train.request import TrainRequest

@@ -34,9 +34,9 @@ from tasks.train.build import (
     loader_setup,
     prepare_model,
 )
-from tasks.train.checkpoint import CHECKPOINT, save_checkpoint
+from tasks.train.checkpoint import save_checkpoint
 from tasks.train.failure import read_failures, record_failure
-from tasks.train.finish import CURVES, RESULT, write_model
+from tasks.train.finish import write_model
 from tasks.train.loop import (
     StepParts,
     check_weights,
@@ -48,29 +48,17 @@ from tasks.train.loop import (
 )
 from tasks.train.params import RunConfig
 from tasks.train.precision import Amp
-from tasks.train.progress import (
-    BEST_WEIGHTS,
-    checkpoint_state,
-    log_epoch,
-    prune_vote,
-    resume,
-    save_best,
-    summary,
-)
+from tasks.train.progress import checkpoint_state, log_epoch, prune_vote, resume, save_best, summary
+from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT, rank_log
 from tasks.train.schedule import build_scheduler
 
 if TYPE_CHECKING:
     from tasks.train.tracker import Tracker
 
-# The entry, and the run folder's files the launcher reads; the worker's parts are in build,
-# progress and finish.
-__all__ = ["CURVES", "RESULT", "main", "rank_log", "train_worker"]
+# The entry; the worker's parts are in build, progress and finish, its files in run_folder.
+__all__ = ["main", "train_worker"]
 
 log = logging.getLogger("imageops.train")
-
-
-def rank_log(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / f"rank_{rank}.log"
 
 
 def _attempt() -> int:

@@ -1,0 +1,82 @@
+"""Joining a Ray cluster as a driver: one address, one wait, one error that names both.
+
+Ray retries an address where nothing listens for ever, and ``ray.init`` has no timeout: a plain
+TCP connection to the head's port comes first, then ``ray.init`` in a thread the wait can leave.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from tasks.shared.errors import ClusterUnavailableError
+
+
+def connect(address: str, timeout_s: int, log: Any) -> None:
+    """Join the cluster as a driver, or fail naming the address within ``timeout_s``.
+
+    Ray itself retries an address where nothing listens for ever: a plain TCP connect to the
+    head's port tells first whether anything is there.
+    """
+    import ray
+
+    global _connected
+    if ray.is_initialized():
+        if _connected == address:
+            return
+        ray.shutdown()  # another cluster than this job's
+    deadline = time.monotonic() + timeout_s
+    log.info("connecting to the Ray cluster at %s", address)
+    _wait_for_port(address, deadline)
+    failure: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            ray.init(
+                address=address,
+                logging_level="ERROR",
+                log_to_driver=True,  # the nodes' torchrun lines, prefixed with their address
+                configure_logging=False,
+            )
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=init, daemon=True, name="ray-connect")
+    thread.start()
+    thread.join(max(1.0, deadline - time.monotonic()))
+    if thread.is_alive() or failure:
+        why = f": {failure[0]}" if failure else f": no answer in {timeout_s} s"
+        raise _unreachable(address, why, timeout_s)
+    _connected = address
+
+
+_connected: str | None = None
+
+
+def _wait_for_port(address: str, deadline: float) -> None:
+    """Until ``deadline``, try a TCP connection to ``host:port`` (other address forms pass)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return
+    host = host.strip("[]")
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2.0):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise _unreachable(address, f": {exc.strerror or exc}", None) from None
+        time.sleep(1.0)
+
+
+def _unreachable(address: str, why: str, timeout_s: int | None) -> ClusterUnavailableError:
+    return ClusterUnavailableError(
+        f"Could not reach the Ray cluster at {address}{why}"
+        + (f" (waited {timeout_s} s)." if timeout_s else "."),
+        "Check the address (host:port of the cluster's head, 6379 by default: `ray status "
+        "--address HOST:6379` on a node tells), that this machine is one of the cluster's nodes "
+        "(imageops team join) or use ray://host:10001; wait longer with cluster_timeout_s "
+        "(--cluster-timeout-s).",
+    )
