@@ -47,13 +47,6 @@ def _reflink(source: Path, target: Path) -> None:
     reflink(os.fspath(source), os.fspath(target))
 
 
-def read_only(path: Path) -> None:
-    """Clear the write bits of ``path`` (a hard link's every name: they are one file)."""
-    mode = os.stat(path).st_mode
-    if mode & _WRITE_BITS:
-        os.chmod(path, stat.S_IMODE(mode) & ~_WRITE_BITS)
-
-
 class Placer:
     """Places files by the cheapest way that works, remembering what failed.
 
@@ -64,14 +57,20 @@ class Placer:
     def __init__(self) -> None:
         self.counts: Counter[Method] = Counter()
         self._failed: set[tuple[Method, int, int]] = set()
+        self._devices: dict[str, int] = {}  # target folder -> its file system
 
-    def place(self, source: Path, target: Path) -> Method:
+    def place(self, source: str | os.PathLike[str], target: str | os.PathLike[str]) -> Method:
         """Make ``target`` (not existing; its folder does) hold the bytes of ``source``.
 
         Returns how: "reflink", "hardlink" (the file is then read-only under both names) or
         "copy". Errors other than "cannot link these" (a missing source, a full disk) raise.
+        Paths as strings are cheapest: a split places every image of a data set.
         """
-        pair = (os.stat(source).st_dev, os.stat(target.parent).st_dev)
+        folder = os.path.dirname(os.fspath(target))
+        if (device := self._devices.get(folder)) is None:
+            device = self._devices[folder] = os.stat(folder or ".").st_dev
+        source_stat = os.stat(source)
+        pair = (source_stat.st_dev, device)
         for method in ("reflink", "hardlink"):
             if (method, *pair) in self._failed:
                 continue
@@ -80,7 +79,8 @@ class Placer:
                     _reflink(source, target)
                 else:
                     os.link(source, target)
-                    read_only(target)
+                    if source_stat.st_mode & _WRITE_BITS:  # one file: its mode as just read
+                        os.chmod(target, stat.S_IMODE(source_stat.st_mode) & ~_WRITE_BITS)
             except OSError as exc:
                 if exc.errno not in _CANNOT_LINK:
                     raise

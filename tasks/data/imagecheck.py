@@ -18,6 +18,7 @@ from pathlib import PurePath
 
 from PIL import Image, UnidentifiedImageError
 
+from tasks.shared.file_hash import file_sha256
 from tasks.data.imageformat import (
     IMAGE_EXTENSIONS,
     MAX_ASPECT_RATIO,
@@ -126,9 +127,7 @@ def file_fingerprint(source: str, rel: str, max_pixels: int) -> tuple[int, str]:
         size = os.stat(source).st_size
         if refused_unread(rel, size, max_pixels):
             return size, ""
-        with open(source, "rb") as fh:
-            digest = hashlib.file_digest(fh, "sha256")
-            return fh.tell(), digest.hexdigest()
+        return file_sha256(source)
     except OSError:
         return -1, ""
 

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from models.atomic import write_json
+from models.atomic import write_text
 from models.transform_spec import AppliedTransform
 from tasks.shared.errors import InvalidDatasetError, InvalidImageDirectoryError, NotLabeledDatasetError
 
@@ -153,18 +153,22 @@ def _check_paths(root: Path, manifest: Manifest) -> None:
     resolves: one realpath per folder, one lstat per file.
     """
     base = os.path.realpath(root)
-    folders: dict[str, str] = {}
+
+    def inside(real: str) -> bool:
+        return os.path.commonpath([base, real]) == base
+
+    folders: dict[str, str | None] = {}  # folder -> where it resolves, None when outside
     for entry in manifest.images:
         name = entry.path
         problem = _bad_shape(name)
         if problem is None:
             folder, _, leaf = name.rpartition("/")
             if folder not in folders:
-                folders[folder] = os.path.realpath(os.path.join(base, folder))
-            real = os.path.join(folders[folder], leaf)
-            if os.path.islink(real):
-                real = os.path.realpath(real)
-            if os.path.commonpath([base, real]) != base:
+                real_folder = os.path.realpath(os.path.join(base, folder))
+                folders[folder] = real_folder if inside(real_folder) else None
+            # A leaf has no "/" and is not "..": only a symlink can take it out of its folder.
+            real = None if folders[folder] is None else os.path.join(folders[folder], leaf)
+            if real is None or (os.path.islink(real) and not inside(os.path.realpath(real))):
                 problem = "it leads outside the directory through a symlink"
         if problem is not None:
             raise InvalidImageDirectoryError(
@@ -221,7 +225,9 @@ def content_digest(root: Path, manifest: Manifest | None = None) -> str | None:
 
 
 def write_manifest(root: Path, manifest: Manifest) -> Path:
-    return write_json(Path(root) / MANIFEST, manifest.model_dump(mode="json"))
+    # pydantic's own serialiser: 10x the standard json module's speed on a manifest of 10,000
+    # images (a quarter of a split's time went to json.dumps); UTF-8, not \u escapes.
+    return write_text(Path(root) / MANIFEST, manifest.model_dump_json(indent=2) + "\n")
 
 
 def require_labeled(manifest: Manifest, role: str, root: Path | str = "") -> None:

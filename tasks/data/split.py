@@ -13,8 +13,8 @@ image edited in place (which a link would carry into every output) is refused, n
 
 from __future__ import annotations
 
-import hashlib
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from tasks.data.imagedir import (
     read_manifest,
     write_manifest,
 )
+from tasks.shared.file_hash import file_sha256
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 
@@ -40,8 +41,7 @@ def _check_unchanged(source: Path, entry: ImageEntry) -> None:
     hard link in an earlier split's) would otherwise reach every output with a manifest that
     says otherwise.
     """
-    with open(source / entry.path, "rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    _, digest = file_sha256(os.path.join(source, entry.path))
     if digest != entry.sha256:
         raise InvalidImageDirectoryError(
             f"{source / entry.path} is not the image {MANIFEST} lists (its sha256 is {digest}, "
@@ -67,10 +67,13 @@ def _write_subset(
         }
     )
     with atomic_directory(dest, replaces=MANIFEST) as tmp:
-        for entry in entries:
-            target = tmp / entry.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            placer.place(source / entry.path, target)
+        made: set[str] = set()
+        for entry in entries:  # strings, not Paths: pathlib costs more than the link per image
+            target = os.path.join(tmp, entry.path)
+            if (folder := os.path.dirname(target)) not in made:
+                os.makedirs(folder, exist_ok=True)
+                made.add(folder)
+            placer.place(os.path.join(source, entry.path), target)
         write_manifest(tmp, subset)
     return subset
 

@@ -11,7 +11,6 @@ module for the tensor names and :func:`sha256_file` only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from models.directory import INT8_REPORT, ONNX, ONNX_INT8, WEIGHTS, ModelInfo, l
 from tasks.data.imagedir import load_rgb, read_manifest
 from tasks.data.transform import input_size, transform_for
 from tasks.shared.errors import ExportParityError, InvalidModelDirectoryError, NoUsableImagesError
+from tasks.shared.file_hash import file_sha256
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 if TYPE_CHECKING:
@@ -52,11 +52,7 @@ class ExportResult:
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path)[1]
 
 
 def parity_batch(info: ModelInfo, sample: Path | None, size: int = PARITY_BATCH) -> torch.Tensor:

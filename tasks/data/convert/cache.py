@@ -22,6 +22,7 @@ from typing import Any
 from tasks.data.convert.checking import available_cores
 from tasks.data.convert.plan import ConversionPlan, PlannedFile
 from tasks.shared.errors import ImageOpsError
+from tasks.shared.file_hash import file_sha256
 from tasks.data.imagecheck import file_fingerprint
 from tasks.data.imagedir import MANIFEST, Manifest, read_manifest
 
@@ -51,10 +52,9 @@ def fingerprint(
 
 
 def sha256_file(path: str | Path) -> tuple[int, str]:
+    """``(size, sha256)``, or ``(-1, "")`` for a file that cannot be read."""
     try:
-        with open(path, "rb") as fh:
-            digest = hashlib.file_digest(fh, "sha256")
-            return fh.tell(), digest.hexdigest()
+        return file_sha256(path)
     except OSError:
         return -1, ""
 
