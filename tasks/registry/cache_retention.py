@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 from models.locks import acquire
 from tasks.registry.model_uri import CACHE_DIR, cache_path
 from tasks.shared.errors import RegistryError, RegistryUnreachableError
-from tasks.shared.reclaim import Reclaimable, disk_size, trash
+from tasks.shared.reclaim import Reclaimable, trash
 from tasks.shared.settings import Settings, redact_uri
 
 REGISTRY_CACHE = "registry cache"
@@ -65,12 +65,11 @@ def unaliased_cache_entries(settings: Settings) -> list[Reclaimable]:
             if int(entry.name) in aliased:
                 continue
             found.append(
-                Reclaimable(
-                    kind=REGISTRY_CACHE,
-                    path=entry,
-                    size=disk_size(entry),
-                    reason=f"{model.name} version {entry.name} has no alias",
-                    remove=partial(_remove_entry, client, model.name, entry),
+                Reclaimable.at(
+                    REGISTRY_CACHE,
+                    entry,
+                    f"{model.name} version {entry.name} has no alias",
+                    partial(_remove_entry, client, model.name, entry),
                 )
             )
     return found

@@ -37,6 +37,11 @@ class Reclaimable:
     # (a job took it meanwhile).
     remove: Callable[[], bool] = field(compare=False, repr=False)
 
+    @classmethod
+    def at(cls, kind: str, path: Path, reason: str, remove: Callable[[], bool]) -> Reclaimable:
+        """What ``path`` holds now, measured on disk."""
+        return cls(kind=kind, path=path, size=disk_size(path), reason=reason, remove=remove)
+
 
 def disk_size(path: Path) -> int:
     """Bytes of the regular files at or under ``path`` (links not followed; 0 if it is gone)."""
@@ -90,12 +95,11 @@ def left_trash(folder: Path) -> list[Reclaimable]:
     except OSError:
         return []
     return [
-        Reclaimable(
-            kind=TRASH,
-            path=path,
-            size=disk_size(path),
-            reason="left by an interrupted removal",
-            remove=partial(_delete, path),
+        Reclaimable.at(
+            TRASH,
+            path,
+            "left by an interrupted removal",
+            partial(_delete, path),
         )
         for path in paths
     ]

@@ -109,12 +109,11 @@ def finished_run_folders(settings: Settings) -> list[Reclaimable]:
         if status != "FINISHED":
             continue
         found.append(
-            Reclaimable(
-                kind=RUN_FOLDER,
-                path=run_dir,
-                size=disk_size(run_dir),
-                reason="its MLflow run is FINISHED (its logs and curves are in MLflow)",
-                remove=partial(remove_run_folder, run_dir),
+            Reclaimable.at(
+                RUN_FOLDER,
+                run_dir,
+                "its MLflow run is FINISHED (its logs and curves are in MLflow)",
+                partial(remove_run_folder, run_dir),
             )
         )
     return found
@@ -184,12 +183,11 @@ def old_outputs(settings: Settings, older_than_s: float) -> list[Reclaimable]:
         if age < older_than_s:
             continue
         found.append(
-            Reclaimable(
-                kind=OUTPUTS,
-                path=entry,
-                size=disk_size(entry),
-                reason=f"unchanged for {age / 86400:.1f} days",
-                remove=partial(_remove_outputs, entry, settings),
+            Reclaimable.at(
+                OUTPUTS,
+                entry,
+                f"unchanged for {age / 86400:.1f} days",
+                partial(_remove_outputs, entry, settings),
             )
         )
     return found
