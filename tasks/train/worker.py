@@ -7,6 +7,13 @@ of the same configuration and data. Details: docs/training.md#the-worker.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Before the imports below, which take seconds (tens on a loaded machine): a torchrun killed
+    # meanwhile takes this worker with it now, not once torch is imported.
+    from tasks.shared.parent_death import die_with_torchrun
+
+    die_with_torchrun()  # torchrun, SIGKILLed with its launcher, cannot stop its workers itself
+
 import argparse
 import logging
 import os
@@ -23,7 +30,6 @@ from torch.nn.parallel import DistributedDataParallel
 from tasks.data.transform import input_size
 from tasks.shared import faults
 from tasks.shared.errors import TrainingFailedError
-from tasks.shared.parent_death import die_with_torchrun
 from tasks.shared.settings import RedactingFormatter
 from tasks.train import distributed
 from tasks.train.build import (
@@ -290,5 +296,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    die_with_torchrun()  # torchrun, SIGKILLed with its launcher, cannot stop its workers itself
     main()
