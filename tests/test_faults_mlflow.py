@@ -74,7 +74,7 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
         "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
         "--artifacts-destination", str(tmp_path / "mlflow-artifacts"),
     ]  # fmt: skip
-    server_env = base_env() | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server_env = base_env()
     tracked = Settings(
         project_root=project.project_root, home=tmp_path / "tracked", mlflow_tracking_uri=url
     )

@@ -294,9 +294,7 @@ def test_an_mlflow_server_keeps_logged_models_in_s3_for_every_host(
     ]  # fmt: skip
     # Only the server holds the S3 keys: clients send artifacts through it.
     server_env = base_env() | s3_server.environment()
-    processes.start(
-        "mlflow-server", server, server_env | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    )
+    processes.start("mlflow-server", server, server_env)
     for key in s3_server.environment():
         monkeypatch.delenv(key, raising=False)
     processes.wait("the MLflow server", lambda: healthy(f"{url}/health"))

@@ -281,7 +281,7 @@ def test_mlflow_and_prefect_servers_keep_their_state_in_postgres(
         [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
          "--workers", "1", "--backend-store-uri", postgres.url("mlflow"),
          "--artifacts-destination", str(tmp_path / "mlflow-artifacts")],
-        base | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        base,
     )  # fmt: skip
 
     # The project reaches both through its own settings, as a deployment would configure it.

@@ -278,8 +278,6 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
             "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
             # One fixed key, or each server worker encrypts webhook secrets with its own.
             "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode(),
-            # No job runner (evaluation jobs, schedulers): not needed, slow to start and stop.
-            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         },
     )  # fmt: skip
     processes.start(
