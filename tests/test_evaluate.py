@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
+from projects import imageops
 from sklearn.metrics import (
     accuracy_score,
     confusion_matrix,
@@ -91,6 +92,31 @@ def test_without_a_run_id_a_new_run_is_made(project: Settings, scored_val: Path,
     assert run.info.status == "FINISHED"
     assert run.data.metrics["eval/top5_accuracy"] == pytest.approx(result["top5_accuracy"])
     assert run.data.tags["eval/top_k"] == "3"
+
+
+def test_the_command_logs_to_mlflow_only_when_asked(
+    project: Settings, scored_val: Path, tmp_path: Path
+) -> None:
+    scored = tmp_path / "copy.csv"
+    scored.write_bytes(scored_val.read_bytes())
+    experiment_id = configure_mlflow(project)
+    client = MlflowClient()
+
+    files_only = imageops("evaluate", str(scored), cwd=tmp_path)
+    assert files_only.returncode == 0, files_only.stderr
+    assert "accuracy:" in files_only.stdout
+    assert json.loads((tmp_path / "copy.metrics.json").read_text())["top_k"] == 3
+    assert client.search_runs([experiment_id]) == []
+
+    logged = imageops("evaluate", str(scored), "--new-run", cwd=tmp_path)
+    assert logged.returncode == 0, logged.stderr
+    (run,) = client.search_runs([experiment_id])
+    assert run.info.run_name == "evaluate-copy" and "eval/accuracy" in run.data.metrics
+
+    both = imageops("evaluate", str(scored), "--new-run", "--run-id", run.info.run_id, cwd=tmp_path)
+    assert both.returncode != 0
+    assert "--run-id and --new-run were both given" in both.stderr
+    assert len(client.search_runs([experiment_id])) == 1
 
 
 def test_top_k_and_per_class_on_a_ten_class_table_match_scikit_learn() -> None:

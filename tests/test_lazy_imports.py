@@ -1,7 +1,7 @@
 """What a command imports before it does anything: the heavy libraries only where it uses them.
 
 torch, MLflow, Prefect, ONNX Runtime and pandas each cost up to seconds to import. `imageops
---help` needs none of them, `evaluate` needs pandas and MLflow but no network, and scoring needs
+--help` needs none of them, `evaluate` needs pandas (MLflow only when it logs), and scoring needs
 neither Prefect nor MLflow (nor onnx, the exporter's library). What each costs in seconds is
 measured by bench/fixed_costs.py; these tests only say which modules are loaded, in a fresh
 interpreter each (sys.modules here holds everything the suite imported).
@@ -46,7 +46,7 @@ def _run(code: str) -> None:
         "absent('app.cli', 'torch', 'torchvision', 'mlflow', 'prefect', 'onnxruntime', 'onnx', "
         "'pandas', 'matplotlib', 'sklearn')\n"
         "absent('tasks.inference.evaluate', 'torch', 'torchvision', 'prefect', 'onnxruntime', "
-        "'onnx', 'matplotlib')",
+        "'onnx', 'matplotlib', 'mlflow')",
         # score, from a ModelDirectory: the modules the command uses, then export's.
         "absent('tasks.inference.score.batches tasks.inference.score.shards "
         "tasks.registry.model_uri', 'prefect', 'mlflow', 'onnx')\n"

@@ -115,13 +115,33 @@ def evaluate(
         ),
     ] = None,
     run_id: Annotated[
-        str | None, typer.Option(help="MLflow run to log into (default: a new run).")
+        str | None,
+        typer.Option(help="MLflow run to log the metrics and files into (e.g. the training run)."),
     ] = None,
+    new_run: Annotated[
+        bool,
+        typer.Option(
+            "--new-run",
+            help="Log the metrics and files into a new MLflow run. Without it or --run-id, "
+            "nothing goes to MLflow: the results are the files written beside the table.",
+        ),
+    ] = False,
 ) -> None:
-    """Evaluate Model: accuracy, top-5, macro and weighted precision/recall/F1, confusion matrix."""
-    from tasks.inference.evaluate import evaluate as run
+    """Evaluate Model: accuracy, top-5, macro and weighted precision/recall/F1, confusion matrix.
 
-    result = run(scored, compare=compare, run_id=run_id)
+    Writes <table>.metrics.json, per-class tables and the confusion matrix (PNG and JSON) beside
+    the scored table.
+    """
+    from tasks.inference.evaluate import evaluate as run
+    from tasks.shared.errors import InvalidParameterError
+
+    if run_id is not None and new_run:
+        raise InvalidParameterError(
+            "--run-id and --new-run were both given.",
+            "Give --run-id to log into that run, or --new-run to log into a new one.",
+        )
+    log = run_id is not None or new_run
+    result = run(scored, compare=compare, run_id=run_id, log_to_mlflow=log)
     if result.compared is None:
         for key, value in result.metrics.items():
             out.print(f"{key}: {value:.4f}")

@@ -5,7 +5,9 @@ precision/recall/F1 with macro and weighted averages (as scikit-learn defines th
 confusion matrix as a PNG and as JSON. Like the Azure component, a second scored table (its second
 input, e.g. the same images scored by another model) is evaluated side by side. Metrics go to MLflow
 with the ``eval/`` prefix (``eval/compare/`` for the second table), in the given run (resumed, never
-a second one) or a new run; inside a Prefect run they are also published as Prefect artifacts.
+a second one) or a new run, unless the caller asks for the files alone (``imageops evaluate``
+without ``--run-id`` or ``--new-run``: MLflow's import and store cost over a second, more than the
+evaluation); inside a Prefect run they are also published as Prefect artifacts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import mlflow
 import numpy as np
 import pandas as pd
 
@@ -26,7 +27,6 @@ from tasks.shared.artifacts import png_markdown, publish_markdown
 from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.shared.settings import Settings, get_settings
 from tasks.shared.step import in_prefect_run, step, step_logger, tasks_on_first_use
-from tasks.shared.tracking import mlflow_run
 
 METRIC_PREFIX = "eval/"
 COMPARE_PREFIX = "eval/compare/"
@@ -304,19 +304,50 @@ def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
     return paths
 
 
+def _log_to_mlflow(
+    settings: Settings,
+    run_id: str | None,
+    scored: Path,
+    result: EvaluationResult,
+    paths: dict[str, Path],
+    compare: Path | None = None,
+    compared: EvaluationResult | None = None,
+    compared_paths: dict[str, Path] | None = None,
+) -> str:
+    """Log the metrics and files into run ``run_id`` (or a new one); returns the run's id."""
+    import mlflow
+
+    from tasks.shared.tracking import mlflow_run
+
+    with mlflow_run(settings, run_id, run_name=f"evaluate-{scored.stem}") as used_run:
+        mlflow.log_metrics({f"{METRIC_PREFIX}{k}": v for k, v in result.metrics.items()})
+        # A tag, not a param: params are write-once, and a run may be evaluated again.
+        mlflow.set_tag(f"{METRIC_PREFIX}top_k", str(result.top_k))
+        for path in paths.values():
+            mlflow.log_artifact(str(path), artifact_path=ARTIFACT_DIR)
+        if compare is not None and compared is not None and compared_paths is not None:
+            mlflow.log_metrics({f"{COMPARE_PREFIX}{k}": v for k, v in compared.metrics.items()})
+            mlflow.set_tag(f"{COMPARE_PREFIX}table", compare.name)
+            for path in compared_paths.values():
+                mlflow.log_artifact(str(path), artifact_path=f"{ARTIFACT_DIR}/compare")
+    return used_run
+
+
 def evaluate(
     scored: Path,
     *,
     compare: Path | None = None,
     settings: Settings | None = None,
     run_id: str | None = None,
+    log_to_mlflow: bool = True,
 ) -> EvaluationResult:
     """Evaluate the labeled scored table ``scored`` (and ``compare`` beside it); write and log.
 
-    Metrics files are written atomically beside each table and logged as ``eval/<name>``
-    (``eval/compare/<name>``) into run ``run_id`` (resumed) or a new run; the second table's
-    result is ``result.compared``. Raises NotLabeledDatasetError (no ``category`` column) and
-    InvalidParameterError (same file twice, a name too long). Details: docs/internals.md#evaluation.
+    Metrics files are written atomically beside each table and, with ``log_to_mlflow``, logged
+    as ``eval/<name>`` (``eval/compare/<name>``) into run ``run_id`` (resumed) or a new run; the
+    second table's result is ``result.compared``. Raises NotLabeledDatasetError (no ``category``
+    column) and InvalidParameterError (same file twice, a name too long). Details:
+    docs/internals.md#evaluation.
     """
     settings = settings or get_settings()
     scored = Path(scored)
@@ -341,18 +372,11 @@ def evaluate(
 
     paths = _write_outputs(result, scored)
     compared_paths = {} if compared is None else _write_outputs(compared, compare)
-    with mlflow_run(settings, run_id, run_name=f"evaluate-{scored.stem}") as used_run:
-        mlflow.log_metrics({f"{METRIC_PREFIX}{k}": v for k, v in result.metrics.items()})
-        # A tag, not a param: params are write-once, and a run may be evaluated again.
-        mlflow.set_tag(f"{METRIC_PREFIX}top_k", str(result.top_k))
-        for path in paths.values():
-            mlflow.log_artifact(str(path), artifact_path=ARTIFACT_DIR)
-        if compared is not None:
-            mlflow.log_metrics({f"{COMPARE_PREFIX}{k}": v for k, v in compared.metrics.items()})
-            mlflow.set_tag(f"{COMPARE_PREFIX}table", compare.name)
-            for path in compared_paths.values():
-                mlflow.log_artifact(str(path), artifact_path=f"{ARTIFACT_DIR}/compare")
-
+    used_run = None
+    if log_to_mlflow:
+        used_run = _log_to_mlflow(
+            settings, run_id, scored, result, paths, compare, compared, compared_paths
+        )
     if compared is not None:
         compared = replace(compared, paths=compared_paths, run_id=used_run)
     result = replace(result, paths=paths, run_id=used_run, compared=compared)
