@@ -5,8 +5,8 @@ Usage: ``python -m bench.fixed_costs [--full] [--json PATH]``
 Each command runs as a user runs it (``app.cli.main``, what the ``imageops`` script calls), in
 a fresh process, in a project of its own (``IMAGEOPS_HOME`` under the scratch folder).
 ``--help`` and ``evaluate`` of a small scored CSV (the digits' 30 images, scored by an untrained
-resnet18 at 32 px) are timed until they exit; ``evaluate`` logs its metrics to MLflow (SQLite)
-as always, after one untimed run has created the project's database. ``score`` and ``export``
+resnet18 at 32 px) are timed until they exit; ``evaluate`` writes its files beside the table and,
+as it does unless given ``--run-id`` or ``--new-run``, nothing to MLflow. ``score`` and ``export``
 are timed until they open their first image: the process starts under an audit hook that ends it
 at the first ``open`` of an image below the input folder, so the figure is the start-up (imports,
 model and ONNX Runtime session) and nothing of the work on the data. Each process's CPU seconds
@@ -135,8 +135,6 @@ def run(full: bool, work: Path) -> Section:
     }
     logs = work / "logs"
     logs.mkdir()
-    # The first evaluate creates the project's MLflow database (once per project): not timed.
-    timed(commands["evaluate"][0], env, logs / "setup")
     runs: dict[str, list[Run]] = {name: [] for name in commands}
     for i in range(repeats):  # interleaved, so a busy spell touches every command
         for name, (args, until_image) in commands.items():
@@ -164,7 +162,8 @@ def run(full: bool, work: Path) -> Section:
         command=f"python -m bench.fixed_costs{' --full' if full else ''}",
         text=[
             f"Each command in a fresh process, {repeats} runs each, interleaved; evaluate reads "
-            f"a scored CSV of {rows_scored} rows and logs to MLflow (SQLite); score and export "
+            f"a scored CSV of {rows_scored} rows and writes its files (no MLflow run: "
+            "`--run-id` or `--new-run` asks for one); score and export "
             "are stopped at the first image they open (an untrained resnet18 at 32 px, exported "
             "to ONNX). CPU time and peak RSS are the process's own, up to that point."
         ],
