@@ -97,9 +97,14 @@ def start(
 
 
 def healthy(url: str, timeout_s: float = 5.0) -> bool:
-    """True when ``url`` answers 200; False when it answers otherwise or not at all."""
+    """True when ``url`` answers 200; False when it answers otherwise or not at all.
+
+    A fresh opener each time: ``urlopen`` keeps the proxies of the environment at its first call
+    for the life of the process (torch.hub's downloads make that call too), so one call while a
+    proxy was set would send every later check to it.
+    """
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.build_opener().open(url, timeout=timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
