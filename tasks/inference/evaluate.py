@@ -307,14 +307,12 @@ def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
 def _log_to_mlflow(
     settings: Settings,
     run_id: str | None,
-    scored: Path,
     result: EvaluationResult,
-    paths: dict[str, Path],
-    compare: Path | None = None,
-    compared: EvaluationResult | None = None,
-    compared_paths: dict[str, Path] | None = None,
+    scored: Path,
+    compare: Path | None,
 ) -> str:
-    """Log the metrics and files into run ``run_id`` (or a new one); returns the run's id."""
+    """Log ``result`` (its files, and the second table's as ``compare/``) into run ``run_id``
+    (or a new one); returns the run's id."""
     import mlflow
 
     from tasks.shared.tracking import mlflow_run
@@ -323,12 +321,12 @@ def _log_to_mlflow(
         mlflow.log_metrics({f"{METRIC_PREFIX}{k}": v for k, v in result.metrics.items()})
         # A tag, not a param: params are write-once, and a run may be evaluated again.
         mlflow.set_tag(f"{METRIC_PREFIX}top_k", str(result.top_k))
-        for path in paths.values():
+        for path in result.paths.values():
             mlflow.log_artifact(str(path), artifact_path=ARTIFACT_DIR)
-        if compare is not None and compared is not None and compared_paths is not None:
+        if (compared := result.compared) is not None and compare is not None:
             mlflow.log_metrics({f"{COMPARE_PREFIX}{k}": v for k, v in compared.metrics.items()})
             mlflow.set_tag(f"{COMPARE_PREFIX}table", compare.name)
-            for path in compared_paths.values():
+            for path in compared.paths.values():
                 mlflow.log_artifact(str(path), artifact_path=f"{ARTIFACT_DIR}/compare")
     return used_run
 
@@ -370,16 +368,14 @@ def evaluate(
     compared = None if compare is None else compute_metrics(read_scored(compare))
     log = step_logger(__name__)
 
-    paths = _write_outputs(result, scored)
-    compared_paths = {} if compared is None else _write_outputs(compared, compare)
-    used_run = None
-    if log_to_mlflow:
-        used_run = _log_to_mlflow(
-            settings, run_id, scored, result, paths, compare, compared, compared_paths
-        )
     if compared is not None:
-        compared = replace(compared, paths=compared_paths, run_id=used_run)
-    result = replace(result, paths=paths, run_id=used_run, compared=compared)
+        compared = replace(compared, paths=_write_outputs(compared, compare))
+    result = replace(result, paths=_write_outputs(result, scored), compared=compared)
+    if log_to_mlflow:
+        used_run = _log_to_mlflow(settings, run_id, result, scored, compare)
+        if compared is not None:
+            compared = replace(compared, run_id=used_run)
+        result = replace(result, run_id=used_run, compared=compared)
     if in_prefect_run():
         _publish_prefect_artifacts(result, scored, compare)
     for name, r in ((scored, result), (compare, compared)):
