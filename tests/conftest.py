@@ -54,10 +54,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     in behind them. Every worker sorts alike (the order must match across workers).
 
     At the very front, the slow modules whose tests share a module-scoped fixture (a served
-    stack, a PostgreSQL cluster), fewest tests first: worksteal hands an idle worker the back half
-    of another's queue, so the front is never split, and a split module would start its servers
-    a second time on the other worker (and its later tests would find a stack without the runs
-    its earlier tests made).
+    stack, a PostgreSQL cluster, two hosts), fewest tests first. ``make test`` hands out whole
+    modules (``--dist loadscope``): a split module would start its servers a second time on the
+    other worker (and its later tests would find a stack without the runs its earlier tests made).
     """
     heavy = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     shared = {
