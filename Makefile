@@ -61,7 +61,7 @@ format: install
 	$(BIN)/ruff format .
 
 # Every benchmark in bench/, each in a fresh process; writes the results table into
-# docs/benchmarks.md and the plots into docs/img/. Quick by default (under 15 minutes on 2 cores);
+# docs/benchmarks.md and the plots into docs/img/. Quick by default (about 18 minutes on 2 cores);
 # `make bench FULL=1` uses real sizes and more repeats.
 bench: install
 	$(BIN)/python -m bench $(if $(FULL),--full)

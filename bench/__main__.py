@@ -1,7 +1,7 @@
 """Run every benchmark and write the results into docs/benchmarks.md, with plots in docs/img/.
 
 Usage: ``python -m bench [--full] [--only NAME ...] [--no-write]`` (``make bench``, ``make bench
-FULL=1``). The quick default takes under 15 minutes on 2 cores; ``--full`` uses real sizes and
+FULL=1``). The quick default takes about 18 minutes on 2 cores; ``--full`` uses real sizes and
 more repeats. Each benchmark runs in a process of its own (a fresh interpreter: no imports, threads
 or memory carried from one to the next) and hands back its figures as JSON; the runner adds the
 machine, the versions, the date and the hardware-ceiling table, then replaces the generated part
@@ -36,8 +36,8 @@ from bench.report import (
 # In this order: the ceiling first, so nothing else warms or loads the machine before it.
 # gpu_train last: it is skipped (with a message) on machines without a CUDA GPU.
 BENCHMARKS = (
-    "ceiling", "convert_speed", "train_speed", "score_speed", "fixed_costs", "orchestration",
-    "scale_out", "gpu_train",
+    "ceiling", "convert_speed", "train_speed", "score_speed", "fixed_costs", "scale",
+    "orchestration", "scale_out", "gpu_train",
 )  # fmt: skip
 PACKAGES = (
     "torch", "torchvision", "onnxruntime", "Pillow", "numpy",
