@@ -1,4 +1,4 @@
-"""Evaluate Model: metrics of a labeled scored table, written beside it and logged to MLflow.
+"""Evaluate Model: metrics of a scored table, written beside it and logged to MLflow when asked.
 
 Accuracy, top-k accuracy (k = min(5, classes)) from the probability columns, per-class
 precision/recall/F1 with macro and weighted averages (as scikit-learn defines them), and the
