@@ -160,6 +160,28 @@ def _answers(endpoint_url: str, access_key: str, secret_key: str) -> bool:
     return True
 
 
+def _volumes_served(master_url: str) -> int:
+    """How many volumes SeaweedFS's master knows a volume server for (0 when it does not answer).
+
+    S3 answers a listing as soon as the filer is up, but an object is only readable once the
+    volume server holding it has told the master about its volumes: after a restart on a loaded
+    machine, seconds later.
+    """
+    import urllib.request
+
+    try:
+        with urllib.request.build_opener().open(f"{master_url}/dir/status", timeout=2) as answer:
+            topology = json.load(answer)["Topology"]
+    except (OSError, ValueError, KeyError):
+        return 0
+    return sum(
+        int(node.get("Volumes", 0))
+        for center in topology.get("DataCenters") or []
+        for rack in center.get("Racks") or []
+        for node in rack.get("DataNodes") or []
+    )
+
+
 # glog's error and fatal lines ("E1125 16:56:51.435317 file.go:403 ..."): what a failed start
 # said, without the goroutine dump a fatal error prints after it.
 _GLOG_ERROR = re.compile(r"^[EF]\d{4} ")
@@ -229,7 +251,8 @@ def start_seaweedfs(
     """Start SeaweedFS with S3 on ``host:port`` (a free port if None) and wait until it answers.
 
     Data (volumes, the filer's metadata, the identities file, mode 0600) live in ``data_dir``, so
-    a restart on the same folder serves the same buckets. The process dies with ours (start it
+    a restart on the same folder serves the same buckets (it returns once every stored volume is
+    served again, not only the listing). The process dies with ours (start it
     from a thread that outlives it). Its output goes to ``log`` (``data_dir/seaweedfs.log``).
     Raises :class:`ObjectStoreError` with the log's last lines when it exits or does not answer
     within ``start_timeout_s``.
@@ -245,6 +268,9 @@ def start_seaweedfs(
     if s3_port in ports:  # the caller's port was free a moment ago: take other ones
         ports = [p for p in servers.free_ports(8, INTERNAL_HOST) if p != s3_port][:7]
     command = _weed_command(data_dir, host, s3_port, identities, ports)
+    # A restart on a folder that holds data is up once every stored volume is served again.
+    stored = len(list(data_dir.glob("*.dat")))
+    master = f"http://{INTERNAL_HOST}:{ports[0]}"
     started = time.monotonic()
     process = servers.start(command, log, dict(os.environ), cwd=data_dir)
     url_host = f"[{host}]" if ":" in host else host
@@ -257,7 +283,13 @@ def start_seaweedfs(
         _process=process,
     )
     up = servers.wait_until(
-        lambda: not server.running() or _answers(server.endpoint_url, access_key, secret_key),
+        lambda: (
+            not server.running()
+            or (
+                _answers(server.endpoint_url, access_key, secret_key)
+                and (stored == 0 or _volumes_served(master) >= stored)
+            )
+        ),
         start_timeout_s,
         interval_s=0.25,
     )
