@@ -66,7 +66,7 @@ class Run:
     peak_mb: float
 
 
-def _env(home: Path) -> dict[str, str]:
+def project_env(home: Path) -> dict[str, str]:
     """This environment pointed at a project of the benchmark's own, nothing shared."""
     prefixes = ("IMAGEOPS_", "PREFECT_", "MLFLOW_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
@@ -126,7 +126,7 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
 def run(full: bool, work: Path) -> Section:
     repeats = 7 if full else 3
     images, model, scored = prepare(work)
-    env = _env(work / "project" / ".imageops")
+    env = project_env(work / "project" / ".imageops")
     commands = {
         "--help": (["--help"], None),
         "evaluate": (["evaluate", str(scored)], None),

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # `python bench/scale.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.convert_speed import make_images, pil_loop
+from bench.fixed_costs import project_env
 from bench.report import ROOT, Section, Stat, Table, run_main
 
 QUICK = (1_000, 10_000, 50_000)
@@ -102,18 +103,6 @@ def disk_bytes(*folders: Path) -> int:
     return total
 
 
-def _env(project: Path) -> dict[str, str]:
-    prefixes = ("IMAGEOPS_", "PREFECT_", "MLFLOW_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    bin_dir = str(Path(sys.executable).parent)
-    return env | {
-        "PYTHONPATH": str(ROOT),
-        "IMAGEOPS_PROJECT_ROOT": str(project),
-        "IMAGEOPS_HOME": str(project / ".imageops"),
-        "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
-    }
-
-
 def prepare_model(work: Path) -> Path:
     """An untrained resnet18 at 32 px, exported to ONNX, made in a process of its own (this one
     stays small: the commands it starts would carry its peak memory)."""
@@ -139,7 +128,7 @@ def imageops_steps(
     """
     project = work / f"project-{n}"
     (project / "data").mkdir(parents=True)
-    env, logs = _env(project), work / f"logs-{n}"
+    env, logs = project_env(project / ".imageops"), work / f"logs-{n}"
     logs.mkdir()
     cli = [sys.executable, "-m", "app.cli"]
     warm = project / "data" / "warm-up" / "0"  # one image, to make the DVC repository
@@ -183,7 +172,7 @@ def plain_dvc(n: int, work: Path) -> Run:
     project, logs = work / f"dvc-{n}", work / f"logs-{n}"
     shutil.copytree(work / f"project-{n}" / "data" / "images", project / "images",
                     copy_function=shutil.copy2)  # fmt: skip
-    env = _env(project)
+    env = project_env(project / ".imageops")
     dvc = [sys.executable, "-m", "dvc"]
     for args in (["init", "--no-scm"], ["config", "cache.type", CACHE_TYPE],
                  ["remote", "add", "-d", "local", str(work / f"dvc-remote-{n}")]):  # fmt: skip
