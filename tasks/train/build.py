@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from models.untrained import ModelSpec
 from models.zoo import build_model
@@ -19,6 +18,7 @@ from tasks.train import distributed
 from tasks.train.data import (
     LoaderSetup,
     ManifestImageFolder,
+    PreparedLoader,
     SeededSampler,
     ShardSampler,
     loader_workers,
@@ -115,7 +115,7 @@ def build_loaders(
     config: RunConfig,
     dist: distributed.DistInfo,
     setup: LoaderSetup,
-) -> tuple[DataLoader, SeededSampler, DataLoader]:
+) -> tuple[PreparedLoader, SeededSampler, PreparedLoader]:
     """This rank's training loader and its sampler, and its validation loader."""
     params = config.params
     train_loader, sampler = training_loader(

@@ -9,13 +9,10 @@ loader processes or restarts. Details: docs/training.md#data-and-loaders.
 from __future__ import annotations
 
 import copy
-import multiprocessing
-import multiprocessing.forkserver
 import os
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from functools import partial
-from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from torchvision.transforms import v2
 from tasks.data.imagedir import Manifest, load_rgb
 from tasks.shared.errors import InvalidImageDirectoryError
 from tasks.shared.parent_death import die_with
+from tasks.train.fork_server import start_fork_server
 from tasks.train.loop import derive_seed
 
 # Batches the loader processes of one loader prepare ahead, together: enough to ride out a slow
@@ -35,9 +33,6 @@ from tasks.train.loop import derive_seed
 # (a float batch of 128 images at 224 px is 77 MB) whatever the core count.
 BATCHES_AHEAD = 16
 MIN_PREFETCH_FACTOR = 2
-# What a loader process needs, imported once by the fork server (see loader_context): torch,
-# torchvision and PIL come with these.
-LOADER_MODULES = ("tasks.train.data", "tasks.data.transform")
 
 
 class ManifestImageFolder(ImageFolder):
@@ -179,50 +174,69 @@ def prefetch_factor(num_workers: int) -> int:
     return max(MIN_PREFETCH_FACTOR, -(-BATCHES_AHEAD // max(num_workers, 1)))
 
 
-def loader_context() -> BaseContext:
-    """How loader processes start: forked from a fork server, started here if none runs yet.
-
-    Forking the training process could inherit a held lock (NCCL, CUDA, MLflow) and deadlock;
-    spawning imports torch anew in each (seconds). The fork server imports once and forks loaders in
-    milliseconds; it starts in the background.
-    Details: docs/training.md#loader_context-the-fork-server.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(LOADER_MODULES))  # no effect once the server runs
-    multiprocessing.forkserver.ensure_running()
-    return context
-
-
 def _loader_started(trainer: int, worker_id: int) -> None:
     """``worker_init_fn`` of every loader process: it ends when its training process ends."""
     die_with(trainer)
 
 
-class RunAheadLoader(DataLoader):
-    """A training DataLoader whose persistent loader processes start on the next epoch's batches
-    as soon as the last batch of this one is handed out, while the model validates and saves.
+class PreparedLoader(DataLoader):
+    """A DataLoader whose persistent loader processes can start on its next pass before it is
+    asked for: :meth:`prepare`, then iterate as usual.
 
-    This removes the wait that opened each epoch (0.3 s on an H100); the images stay the same, as
-    augmentation depends on (seed, epoch, index) only. Details: docs/training.md#runaheadloader.
+    The training worker prepares both loaders before it builds the model, so the loader processes'
+    start and first batches overlap CUDA's start, the model's build and the MLflow run, instead of
+    opening the first epoch (issue 30). Details: docs/training.md#preparedloader-and-runaheadloader.
     """
 
-    _ahead: int | None = None  # the epoch whose batches are being prepared, if any
+    _ahead: int | None = None  # the pass (the sampler's epoch; 0 without one) being prepared
+
+    def _runs_ahead(self) -> bool:
+        return bool(self.persistent_workers and self.num_workers > 0)
+
+    def _pass(self) -> int:
+        return int(getattr(self.sampler, "epoch", 0))
+
+    def prepare(self, epoch: int | None = None) -> None:
+        """Start making the next pass's batches now (``epoch``: set the sampler's first).
+
+        Without loader processes this does nothing: a pass then loads as it is asked.
+        """
+        if not self._runs_ahead():
+            return
+        if epoch is not None:
+            self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        if self._ahead != self._pass():
+            super().__iter__()  # starts (or resumes) the persistent loader processes
+            self._ahead = self._pass()
 
     def __iter__(self) -> Iterator[Any]:
-        if not (self.persistent_workers and self.num_workers > 0):
+        if not self._runs_ahead():
             return super().__iter__()
-        return self._epoch()
+        return self._one_pass()
 
-    def _epoch(self) -> Iterator[Any]:
-        sampler = self.sampler
-        assert isinstance(sampler, SeededSampler)
-        epoch = sampler.epoch
-        iterator = self._iterator if self._ahead == epoch else None
+    def _one_pass(self) -> Iterator[Any]:
+        current = self._pass()
+        iterator = self._iterator if self._ahead == current else None
         self._ahead = None
         yield from iterator if iterator is not None else super().__iter__()
-        sampler.set_epoch(epoch + 1)
-        super().__iter__()  # the persistent loader processes start on the next epoch now
-        self._ahead = epoch + 1
+        self._after_pass(current)
+
+    def _after_pass(self, finished: int) -> None:
+        """What to do once a whole pass was handed out: nothing here."""
+
+
+class RunAheadLoader(PreparedLoader):
+    """A training loader whose persistent loader processes start on the next epoch's batches as
+    soon as the last batch of this one is handed out, while the model validates and saves.
+
+    This removes the wait that opened each epoch (0.3 s on an H100); the images stay the same, as
+    augmentation depends on (seed, epoch, index) only. Details:
+    docs/training.md#preparedloader-and-runaheadloader.
+    """
+
+    def _after_pass(self, finished: int) -> None:
+        assert isinstance(self.sampler, SeededSampler)
+        self.prepare(finished + 1)
 
 
 class DeviceFinish:
@@ -290,12 +304,13 @@ def make_loader(
     setup: LoaderSetup,
     drop_last: bool = False,
     run_ahead: bool = False,
-) -> DataLoader:
+) -> PreparedLoader:
     """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
 
-    Loader processes come from the one fork server (:func:`loader_context`), persist across epochs
-    and run ``BATCHES_AHEAD`` batches ahead; on CUDA batches are pinned uint8, normalised on the GPU
-    (the loader's ``finish_on_device``). ``run_ahead``: a :class:`RunAheadLoader`.
+    Loader processes come from the one fork server (:mod:`tasks.train.fork_server`), persist across
+    epochs and run ``BATCHES_AHEAD`` batches ahead; on CUDA batches are pinned uint8, normalised on
+    the GPU (the loader's ``finish_on_device``). A :class:`PreparedLoader`; ``run_ahead``: a
+    :class:`RunAheadLoader`.
     Details: docs/training.md#make_loader.
     """
     device, num_workers, finish_on_device = setup.device, setup.num_workers, setup.finish_on_device
@@ -308,13 +323,13 @@ def make_loader(
     if num_workers > 0:
         options |= {
             "num_workers": num_workers,
-            "multiprocessing_context": loader_context(),
+            "multiprocessing_context": start_fork_server(),
             "persistent_workers": True,
             "prefetch_factor": prefetch_factor(num_workers),
             # Killed with this process, however it ends (a SIGKILL stops no loader itself).
             "worker_init_fn": partial(_loader_started, os.getpid()),
         }
-    kind = RunAheadLoader if run_ahead else DataLoader
+    kind = RunAheadLoader if run_ahead else PreparedLoader
     loader = kind(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **options)
     loader.finish_on_device = finish  # type: ignore[attr-defined]
     return loader
@@ -328,7 +343,7 @@ def training_loader(
     rank: int,
     world_size: int,
     setup: LoaderSetup,
-) -> tuple[DataLoader, SeededSampler]:
+) -> tuple[PreparedLoader, SeededSampler]:
     """The training loader of one rank: its shard, reshuffled per epoch, augmented per image.
 
     Call ``sampler.set_epoch(epoch)`` before each epoch. Returns (loader, sampler).

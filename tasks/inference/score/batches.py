@@ -9,9 +9,12 @@ done. An image that does not load or is over convert's limits becomes a row with
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,12 @@ from tasks.data.imagedir import IMAGE_EXTENSIONS, ImageRefused, load_rgb
 from tasks.data.transform import applied_to, transform_for
 from tasks.inference.export import INPUT_NAME, OUTPUT_NAME
 from tasks.inference.score.images import ImageRef, list_images
-from tasks.inference.score.session import check_model, inference_session, softmax
+from tasks.inference.score.session import (
+    check_model,
+    default_threads,
+    inference_session,
+    softmax,
+)
 from tasks.inference.score.table import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX, table_schema
 from tasks.inference.tables import table_format
 from tasks.shared import faults
@@ -67,33 +75,72 @@ def _progress(total: int) -> contextlib.AbstractContextManager:
     )
 
 
-def _read_batch(
-    batch: Sequence[ImageRef],
-    transform: Callable,
-    log: logging.Logger | logging.LoggerAdapter,
-) -> tuple[list[np.ndarray], list[int], list[str]]:
-    """The batch's tensors, the places of the images they come from, and each image's error.
+def _read_image(ref: ImageRef, transform: Callable) -> tuple[np.ndarray | None, str]:
+    """One image as the network takes it, or None and the reason it cannot be read."""
+    if ref.problem:
+        return None, ref.problem
+    try:
+        return transform(load_rgb(ref.file)).numpy(), ""
+    except ImageRefused as refused:  # over the limits convert applies too
+        return None, refused.reason
+    except Exception as exc:  # one bad file must not sink the other images
+        return None, f"{type(exc).__name__}: {exc}"
 
-    An image that cannot be read gets its reason (and a log line) instead of a tensor.
+
+def _read_images(refs: list[ImageRef], transform: Callable) -> list[tuple[np.ndarray | None, str]]:
+    return [_read_image(ref, transform) for ref in refs]
+
+
+def default_readers() -> int:
+    """Threads that decode images: the cores this process may run on (decoding and the transform
+    release the GIL, so they run side by side, and beside ONNX Runtime's own threads)."""
+    return default_threads()
+
+
+def read_batches(
+    refs: list[ImageRef],
+    size: int,
+    transform: Callable,
+    readers: int,
+    log: logging.Logger | logging.LoggerAdapter,
+) -> Iterator[tuple[int, list[ImageRef], list[np.ndarray], list[int], list[str]]]:
+    """Each batch read: (its start, its refs, its tensors, the places they come from, each image's
+    error); the next batch is already being decoded in ``readers`` threads while the caller scores
+    this one.
+
+    At most two batches are in memory, whatever the number of images. An image that cannot be read
+    gets its reason (and a log line, in the images' order) instead of a tensor.
     """
-    tensors, kept, errors = [], [], [""] * len(batch)
-    for i, ref in enumerate(batch):
-        if ref.problem:
-            errors[i] = ref.problem
-            log.warning("Cannot score %s: %s", ref.path, ref.problem)
-            continue
+    batches = _batches(refs, size)
+    with ThreadPoolExecutor(readers, thread_name_prefix="score-reader") as pool:
+
+        def submit(item: tuple[int, list[ImageRef]]) -> tuple[int, list[ImageRef], list[Future]]:
+            start, batch = item  # one slice of the batch per thread: few tasks, little overhead
+            step = -(-len(batch) // readers)
+            slices = (batch[i : i + step] for i in range(0, len(batch), step))
+            return start, batch, [pool.submit(_read_images, part, transform) for part in slices]
+
+        ahead = deque(submit(item) for item in itertools.islice(batches, 1))
         try:
-            tensors.append(transform(load_rgb(ref.file)).numpy())
-        except ImageRefused as refused:  # over the limits convert applies too
-            errors[i] = refused.reason
-            log.warning("Cannot score %s: %s", ref.path, errors[i])
-            continue
-        except Exception as exc:  # one bad file must not sink the other images
-            errors[i] = f"{type(exc).__name__}: {exc}"
-            log.warning("Cannot score %s: %s", ref.path, errors[i])
-            continue
-        kept.append(i)
-    return tensors, kept, errors
+            while ahead:
+                start, batch, futures = ahead.popleft()
+                following = next(batches, None)
+                if following is not None:
+                    ahead.append(submit(following))
+                tensors, kept, errors = [], [], [""] * len(batch)
+                read = itertools.chain.from_iterable(future.result() for future in futures)
+                for i, (ref, (tensor, error)) in enumerate(zip(batch, read, strict=True)):
+                    errors[i] = error
+                    if tensor is None:
+                        log.warning("Cannot score %s: %s", ref.path, errors[i])
+                    else:
+                        tensors.append(tensor)
+                        kept.append(i)
+                yield start, batch, tensors, kept, errors
+        finally:  # the caller stopped early (an error): drop the batch being read
+            for _, _, futures in ahead:
+                for future in futures:
+                    future.cancel()
 
 
 def score(
@@ -144,6 +191,7 @@ def score(
     session = inference_session(onnx_path, threads)
     check_model(session, info, onnx_path)
     log = step_logger(LOGGER)
+    log.info("Scoring %d image(s) with %s on %s", len(refs), onnx_path, session.get_providers()[0])
     if labeled:
         unknown = sorted({r.category for r in refs} - set(info.classes))
         if unknown:
@@ -159,8 +207,8 @@ def score(
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
         writer = table.writer(tmp, schema)
         try:
-            for start, batch in _batches(refs, batch_size):
-                tensors, kept, errors = _read_batch(batch, transform, log)
+            read = read_batches(refs, batch_size, transform, default_readers(), log)
+            for start, batch, tensors, kept, errors in read:
                 probs = np.full((len(batch), len(classes)), np.nan)
                 labels = np.full(len(batch), "", dtype=object)
                 if kept:

@@ -25,16 +25,20 @@ def inference_session(onnx_path: Path, threads: int | None = None) -> ort.Infere
     """An ONNX Runtime session tuned for batch scoring.
 
     All graph optimisations; intra-op threads = the cores we may use (ORT's default can count the
-    host's cores inside a container); CUDA first when this onnxruntime build has it, CPU always
-    as the fallback.
+    host's cores inside a container); CUDA first when this onnxruntime build has it (the worker
+    image installs onnxruntime-gpu), CPU always as the fallback. Details: docs/scoring.md#on-a-gpu.
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.intra_op_num_threads = threads or default_threads()
     providers = ["CPUExecutionProvider"]
-    if "CUDAExecutionProvider" in ort.get_available_providers():
+    if "CUDAExecutionProvider" in ort.get_available_providers():  # the onnxruntime-gpu build
         providers.insert(0, "CUDAExecutionProvider")
+        # CUDA and cuDNN from the nvidia-* wheels torch brought (or torch's own), as ORT's docs
+        # advise for pip installs: no LD_LIBRARY_PATH needed. ORT falls back to the CPU if the
+        # GPU cannot be used (no device, too old a driver) and says so in a warning.
+        ort.preload_dlls()
     return ort.InferenceSession(str(onnx_path), sess_options=options, providers=providers)
 
 
