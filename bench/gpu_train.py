@@ -227,6 +227,18 @@ def _silent_log() -> logging.Logger:
     return log
 
 
+class _StepRates(logging.Handler):
+    """Keeps the training loop's progress lines as (step, images/s since the epoch began)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates: list[tuple[int, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "[%d/%d]" in str(record.msg) and record.args:
+            self.rates.append((int(record.args[2]), float(record.args[-1])))  # type: ignore[index]
+
+
 def training_step(model, optimizer, amp, images, targets) -> Callable[[], None]:
     """One training step on a fixed batch, as the training loop does it (autocast, float32 loss,
     the gradient scaler, which is a pass-through unless fp16)."""
@@ -453,6 +465,9 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
         warm_up(model, loader, parts, batch_size=plan.batch, side=plan.crop)
     val_loader.prepare()
     log = _silent_log()
+    step_rates = _StepRates()
+    log.addHandler(step_rates)
+    log.setLevel(logging.INFO)  # the loop's progress lines are INFO
     result: dict = {
         "workers": workers,
         "warm_up": warm,
@@ -464,6 +479,7 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
         began = time.perf_counter()
         seed_everything(derive_seed(SEED, "epoch", 0, epoch))
         sampler.set_epoch(epoch)
+        step_rates.rates = []
         stats = train_one_epoch(
             model,
             loader,
@@ -497,6 +513,7 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
                 "train_s": trained,
                 "val_s": validated,
                 "wall_s": wall,
+                "step_rates": step_rates.rates,
                 "loss": stats.loss,
                 "val_top1": val["val/top1"],
             }
@@ -504,7 +521,8 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
         print(
             f"imageops epoch {epoch}: {stats.images_per_sec:,.0f} images/s (first batch after "
             f"{stats.first_batch_seconds:.2f} s), validation {validated:.2f} s, epoch {wall:.2f} s"
-            f", loss {stats.loss:.3f}",
+            f", loss {stats.loss:.3f}; images/s since the epoch began, by step: "
+            + ", ".join(f"{step} {rate:,.0f}" for step, rate in step_rates.rates),
             flush=True,
         )
     return result
@@ -624,6 +642,8 @@ def describe_device(plan: Plan) -> str:
 
 
 def report(plan: Plan, parts: dict[str, dict], command: str) -> Section:
+    from tasks.train.loop import WARM_UP_STEPS
+
     step, loader, ours, plain = (parts[k] for k in ("step", "loader", "imageops", "plain"))
     cold = parts["imageops_cold"]
     precision = _precision(plan)
@@ -748,8 +768,9 @@ def report(plan: Plan, parts: dict[str, dict], command: str) -> Section:
         f"{', '.join(f'{w:.1f}' for w in walls)} s with them); set-up before epoch 1 took "
         f"{ours['set_up_s']:.1f} s after the imports ({ours['since_start_s']:.1f} s after the "
         "interpreter started), in the worker's order: the fork server started before torch is "
-        "imported, both loaders prepared once the model is built, and the warm-up (3 steps of a "
-        "throwaway copy); `imageops without the warm-up` leaves that out. "
+        "imported, both loaders prepared once the model is built, and the warm-up "
+        f"({WARM_UP_STEPS} steps of a throwaway copy); `imageops without the warm-up` leaves "
+        "that out. "
         "`plain` is a pytorch/examples-style loop (ImageFolder, "
         f"{plain['workers']} forked loader processes, fp32 NCHW, the loss read every step). "
         f"'of ceiling' is against the {fast} step alone of {plan.arch} above.",

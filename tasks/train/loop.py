@@ -41,7 +41,7 @@ LR = "train/lr"
 # these: a metric added here is reported and tunable.
 EPOCH_METRICS = (LOSS, VAL_LOSS, TOP1, TOP5, THROUGHPUT, THROUGHPUT_PER_PROCESS, LR)
 # Training steps of a throwaway copy of the model before the first epoch (:func:`warm_up`).
-WARM_UP_STEPS = 3
+WARM_UP_STEPS = 10
 # A run's summary: these at its best epoch and at its last.
 METRICS = (LOSS, VAL_LOSS, TOP1, TOP5, THROUGHPUT)
 

@@ -91,6 +91,24 @@ def _read_images(refs: list[ImageRef], transform: Callable) -> list[tuple[np.nda
     return [_read_image(ref, transform) for ref in refs]
 
 
+@contextlib.contextmanager
+def _one_torch_thread_each() -> Iterator[None]:
+    """torch computes each transform step on one thread while scoring reads, and as before after.
+
+    The readers are the parallelism: with torch's default (a thread per core) in each of them, 16
+    readers on 16 cores ran 256 threads and read no faster than one (issue 30). Process-wide, as
+    torch's setting is.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def default_readers() -> int:
     """Threads that decode images: the cores this process may run on (decoding and the transform
     release the GIL, so they run side by side, and beside ONNX Runtime's own threads)."""
@@ -112,7 +130,10 @@ def read_batches(
     gets its reason (and a log line, in the images' order) instead of a tensor.
     """
     batches = _batches(refs, size)
-    with ThreadPoolExecutor(readers, thread_name_prefix="score-reader") as pool:
+    with (
+        _one_torch_thread_each(),
+        ThreadPoolExecutor(readers, thread_name_prefix="score-reader") as pool,
+    ):
 
         def submit(item: tuple[int, list[ImageRef]]) -> tuple[int, list[ImageRef], list[Future]]:
             start, batch = item  # one slice of the batch per thread: few tasks, little overhead
