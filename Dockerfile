@@ -17,9 +17,16 @@
 # same torch and torchvision versions:
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 -t imageops-worker .
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t imageops-worker:cpu .
+#
+# Scoring on the GPU: the default build replaces the lock's onnxruntime with onnxruntime-gpu, the
+# same runtime with the CUDA execution provider (built for CUDA 13, like the lock's torch, whose
+# nvidia-* packages give it CUDA and cuDNN); `imageops score` then runs on the GPU when the
+# container has one and on the CPU otherwise. A TORCH_INDEX_URL build keeps the CPU onnxruntime
+# (PyPI's onnxruntime-gpu does not match another CUDA version).
 FROM python:3.11-slim-bookworm
 
 ARG TORCH_INDEX_URL=""
+ARG ONNXRUNTIME_GPU_VERSION="1.31.1"
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -40,6 +47,8 @@ COPY requirements.lock ./
 RUN set -eu; \
     if [ -z "$TORCH_INDEX_URL" ]; then \
         pip install --requirement requirements.lock; \
+        pip uninstall --yes onnxruntime; \
+        pip install --no-deps "onnxruntime-gpu==$ONNXRUNTIME_GPU_VERSION"; \
     else \
         pip install --index-url "$TORCH_INDEX_URL" \
             $(grep -E '^(torch|torchvision)==' requirements.lock); \

@@ -461,7 +461,7 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
     criterion = torch.nn.CrossEntropyLoss()
     parts = StepParts(optimizer, scheduler, criterion, scaler, amp, device)
     loader.prepare(1)
-    if warm:
+    if warm and device.type == "cuda":
         warm_up(model, loader, parts, batch_size=plan.batch, side=plan.crop)
     val_loader.prepare()
     log = _silent_log()

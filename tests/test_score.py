@@ -17,6 +17,7 @@ from prefect_runs import task_runs_of
 
 from models.atomic import write_json
 from models.directory import ONNX, read_model_info
+from models.transform_spec import TransformSpec
 from tasks.data.imagedir import load_rgb, read_manifest
 from tasks.data.transform import build_transform
 from tasks.inference.score import ShardedScoring, score, score_in_shards
@@ -271,3 +272,33 @@ def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
     assert sorted(table["path"]) == sorted(e.path for e in manifest.images)
     assert table["category"].tolist() == [p.split("/")[0] for p in table["path"]]
     assert compute_metrics(table).confusion  # every row is one image with its true class
+
+
+def test_threaded_reading_keeps_the_images_order_and_each_ones_error(
+    digits_raw: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Batches are decoded in threads, a batch ahead (issue 30): whatever finishes first, tensors,
+    errors and log lines come in the images' order, and torch's thread setting is as it was."""
+    from tasks.inference.score.batches import read_batches
+    from tasks.inference.score.images import list_images
+
+    folder = tmp_path / "photos"
+    _plain_folder(digits_raw, folder, count=9)
+    for name in ("a-broken.png", "m-broken.png"):
+        (folder / name).write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    refs, _ = list_images(folder)
+    transform = build_transform(TransformSpec(resize_size=16, center_crop_size=16), "inference")
+    before = torch.get_num_threads()
+    log = logging.getLogger("tasks.inference.score")
+    with caplog.at_level(logging.WARNING, logger="tasks.inference.score"):
+        read = list(read_batches(refs, 4, transform, 3, log))
+    assert torch.get_num_threads() == before
+    assert [start for start, *_ in read] == [0, 4, 8]
+    assert [ref.path for _, batch, *_ in read for ref in batch] == [r.path for r in refs]
+    for _, batch, tensors, kept, errors in read:
+        for i, ref in enumerate(batch):
+            assert ("broken" in ref.path) == (i not in kept) == bool(errors[i])
+        expected = [transform(load_rgb(batch[i].file)).numpy() for i in kept]
+        assert all(np.array_equal(a, b) for a, b in zip(tensors, expected, strict=True))
+    warned = [r.getMessage() for r in caplog.records if "Cannot score" in r.getMessage()]
+    assert [w.split()[2].rstrip(":") for w in warned] == ["a-broken.png", "m-broken.png"]

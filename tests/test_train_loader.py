@@ -219,3 +219,122 @@ def test_running_ahead_to_the_next_epoch_keeps_every_epochs_images(
     inline = epochs(0, order)
     assert all(torch.equal(a, b) for a, b in zip(inline, epochs(2, order), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(inline, epochs(2, order, True), strict=True))
+
+
+@pytest.mark.slow  # starts a fork server: seconds to import torch
+def test_prepared_loaders_start_before_they_are_asked_and_hand_out_the_same_batches(
+    digits_split: tuple[Path, Path],
+) -> None:
+    """The worker prepares both loaders before it builds the model (issue 30): the first pass then
+    uses the processes and batches already under way, and the images are the ones asked for."""
+    from tasks.train.data import ShardSampler, make_loader
+
+    train_root, val_root = digits_split
+    spec = TransformSpec(resize_size=16, center_crop_size=16, random_rotation=True,
+                         random_rotation_degrees=30)  # fmt: skip
+    train_set = ManifestImageFolder(
+        train_root, read_manifest(train_root), build_transform(spec, "training")
+    )
+    val_set = ManifestImageFolder(
+        val_root, read_manifest(val_root), build_transform(spec, "inference")
+    )
+    cpu = torch.device("cpu")
+
+    def passes(workers: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
+        loader, sampler = training_loader(
+            train_set, batch_size=8, seed=3, rank=0, world_size=1, setup=LoaderSetup(cpu, workers)
+        )
+        val = make_loader(
+            val_set, batch_size=8, sampler=ShardSampler(len(val_set), 0, 1),
+            setup=LoaderSetup(cpu, workers),
+        )  # fmt: skip
+        loader.prepare(1)
+        val.prepare()
+        started = [loader._iterator is not None, val._iterator is not None]
+        prepared = loader._iterator
+        trained, validated = [], []
+        for epoch in (1, 2):
+            sampler.set_epoch(epoch)
+            trained.append(torch.cat([images for images, _ in loader]))
+            if epoch == 1:  # epoch 1 ran on the iterator prepare() made, not a reset one
+                started.append(loader._iterator is prepared)
+            validated.append(torch.cat([images for images, _ in val]))
+        return trained, validated, started
+
+    inline = passes(0)
+    assert inline[2] == [False, False, True]  # without loader processes prepare() does nothing
+    forked = passes(2)
+    assert forked[2] == [True, True, True]
+    for ours, theirs in zip(inline[:2], forked[:2], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_the_warm_up_leaves_the_model_the_optimizer_and_the_random_streams_as_they_were(
+    digits_split: tuple[Path, Path],
+) -> None:
+    import copy
+
+    from tasks.train.build import build_optimizer
+    from tasks.train.loop import StepParts, warm_up
+    from tasks.train.precision import Amp
+    from tasks.train.schedule import build_scheduler
+
+    root = digits_split[0]
+    spec = TransformSpec(resize_size=16, center_crop_size=16)
+    dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
+    cpu = torch.device("cpu")
+    loader, _ = training_loader(
+        dataset, batch_size=8, seed=3, rank=0, world_size=1, setup=LoaderSetup(cpu, 0)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Flatten(),
+        torch.nn.LazyLinear(3),
+    )
+    model(torch.zeros(2, 3, 16, 16))  # materialise the lazy layer
+    optimizer = build_optimizer(model, 0.1)
+    scheduler = build_scheduler(optimizer, steps_per_epoch=4, epochs=1, warmup_epochs=0)
+    amp = Amp("cpu", "fp32", channels_last=False)
+    parts = StepParts(
+        optimizer, scheduler, torch.nn.CrossEntropyLoss(), amp.grad_scaler(), amp, cpu
+    )
+    weights = copy.deepcopy(model.state_dict())
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    rng = torch.get_rng_state()
+
+    warm_up(model, loader, parts, batch_size=8, side=16, steps=2)
+
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert optimizer.state_dict() == optimizer_state  # no momentum buffers: never stepped
+    assert scheduler.last_epoch == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize(
+    ("config", "starts"),
+    [
+        ({"device": "cuda", "params": {}}, True),
+        ({"device": "cpu", "params": {"num_workers": 2}}, True),
+        ({"device": "cpu", "params": {}}, False),
+        ({"device": "cuda", "params": {"num_workers": 0}}, False),
+    ],
+)
+def test_the_worker_starts_the_fork_server_first_only_where_its_loaders_use_processes(
+    tmp_path: Path, config: dict, starts: bool
+) -> None:
+    """Before importing torch (issue 30): the server's import then runs beside the worker's."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    probe = (
+        "import sys, multiprocessing.forkserver as f\n"
+        "from tasks.train.fork_server import start_for_worker\n"
+        "start_for_worker(sys.argv[1:])\n"
+        "print(f._forkserver._forkserver_pid is not None, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "--config", str(path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == [str(starts), "False"]

@@ -222,32 +222,33 @@ def warm_up(
     side: int,
     steps: int = WARM_UP_STEPS,
 ) -> None:
-    """On CUDA, a few training steps of a throwaway copy of ``model`` on random batches like the
-    loader's, so that the first epoch runs at the pace of the others.
+    """A few training steps of a throwaway copy of ``model`` on random batches like the loader's,
+    so that the first epoch runs at the pace of the others (the worker calls it on CUDA).
 
     CUDA loads each kernel at its first call and the caching allocator grows to the step's needs
-    during the first steps: on an H100 the first epoch of resnet50 ran about a second slower than
-    the others with its batches ready (issue 30). Run while the loader processes start
-    (``PreparedLoader.prepare``), that second overlaps a wait. The model, the optimizer, the
-    scheduler, the scaler and every random stream are left as they were.
+    during the first steps: on an H200 the first 10 steps of resnet50 ran at a quarter of the
+    steady pace (issue 30). Run while the loader processes start (``PreparedLoader.prepare``),
+    that overlaps a wait. The model, the optimizer, the scheduler, the scaler and every random
+    stream are left as they were.
     """
     device = parts.device
-    if device.type != "cuda" or steps < 1:
-        return
     shadow = copy.deepcopy(model).train()
     optimizer = type(parts.optimizer)(shadow.parameters(), **parts.optimizer.defaults)
     shadow_parts = dataclasses.replace(parts, optimizer=optimizer, scaler=parts.amp.grad_scaler())
     uint8 = getattr(loader, "finish_on_device", None) is not None  # the loader's batch type
-    with torch.random.fork_rng(devices=[device]):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for _ in range(steps):
             shape = (batch_size, 3, side, side)
             images = (
                 torch.randint(0, 256, shape, dtype=torch.uint8) if uint8 else torch.randn(shape)
             )
-            images = model_input(loader, images.pin_memory(), device, parts.amp.memory_format)
+            if device.type == "cuda":
+                images = images.pin_memory()  # as the loader's batches are
+            images = model_input(loader, images, device, parts.amp.memory_format)
             targets = torch.zeros(batch_size, dtype=torch.long, device=device)  # class 0 exists
             _optimisation_step(shadow, images, targets, shadow_parts)
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 @torch.no_grad()

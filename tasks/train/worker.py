@@ -190,7 +190,8 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     # The loader processes make the first batches while the GPU warms up and the MLflow run
     # opens, so the first epoch runs at the pace of the others (docs/training.md#the-worker).
     train_loader.prepare(progress.epoch + 1)
-    warm_up(model, train_loader, parts, batch_size=params.batch_size, side=side)
+    if device.type == "cuda":  # a CPU's first steps run at the pace of the others
+        warm_up(model, train_loader, parts, batch_size=params.batch_size, side=side)
     val_loader.prepare()
     net: nn.Module = model
     if dist.world_size > 1:
