@@ -34,10 +34,10 @@ from bench.report import (
 )
 
 # In this order: the ceiling first, so nothing else warms or loads the machine before it.
-# gpu_train last: it is skipped (with a message) on machines without a CUDA GPU.
+# The GPU ones last: they are skipped (with a message) on machines without a CUDA GPU.
 BENCHMARKS = (
     "ceiling", "convert_speed", "train_speed", "score_speed", "fixed_costs", "scale",
-    "orchestration", "scale_out", "gpu_train",
+    "orchestration", "scale_out", "gpu_train", "gpu_score",
 )  # fmt: skip
 PACKAGES = (
     "torch", "torchvision", "onnxruntime", "Pillow", "numpy",

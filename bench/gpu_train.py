@@ -47,7 +47,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/gpu_train.py`
@@ -395,11 +394,11 @@ def part_loader(plan: Plan, data: Path) -> dict:
     return result
 
 
-def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
+def part_imageops(plan: Plan, data: Path) -> dict:
     """The worker's epoch loop as a world of one: training images/s per epoch, first batch, wall.
 
-    In the worker's order: the fork server starts before torch is imported; the loaders are
-    prepared once the model is built; then the warm-up (``warm``) and the validation loader.
+    In the worker's order: the fork server starts before torch is imported; both loaders are
+    prepared once the model is built.
     """
     from tasks.train.fork_server import start_fork_server
 
@@ -425,7 +424,6 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
         evaluate,
         seed_everything,
         train_one_epoch,
-        warm_up,
     )
     from tasks.train.params import TrainParams
     from tasks.train.precision import Amp
@@ -461,8 +459,6 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
     criterion = torch.nn.CrossEntropyLoss()
     parts = StepParts(optimizer, scheduler, criterion, scaler, amp, device)
     loader.prepare(1)
-    if warm and device.type == "cuda":
-        warm_up(model, loader, parts, batch_size=plan.batch, side=plan.crop)
     val_loader.prepare()
     log = _silent_log()
     step_rates = _StepRates()
@@ -470,7 +466,6 @@ def part_imageops(plan: Plan, data: Path, *, warm: bool = True) -> dict:
     log.setLevel(logging.INFO)  # the loop's progress lines are INFO
     result: dict = {
         "workers": workers,
-        "warm_up": warm,
         "set_up_s": time.perf_counter() - began,
         "since_start_s": time.perf_counter() - STARTED,
         "epochs": [],
@@ -590,7 +585,6 @@ PARTS = {
     "step": part_step,
     "loader": part_loader,
     "imageops": part_imageops,
-    "imageops_cold": partial(part_imageops, warm=False),
     "plain": part_plain,
 }
 
@@ -642,10 +636,7 @@ def describe_device(plan: Plan) -> str:
 
 
 def report(plan: Plan, parts: dict[str, dict], command: str) -> Section:
-    from tasks.train.loop import WARM_UP_STEPS
-
     step, loader, ours, plain = (parts[k] for k in ("step", "loader", "imageops", "plain"))
-    cold = parts["imageops_cold"]
     precision = _precision(plan)
     fast = f"{precision} channels-last"
     rates = {k: Stat(v, "images/s") for k, v in step["rates"].items()}
@@ -678,9 +669,6 @@ def report(plan: Plan, parts: dict[str, dict], command: str) -> Section:
             epoch_stats(ours, "first_batch_s", False),
             Stat([r / ceiling * 100 for r in ours_steady.samples], "%"),
         ],
-        ["imageops without the warm-up", "1", epoch_stats(cold, "images_per_s", True),
-         epoch_stats(cold, "first_batch_s", True),
-         Stat([epoch_stats(cold, "images_per_s", True).median / ceiling * 100], "%")],
         ["plain (fp32 NCHW)", "1", plain_first, epoch_stats(plain, "first_batch_s", True),
          Stat([plain_first.median / ceiling * 100], "%")],
         [
@@ -768,9 +756,7 @@ def report(plan: Plan, parts: dict[str, dict], command: str) -> Section:
         f"{', '.join(f'{w:.1f}' for w in walls)} s with them); set-up before epoch 1 took "
         f"{ours['set_up_s']:.1f} s after the imports ({ours['since_start_s']:.1f} s after the "
         "interpreter started), in the worker's order: the fork server started before torch is "
-        "imported, both loaders prepared once the model is built, and the warm-up "
-        f"({WARM_UP_STEPS} steps of a throwaway copy); `imageops without the warm-up` leaves "
-        "that out. "
+        "imported, both loaders prepared once the model is built. "
         "`plain` is a pytorch/examples-style loop (ImageFolder, "
         f"{plain['workers']} forked loader processes, fp32 NCHW, the loss read every step). "
         f"'of ceiling' is against the {fast} step alone of {plan.arch} above.",

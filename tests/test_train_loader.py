@@ -269,49 +269,6 @@ def test_prepared_loaders_start_before_they_are_asked_and_hand_out_the_same_batc
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-def test_the_warm_up_leaves_the_model_the_optimizer_and_the_random_streams_as_they_were(
-    digits_split: tuple[Path, Path],
-) -> None:
-    import copy
-
-    from tasks.train.build import build_optimizer
-    from tasks.train.loop import StepParts, warm_up
-    from tasks.train.precision import Amp
-    from tasks.train.schedule import build_scheduler
-
-    root = digits_split[0]
-    spec = TransformSpec(resize_size=16, center_crop_size=16)
-    dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
-    cpu = torch.device("cpu")
-    loader, _ = training_loader(
-        dataset, batch_size=8, seed=3, rank=0, world_size=1, setup=LoaderSetup(cpu, 0)
-    )
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3),
-        torch.nn.BatchNorm2d(4),
-        torch.nn.Flatten(),
-        torch.nn.LazyLinear(3),
-    )
-    model(torch.zeros(2, 3, 16, 16))  # materialise the lazy layer
-    optimizer = build_optimizer(model, 0.1)
-    scheduler = build_scheduler(optimizer, steps_per_epoch=4, epochs=1, warmup_epochs=0)
-    amp = Amp("cpu", "fp32", channels_last=False)
-    parts = StepParts(
-        optimizer, scheduler, torch.nn.CrossEntropyLoss(), amp.grad_scaler(), amp, cpu
-    )
-    weights = copy.deepcopy(model.state_dict())
-    optimizer_state = copy.deepcopy(optimizer.state_dict())
-    rng = torch.get_rng_state()
-
-    warm_up(model, loader, parts, batch_size=8, side=16, steps=2)
-
-    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
-    assert optimizer.state_dict() == optimizer_state  # no momentum buffers: never stepped
-    assert scheduler.last_epoch == 0
-    assert torch.equal(torch.get_rng_state(), rng)
-
-
 @pytest.mark.parametrize(
     ("config", "starts"),
     [

@@ -183,9 +183,9 @@ class PreparedLoader(DataLoader):
     """A DataLoader whose persistent loader processes can start on its next pass before it is
     asked for: :meth:`prepare`, then iterate as usual.
 
-    The training worker prepares both loaders before it builds the model, so the loader processes'
-    start and first batches overlap CUDA's start, the model's build and the MLflow run, instead of
-    opening the first epoch (issue 30). Details: docs/training.md#preparedloader-and-runaheadloader.
+    The training worker prepares both loaders before DDP and its MLflow record start, so the first
+    batches are made meanwhile instead of opening the first epoch (issue 30). Details:
+    docs/training.md#preparedloader-and-runaheadloader.
     """
 
     _ahead: int | None = None  # the pass (the sampler's epoch; 0 without one) being prepared

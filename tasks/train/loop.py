@@ -7,8 +7,6 @@ run's memory format, under autocast in its precision. Details: docs/training.md#
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import hashlib
 import logging
 import math
@@ -40,8 +38,6 @@ LR = "train/lr"
 # and what a tuning study may optimise (tasks.tune.spec). :func:`epoch_metrics` reports exactly
 # these: a metric added here is reported and tunable.
 EPOCH_METRICS = (LOSS, VAL_LOSS, TOP1, TOP5, THROUGHPUT, THROUGHPUT_PER_PROCESS, LR)
-# Training steps of a throwaway copy of the model before the first epoch (:func:`warm_up`).
-WARM_UP_STEPS = 10
 # A run's summary: these at its best epoch and at its last.
 METRICS = (LOSS, VAL_LOSS, TOP1, TOP5, THROUGHPUT)
 
@@ -146,8 +142,8 @@ def train_one_epoch(
     is read back only every ``print_frequency`` steps, so the CPU never waits for a step and the GPU
     never idles. Details: docs/training.md#train_one_epoch.
     """
-    optimizer, scheduler = parts.optimizer, parts.scheduler
-    amp, device = parts.amp, parts.device
+    optimizer, scheduler, criterion = parts.optimizer, parts.scheduler, parts.criterion
+    scaler, amp, device = parts.scaler, parts.amp, parts.device
     model.train()
     # float64 sums of float32 losses: the same arithmetic as summing their Python floats.
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -161,7 +157,14 @@ def train_one_epoch(
             log.info("epoch %d/%d: first batch after %.2f s", epoch, epochs, first_batch)
         images = model_input(loader, images, device, amp.memory_format)
         targets = targets.to(device, non_blocking=True)
-        loss = _optimisation_step(model, images, targets, parts)
+        with amp.autocast():
+            logits = model(images)
+        # Softmax and log of a low-precision logit lose digits the loss needs: float32.
+        loss = criterion(logits.float(), targets)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped (and the scale lowered) if float16 gradients overflowed
+        scaler.update()
         scheduler.step()
         loss_sum += loss.detach().double() * targets.size(0)
         count += targets.size(0)
@@ -196,59 +199,6 @@ def train_one_epoch(
         images_per_sec_per_process=throughput / distributed.info().world_size,
         first_batch_seconds=first_batch,
     )
-
-
-def _optimisation_step(
-    model: nn.Module, images: torch.Tensor, targets: torch.Tensor, parts: StepParts
-) -> torch.Tensor:
-    """Forward, loss, backward and the optimizer's step on one batch; returns the loss."""
-    with parts.amp.autocast():
-        logits = model(images)
-    # Softmax and log of a low-precision logit lose digits the loss needs: float32.
-    loss = parts.criterion(logits.float(), targets)
-    parts.optimizer.zero_grad(set_to_none=True)
-    parts.scaler.scale(loss).backward()
-    parts.scaler.step(parts.optimizer)  # skipped (and the scale lowered) if float16 overflowed
-    parts.scaler.update()
-    return loss
-
-
-def warm_up(
-    model: nn.Module,
-    loader: DataLoader,
-    parts: StepParts,
-    *,
-    batch_size: int,
-    side: int,
-    steps: int = WARM_UP_STEPS,
-) -> None:
-    """A few training steps of a throwaway copy of ``model`` on random batches like the loader's,
-    so that the first epoch runs at the pace of the others (the worker calls it on CUDA).
-
-    CUDA loads each kernel at its first call and the caching allocator grows to the step's needs
-    during the first steps: on an H200 the first 10 steps of resnet50 ran at a quarter of the
-    steady pace (issue 30). Run while the loader processes start (``PreparedLoader.prepare``),
-    that overlaps a wait. The model, the optimizer, the scheduler, the scaler and every random
-    stream are left as they were.
-    """
-    device = parts.device
-    shadow = copy.deepcopy(model).train()
-    optimizer = type(parts.optimizer)(shadow.parameters(), **parts.optimizer.defaults)
-    shadow_parts = dataclasses.replace(parts, optimizer=optimizer, scaler=parts.amp.grad_scaler())
-    uint8 = getattr(loader, "finish_on_device", None) is not None  # the loader's batch type
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for _ in range(steps):
-            shape = (batch_size, 3, side, side)
-            images = (
-                torch.randint(0, 256, shape, dtype=torch.uint8) if uint8 else torch.randn(shape)
-            )
-            if device.type == "cuda":
-                images = images.pin_memory()  # as the loader's batches are
-            images = model_input(loader, images, device, parts.amp.memory_format)
-            targets = torch.zeros(batch_size, dtype=torch.long, device=device)  # class 0 exists
-            _optimisation_step(shadow, images, targets, shadow_parts)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
 
 @torch.no_grad()

@@ -56,7 +56,6 @@ from tasks.train.loop import (
     evaluate,
     seed_everything,
     train_one_epoch,
-    warm_up,
 )
 from tasks.train.params import RunConfig
 from tasks.train.precision import Amp
@@ -171,8 +170,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     train_loader, sampler, val_loader = build_loaders(datasets, config, dist, setup)
 
     configure_backends(device)
-    side = input_size(config.transform)
-    amp = Amp.for_run(device.type, config.precision, side)
+    amp = Amp.for_run(device.type, config.precision, input_size(config.transform))
     model = prepare_model(config.architecture, num_classes, device, params.seed, amp)
     lr = params.learning_rate * dist.world_size  # Azure's rule: global batch = batch x world
     optimizer = build_optimizer(model, lr, params.momentum, params.weight_decay)
@@ -187,11 +185,9 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     progress, best_state, resumed = resume(config, model, parts, dist.is_primary)
     if resumed:
         log.info("resumed from the checkpoint after epoch %d", progress.epoch)
-    # The loader processes make the first batches while the GPU warms up and the MLflow run
-    # opens, so the first epoch runs at the pace of the others (docs/training.md#the-worker).
+    # The loader processes make the first batches while the MLflow run opens: the first epoch
+    # does not wait for them (docs/training.md#the-worker).
     train_loader.prepare(progress.epoch + 1)
-    if device.type == "cuda":  # a CPU's first steps run at the pace of the others
-        warm_up(model, train_loader, parts, batch_size=params.batch_size, side=side)
     val_loader.prepare()
     net: nn.Module = model
     if dist.world_size > 1:
