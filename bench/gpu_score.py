@@ -37,7 +37,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/gpu_score.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import Section, Stat, Table, run_main, usable_cores, versions
+from bench.report import Section, Stat, Table, no_cuda_here, run_main, usable_cores, versions
 
 GOAL_VS_TORCH_FP32 = 1.5  # ONNX Runtime end to end against torch eager fp32: the issue's goal
 BATCH = 64  # score()'s default batch
@@ -275,15 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="toy sizes (with --device cpu)")
     args, rest = parser.parse_known_args(argv)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print(
-                "bench.gpu_score: skipped, no CUDA GPU here (`python -m bench.gpu_score "
-                "--device cpu --quick` checks the script on the CPU)."
-            )
-            return 0
+    if args.device == "cuda" and no_cuda_here("gpu_score"):
+        return 0
     elif not args.quick:
         raise SystemExit("--device cpu runs the toy sizes only: add --quick")
     plan = GPU if args.device == "cuda" else CPU_QUICK

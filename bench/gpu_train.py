@@ -52,7 +52,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/gpu_train.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import ROOT, Section, Stat, Table, run_main, usable_cores, versions
+from bench.report import ROOT, Section, Stat, Table, no_cuda_here, run_main, usable_cores, versions
 
 STARTED = time.perf_counter()  # this interpreter's start, near enough: a part's clock
 
@@ -824,15 +824,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
         args.out.write_text(json.dumps(PARTS[args.part](plan, args.data)))
         return 0
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print(
-                "bench.gpu_train: skipped, no CUDA GPU here (`python -m bench.gpu_train "
-                "--device cpu --quick` checks the script on the CPU)."
-            )
-            return 0
+    if args.device == "cuda" and no_cuda_here("gpu_train"):
+        return 0
     full = "--full" in rest
     plan = CPU_QUICK if args.device == "cpu" else GPU_FULL if full else GPU
     if args.device == "cpu" and not args.quick:

@@ -264,6 +264,20 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def no_cuda_here(module: str) -> bool:
+    """True (having said so) where there is no CUDA GPU: a GPU benchmark then skips itself, and
+    ``python -m bench`` keeps its last results."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(
+        f"bench.{module}: skipped, no CUDA GPU here (`python -m bench.{module} --device cpu "
+        "--quick` checks the script on the CPU)."
+    )
+    return True
+
+
 def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
