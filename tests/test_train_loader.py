@@ -290,8 +290,10 @@ def test_the_worker_starts_the_fork_server_first_only_where_its_loaders_use_proc
         "start_for_worker(sys.argv[1:])\n"
         "print(f._forkserver._forkserver_pid is not None, 'torch' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe, "--config", str(path)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, check=True,
-    )  # fmt: skip
-    assert done.stdout.split() == [str(starts), "False"]
+    out = tmp_path / "out.txt"  # a file, not a pipe: the server, still importing, shares it
+    with out.open("w") as stdout:
+        subprocess.run(
+            [sys.executable, "-c", probe, "--config", str(path)],
+            stdout=stdout, cwd=ROOT, timeout=120, check=True,
+        )  # fmt: skip
+    assert out.read_text().split() == [str(starts), "False"]
