@@ -109,12 +109,6 @@ def _one_torch_thread_each() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def default_readers() -> int:
-    """Threads that decode images: the cores this process may run on (decoding and the transform
-    release the GIL, so they run side by side, and beside ONNX Runtime's own threads)."""
-    return default_threads()
-
-
 def read_batches(
     refs: list[ImageRef],
     size: int,
@@ -228,7 +222,9 @@ def score(
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
         writer = table.writer(tmp, schema)
         try:
-            read = read_batches(refs, batch_size, transform, default_readers(), log)
+            # A reader per core: decoding and the transform release the GIL, so they run side
+            # by side, and beside ONNX Runtime's own threads.
+            read = read_batches(refs, batch_size, transform, default_threads(), log)
             for start, batch, tensors, kept, errors in read:
                 probs = np.full((len(batch), len(classes)), np.nan)
                 labels = np.full(len(batch), "", dtype=object)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -21,6 +22,14 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+@functools.cache
+def _load_cuda_libraries() -> None:
+    """CUDA and cuDNN from the nvidia-* wheels torch brought (or torch's own), once per process,
+    as ORT's docs advise for pip installs: no LD_LIBRARY_PATH needed. ORT falls back to the CPU
+    if the GPU cannot be used (no device, too old a driver) and says so in a warning."""
+    ort.preload_dlls()
+
+
 def inference_session(onnx_path: Path, threads: int | None = None) -> ort.InferenceSession:
     """An ONNX Runtime session tuned for batch scoring.
 
@@ -35,10 +44,7 @@ def inference_session(onnx_path: Path, threads: int | None = None) -> ort.Infere
     providers = ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" in ort.get_available_providers():  # the onnxruntime-gpu build
         providers.insert(0, "CUDAExecutionProvider")
-        # CUDA and cuDNN from the nvidia-* wheels torch brought (or torch's own), as ORT's docs
-        # advise for pip installs: no LD_LIBRARY_PATH needed. ORT falls back to the CPU if the
-        # GPU cannot be used (no device, too old a driver) and says so in a warning.
-        ort.preload_dlls()
+        _load_cuda_libraries()
     return ort.InferenceSession(str(onnx_path), sess_options=options, providers=providers)
 
 
