@@ -1,8 +1,9 @@
-"""Every image path a manifest.json lists is checked where every step reads it: read_manifest.
+"""Every image path a manifest.json lists is checked where every step reads it: read_manifest,
+and iter_images for the steps that stream the list.
 
 The hostile corpus drives the CLI (split, transform apply, train, score, export); these cases pin
 the rule itself: which paths are refused, which odd but honest names still read, and that no
-step reads a manifest around read_manifest.
+step reads a manifest around those two readers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tasks.data.imagedir import ImageEntry, Manifest, read_manifest, write_manifest
+from tasks.data.manifest_stream import iter_images
 from tasks.shared.errors import InvalidImageDirectoryError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +45,13 @@ def _write(root: Path, *paths: str) -> Path:
         ("0/", "normalised"),
     ],
 )
+@pytest.mark.parametrize("reader", [read_manifest, lambda root: list(iter_images(root))])
 def test_a_manifest_path_that_could_leave_the_directory_is_refused(
-    tmp_path: Path, path: str, says: str
+    tmp_path: Path, path: str, says: str, reader
 ) -> None:
     root = _write(tmp_path / "images", "0/a.png", path)
     with pytest.raises(InvalidImageDirectoryError) as caught:
-        read_manifest(root)
+        reader(root)
     assert says in caught.value.message and repr(path) in caught.value.message
     assert "imageops convert" in caught.value.hint
 
@@ -66,6 +69,8 @@ def test_symlinks_leading_out_are_refused_and_links_inside_are_read(tmp_path: Pa
     (root / "0" / "out.png").symlink_to(outside / "secret.png")
     with pytest.raises(InvalidImageDirectoryError, match="symlink"):
         read_manifest(_write(root, "0/a.png", "0/out.png"))
+    with pytest.raises(InvalidImageDirectoryError, match="symlink"):
+        list(iter_images(root))
 
     (root / "1").symlink_to(outside)  # a class folder that is a link out
     with pytest.raises(InvalidImageDirectoryError, match="symlink"):
@@ -78,7 +83,7 @@ def test_odd_but_honest_names_still_read(tmp_path: Path) -> None:
 
 
 def test_no_step_reads_a_manifest_around_read_manifest() -> None:
-    """Only tasks/data/imagedir.py parses manifest.json, so its path check holds for every step."""
+    """Only the two readers parse manifest.json, so their path check holds for every step."""
     parse = re.compile(r"Manifest\.model_validate|Manifest\.parse|Manifest\(\*\*")
     readers = [
         str(path.relative_to(ROOT))
@@ -86,4 +91,4 @@ def test_no_step_reads_a_manifest_around_read_manifest() -> None:
         for path in (ROOT / folder).rglob("*.py")
         if parse.search(path.read_text())
     ]
-    assert readers == ["tasks/data/imagedir.py"]
+    assert sorted(readers) == ["tasks/data/imagedir.py", "tasks/data/manifest_stream.py"]

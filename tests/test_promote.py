@@ -8,6 +8,7 @@ downloaded from the registry, as in production.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,8 @@ from model_helpers import make_model_dir
 
 from models.directory import load_model_directory, save_model_directory
 from tasks.data.convert import convert
-from tasks.data.imagedir import content_digest, read_manifest
+from tasks.data.imagedir import read_manifest, write_manifest
+from tasks.data.manifest_stream import content_digest
 from tasks.inference.export import export_onnx
 from tasks.registry.promote import CHALLENGER, CHAMPION, SCORES_TAG, promote
 from tasks.registry.register import register
@@ -203,9 +205,20 @@ def test_a_holdouts_identity_is_its_content_not_its_place(holdout: Path, tmp_pat
     digest = content_digest(holdout)
 
     assert digest is not None and content_digest(copy) == digest  # another folder, same images
+    # Streamed, it hashes the very bytes the whole-record digest did (scores recorded before
+    # stay keyed by it): json.dumps of the record, keys sorted.
     manifest = read_manifest(copy)
+    record = {
+        "format_version": manifest.format_version,
+        "labeled": manifest.labeled,
+        "classes": manifest.classes,
+        "transform": None,
+        "images": [[e.path, e.label, e.sha256] for e in manifest.images],
+    }
+    assert digest == hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
     manifest.images[0].label = 1 - int(manifest.images[0].label or 0)  # one image relabeled
-    assert content_digest(copy, manifest) not in (None, digest)
+    write_manifest(copy, manifest)
+    assert content_digest(copy) not in (None, digest)
     image = copy / read_manifest(copy).images[0].path
     image.write_bytes(image.read_bytes() + b"edited")  # an image edited in place
     assert content_digest(copy) is None  # the manifest no longer says what the folder holds

@@ -90,7 +90,7 @@ def convert(
     kind = f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled"
     # Names are the user's (a file may be called "[red].png"): printed as they are, not as markup.
     out.print(
-        escape(f"{dest}: {len(manifest.images)} images, {kind}, {len(manifest.skipped)} skipped")
+        escape(f"{dest}: {manifest.image_count} images, {kind}, {len(manifest.skipped)} skipped")
     )
     for item in manifest.skipped[:20]:
         out.print(escape(visible_name(f"  skipped {item.path}: {item.reason}")))
@@ -108,7 +108,7 @@ def split(
     from tasks.data.split import split as run
 
     a, b = run(source, first, second, fraction=fraction, seed=seed)
-    out.print(f"{first}: {len(a.images)} images; {second}: {len(b.images)} images")
+    out.print(f"{first}: {a.image_count} images; {second}: {b.image_count} images")
 
 
 @app.command()
@@ -169,13 +169,14 @@ def transform_apply(
 ) -> None:
     """Apply Image Transformation: write the transformed images as a new ImageDirectory."""
     from tasks.data.imageformat import visible_name
+    from tasks.data.manifest_stream import iter_images
     from tasks.data.transform import apply_transformation
 
     manifest = apply_transformation(transform, images, dest, mode=mode, seed=seed)  # type: ignore[arg-type]
-    sizes = sorted({(e.width, e.height) for e in manifest.images})
+    sizes = sorted({(e.width, e.height) for e in iter_images(dest)})
     shown = ", ".join(f"{w}x{h}" for w, h in sizes[:5]) + (" ..." if len(sizes) > 5 else "")
     out.print(
-        escape(f"{dest}: {len(manifest.images)} images ({shown}), {len(manifest.skipped)} skipped")
+        escape(f"{dest}: {manifest.image_count} images ({shown}), {len(manifest.skipped)} skipped")
     )
     for item in manifest.skipped[:20]:
         out.print(escape(visible_name(f"  skipped {item.path}: {item.reason}")))

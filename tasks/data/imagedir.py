@@ -8,8 +8,6 @@ by name, exactly as ImageFolder sorts them) and for which files belong to the se
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from collections.abc import Iterable
@@ -20,7 +18,6 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from models.atomic import write_text
 from models.transform_spec import AppliedTransform
-from tasks.shared.errors import InvalidDatasetError, InvalidImageDirectoryError, NotLabeledDatasetError
 
 # Part of this contract, kept in a module without pydantic so that convert's worker processes
 # start fast; import them from here.
@@ -36,6 +33,11 @@ from tasks.data.imageformat import (  # noqa: F401
     load_rgb,
     printable_name,
     to_rgb,
+)
+from tasks.shared.errors import (
+    InvalidDatasetError,
+    InvalidImageDirectoryError,
+    NotLabeledDatasetError,
 )
 
 MANIFEST = "manifest.json"
@@ -70,8 +72,12 @@ class SkippedFile(BaseModel):
     reason: str
 
 
-class Manifest(BaseModel):
-    """``manifest.json``: what is in the directory, where it came from, what was left out."""
+class ManifestHead(BaseModel):
+    """``manifest.json`` without its image list: what a step needs before it reads the images.
+
+    Read by :func:`tasks.data.manifest_stream.read_head` without reading the list, which
+    :func:`tasks.data.manifest_stream.iter_images` streams, so memory does not grow with it.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -80,7 +86,6 @@ class Manifest(BaseModel):
     labeled: bool
     classes: list[str] = Field(default_factory=list)
     counts: dict[str, int] = Field(default_factory=dict)
-    images: list[ImageEntry]
     source: ReportedName = ""
     skipped: list[SkippedFile] = Field(default_factory=list)
     duplicates: list[list[str]] = Field(
@@ -102,8 +107,20 @@ class Manifest(BaseModel):
         "already applied.",
     )
 
+
+class Manifest(ManifestHead):
+    """``manifest.json`` whole: what is in the directory, where it came from, what was left out.
+
+    The image list comes last in the file, one line per image, so the head reads without it.
+    """
+
+    images: list[ImageEntry]
+
     def labels(self) -> list[int]:
         return [int(e.label) for e in self.images if e.label is not None]
+
+    def head(self) -> ManifestHead:
+        return ManifestHead.model_validate(self.model_dump(exclude={"images"}))
 
 
 def find_duplicates(entries: Iterable[ImageEntry]) -> list[list[str]]:
@@ -136,44 +153,49 @@ def read_manifest(root: Path) -> Manifest:
             f"{FORMAT_VERSION}.",
             "Upgrade imageops.",
         )
-    _check_paths(root, manifest)
+    check = PathCheck(root)
+    for entry in manifest.images:
+        check(entry.path)
     return manifest
 
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
-def _check_paths(root: Path, manifest: Manifest) -> None:
+class PathCheck:
     """Every image path stays inside ``root``, as Convert keeps archive members inside theirs.
 
     A manifest is a file anyone can edit: an entry ``../../x.png`` or ``/etc/x.png``, or one that
     reaches a symlink leading out of the directory, would make a step read (and split write)
     outside the folders it was given. Checked by shape first (relative POSIX, no ``..``, no NUL;
     a backslash counts as a separator here, as Windows would take it), then by where the path
-    resolves: one realpath per folder, one lstat per file.
+    resolves: one realpath per folder, one lstat per file. Call it on each path as it is read.
     """
-    base = os.path.realpath(root)
 
-    def inside(real: str) -> bool:
-        return os.path.commonpath([base, real]) == base
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._base = os.path.realpath(root)
+        self._folders: dict[str, str | None] = {}  # folder -> where it resolves, None: outside
 
-    folders: dict[str, str | None] = {}  # folder -> where it resolves, None when outside
-    for entry in manifest.images:
-        name = entry.path
+    def _inside(self, real: str) -> bool:
+        return os.path.commonpath([self._base, real]) == self._base
+
+    def __call__(self, name: str) -> None:
         problem = _bad_shape(name)
         if problem is None:
             folder, _, leaf = name.rpartition("/")
-            if folder not in folders:
-                real_folder = os.path.realpath(os.path.join(base, folder))
-                folders[folder] = real_folder if inside(real_folder) else None
+            if folder not in self._folders:
+                real_folder = os.path.realpath(os.path.join(self._base, folder))
+                self._folders[folder] = real_folder if self._inside(real_folder) else None
             # A leaf has no "/" and is not "..": only a symlink can take it out of its folder.
-            real = None if folders[folder] is None else os.path.join(folders[folder], leaf)
-            if real is None or (os.path.islink(real) and not inside(os.path.realpath(real))):
+            where = self._folders[folder]
+            real = None if where is None else os.path.join(where, leaf)
+            if real is None or (os.path.islink(real) and not self._inside(os.path.realpath(real))):
                 problem = "it leads outside the directory through a symlink"
         if problem is not None:
             raise InvalidImageDirectoryError(
-                f"{root / MANIFEST} lists the image {name!r}: {problem}; every image path must "
-                "be relative to the ImageDirectory and stay inside it.",
+                f"{self.root / MANIFEST} lists the image {name!r}: {problem}; every image path "
+                "must be relative to the ImageDirectory and stay inside it.",
                 "Do not edit manifest.json by hand: re-create the directory with "
                 "`imageops convert SOURCE DEST` (a symlink out is refused; copy the file in).",
             )
@@ -195,57 +217,25 @@ def _bad_shape(name: str) -> str | None:
     return None
 
 
-def content_digest(root: Path, manifest: Manifest | None = None) -> str | None:
-    """sha256 of what a model is scored on here: each image's path, label and content (the
-    manifest's sha256), the classes and the applied transform; None when the folder no longer
-    matches its manifest.
-
-    The same on every machine and wherever the folder sits (the manifest is read, no image is),
-    and one image replaced or relabeled changes it. Names, sources and skipped files are left
-    out: they change no score. A file whose size differs from the manifest's has been edited
-    in place; the manifest then no longer says what the folder holds, so there is no identity.
-    """
-    root = Path(root)
-    manifest = manifest or read_manifest(root)
-    for entry in manifest.images:
-        if entry.size is not None:
-            try:
-                if os.stat(root / entry.path).st_size != entry.size:
-                    return None
-            except OSError:
-                return None
-    content = {
-        "format_version": manifest.format_version,
-        "labeled": manifest.labeled,
-        "classes": manifest.classes,
-        "transform": None if manifest.transform is None else manifest.transform.model_dump(mode="json"),
-        "images": [[e.path, e.label, e.sha256] for e in manifest.images],
-    }
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-
-
-# Where the image list goes in the indented manifest: a top-level key can only appear at this
-# indent, since a newline inside a JSON string is written as the two characters \n.
-_IMAGES_SLOT = '\n  "images": [],\n'
-
-
 def write_manifest(root: Path, manifest: Manifest) -> Path:
-    """``<root>/manifest.json``, atomically: indented JSON with one line per image.
+    """``<root>/manifest.json``, atomically: indented JSON, the image list last, one line per image.
 
     One line per image, not the eight of a fully indented entry: a person (or ``grep``) reads
-    an image's record on one line, and the file is 40% smaller (it is stored up to four times:
-    the data set, its DVC cache, the remote, and each split). Any JSON reader reads it as before;
-    an image's optional fields at their defaults are left out.
+    an image's record on one line, the file is 40% smaller (it is stored up to four times: the
+    data set, its DVC cache, the remote, and each split), and a step reads the head without the
+    list and the list a line at a time (:mod:`tasks.data.manifest_stream`, which also writes
+    this layout one image at a time). Any JSON reader reads it as before; an image's optional
+    fields at their defaults are left out.
     """
     # pydantic's own serialiser: 10x the standard json module's speed on a manifest of 10,000
     # images (a quarter of a split's time went to json.dumps); UTF-8, not \u escapes.
-    head = manifest.model_copy(update={"images": []}).model_dump_json(indent=2)
+    text = manifest.model_copy(update={"images": []}).model_dump_json(indent=2)
     if manifest.images:
         # Without the optional fields at their defaults ("source_path": null on nearly every
         # line): they read back the same.
         lines = ",\n    ".join(e.model_dump_json(exclude_defaults=True) for e in manifest.images)
-        head = head.replace(_IMAGES_SLOT, f'\n  "images": [\n    {lines}\n  ],\n', 1)
-    return write_text(Path(root) / MANIFEST, head + "\n")
+        text = text.removesuffix('\n  "images": []\n}') + f'\n  "images": [\n    {lines}\n  ]\n}}'
+    return write_text(Path(root) / MANIFEST, text + "\n")
 
 
 def require_labeled(manifest: Manifest, role: str, root: Path | str = "") -> None:

@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import math
 import os
+from array import array
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from models.atomic import atomic_directory, check_destination
 from tasks.data.file_links import Placer
+from tasks.data.imagedir import MANIFEST, ImageEntry
+from tasks.data.manifest_stream import ManifestWriter, StreamedManifest, iter_images, read_head
 from tasks.shared.errors import InvalidImageDirectoryError, InvalidParameterError
-from tasks.data.imagedir import (
-    MANIFEST,
-    ImageEntry,
-    Manifest,
-    find_duplicates,
-    read_manifest,
-    write_manifest,
-)
 from tasks.shared.file_hash import file_sha256
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 
@@ -49,33 +45,6 @@ def _check_unchanged(source: Path, entry: ImageEntry) -> None:
             "Edit images in the raw source and run `imageops convert` again (docs/images.md"
             "#links says why an edit in place is refused).",
         )
-
-
-def _write_subset(
-    source: Path, dest: Path, manifest: Manifest, entries: list[ImageEntry], placer: Placer
-) -> Manifest:
-    counts = {c: sum(1 for e in entries if e.label == i) for i, c in enumerate(manifest.classes)}
-    subset = manifest.model_copy(
-        update={
-            "images": entries,
-            "counts": counts,
-            "source": str(source.resolve()),
-            "skipped": [],
-            "duplicates": find_duplicates(entries),
-            # The fingerprint describes a conversion; a split is not one (and is cheap to redo).
-            "fingerprint": None,
-        }
-    )
-    with atomic_directory(dest, replaces=MANIFEST) as tmp:
-        made: set[str] = set()
-        for entry in entries:  # strings, not Paths: pathlib costs more than the link per image
-            target = os.path.join(tmp, entry.path)
-            if (folder := os.path.dirname(target)) not in made:
-                os.makedirs(folder, exist_ok=True)
-                made.add(folder)
-            placer.place(os.path.join(source, entry.path), target)
-        write_manifest(tmp, subset)
-    return subset
 
 
 def _first_share(fraction: float, n: int) -> int:
@@ -123,14 +92,16 @@ def split(
     seed: int = 1,
     third: Path | None = None,
     third_fraction: float = 0.0,
-) -> tuple[Manifest, ...]:
+) -> tuple[StreamedManifest, ...]:
     """Split ``source`` into ``first`` (``fraction`` of each class) and ``second`` (the rest).
 
     With ``third``, that output takes ``third_fraction`` of each class (rounded down) out of what
     the first did not take. Each output is written atomically. Returns the manifests in output
-    order (two or three). Raises :class:`InvalidParameterError` for fractions outside [0, 1] or
-    summing above 1, or outputs that overlap the source or each other, and
-    :class:`InvalidImageDirectoryError` when ``source`` is not an ImageDirectory.
+    order (two or three). The source's manifest is streamed twice (to draw, then to write), so
+    memory holds a path and a label per image, not the manifests. Raises
+    :class:`InvalidParameterError` for fractions outside [0, 1] or summing above 1, or outputs
+    that overlap the source or each other, and :class:`InvalidImageDirectoryError` when
+    ``source`` is not an ImageDirectory.
     """
     _check_fraction("fraction", fraction)
     _check_fraction("third_fraction", third_fraction)
@@ -145,39 +116,75 @@ def split(
             "Lower one of them; the second output gets what is left.",
         )
     source, first, second = Path(source), Path(first), Path(second)
-    manifest = read_manifest(source)
-    outputs = {"first": first, "second": second} | ({"third": Path(third)} if third else {})
-    _check_paths(source, outputs)
-    for out in outputs.values():  # all of them before writing any: no half split
+    head = read_head(source)
+    outputs = [first, second] + ([Path(third)] if third else [])
+    _check_paths(source, dict(zip(("first", "second", "third"), outputs, strict=False)))
+    for out in outputs:  # all of them before writing any: no half split
         check_destination(out, replaces=MANIFEST)
-    rng = np.random.default_rng(seed)
-    groups: dict[int | None, list[ImageEntry]] = {}
-    for entry in manifest.images:
-        groups.setdefault(entry.label, []).append(entry)
-    chosen: list[ImageEntry] = []
-    rest: list[ImageEntry] = []
-    held_out: list[ImageEntry] = []
-    # Classes in id order and entries in path order: the draw depends on the seed and the
-    # content only, never on the order the manifest happened to list them.
-    for label in sorted(groups, key=lambda x: -1 if x is None else x):
-        entries = sorted(groups[label], key=lambda e: e.path)
-        order = rng.permutation(len(entries))
-        cut = _first_share(fraction, len(entries))
-        cut_third = cut + min(len(entries) - cut, _first_share(third_fraction, len(entries)))
-        chosen += [entries[i] for i in sorted(order[:cut])]
-        held_out += [entries[i] for i in sorted(order[cut:cut_third])]
-        rest += [entries[i] for i in sorted(order[cut_third:])]
-    for entry in manifest.images:  # all before writing any output: no half split
+    # First pass: the paths and labels only (a string and 8 bytes an image), every image
+    # checked before any output is written: no half split.
+    paths: list[str] = []
+    labels = array("q")
+    for entry in iter_images(source):
         _check_unchanged(source, entry)
+        paths.append(entry.path)
+        labels.append(-1 if entry.label is None else entry.label)
+    where = _draw(paths, np.frombuffer(labels, dtype=np.int64), fraction, third_fraction, seed)
+    del paths
+    # Second pass: each image linked into its output and its line written there. An output
+    # keeps the source's order; its counts and duplicates are the writer's.
+    subset = head.model_copy(
+        update={
+            "source": str(source.resolve()),
+            "skipped": [],
+            # The fingerprint describes a conversion; a split is not one (and is cheap to redo).
+            "fingerprint": None,
+        }
+    )
     placer = Placer()
-    written = [
-        _write_subset(source, first, manifest, chosen, placer),
-        _write_subset(source, second, manifest, rest, placer),
-    ]
-    if third is not None:
-        written.append(_write_subset(source, Path(third), manifest, held_out, placer))
+    with ExitStack() as stack:
+        writers = [
+            stack.enter_context(
+                ManifestWriter(stack.enter_context(atomic_directory(out, replaces=MANIFEST)), out)
+            )
+            for out in outputs
+        ]
+        made: set[str] = set()
+        for index, entry in enumerate(iter_images(source)):
+            writer = writers[where[index]]
+            # Strings, not Paths: pathlib costs more than the link per image.
+            target = os.path.join(writer.root, entry.path)
+            if (folder := os.path.dirname(target)) not in made:
+                os.makedirs(folder, exist_ok=True)
+                made.add(folder)
+            placer.place(os.path.join(source, entry.path), target)
+            writer.add(entry)
+        written = tuple(writer.finish(subset) for writer in writers)
     step_logger(__name__).info("split %s: images %s", source, placer.summary())
-    return tuple(written)
+    return written
+
+
+def _draw(
+    paths: list[str], labels: np.ndarray, fraction: float, third_fraction: float, seed: int
+) -> np.ndarray:
+    """Which output each image goes to (0 first, 1 second, 2 third), by its place in the list.
+
+    Classes in id order and images in path order: the draw depends on the seed and the content
+    only, never on the order the manifest happened to list them.
+    """
+    rng = np.random.default_rng(seed)
+    where = np.ones(len(paths), dtype=np.int8)
+    for label in np.unique(labels):  # -1 (unlabeled) first, then the class ids in order
+        members = np.flatnonzero(labels == label)
+        members = members[
+            np.argsort(np.array([paths[i] for i in members], dtype=object), kind="stable")
+        ]
+        order = rng.permutation(len(members))
+        cut = _first_share(fraction, len(members))
+        cut_third = cut + min(len(members) - cut, _first_share(third_fraction, len(members)))
+        where[members[order[:cut]]] = 0
+        where[members[order[cut:cut_third]]] = 2
+    return where
 
 
 __getattr__ = tasks_on_first_use(

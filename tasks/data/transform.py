@@ -20,22 +20,19 @@ from pydantic import ValidationError
 
 from models.atomic import atomic_directory, check_destination, write_json
 from models.transform_spec import MODES, AppliedTransform, Mode, TransformSpec
-from tasks.shared.errors import (
-    InvalidParameterError,
-    InvalidTransformationDirectoryError,
-    NoUsableImagesError,
-)
 from tasks.data.imagedir import (
     MANIFEST,
     ImageEntry,
     ImageRefused,
-    Manifest,
     SkippedFile,
     SkipReason,
-    find_duplicates,
     load_rgb,
-    read_manifest,
-    write_manifest,
+)
+from tasks.data.manifest_stream import ManifestWriter, StreamedManifest, iter_images, read_head
+from tasks.shared.errors import (
+    InvalidParameterError,
+    InvalidTransformationDirectoryError,
+    NoUsableImagesError,
 )
 from tasks.shared.step import step, tasks_on_first_use
 from tasks.shared.validation import checked, describe
@@ -296,7 +293,7 @@ def transform_for(
 
 def applied_to(root: Path) -> AppliedTransform | None:
     """What Apply Image Transformation did to ``root`` (None: raw images, or no ImageDirectory)."""
-    return read_manifest(root).transform if (Path(root) / MANIFEST).is_file() else None
+    return read_head(root).transform if (Path(root) / MANIFEST).is_file() else None
 
 
 def data_transform(
@@ -332,7 +329,7 @@ def _random_steps(spec: TransformSpec) -> list[v2.Transform]:
 
 def apply_transformation(
     transform: Path, images: Path, dest: Path, *, mode: Mode = "inference", seed: int = 1
-) -> Manifest:
+) -> StreamedManifest:
     """Apply Image Transformation: ``images`` through the spec in ``transform``, into ``dest``.
 
     ``dest`` becomes an ImageDirectory (PNG images, new manifest; unreadable images skipped and
@@ -347,21 +344,27 @@ def apply_transformation(
     transform, images, dest = Path(transform), Path(images), Path(dest)
     spec = read_transformation(transform)
     pipeline = build_transform(spec, mode, normalize=False)
-    manifest = read_manifest(images)
-    if manifest.transform is not None:
+    head = read_head(images)
+    if head.transform is not None:
         raise InvalidTransformationDirectoryError(
-            f"{images} already went through Apply Image Transformation ({manifest.transform.mode} "
+            f"{images} already went through Apply Image Transformation ({head.transform.mode} "
             "mode): a second transform would resize and crop finished images again.",
-            f"Apply the transform to the ImageDirectory it came from ({manifest.source}).",
+            f"Apply the transform to the ImageDirectory it came from ({head.source}).",
         )
     _check_dest(dest, images, transform)
     check_destination(dest, replaces=MANIFEST)
-    entries: list[ImageEntry] = []
     skipped: list[SkippedFile] = []
     taken: set[str] = set()
-    # Seeding per image leaves the caller's random state as it was.
-    with atomic_directory(dest, replaces=MANIFEST) as tmp, torch.random.fork_rng(devices=[]):
-        for entry in manifest.images:
+    read = 0
+    # Seeding per image leaves the caller's random state as it was. The images are streamed
+    # from the manifest and into the new one: memory does not grow with them.
+    with (
+        atomic_directory(dest, replaces=MANIFEST) as tmp,
+        ManifestWriter(tmp, dest) as written,
+        torch.random.fork_rng(devices=[]),
+    ):
+        for entry in iter_images(images):
+            read += 1
             try:
                 image = load_rgb(images / entry.path)
             except ImageRefused as refused:  # over the image limits (a hand-edited directory)
@@ -379,7 +382,7 @@ def apply_transformation(
             path = _png_path(entry.path, taken)
             (tmp / path).parent.mkdir(parents=True, exist_ok=True)
             (tmp / path).write_bytes(data)
-            entries.append(
+            written.add(
                 ImageEntry(
                     path=path,
                     label=entry.label,
@@ -388,25 +391,20 @@ def apply_transformation(
                     height=out.height,
                 )
             )
-        if not entries:
+        if not written.count:
             raise NoUsableImagesError(
-                f"None of the {len(manifest.images)} image(s) in {images} could be read.",
+                f"None of the {read} image(s) in {images} could be read.",
                 "Re-create the ImageDirectory with `imageops convert`.",
             )
-        result = Manifest(
-            labeled=manifest.labeled,
-            classes=manifest.classes,
-            counts={
-                c: sum(1 for e in entries if e.label == i) for i, c in enumerate(manifest.classes)
-            },
-            images=entries,
-            source=str(images.resolve()),
-            skipped=skipped,
-            duplicates=find_duplicates(entries),
-            transform=AppliedTransform(spec=spec, mode=mode, seed=seed),
+        result = head.model_copy(
+            update={
+                "source": str(images.resolve()),
+                "skipped": skipped,
+                "fingerprint": None,
+                "transform": AppliedTransform(spec=spec, mode=mode, seed=seed),
+            }
         )
-        write_manifest(tmp, result)
-    return result
+        return written.finish(result)
 
 
 def _check_dest(dest: Path, *inputs: Path) -> None:

@@ -21,7 +21,8 @@ from mlflow.tracking import MlflowClient
 
 from models.atomic import write_json
 from models.directory import read_model_info
-from tasks.data.imagedir import MANIFEST, Manifest, content_digest, read_manifest
+from tasks.data.imagedir import MANIFEST, ManifestHead
+from tasks.data.manifest_stream import content_digest, count_images, read_head
 from tasks.inference.evaluate import SUMMARY_ROWS, compute_metrics, read_scored
 from tasks.inference.score import score
 from tasks.registry.register import check_alias
@@ -165,9 +166,9 @@ def _score_version(
     return metrics[metric], False
 
 
-def _identify(holdout: Path, manifest: Manifest) -> _Holdout:
+def _identify(holdout: Path, head: ManifestHead) -> _Holdout:
     """The holdout and its content digest (from its manifest and a stat per image)."""
-    digest = content_digest(holdout, manifest)
+    digest = content_digest(holdout, head)
     if digest is None:
         step_logger(__name__).warning(
             "%s: files differ from its %s (edited in place?): both models are scored and no "
@@ -175,10 +176,10 @@ def _identify(holdout: Path, manifest: Manifest) -> _Holdout:
             holdout,
             MANIFEST,
         )
-    return _Holdout(holdout, digest, len(manifest.images))
+    return _Holdout(holdout, digest, count_images(holdout))
 
 
-def _check(holdout: Path, metric: str, margin: float) -> Manifest:
+def _check(holdout: Path, metric: str, margin: float) -> ManifestHead:
     """The holdout's manifest, once the parameters are known to be sound."""
     if metric not in METRICS:
         raise InvalidParameterError(
@@ -196,13 +197,13 @@ def _check(holdout: Path, metric: str, margin: float) -> Manifest:
             "Pass a converted, labeled data set the candidates did not train on, e.g. the "
             "validation or test output of the split step.",
         )
-    manifest = read_manifest(holdout)
-    if not manifest.labeled:
+    head = read_head(holdout)
+    if not head.labeled:
         raise InvalidParameterError(
             f"holdout {holdout} is unlabeled: there is no truth to compare the models on.",
             "Pass a labeled ImageDirectory (one sub-folder per class).",
         )
-    return manifest
+    return head
 
 
 def promote(

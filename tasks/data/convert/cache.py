@@ -21,10 +21,11 @@ from typing import Any
 
 from tasks.data.convert.checking import available_cores
 from tasks.data.convert.plan import ConversionPlan, PlannedFile
+from tasks.data.imagecheck import file_fingerprint
+from tasks.data.imagedir import MANIFEST
+from tasks.data.manifest_stream import StreamedManifest, iter_images, read_head
 from tasks.shared.errors import ImageOpsError
 from tasks.shared.file_hash import file_sha256
-from tasks.data.imagecheck import file_fingerprint
-from tasks.data.imagedir import MANIFEST, Manifest, read_manifest
 
 log = logging.getLogger("tasks.data.convert")
 
@@ -79,7 +80,7 @@ def _hash_chunk(files: Sequence[tuple[str, str]], max_pixels: int) -> list[tuple
     return [file_fingerprint(source, rel, max_pixels) for source, rel in files]
 
 
-def previous(dest: Path, source: Path) -> Manifest | None:
+def previous(dest: Path, source: Path) -> StreamedManifest | None:
     """The manifest in ``dest`` when it may be a cache hit, else None.
 
     That is: converted from ``source``, with a fingerprint, and every file it lists still there
@@ -88,42 +89,52 @@ def previous(dest: Path, source: Path) -> Manifest | None:
     if not (dest / MANIFEST).is_file():
         return None
     try:
-        manifest = read_manifest(dest)
+        head = read_head(dest)
+        if head.fingerprint is None or head.source != str(source.resolve()):
+            return None
+        count = _intact(dest)
     except (ImageOpsError, OSError):
         return None  # not a directory we can trust: convert again, replacing it
-    if manifest.fingerprint is None or manifest.source != str(source.resolve()):
+    if count is None:
         return None
-    return manifest if _intact(dest, manifest) else None
+    return StreamedManifest(**head.model_dump(), root=dest, image_count=count)
 
 
-def _intact(dest: Path, manifest: Manifest) -> bool:
-    """Every listed file is a regular file of the recorded size, and no other file is there.
+def _intact(dest: Path) -> int | None:
+    """How many images ``dest`` holds when every listed file is a regular file of the recorded
+    size and no other file is there; None otherwise.
 
     Sizes, not hashes: this check is a stat per file. A file changed in place with its size
     kept goes unnoticed, as it does for DVC's own status.
     """
-    expected = {entry.path: entry.size for entry in manifest.images}
-    if None in expected.values():
-        return False  # written before sizes were recorded
-    found: dict[str, int] = {}
+    expected: dict[str, int] = {}
+    for entry in iter_images(dest):
+        if entry.size is None:
+            return None  # written before sizes were recorded
+        expected[entry.path] = entry.size
+    count = len(expected)
     for folder, _dirnames, filenames in os.walk(dest):
         for name in filenames:
             path = os.path.join(folder, name)
             try:
                 info = os.lstat(path)
             except OSError:  # gone while we looked: not intact
-                return False
+                return None
             if not stat.S_ISREG(info.st_mode):
-                return False
-            found[Path(path).relative_to(dest).as_posix()] = info.st_size
-    return found.pop(MANIFEST, None) is not None and found == expected
+                return None
+            rel = Path(path).relative_to(dest).as_posix()
+            if rel == MANIFEST:
+                continue
+            if expected.pop(rel, None) != info.st_size:
+                return None
+    return None if expected else count
 
 
-def unchanged(dest: Path, manifest: Manifest) -> Manifest:
+def unchanged(dest: Path, manifest: StreamedManifest) -> StreamedManifest:
     log.info(
         "%s is up to date: the source and parameters have not changed since it was converted "
         "(%d images); nothing to do.",
         dest,
-        len(manifest.images),
+        manifest.image_count,
     )
     return manifest

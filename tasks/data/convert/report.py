@@ -6,7 +6,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from tasks.data.imagedir import MANIFEST, Manifest, SkippedFile
+from tasks.data.imagedir import MANIFEST, SkippedFile
+from tasks.data.manifest_stream import StreamedManifest
 
 log = logging.getLogger("tasks.data.convert")
 
@@ -35,10 +36,10 @@ def nothing_usable(source: Path, skipped: Sequence[SkippedFile], label_file: boo
     )
 
 
-def log_summary(dest: Path, manifest: Manifest) -> None:
+def log_summary(dest: Path, manifest: StreamedManifest) -> None:
     log.info(
         "Converted %d image(s) into %s (%s, %d skipped).",
-        len(manifest.images),
+        manifest.image_count,
         dest,
         f"{len(manifest.classes)} classes" if manifest.labeled else "unlabeled",
         len(manifest.skipped),

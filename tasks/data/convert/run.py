@@ -9,21 +9,20 @@ from typing import Any
 from models.atomic import atomic_directory, check_destination, remove_leftovers
 from tasks.data.convert import cache, checking, report
 from tasks.data.convert.limits import ConvertLimits, check_apart, check_workers
-from tasks.data.convert.plan import ConversionPlan, PlannedFile
+from tasks.data.convert.plan import ConversionPlan
 from tasks.data.convert.sources import find_source, label_file_sources
-from tasks.shared.errors import InvalidDatasetError, NotLabeledDatasetError, NoUsableImagesError
-from tasks.data.imagecheck import CheckJob, CheckResult
+from tasks.data.imagecheck import CheckJob
 from tasks.data.imagedir import (
     FORMAT_VERSION,
     MANIFEST,
     ImageEntry,
-    Manifest,
+    ManifestHead,
     SkippedFile,
     SkipReason,
-    find_duplicates,
     printable_name,
-    write_manifest,
 )
+from tasks.data.manifest_stream import ManifestWriter, StreamedManifest
+from tasks.shared.errors import InvalidDatasetError, NotLabeledDatasetError, NoUsableImagesError
 from tasks.shared.step import step, tasks_on_first_use
 
 # Part of every fingerprint: bump it when a change here or in tasks.data.imagecheck can change the
@@ -38,7 +37,7 @@ def convert(
     limits: ConvertLimits | None = None,
     *,
     workers: int | None = None,
-) -> Manifest:
+) -> StreamedManifest:
     """Convert the image folder, archive or label file ``source`` into the ImageDirectory ``dest``.
 
     ``dest`` is written atomically, and left as it is when it already holds this very conversion.
@@ -114,14 +113,14 @@ def _convert_plan(
     limits: ConvertLimits,
     workers: int | None,
     key: str | dict[str, Any],
-) -> Manifest:
+) -> StreamedManifest:
     """Check every planned file, copy the good ones into a new ``dest``, write the manifest.
 
     ``key`` is the final fingerprint, or the head of one to finish with the hashes the workers
     computed of the files they read (no file is read twice).
     """
     skipped = list(plan.skipped)
-    with atomic_directory(dest, replaces=MANIFEST) as tmp:
+    with atomic_directory(dest, replaces=MANIFEST) as tmp, ManifestWriter(tmp, dest) as written:
         jobs = [
             CheckJob(
                 item.source, item.rel, str(tmp / item.dest), scratch=str(tmp), **limits.images()
@@ -129,13 +128,14 @@ def _convert_plan(
             for item in plan.items
         ]
         results = checking.check_all(jobs, workers)
-        accepted: list[tuple[PlannedFile, CheckResult]] = []
-        for item, result in zip(plan.items, results, strict=True):
+        del jobs
+        accepted: list[int] = []  # indices into plan.items and results
+        for index, result in enumerate(results):
             if result.reason:
                 skipped.append(SkippedFile(path=result.rel, reason=result.reason))
             else:
-                accepted.append((item, result))
-        classes = sorted({item.label for item, _ in accepted if item.label is not None})
+                accepted.append(index)
+        classes = sorted({plan.items[i].label for i in accepted} - {None})  # type: ignore[misc]
         what = "class" if plan.label_file else "class folder"
         for name in plan.classes:
             if name not in classes:
@@ -147,9 +147,17 @@ def _convert_plan(
                         ),
                     )
                 )
+        if not accepted:
+            raise NoUsableImagesError(
+                report.nothing_usable(source, skipped, plan.label_file),
+                report.LABEL_FILE_HINT if plan.label_file else report.NOTHING_USABLE_HINT,
+            )
         class_id = {name: i for i, name in enumerate(classes)}
-        images = sorted(
-            (
+        # One entry at a time into the manifest, in path order: never a list of them.
+        accepted.sort(key=lambda i: plan.items[i].dest)
+        for index in accepted:
+            item, result = plan.items[index], results[index]
+            written.add(
                 ImageEntry(
                     path=item.dest,
                     label=None if item.label is None else class_id[item.label],
@@ -159,28 +167,17 @@ def _convert_plan(
                     size=result.size,
                     source_path=item.origin,
                 )
-                for item, result in accepted
-            ),
-            key=lambda entry: entry.path,
-        )
-        if not images:
-            raise NoUsableImagesError(
-                report.nothing_usable(source, skipped, plan.label_file),
-                report.LABEL_FILE_HINT if plan.label_file else report.NOTHING_USABLE_HINT,
             )
         if isinstance(key, dict):
             key = cache.fingerprint(key, plan, [(r.size, r.sha256) for r in results])
-        manifest = Manifest(
+        head = ManifestHead(
             labeled=plan.labeled,
             classes=classes,
-            counts={c: sum(1 for e in images if e.label == i) for i, c in enumerate(classes)},
-            images=images,
             source=str(source.resolve()),
             skipped=sorted(skipped, key=lambda s: s.path),
-            duplicates=find_duplicates(images),
             fingerprint=key,
         )
-        write_manifest(tmp, manifest)
+        manifest = written.finish(head)
     report.log_summary(dest, manifest)
     return manifest
 

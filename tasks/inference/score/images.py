@@ -7,6 +7,7 @@ error row, so the listing never fails on one file.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,19 +17,28 @@ from tasks.data.imagedir import (
     is_image_file,
     is_utf8,
     printable_name,
-    read_manifest,
 )
+from tasks.data.manifest_stream import iter_images, read_head
 from tasks.shared.errors import NoUsableImagesError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ImageRef:
-    """One image to score: where it is, how the table names it, its true class if known."""
+    """One image to score: where it is, how the table names it, its true class if known.
 
-    file: Path
+    Small (about 150 bytes with its name): a scoring lists every image before it reads one,
+    so the root is shared and the file's path is made when it is opened.
+    """
+
+    root: Path
     path: str
     category: str | None
     problem: str = ""  # why it is not scored, found before reading it (an error row)
+    rel: str | None = None  # the file below root, where it is not ``path`` (an odd name)
+
+    @property
+    def file(self) -> Path:
+        return self.root / (self.path if self.rel is None else self.rel)
 
 
 def list_images(images: Path) -> tuple[list[ImageRef], bool]:
@@ -43,32 +53,35 @@ def list_images(images: Path) -> tuple[list[ImageRef], bool]:
             f"{images} is not a folder.", "Pass an ImageDirectory or a folder of images."
         )
     if (images / MANIFEST).is_file():
-        manifest = read_manifest(images)
+        head = read_head(images)
+        classes: list[str | None] = list(head.classes) if head.labeled else []
         refs = [
-            ImageRef(
-                file=images / entry.path,
-                path=entry.path,
-                category=manifest.classes[entry.label] if manifest.labeled else None,
-            )
-            for entry in manifest.images
+            ImageRef(images, entry.path, classes[entry.label] if classes else None)
+            for entry in iter_images(images)
         ]
-        return refs, manifest.labeled
-    files = sorted(
-        p
-        for p in images.rglob("*")
-        if p.is_file()
-        and is_image_file(p)
-        and not any(part.startswith(".") for part in p.relative_to(images).parts)
-    )
-    return [_raw_ref(p, p.relative_to(images).as_posix()) for p in files], False
+        return refs, head.labeled
+    found: list[str] = []
+    for folder, dirnames, filenames in os.walk(images):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        below = os.path.relpath(folder, images)
+        prefix = "" if below == "." else below.replace(os.sep, "/") + "/"
+        found += [
+            prefix + name
+            for name in filenames
+            if not name.startswith(".")
+            and is_image_file(Path(name))
+            and os.path.isfile(os.path.join(folder, name))
+        ]
+    found.sort(key=lambda rel: rel.split("/"))  # as paths sort: part by part
+    return [_raw_ref(images, rel) for rel in found], False
 
 
-def _raw_ref(file: Path, rel: str) -> ImageRef:
+def _raw_ref(root: Path, rel: str) -> ImageRef:
     """A raw folder's image; one whose name is not UTF-8 (the table is UTF-8) becomes an error
     row under its name with the odd bytes as ``\\xNN``, so every other image is still scored."""
     if is_utf8(rel):
-        return ImageRef(file=file, path=rel, category=None)
+        return ImageRef(root, rel, None)
     reason = SkipReason.BAD_FILE_NAME.because(
         "the name is not UTF-8, so the table cannot hold it; rename the file"
     )
-    return ImageRef(file=file, path=printable_name(rel), category=None, problem=reason)
+    return ImageRef(root, printable_name(rel), None, problem=reason, rel=rel)

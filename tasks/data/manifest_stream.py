@@ -1,0 +1,335 @@
+"""``manifest.json`` read and written one image at a time, so memory does not grow with the images.
+
+The file stays one JSON document (any JSON reader, ``jq`` or ``pandas.json_normalize`` reads it),
+laid out for streaming: the head (every key but ``images``) indented, then the image list last,
+one line per image. A reader stops at the list for the head (:func:`read_head`) and parses it
+line by line for the images (:func:`iter_images`); a writer (:class:`ManifestWriter`) keeps the
+lines in an unnamed scratch file until the head is known. A manifest in another layout (the list
+in the middle, written before; indented entries, older still; or edited by hand) is read whole,
+as it always was. Details: docs/images.md#manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from array import array
+from collections import Counter
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+from pydantic import Field, PrivateAttr, ValidationError
+
+from models.atomic import atomic_file
+from tasks.data.imagedir import (
+    FORMAT_VERSION,
+    MANIFEST,
+    ImageEntry,
+    Manifest,
+    ManifestHead,
+    PathCheck,
+)
+from tasks.shared.errors import InvalidImageDirectoryError
+
+_OPEN = b'  "images": [\n'  # a top-level key is the only line at this indent that starts so
+_CLOSE = (b"  ]\n", b"  ],\n")
+_LAST = b"\n  ]\n}\n"  # how a file whose list comes last ends
+_TAIL_BYTES = 64 * 1024  # enough for the last entry's line (a path is at most 4,096 bytes)
+
+
+class StreamedManifest(ManifestHead):
+    """What a step that streams its images returns: the head, the count, and the images read
+    back from ``root`` when asked for (a person's small data set, a test).
+
+    The images are those of the manifest the step wrote: asked for after that file was written
+    again (a second conversion into the same folder), they are an error, not the new ones.
+    """
+
+    root: Path = Field(exclude=True)
+    image_count: int = Field(exclude=True)
+    _stamp: tuple[int, int, int] | None = PrivateAttr(default=None)
+
+    def model_post_init(self, context: object, /) -> None:
+        self._stamp = _stamp(self.root / MANIFEST)
+
+    @cached_property
+    def images(self) -> list[ImageEntry]:
+        if _stamp(self.root / MANIFEST) != self._stamp:
+            raise InvalidImageDirectoryError(
+                f"{self.root / MANIFEST} was written again after this result was returned: "
+                "its images are not this result's any more.",
+                "Read the directory as it is now with read_manifest.",
+            )
+        return list(iter_images(self.root))
+
+    def whole(self) -> Manifest:
+        """The manifest as :func:`tasks.data.imagedir.read_manifest` reads it."""
+        return Manifest(**self.model_dump(), images=self.images)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StreamedManifest):
+            return NotImplemented
+        return self.model_dump() == other.model_dump() and self.images == other.images
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """Which file ``path`` is: a rewrite (a new file renamed over it) changes the inode."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
+
+
+def _invalid(path: Path, what: str) -> InvalidImageDirectoryError:
+    return InvalidImageDirectoryError(
+        f"{path} is not a valid ImageDirectory manifest: {what}.",
+        "Re-create the directory with `imageops convert`.",
+    )
+
+
+def _missing(root: Path) -> InvalidImageDirectoryError:
+    return InvalidImageDirectoryError(
+        f"{root} is not an ImageDirectory: {MANIFEST} is missing.",
+        "Create one with `imageops convert SOURCE DEST`.",
+    )
+
+
+def _is_entry_line(line: bytes) -> bool:
+    return line.startswith(b"    {") and line.endswith((b"}\n", b"},\n"))
+
+
+def _whole(path: Path) -> Manifest:
+    """The manifest parsed in one piece (any layout): memory grows with its images."""
+    try:
+        return Manifest.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        raise _invalid(path, exc.errors()[0]["msg"]) from exc
+
+
+def _checked_head(path: Path, head: ManifestHead) -> ManifestHead:
+    if head.format_version > FORMAT_VERSION:
+        raise InvalidImageDirectoryError(
+            f"{path} has format version {head.format_version}; this imageops reads up to "
+            f"{FORMAT_VERSION}.",
+            "Upgrade imageops.",
+        )
+    return head
+
+
+def _find_list(fh: IO[bytes]) -> tuple[bytes, bool]:
+    """Read up to the image list's first line: (what came before it, whether the list is there
+    in the streaming layout). The file is left at the list's first entry."""
+    before = bytearray()
+    for line in fh:
+        if line == _OPEN:
+            start = fh.tell()
+            streamable = _is_entry_line(fh.readline())
+            fh.seek(start)
+            return bytes(before), streamable
+        before += line
+    return bytes(before), False
+
+
+def _list_is_last(fh: IO[bytes]) -> bool:
+    """Whether the file ends with the image list (an entry's line, then ``]`` and ``}``)."""
+    size = os.fstat(fh.fileno()).st_size
+    fh.seek(max(0, size - _TAIL_BYTES))
+    tail = fh.read()
+    if not tail.endswith(_LAST):
+        return False
+    last = tail[: -len(_LAST)].rpartition(b"\n")[2] + b"\n"
+    return _is_entry_line(last)
+
+
+def read_head(root: Path) -> ManifestHead:
+    """Everything ``<root>/manifest.json`` says but its image list, without reading the list
+    when it is last (the layout written now). Raises InvalidImageDirectoryError."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise _missing(root)
+    with path.open("rb") as fh:
+        before, streamable = _find_list(fh)
+        if not streamable:
+            return _checked_head(path, _whole(path).head())
+        if _list_is_last(fh):
+            after = b"}\n"
+        else:  # the list in the middle (written before): read past it for the keys after it
+            fh.seek(len(before) + len(_OPEN))
+            for line in fh:
+                if line in _CLOSE:
+                    break
+            after = fh.read()
+    text = before.rstrip().rstrip(b",") + b"\n" if after.startswith(b"}") else before
+    try:
+        head = ManifestHead.model_validate_json(text + after)
+    except ValidationError as exc:
+        raise _invalid(path, exc.errors()[0]["msg"]) from exc
+    return _checked_head(path, head)
+
+
+def iter_images(root: Path) -> Iterator[ImageEntry]:
+    """The images ``<root>/manifest.json`` lists, in its order, one line read at a time.
+
+    Each path is checked as :func:`tasks.data.imagedir.read_manifest` checks them (inside the
+    directory). A list that leaves the one-line layout part way (edited by hand) is read whole
+    from there on. Raises InvalidImageDirectoryError.
+    """
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise _missing(root)
+    check = PathCheck(root)
+    with path.open("rb") as fh:
+        _, streamable = _find_list(fh)
+        done = 0
+        if streamable:
+            for number, line in enumerate(fh, start=1):
+                if line in _CLOSE:
+                    return
+                if not _is_entry_line(line):
+                    break
+                try:
+                    entry = ImageEntry.model_validate_json(line.rstrip(b",\n"))
+                except ValidationError as exc:
+                    what = f"image {number} of its list: {exc.errors()[0]['msg']}"
+                    raise _invalid(path, what) from exc
+                check(entry.path)
+                yield entry
+                done += 1
+    for entry in _whole(path).images[done:]:
+        check(entry.path)
+        yield entry
+
+
+def count_images(root: Path) -> int:
+    """How many images ``<root>/manifest.json`` lists (a line count in the streaming layout)."""
+    path = Path(root) / MANIFEST
+    with path.open("rb") as fh:
+        _, streamable = _find_list(fh)
+        if not streamable:
+            return len(_whole(path).images)
+        count = 0
+        for line in fh:
+            if line in _CLOSE:
+                break
+            count += 1
+        return count
+
+
+class ManifestWriter:
+    """Writes ``<root>/manifest.json`` one image at a time, atomically, in the order added.
+
+    The image lines wait in an unnamed scratch file (nothing is left behind by a crash) while
+    the writer counts the images per class and keeps 8 bytes of each sha256 to find duplicates;
+    :meth:`finish` writes the head, with those counts and duplicate groups, and the lines after it.
+    Use it as a context manager: the scratch file is closed however the block ends. ``dest``:
+    where ``root`` will be once written (an atomic directory's final name), for the result.
+    """
+
+    def __init__(self, root: Path, dest: Path | None = None) -> None:
+        self.root = Path(root)
+        self.dest = self.root if dest is None else Path(dest)  # where root ends up
+        # Closed by finish() or on leaving the ``with`` block; unnamed, so never left behind.
+        self._lines: IO[bytes] = tempfile.TemporaryFile(dir=self.root)  # noqa: SIM115
+        self._labels: Counter[int | None] = Counter()
+        self._prefixes = array("Q")
+        self.count = 0
+
+    def __enter__(self) -> ManifestWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lines.close()
+
+    def add(self, entry: ImageEntry) -> None:
+        # Without the optional fields at their defaults ("source_path": null on nearly every
+        # line): they read back the same. Each line but the first starts with the comma that
+        # ends the one before, so the scratch file is the list's body as it stands.
+        line = entry.model_dump_json(exclude_defaults=True).encode()
+        self._lines.write((b",\n    " if self.count else b"    ") + line)
+        self._labels[entry.label] += 1
+        self._prefixes.append(int(entry.sha256[:16], 16))
+        self.count += 1
+
+    def _duplicates(self) -> list[list[str]]:
+        """Groups of paths with one sha256: candidates by prefix, confirmed on a second pass."""
+        prefixes = np.frombuffer(self._prefixes, dtype=np.uint64)
+        values, counts = np.unique(prefixes, return_counts=True)
+        shared = {int(v) for v in values[counts > 1]}
+        if not shared:
+            return []
+        by_hash: dict[str, list[str]] = {}
+        self._lines.seek(0)
+        for line in self._lines:
+            entry = ImageEntry.model_validate_json(line.strip().rstrip(b","))
+            if int(entry.sha256[:16], 16) in shared:
+                by_hash.setdefault(entry.sha256, []).append(entry.path)
+        return sorted(sorted(paths) for paths in by_hash.values() if len(paths) > 1)
+
+    def finish(self, head: ManifestHead) -> StreamedManifest:
+        """Write the manifest: ``head`` with the counts and duplicates of the images added."""
+        counts = {c: self._labels.get(i, 0) for i, c in enumerate(head.classes)}
+        fields = head.model_dump() | {"counts": counts, "duplicates": self._duplicates()}
+        text = ManifestHead.model_validate(fields).model_dump_json(indent=2)
+        head_bytes = text.removesuffix("\n}").encode() + b",\n"  # the keys, the list to come
+        with atomic_file(self.root / MANIFEST) as tmp, open(tmp, "wb") as out:
+            if self.count:
+                out.write(head_bytes + _OPEN)
+                self._lines.seek(0)
+                shutil.copyfileobj(self._lines, out)
+                out.write(_LAST)
+            else:
+                out.write(head_bytes + b'  "images": []\n}\n')
+            out.flush()
+            os.fsync(out.fileno())
+        self._lines.close()
+        written = StreamedManifest(**fields, root=self.dest, image_count=self.count)
+        written._stamp = _stamp(self.root / MANIFEST)  # the file as written: moved, not copied
+        return written
+
+
+def content_digest(root: Path, head: ManifestHead | None = None) -> str | None:
+    """sha256 of what a model is scored on here: each image's path, label and content (the
+    manifest's sha256), the classes and the applied transform; None when the folder no longer
+    matches its manifest.
+
+    The same on every machine and wherever the folder sits (the manifest is read, no image is),
+    and one image replaced or relabeled changes it. Names, sources and skipped files are left
+    out: they change no score. A file whose size differs from the manifest's has been edited
+    in place; the manifest then no longer says what the folder holds, so there is no identity.
+    Streamed: the bytes hashed are those of ``json.dumps(content, sort_keys=True)`` of the whole
+    record, as digests recorded before were made.
+    """
+    root = Path(root)
+    head = head or read_head(root)
+    transform = None if head.transform is None else head.transform.model_dump(mode="json")
+    digest = hashlib.sha256()
+    digest.update(
+        f'{{"classes": {json.dumps(head.classes)}, '
+        f'"format_version": {json.dumps(head.format_version)}, "images": ['.encode()
+    )
+    separator = ""
+    for entry in iter_images(root):
+        if entry.size is not None:
+            try:
+                if os.stat(root / entry.path).st_size != entry.size:
+                    return None
+            except OSError:
+                return None
+        digest.update((separator + json.dumps([entry.path, entry.label, entry.sha256])).encode())
+        separator = ", "
+    digest.update(
+        f'], "labeled": {json.dumps(head.labeled)}, '
+        f'"transform": {json.dumps(transform, sort_keys=True)}}}'.encode()
+    )
+    return digest.hexdigest()
