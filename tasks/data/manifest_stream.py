@@ -218,12 +218,12 @@ def count_images(root: Path) -> int:
         _, streamable = _find_list(fh)
         if not streamable:
             return len(_whole(path).images)
-        count = 0
-        for line in fh:
+        for count, line in enumerate(fh):
             if line in _CLOSE:
-                break
-            count += 1
-        return count
+                return count
+            if not _is_entry_line(line):
+                break  # the layout ends part way (edited by hand): count the whole list
+    return len(_whole(path).images)
 
 
 class ManifestWriter:
@@ -260,6 +260,25 @@ class ManifestWriter:
         self._labels[entry.label] += 1
         self._prefixes.append(int(entry.sha256[:16], 16))
         self.count += 1
+
+    def classes_used(self, classes: int) -> list[bool]:
+        """Whether each of the class ids ``0 .. classes - 1`` has an image so far."""
+        return [self._labels.get(i, 0) > 0 for i in range(classes)]
+
+    def relabel(self, ids: dict[int, int]) -> None:
+        """Give every image added so far the class id ``ids[label]`` (a class left out shifts
+        the ids after it): the lines are rewritten once, through a second scratch file."""
+        old, self._lines = self._lines, tempfile.TemporaryFile(dir=self.root)  # noqa: SIM115
+        count, self.count, self._labels = self.count, 0, Counter()
+        prefixes, self._prefixes = self._prefixes, array("Q")
+        with old:
+            old.seek(0)
+            for line in old:
+                entry = ImageEntry.model_validate_json(line.strip().rstrip(b","))
+                if entry.label is not None:
+                    entry.label = ids[entry.label]
+                self.add(entry)
+        assert self.count == count and self._prefixes == prefixes
 
     def _duplicates(self) -> list[list[str]]:
         """Groups of paths with one sha256: candidates by prefix, confirmed on a second pass."""

@@ -13,13 +13,13 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tasks.data.convert.checking import available_cores
+from tasks.data.convert.checking import available_cores, ordered_map
 from tasks.data.convert.plan import ConversionPlan, PlannedFile
 from tasks.data.imagecheck import file_fingerprint
 from tasks.data.imagedir import MANIFEST
@@ -33,23 +33,39 @@ log = logging.getLogger("tasks.data.convert")
 _HASH_CHUNK = 64
 
 
+class Fingerprint:
+    """sha256 over ``head`` (parameters, versions) and what the source holds, made as the files
+    are read.
+
+    With a ``plan``: the layout, what was skipped before reading, and per file (:meth:`add`, in
+    the plan's order) its path, destination, label, size and sha256 (``(-1, "")`` when
+    unreadable).
+    """
+
+    def __init__(self, head: dict[str, Any], plan: ConversionPlan | None = None) -> None:
+        self._digest = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+        if plan is not None:
+            skipped = [[s.path, s.reason] for s in plan.skipped]
+            self._digest.update(json.dumps([plan.labeled, plan.classes, skipped]).encode())
+
+    def add(self, item: PlannedFile, size: int, sha256: str) -> None:
+        self._digest.update(json.dumps([item.rel, item.dest, item.label, size, sha256]).encode())
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
 def fingerprint(
     head: dict[str, Any],
     plan: ConversionPlan | None = None,
-    digests: Sequence[tuple[int, str]] = (),
+    digests: Iterable[tuple[int, str]] = (),
 ) -> str:
-    """sha256 over ``head`` (parameters, versions) and what the source holds.
-
-    With a ``plan``: the layout, what was skipped before reading, and per file its path,
-    destination, label, size and sha256 (``(-1, "")`` when unreadable), from ``digests``.
-    """
-    digest = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+    """The :class:`Fingerprint` of ``head``, and of ``plan`` with each file's ``digests``."""
+    made = Fingerprint(head, plan)
     if plan is not None:
-        skipped = [[s.path, s.reason] for s in plan.skipped]
-        digest.update(json.dumps([plan.labeled, plan.classes, skipped]).encode())
         for item, (size, sha256) in zip(plan.items, digests, strict=True):
-            digest.update(json.dumps([item.rel, item.dest, item.label, size, sha256]).encode())
-    return digest.hexdigest()
+            made.add(item, size, sha256)
+    return made.hexdigest()
 
 
 def sha256_file(path: str | Path) -> tuple[int, str]:
@@ -60,20 +76,26 @@ def sha256_file(path: str | Path) -> tuple[int, str]:
         return -1, ""
 
 
-def hash_all(items: Sequence[PlannedFile], max_pixels: int) -> list[tuple[int, str]]:
-    """(size, sha256) of each file, as :func:`tasks.data.imagecheck.check_file` reports them (a file
-    it would not read, by its extension or size, is not read here either).
+def hash_all(items: Sequence[PlannedFile], max_pixels: int) -> Iterator[tuple[int, str]]:
+    """(size, sha256) of each file, in order, as :func:`tasks.data.imagecheck.check_file` reports
+    them (a file it would not read, by its extension or size, is not read here either).
 
     Threads, not processes: reading and hashing release the GIL, and a thread starts at once.
     From the page cache one thread is as fast; the others help when the disk makes us wait.
+    A window of chunks at a time: the hashes of a million files are never all in memory.
     """
-    files = [(item.source, item.rel) for item in items]
-    chunks = [files[i : i + _HASH_CHUNK] for i in range(0, len(files), _HASH_CHUNK)]
-    if len(chunks) <= 1:
-        return _hash_chunk(files, max_pixels)
-    with ThreadPoolExecutor(max_workers=min(8, 2 * available_cores())) as pool:
-        hashed = pool.map(partial(_hash_chunk, max_pixels=max_pixels), chunks)
-        return [d for chunk in hashed for d in chunk]
+    if len(items) <= _HASH_CHUNK:
+        yield from _hash_chunk([(item.source, item.rel) for item in items], max_pixels)
+        return
+    chunks = (
+        [(item.source, item.rel) for item in items[i : i + _HASH_CHUNK]]
+        for i in range(0, len(items), _HASH_CHUNK)
+    )
+    threads = min(8, 2 * available_cores())
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        hash_chunk = partial(_hash_chunk, max_pixels=max_pixels)
+        for hashed in ordered_map(pool, hash_chunk, chunks, ahead=4 * threads):
+            yield from hashed
 
 
 def _hash_chunk(files: Sequence[tuple[str, str]], max_pixels: int) -> list[tuple[int, str]]:

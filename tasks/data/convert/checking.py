@@ -5,10 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from functools import partial
+from typing import TypeVar
 
 from tasks.data.imagecheck import CheckJob, CheckResult, check_file, check_files, refused_unread
 from tasks.shared.parent_death import die_with_parent
@@ -19,6 +21,9 @@ from tasks.shared.parent_death import die_with_parent
 MIN_FILES_FOR_POOL = 64
 MIN_BYTES_FOR_POOL = 16 * 1024**2
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 
 def available_cores() -> int:
     try:
@@ -27,15 +32,15 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _use_pool(jobs: list[CheckJob], workers: int | None) -> int:
+def _use_pool(jobs: Iterable[CheckJob], count: int, workers: int | None) -> int:
     """How many worker processes to start; 0 or 1 means check in this process."""
-    if len(jobs) < MIN_FILES_FOR_POOL:
+    if count < MIN_FILES_FOR_POOL:
         return 0
     if workers is None:
         if sum(_size(job) for job in jobs) < MIN_BYTES_FOR_POOL:
             return 0
         workers = available_cores()
-    return min(workers, len(jobs))
+    return min(workers, count)
 
 
 def _size(job: CheckJob) -> int:
@@ -47,23 +52,56 @@ def _size(job: CheckJob) -> int:
     return 0 if refused_unread(job.rel, size, job.max_pixels) else size
 
 
-def check_all(jobs: list[CheckJob], workers: int | None) -> list[CheckResult]:
-    """Run :func:`check_file` on every job, in a process pool unless the input is small.
+def ordered_map(pool: Executor, fn: Callable[[T], R], args: Iterable[T], ahead: int) -> Iterator[R]:
+    """``pool.map(fn, args)`` with at most ``ahead`` calls submitted and not yet taken: the
+    results come in order and memory holds a window of them, never all (``Executor.map``
+    submits every call at once)."""
+    pending: deque[Future[R]] = deque()
+    for arg in args:
+        pending.append(pool.submit(fn, arg))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
-    This process is one of the ``workers``: the others are spawned and take chunks of jobs from
-    the front while this one checks chunks from the back, so the work starts at once instead of
-    after an interpreter start-up (a tenth of a second per spawned worker). Spawn, never fork:
-    forking a process that runs Prefect's threads can deadlock the child. Results come back in
-    job order, so the manifest does not depend on scheduling.
+
+class _Own:
+    """A chunk this process checks itself, when its turn comes or while it waits for a worker."""
+
+    def __init__(self, jobs: list[CheckJob]) -> None:
+        self.jobs = jobs
+        self.results: list[CheckResult] | None = None
+
+    def run(self, advance: Callable[[int], None]) -> list[CheckResult]:
+        if self.results is None:
+            self.results = [_advanced(advance, check_file(job)) for job in self.jobs]
+        return self.results
+
+
+def check_in_order(
+    count: int, jobs: Callable[[int, int], list[CheckJob]], workers: int | None
+) -> Iterator[CheckResult]:
+    """:func:`check_file` on each of ``count`` jobs, results in job order, in a process pool
+    unless the input is small. ``jobs(start, stop)`` makes the jobs of that slice.
+
+    This process is one of the ``workers``: it checks every ``workers``-th chunk itself, and
+    while it waits for a worker's chunk it checks its own later ones, so the work starts at once
+    instead of after an interpreter start-up (a tenth of a second per spawned worker). Chunks
+    are made and sent a window ahead of the one being taken: the jobs and results of a million
+    files are never in memory at once. Spawn, never fork: forking a process that runs Prefect's
+    threads can deadlock the child. The order does not depend on scheduling.
     """
-    workers = _use_pool(jobs, workers)
-    with _progress(len(jobs)) as advance:
+    sizing = (job for start in range(0, count, 256) for job in jobs(start, min(count, start + 256)))
+    workers = _use_pool(sizing, count, workers)
+    with _progress(count) as advance:
         if workers <= 1:
-            return [_advanced(advance, check_file(job)) for job in jobs]
+            for start in range(0, count, 256):
+                for job in jobs(start, min(count, start + 256)):
+                    yield _advanced(advance, check_file(job))
+            return
         # Chunks amortise the round trip per file, and stay small enough to balance the load.
-        size = max(1, min(32, len(jobs) // (workers * 4)))
-        chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
-        mine: dict[int, list[CheckResult]] = {}
+        size = max(1, min(32, count // (workers * 4)))
+        ahead = workers * 16
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(
             max_workers=workers - 1,
@@ -71,22 +109,38 @@ def check_all(jobs: list[CheckJob], workers: int | None) -> list[CheckResult]:
             initializer=die_with_parent,  # a SIGKILLed convert leaves no worker behind
             initargs=(os.getpid(),),
         ) as pool:
+            pending: deque[Future[list[CheckResult]] | _Own] = deque()
             try:
-                futures = [pool.submit(check_files, chunk) for chunk in chunks]
-                for future, chunk in zip(futures, chunks, strict=True):
-                    future.add_done_callback(partial(_chunk_done, advance, len(chunk)))
-                for i in reversed(range(len(chunks))):
-                    if not futures[i].cancel():
-                        break  # a worker has this chunk already: the ones before are theirs too
-                    mine[i] = [_advanced(advance, check_file(job)) for job in chunks[i]]
-                return [
-                    result
-                    for i, future in enumerate(futures)
-                    for result in (mine[i] if i in mine else future.result())
-                ]
+                for index, start in enumerate(range(0, count, size)):
+                    chunk = jobs(start, min(count, start + size))
+                    if index % workers == workers - 1:
+                        pending.append(_Own(chunk))
+                    else:
+                        future = pool.submit(check_files, chunk)
+                        future.add_done_callback(partial(_chunk_done, advance, len(chunk)))
+                        pending.append(future)
+                    if len(pending) >= ahead:
+                        yield from _take(pending, advance)
+                while pending:
+                    yield from _take(pending, advance)
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)  # not the whole queue first
                 raise
+
+
+def _take(
+    pending: deque[Future[list[CheckResult]] | _Own], advance: Callable[[int], None]
+) -> list[CheckResult]:
+    """The first pending chunk's results; while a worker still has it, own chunks are checked."""
+    first = pending[0]
+    if isinstance(first, Future):
+        while not first.done():
+            own = next((p for p in pending if isinstance(p, _Own) and p.results is None), None)
+            if own is None:
+                break
+            own.run(advance)
+    pending.popleft()
+    return first.result() if isinstance(first, Future) else first.run(advance)
 
 
 def _chunk_done(advance: Callable[[int], None], n: int, future: Future) -> None:

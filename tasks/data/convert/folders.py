@@ -12,7 +12,6 @@ from pathlib import Path, PurePosixPath
 
 from tasks.data.archive import archive_kind, zip_names
 from tasks.data.convert.plan import ConversionPlan, PlannedFile
-from tasks.shared.errors import NoUsableImagesError
 from tasks.data.imagedir import (
     MANIFEST,
     SkippedFile,
@@ -21,6 +20,7 @@ from tasks.data.imagedir import (
     is_utf8,
     printable_name,
 )
+from tasks.shared.errors import NoUsableImagesError
 
 # macOS and Windows leave these beside the images; they are never data.
 _JUNK_NAMES = ("__MACOSX",)
@@ -31,7 +31,8 @@ class _Scan:
     """What is below the source root: the files to check, and what was left out already."""
 
     labeled: bool
-    files: list[tuple[Path, str]] = field(default_factory=list)  # (absolute path, relative path)
+    # (absolute path, relative path), as strings: a Path object per file weighs 300 bytes more.
+    files: list[tuple[str, str]] = field(default_factory=list)
     class_dirs: list[str] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
 
@@ -39,8 +40,14 @@ class _Scan:
 def plan_folder(root: Path, skipped: list[SkippedFile]) -> ConversionPlan:
     """Every file below ``root`` to its own path; ``skipped`` holds what was refused before."""
     scan = _scan(root)
+    names: dict[str, str] = {}  # one string per class, not one per image
     items = [
-        PlannedFile(str(path), rel, rel, rel.split("/", 1)[0] if scan.labeled else None)
+        PlannedFile(
+            path,
+            rel,
+            rel,
+            names.setdefault(c, c) if scan.labeled and (c := rel.split("/", 1)[0]) else None,
+        )
         for path, rel in scan.files
     ]
     return ConversionPlan(scan.labeled, items, scan.class_dirs, skipped + scan.skipped)
@@ -156,7 +163,7 @@ def _scan(root: Path) -> _Scan:
                 # A README or labels.csv beside the class folders: reported, not an image anyway.
                 skip(rel, SkipReason.NOT_IN_CLASS_FOLDER.because("files must be in class folders"))
             else:
-                scan.files.append((path, rel))
+                scan.files.append((str(path), rel))
     scan.files.sort(key=lambda item: item[1])
     return scan
 

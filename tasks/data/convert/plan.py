@@ -11,7 +11,7 @@ from tasks.data.imagedir import SkippedFile
 from tasks.data.labelfiles import Listed, Listing
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PlannedFile:
     """One file to check, and where it goes when it passes."""
 
@@ -31,6 +31,11 @@ class ConversionPlan:
     classes: list[str]  # the classes the source names: each one left without images is reported
     skipped: list[SkippedFile]
     label_file: bool = False  # classes come from labels, not folders (the wording of reports)
+
+    def __post_init__(self) -> None:
+        # In the ImageDirectory's order: checked in it, the entries go to the manifest as they
+        # come (a folder's plan is in this order already).
+        self.items.sort(key=lambda item: item.dest)
 
 
 def plan_listing(listing: Listing) -> ConversionPlan:

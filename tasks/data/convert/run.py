@@ -120,43 +120,28 @@ def _convert_plan(
     computed of the files they read (no file is read twice).
     """
     skipped = list(plan.skipped)
+    made = cache.Fingerprint(key, plan) if isinstance(key, dict) else None
+    # Ids of every class the plan names; one left without an image is dropped at the end.
+    named = sorted(set(plan.classes) | {i.label for i in plan.items if i.label is not None})
+    class_id = {name: i for i, name in enumerate(named)}
     with atomic_directory(dest, replaces=MANIFEST) as tmp, ManifestWriter(tmp, dest) as written:
-        jobs = [
-            CheckJob(
-                item.source, item.rel, str(tmp / item.dest), scratch=str(tmp), **limits.images()
-            )
-            for item in plan.items
-        ]
-        results = checking.check_all(jobs, workers)
-        del jobs
-        accepted: list[int] = []  # indices into plan.items and results
-        for index, result in enumerate(results):
+
+        def jobs(start: int, stop: int) -> list[CheckJob]:
+            return [
+                CheckJob(item.source, item.rel, str(tmp / item.dest), scratch=str(tmp), **images)
+                for item in plan.items[start:stop]
+            ]
+
+        images = limits.images()
+        results = checking.check_in_order(len(plan.items), jobs, workers)
+        # In the plan's order, which is the manifest's: each entry is written as its file is
+        # checked, never kept.
+        for item, result in zip(plan.items, results, strict=True):
+            if made is not None:
+                made.add(item, result.size, result.sha256)
             if result.reason:
                 skipped.append(SkippedFile(path=result.rel, reason=result.reason))
-            else:
-                accepted.append(index)
-        classes = sorted({plan.items[i].label for i in accepted} - {None})  # type: ignore[misc]
-        what = "class" if plan.label_file else "class folder"
-        for name in plan.classes:
-            if name not in classes:
-                skipped.append(
-                    SkippedFile(
-                        path=printable_name(name) + "/",
-                        reason=SkipReason.EMPTY_CLASS.because(
-                            f"no valid image in this {what}; the class is left out"
-                        ),
-                    )
-                )
-        if not accepted:
-            raise NoUsableImagesError(
-                report.nothing_usable(source, skipped, plan.label_file),
-                report.LABEL_FILE_HINT if plan.label_file else report.NOTHING_USABLE_HINT,
-            )
-        class_id = {name: i for i, name in enumerate(classes)}
-        # One entry at a time into the manifest, in path order: never a list of them.
-        accepted.sort(key=lambda i: plan.items[i].dest)
-        for index in accepted:
-            item, result = plan.items[index], results[index]
+                continue
             written.add(
                 ImageEntry(
                     path=item.dest,
@@ -168,14 +153,32 @@ def _convert_plan(
                     source_path=item.origin,
                 )
             )
-        if isinstance(key, dict):
-            key = cache.fingerprint(key, plan, [(r.size, r.sha256) for r in results])
+        kept = written.classes_used(len(named))
+        classes = [name for name, used in zip(named, kept, strict=True) if used]
+        what = "class" if plan.label_file else "class folder"
+        for name in plan.classes:
+            if name not in classes:
+                skipped.append(
+                    SkippedFile(
+                        path=printable_name(name) + "/",
+                        reason=SkipReason.EMPTY_CLASS.because(
+                            f"no valid image in this {what}; the class is left out"
+                        ),
+                    )
+                )
+        if not written.count:
+            raise NoUsableImagesError(
+                report.nothing_usable(source, skipped, plan.label_file),
+                report.LABEL_FILE_HINT if plan.label_file else report.NOTHING_USABLE_HINT,
+            )
+        if len(classes) < len(named):  # ids shift down past each class left out
+            written.relabel({named.index(name): i for i, name in enumerate(classes)})
         head = ManifestHead(
             labeled=plan.labeled,
             classes=classes,
             source=str(source.resolve()),
             skipped=sorted(skipped, key=lambda s: s.path),
-            fingerprint=key,
+            fingerprint=key if made is None else made.hexdigest(),
         )
         manifest = written.finish(head)
     report.log_summary(dest, manifest)
