@@ -84,11 +84,16 @@ def test_labeled_folder_becomes_an_image_directory(digits_raw: Path, tmp_path: P
 
 
 def test_process_pool_gives_the_same_manifest(digits_raw: Path, tmp_path: Path) -> None:
-    # 90 files: over the pool threshold, so workers=2 spawns two processes.
+    # 90 files: over the pool threshold, so workers=2 spawns a process and checks the two
+    # halves (stripes) side by side, each written to its part of the list; three stripes too.
     pooled = convert(digits_raw, tmp_path / "pooled", workers=2)
     in_process = convert(digits_raw, tmp_path / "in_process", workers=1)
+    three = convert(digits_raw, tmp_path / "three", workers=3)
 
     assert pooled.model_dump(exclude={"source"}) == in_process.model_dump(exclude={"source"})
+    assert three.model_dump(exclude={"source"}) == in_process.model_dump(exclude={"source"})
+    assert pooled.images == three.images == in_process.images and in_process.image_count == 90
+    assert [e.path for e in in_process.images] == sorted(e.path for e in in_process.images)
     assert _files_below(tmp_path / "pooled") == _files_below(tmp_path / "in_process")
 
 

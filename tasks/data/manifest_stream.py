@@ -227,36 +227,44 @@ def count_images(root: Path) -> int:
 
 
 class ManifestWriter:
-    """Writes ``<root>/manifest.json`` one image at a time, atomically, in the order added.
+    """Writes ``<root>/manifest.json`` one image at a time, atomically.
 
-    The image lines wait in an unnamed scratch file (nothing is left behind by a crash) while
-    the writer counts the images per class and keeps 8 bytes of each sha256 to find duplicates;
-    :meth:`finish` writes the head, with those counts and duplicate groups, and the lines after it.
-    Use it as a context manager: the scratch file is closed however the block ends. ``dest``:
-    where ``root`` will be once written (an atomic directory's final name), for the result.
+    The image lines wait in unnamed scratch files (nothing is left behind by a crash), one per
+    ``part``: the list is part 0's lines in the order added, then part 1's, and so on (convert
+    checks the two halves of a big input side by side). Meanwhile the writer counts the images
+    per class and keeps 8 bytes of each sha256 to find duplicates; :meth:`finish` writes the
+    head, with those counts and duplicate groups, and the lines after it. Use it as a context
+    manager: the scratch files are closed however the block ends. ``dest``: where ``root`` will
+    be once written (an atomic directory's final name), for the result.
     """
 
-    def __init__(self, root: Path, dest: Path | None = None) -> None:
+    def __init__(self, root: Path, dest: Path | None = None, parts: int = 1) -> None:
         self.root = Path(root)
         self.dest = self.root if dest is None else Path(dest)  # where root ends up
-        # Closed by finish() or on leaving the ``with`` block; unnamed, so never left behind.
-        self._lines: IO[bytes] = tempfile.TemporaryFile(dir=self.root)  # noqa: SIM115
+        self._parts = [self._scratch() for _ in range(parts)]
+        self._sizes = [0] * parts
         self._labels: Counter[int | None] = Counter()
         self._prefixes = array("Q")
         self.count = 0
+
+    def _scratch(self) -> IO[bytes]:
+        # Closed by finish() or on leaving the ``with`` block; unnamed, so never left behind.
+        return tempfile.TemporaryFile(dir=self.root)
 
     def __enter__(self) -> ManifestWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._lines.close()
+        for part in self._parts:
+            part.close()
 
-    def add(self, entry: ImageEntry) -> None:
+    def add(self, entry: ImageEntry, part: int = 0) -> None:
         # Without the optional fields at their defaults ("source_path": null on nearly every
-        # line): they read back the same. Each line but the first starts with the comma that
-        # ends the one before, so the scratch file is the list's body as it stands.
+        # line): they read back the same. Each line of a part but its first starts with the
+        # comma that ends the one before.
         line = entry.model_dump_json(exclude_defaults=True).encode()
-        self._lines.write((b",\n    " if self.count else b"    ") + line)
+        self._parts[part].write((b",\n    " if self._sizes[part] else b"    ") + line)
+        self._sizes[part] += 1
         self._labels[entry.label] += 1
         self._prefixes.append(int(entry.sha256[:16], 16))
         self.count += 1
@@ -265,20 +273,23 @@ class ManifestWriter:
         """Whether each of the class ids ``0 .. classes - 1`` has an image so far."""
         return [self._labels.get(i, 0) > 0 for i in range(classes)]
 
+    def _entries(self, part: IO[bytes]) -> Iterator[ImageEntry]:
+        part.seek(0)
+        for line in part:
+            yield ImageEntry.model_validate_json(line.strip().rstrip(b","))
+
     def relabel(self, ids: dict[int, int]) -> None:
         """Give every image added so far the class id ``ids[label]`` (a class left out shifts
-        the ids after it): the lines are rewritten once, through a second scratch file."""
-        old, self._lines = self._lines, tempfile.TemporaryFile(dir=self.root)  # noqa: SIM115
-        count, self.count, self._labels = self.count, 0, Counter()
-        prefixes, self._prefixes = self._prefixes, array("Q")
-        with old:
-            old.seek(0)
-            for line in old:
-                entry = ImageEntry.model_validate_json(line.strip().rstrip(b","))
-                if entry.label is not None:
-                    entry.label = ids[entry.label]
-                self.add(entry)
-        assert self.count == count and self._prefixes == prefixes
+        the ids after it): the lines are rewritten once, through new scratch files."""
+        old, self._parts = self._parts, [self._scratch() for _ in self._parts]
+        self._sizes, self.count, self._labels = [0] * len(old), 0, Counter()
+        self._prefixes = array("Q")
+        for index, part in enumerate(old):
+            with part:
+                for entry in self._entries(part):
+                    if entry.label is not None:
+                        entry.label = ids[entry.label]
+                    self.add(entry, index)
 
     def _duplicates(self) -> list[list[str]]:
         """Groups of paths with one sha256: candidates by prefix, confirmed on a second pass."""
@@ -288,11 +299,10 @@ class ManifestWriter:
         if not shared:
             return []
         by_hash: dict[str, list[str]] = {}
-        self._lines.seek(0)
-        for line in self._lines:
-            entry = ImageEntry.model_validate_json(line.strip().rstrip(b","))
-            if int(entry.sha256[:16], 16) in shared:
-                by_hash.setdefault(entry.sha256, []).append(entry.path)
+        for part in self._parts:
+            for entry in self._entries(part):
+                if int(entry.sha256[:16], 16) in shared:
+                    by_hash.setdefault(entry.sha256, []).append(entry.path)
         return sorted(sorted(paths) for paths in by_hash.values() if len(paths) > 1)
 
     def finish(self, head: ManifestHead) -> StreamedManifest:
@@ -304,17 +314,23 @@ class ManifestWriter:
         with atomic_file(self.root / MANIFEST) as tmp, open(tmp, "wb") as out:
             if self.count:
                 out.write(head_bytes + _OPEN)
-                self._lines.seek(0)
-                shutil.copyfileobj(self._lines, out)
+                written = 0
+                for part, size in zip(self._parts, self._sizes, strict=True):
+                    if size:
+                        out.write(b",\n" if written else b"")
+                        part.seek(0)
+                        shutil.copyfileobj(part, out)
+                        written += size
                 out.write(_LAST)
             else:
                 out.write(head_bytes + b'  "images": []\n}\n')
             out.flush()
             os.fsync(out.fileno())
-        self._lines.close()
-        written = StreamedManifest(**fields, root=self.dest, image_count=self.count)
-        written._stamp = _stamp(self.root / MANIFEST)  # the file as written: moved, not copied
-        return written
+        for part in self._parts:
+            part.close()
+        result = StreamedManifest(**fields, root=self.dest, image_count=self.count)
+        result._stamp = _stamp(self.root / MANIFEST)  # the file as written: moved, not copied
+        return result
 
 
 def content_digest(root: Path, head: ManifestHead | None = None) -> str | None:

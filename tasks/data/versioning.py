@@ -10,7 +10,6 @@ docs/internals.md#data-versioning.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import re
@@ -370,29 +369,24 @@ def version(path: Path, settings: Settings | None = None) -> str:
 
     settings = settings or get_settings()
     target = _inside_project(path, settings)
-    with _serialised(settings):
-        with linking_add(_ensure(settings), target) as repo:
-            try:
-                dvc_file = Path(repo.add([str(target)])[0].path)
-            except DvcException as exc:
-                raise _dvc_error(
-                    exc,
-                    f"add {target}",
-                    "Check that the folder is readable and not inside .dvc/ or .git/.",
-                ) from exc
-        # The push in a repository opened afresh, once the add's is gone: DVC holds an object
-        # per file in each, and the two at once were 150 MB more at 200,000 images than
-        # `dvc add` and `dvc push` run one after the other.
-        gc.collect()
-        with _ensure(settings) as repo:
-            try:
-                repo.push(targets=[str(dvc_file)])
-            except DvcException as exc:
-                raise _dvc_error(
-                    exc,
-                    f"push {target} to the remote {_remote_url(settings)}",
-                    "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
-                ) from exc
+    with _serialised(settings), linking_add(_ensure(settings), target) as repo:
+        try:
+            stages = repo.add([str(target)])
+            dvc_file = Path(stages[0].path)
+        except DvcException as exc:
+            raise _dvc_error(
+                exc,
+                f"add {target}",
+                "Check that the folder is readable and not inside .dvc/ or .git/.",
+            ) from exc
+        try:
+            repo.push(targets=[str(dvc_file)])
+        except DvcException as exc:
+            raise _dvc_error(
+                exc,
+                f"push {target} to the remote {_remote_url(settings)}",
+                "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
+            ) from exc
     md5 = _tracked_md5(dvc_file)
     logger = step_logger(__name__)
     logger.info("versioned %s as %s (md5 %s)", target, dvc_file.name, md5)

@@ -35,24 +35,28 @@ _HASH_CHUNK = 64
 
 class Fingerprint:
     """sha256 over ``head`` (parameters, versions) and what the source holds, made as the files
-    are read.
+    are read, in any order.
 
-    With a ``plan``: the layout, what was skipped before reading, and per file (:meth:`add`, in
-    the plan's order) its path, destination, label, size and sha256 (``(-1, "")`` when
-    unreadable).
+    With a ``plan``: the layout, what was skipped before reading, and per file (:meth:`add`,
+    by its place in the plan) its path, destination, label, size and sha256 (``(-1, "")`` when
+    unreadable), each kept as 32 bytes and hashed in the plan's order at the end.
     """
 
     def __init__(self, head: dict[str, Any], plan: ConversionPlan | None = None) -> None:
         self._digest = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+        self._files = bytearray(0 if plan is None else 32 * len(plan.items))
         if plan is not None:
             skipped = [[s.path, s.reason] for s in plan.skipped]
             self._digest.update(json.dumps([plan.labeled, plan.classes, skipped]).encode())
 
-    def add(self, item: PlannedFile, size: int, sha256: str) -> None:
-        self._digest.update(json.dumps([item.rel, item.dest, item.label, size, sha256]).encode())
+    def add(self, index: int, item: PlannedFile, size: int, sha256: str) -> None:
+        record = json.dumps([item.rel, item.dest, item.label, size, sha256]).encode()
+        self._files[32 * index : 32 * index + 32] = hashlib.sha256(record).digest()
 
     def hexdigest(self) -> str:
-        return self._digest.hexdigest()
+        digest = self._digest.copy()
+        digest.update(self._files)
+        return digest.hexdigest()
 
 
 def fingerprint(
@@ -63,8 +67,8 @@ def fingerprint(
     """The :class:`Fingerprint` of ``head``, and of ``plan`` with each file's ``digests``."""
     made = Fingerprint(head, plan)
     if plan is not None:
-        for item, (size, sha256) in zip(plan.items, digests, strict=True):
-            made.add(item, size, sha256)
+        for index, (item, (size, sha256)) in enumerate(zip(plan.items, digests, strict=True)):
+            made.add(index, item, size, sha256)
     return made.hexdigest()
 
 

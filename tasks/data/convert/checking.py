@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import sys
@@ -32,15 +33,18 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _use_pool(jobs: Iterable[CheckJob], count: int, workers: int | None) -> int:
-    """How many worker processes to start; 0 or 1 means check in this process."""
+def processes(count: int, jobs: Callable[[int, int], list[CheckJob]], workers: int | None) -> int:
+    """How many processes check ``count`` files (this one included): 1 below the pool's size
+    thresholds, else ``workers`` (default: every core)."""
     if count < MIN_FILES_FOR_POOL:
-        return 0
+        return 1
     if workers is None:
-        if sum(_size(job) for job in jobs) < MIN_BYTES_FOR_POOL:
-            return 0
+        step = 256
+        sizes = (_size(job) for i in range(0, count, step) for job in jobs(i, min(count, i + step)))
+        if sum(sizes) < MIN_BYTES_FOR_POOL:
+            return 1
         workers = available_cores()
-    return min(workers, count)
+    return max(1, min(workers, count))
 
 
 def _size(job: CheckJob) -> int:
@@ -65,82 +69,106 @@ def ordered_map(pool: Executor, fn: Callable[[T], R], args: Iterable[T], ahead: 
         yield pending.popleft().result()
 
 
-class _Own:
-    """A chunk this process checks itself, when its turn comes or while it waits for a worker."""
+class _Chunk:
+    """A chunk of jobs, its place, and who checks it: a worker (``future``) or this process."""
 
-    def __init__(self, jobs: list[CheckJob]) -> None:
-        self.jobs = jobs
+    def __init__(
+        self, stripe: int, start: int, jobs: list[CheckJob], future: Future[list[CheckResult]]
+    ) -> None:
+        self.stripe, self.start, self.jobs = stripe, start, jobs
+        self.future: Future[list[CheckResult]] | None = future
         self.results: list[CheckResult] | None = None
 
-    def run(self, advance: Callable[[int], None]) -> list[CheckResult]:
-        if self.results is None:
-            self.results = [_advanced(advance, check_file(job)) for job in self.jobs]
-        return self.results
+    def take_over(self, advance: Callable[[int], None]) -> bool:
+        """Check the chunk here if no worker has started it; whether this process did."""
+        if self.future is None or not self.future.cancel():
+            return False
+        self.future = None
+        self.results = [_advanced(advance, check_file(job)) for job in self.jobs]
+        return True
+
+    def result(self) -> list[CheckResult]:
+        return self.results if self.future is None else self.future.result()  # type: ignore[return-value]
+
+
+def stripe_bounds(count: int, stripes: int) -> list[int]:
+    """Where each stripe of ``count`` files starts, and the end: ``stripes`` equal parts."""
+    return [count * i // stripes for i in range(stripes + 1)]
 
 
 def check_in_order(
-    count: int, jobs: Callable[[int, int], list[CheckJob]], workers: int | None
-) -> Iterator[CheckResult]:
-    """:func:`check_file` on each of ``count`` jobs, results in job order, in a process pool
-    unless the input is small. ``jobs(start, stop)`` makes the jobs of that slice.
+    count: int, jobs: Callable[[int, int], list[CheckJob]], processes: int
+) -> Iterator[tuple[int, int, list[CheckResult]]]:
+    """:func:`check_file` on each of ``count`` jobs in ``processes`` processes (this one
+    included): ``(stripe, start, results)`` per chunk of jobs from ``start``. ``jobs(start,
+    stop)`` makes the jobs of that slice.
 
-    This process is one of the ``workers``: it checks every ``workers``-th chunk itself, and
-    while it waits for a worker's chunk it checks its own later ones, so the work starts at once
-    instead of after an interpreter start-up (a tenth of a second per spawned worker). Chunks
-    are made and sent a window ahead of the one being taken: the jobs and results of a million
-    files are never in memory at once. Spawn, never fork: forking a process that runs Prefect's
-    threads can deadlock the child. The order does not depend on scheduling.
+    The jobs are cut into as many stripes as processes (:func:`stripe_bounds`), and each stripe
+    into chunks, handed out a stripe at a time in turn: processes checking side by side work in
+    different stripes, far apart in the input. (Neighbouring files, checked side by side,
+    cost 40% more system time on a 2-core machine: the kernel serialises the work in one
+    folder.) Each stripe's chunks come back in order. Chunks are made and sent a window ahead
+    of the one being taken, so the jobs and results of a million files are never in memory at
+    once. This process is one of the ``processes``: while the chunk it needs next is still
+    being checked, it checks a chunk from the back of the window that no worker has started,
+    of another stripe than the workers', so the work starts at once instead of after an
+    interpreter start-up, and it never waits idle. Spawn, never fork: forking a process that
+    runs Prefect's threads can deadlock the child.
     """
-    sizing = (job for start in range(0, count, 256) for job in jobs(start, min(count, start + 256)))
-    workers = _use_pool(sizing, count, workers)
     with _progress(count) as advance:
-        if workers <= 1:
+        if processes <= 1:
             for start in range(0, count, 256):
-                for job in jobs(start, min(count, start + 256)):
-                    yield _advanced(advance, check_file(job))
+                chunk = jobs(start, min(count, start + 256))
+                yield 0, start, [_advanced(advance, check_file(job)) for job in chunk]
             return
+        bounds = stripe_bounds(count, processes)
         # Chunks amortise the round trip per file, and stay small enough to balance the load.
-        size = max(1, min(32, count // (workers * 4)))
-        ahead = workers * 16
+        size = max(1, min(32, count // (processes * 4)))
+        starts = [range(bounds[i], bounds[i + 1], size) for i in range(processes)]
+        order = [
+            (stripe, start)
+            for group in itertools.zip_longest(*starts)
+            for stripe, start in enumerate(group)
+            if start is not None
+        ]
+        ahead = processes * 16
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(
-            max_workers=workers - 1,
+            max_workers=processes - 1,
             mp_context=context,
             initializer=die_with_parent,  # a SIGKILLed convert leaves no worker behind
             initargs=(os.getpid(),),
         ) as pool:
-            pending: deque[Future[list[CheckResult]] | _Own] = deque()
+            pending: deque[_Chunk] = deque()
             try:
-                for index, start in enumerate(range(0, count, size)):
-                    chunk = jobs(start, min(count, start + size))
-                    if index % workers == workers - 1:
-                        pending.append(_Own(chunk))
-                    else:
-                        future = pool.submit(check_files, chunk)
-                        future.add_done_callback(partial(_chunk_done, advance, len(chunk)))
-                        pending.append(future)
+                for stripe, start in order:
+                    chunk = jobs(start, min(bounds[stripe + 1], start + size))
+                    future = pool.submit(check_files, chunk)
+                    future.add_done_callback(partial(_chunk_done, advance, len(chunk)))
+                    pending.append(_Chunk(stripe, start, chunk, future))
                     if len(pending) >= ahead:
-                        yield from _take(pending, advance)
+                        yield _take(pending, advance)
                 while pending:
-                    yield from _take(pending, advance)
+                    yield _take(pending, advance)
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)  # not the whole queue first
                 raise
 
 
 def _take(
-    pending: deque[Future[list[CheckResult]] | _Own], advance: Callable[[int], None]
-) -> list[CheckResult]:
-    """The first pending chunk's results; while a worker still has it, own chunks are checked."""
+    pending: deque[_Chunk], advance: Callable[[int], None]
+) -> tuple[int, int, list[CheckResult]]:
+    """The first chunk's place and results. While a worker still checks it, this process takes
+    over chunks from the back of the window, of a stripe no worker is in if it can."""
     first = pending[0]
-    if isinstance(first, Future):
-        while not first.done():
-            own = next((p for p in pending if isinstance(p, _Own) and p.results is None), None)
-            if own is None:
-                break
-            own.run(advance)
-    pending.popleft()
-    return first.result() if isinstance(first, Future) else first.run(advance)
+    while first.future is not None and not first.future.done():
+        busy = {c.stripe for c in pending if c.future is not None and c.future.running()}
+        candidates = [c for c in reversed(pending) if c.stripe not in busy]
+        candidates += [c for c in reversed(pending) if c.stripe in busy]
+        if not any(chunk.take_over(advance) for chunk in candidates):
+            break  # every chunk is started: wait for the first
+    chunk = pending.popleft()
+    return chunk.stripe, chunk.start, chunk.result()
 
 
 def _chunk_done(advance: Callable[[int], None], n: int, future: Future) -> None:

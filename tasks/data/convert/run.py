@@ -124,7 +124,8 @@ def _convert_plan(
     # Ids of every class the plan names; one left without an image is dropped at the end.
     named = sorted(set(plan.classes) | {i.label for i in plan.items if i.label is not None})
     class_id = {name: i for i, name in enumerate(named)}
-    with atomic_directory(dest, replaces=MANIFEST) as tmp, ManifestWriter(tmp, dest) as written:
+    images = limits.images()
+    with atomic_directory(dest, replaces=MANIFEST) as tmp:
 
         def jobs(start: int, stop: int) -> list[CheckJob]:
             return [
@@ -132,55 +133,57 @@ def _convert_plan(
                 for item in plan.items[start:stop]
             ]
 
-        images = limits.images()
-        results = checking.check_in_order(len(plan.items), jobs, workers)
-        # In the plan's order, which is the manifest's: each entry is written as its file is
-        # checked, never kept.
-        for item, result in zip(plan.items, results, strict=True):
-            if made is not None:
-                made.add(item, result.size, result.sha256)
-            if result.reason:
-                skipped.append(SkippedFile(path=result.rel, reason=result.reason))
-                continue
-            written.add(
-                ImageEntry(
-                    path=item.dest,
-                    label=None if item.label is None else class_id[item.label],
-                    sha256=result.sha256,
-                    width=result.width,
-                    height=result.height,
-                    size=result.size,
-                    source_path=item.origin,
-                )
-            )
-        kept = written.classes_used(len(named))
-        classes = [name for name, used in zip(named, kept, strict=True) if used]
-        what = "class" if plan.label_file else "class folder"
-        for name in plan.classes:
-            if name not in classes:
-                skipped.append(
-                    SkippedFile(
-                        path=printable_name(name) + "/",
-                        reason=SkipReason.EMPTY_CLASS.because(
-                            f"no valid image in this {what}; the class is left out"
-                        ),
+        count = len(plan.items)
+        stripes = checking.processes(count, jobs, workers)
+        with ManifestWriter(tmp, dest, parts=stripes) as written:
+            # Each entry is written as its file is checked, never kept: a stripe of the plan
+            # (which is in the manifest's order) to each part of the list.
+            for stripe, start, results in checking.check_in_order(count, jobs, stripes):
+                for index, result in enumerate(results, start):
+                    item = plan.items[index]
+                    if made is not None:
+                        made.add(index, item, result.size, result.sha256)
+                    if result.reason:
+                        skipped.append(SkippedFile(path=result.rel, reason=result.reason))
+                        continue
+                    entry = ImageEntry(
+                        path=item.dest,
+                        label=None if item.label is None else class_id[item.label],
+                        sha256=result.sha256,
+                        width=result.width,
+                        height=result.height,
+                        size=result.size,
+                        source_path=item.origin,
                     )
+                    written.add(entry, stripe)
+            kept = written.classes_used(len(named))
+            classes = [name for name, used in zip(named, kept, strict=True) if used]
+            what = "class" if plan.label_file else "class folder"
+            for name in plan.classes:
+                if name not in classes:
+                    skipped.append(
+                        SkippedFile(
+                            path=printable_name(name) + "/",
+                            reason=SkipReason.EMPTY_CLASS.because(
+                                f"no valid image in this {what}; the class is left out"
+                            ),
+                        )
+                    )
+            if not written.count:
+                raise NoUsableImagesError(
+                    report.nothing_usable(source, skipped, plan.label_file),
+                    report.LABEL_FILE_HINT if plan.label_file else report.NOTHING_USABLE_HINT,
                 )
-        if not written.count:
-            raise NoUsableImagesError(
-                report.nothing_usable(source, skipped, plan.label_file),
-                report.LABEL_FILE_HINT if plan.label_file else report.NOTHING_USABLE_HINT,
+            if len(classes) < len(named):  # ids shift down past each class left out
+                written.relabel({named.index(name): i for i, name in enumerate(classes)})
+            head = ManifestHead(
+                labeled=plan.labeled,
+                classes=classes,
+                source=str(source.resolve()),
+                skipped=sorted(skipped, key=lambda s: s.path),
+                fingerprint=key if made is None else made.hexdigest(),
             )
-        if len(classes) < len(named):  # ids shift down past each class left out
-            written.relabel({named.index(name): i for i, name in enumerate(classes)})
-        head = ManifestHead(
-            labeled=plan.labeled,
-            classes=classes,
-            source=str(source.resolve()),
-            skipped=sorted(skipped, key=lambda s: s.path),
-            fingerprint=key if made is None else made.hexdigest(),
-        )
-        manifest = written.finish(head)
+            manifest = written.finish(head)
     report.log_summary(dest, manifest)
     return manifest
 

@@ -158,10 +158,12 @@ def score_sharded(scoring: ShardedScoring, run_shards: ShardRunner = run_in_turn
     kwargs = {"batch_size": scoring.batch_size, "quantized": scoring.quantized}
     remove_leftovers(dest, SCRATCH)  # a killed run's private shards: they are never resumed
     if count == 1:
+        del refs  # score lists them itself
         run_shards([ShardJob(model, images, dest, None, threads=scoring.threads, **kwargs)])
         return dest
     log = step_logger(LOGGER)
     folder = checkpoint_dir(model, refs, labeled, dest, shard_images=scoring.shard_images, **kwargs)
+    del refs  # each shard lists the images again: two listings at once would double the memory
     lock = _claim(folder)
     private = contextlib.ExitStack()
     if lock is None:
