@@ -25,7 +25,7 @@ from models.directory import ONNX, ONNX_INT8, read_model_info
 from tasks.data.imagedir import IMAGE_EXTENSIONS, ImageRefused, load_rgb
 from tasks.data.transform import applied_to, transform_for
 from tasks.inference.export import INPUT_NAME, OUTPUT_NAME
-from tasks.inference.score.images import ImageRef, list_images
+from tasks.inference.score.images import ImageRef, list_slice
 from tasks.inference.score.session import (
     check_model,
     default_threads,
@@ -193,16 +193,14 @@ def score(
             if quantized
             else f"Run `imageops export {model}` first.",
         )
-    refs, labeled = list_images(images)
-    if not refs:
+    refs, labeled, first, total = list_slice(
+        images, lambda total: (0, total) if shard is None else shard_bounds(total, *shard)
+    )
+    if not total:
         raise NoUsableImagesError(
             f"No image found in {images}.",
             f"Scoring reads these extensions: {' '.join(IMAGE_EXTENSIONS)}.",
         )
-    first = 0
-    if shard is not None:
-        first, last = shard_bounds(len(refs), *shard)
-        refs = refs[first:last]
     session = inference_session(onnx_path, threads)
     check_model(session, info, onnx_path)
     log = step_logger(LOGGER)

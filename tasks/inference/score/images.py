@@ -7,7 +7,9 @@ error row, so the listing never fails on one file.
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from tasks.data.imagedir import (
     is_utf8,
     printable_name,
 )
-from tasks.data.manifest_stream import iter_images, read_head
+from tasks.data.manifest_stream import count_images, iter_images, read_head
 from tasks.shared.errors import NoUsableImagesError
 
 
@@ -74,6 +76,31 @@ def list_images(images: Path) -> tuple[list[ImageRef], bool]:
         ]
     found.sort(key=lambda rel: rel.split("/"))  # as paths sort: part by part
     return [_raw_ref(images, rel) for rel in found], False
+
+
+def list_slice(
+    images: Path, bounds: Callable[[int], tuple[int, int]]
+) -> tuple[list[ImageRef], bool, int, int]:
+    """One slice of :func:`list_images`: ``bounds(total)`` gives its ``[first, last)``.
+
+    Returns the slice's images, whether the input is labeled, ``first`` and the total. Of an
+    ImageDirectory only the slice is kept (a shard of a big input holds its own images, not
+    the listing of all of them).
+    """
+    images = Path(images)
+    if not (images / MANIFEST).is_file():
+        refs, labeled = list_images(images)
+        first, last = bounds(len(refs))
+        return refs[first:last], labeled, first, len(refs)
+    head = read_head(images)
+    total = count_images(images)
+    first, last = bounds(total)
+    classes: list[str | None] = list(head.classes) if head.labeled else []
+    refs = [
+        ImageRef(images, entry.path, classes[entry.label] if classes else None)
+        for entry in itertools.islice(iter_images(images), first, last)
+    ]
+    return refs, head.labeled, first, total
 
 
 def _raw_ref(root: Path, rel: str) -> ImageRef:
