@@ -188,3 +188,21 @@ def test_a_class_left_out_of_a_conversion_shifts_the_ids_after_it(tmp_path: Path
         "c/1.png": 1,
     }
     assert [s.path for s in manifest.skipped] == ["a/", "a/broken.png"]
+
+
+def test_a_shard_lists_only_its_slice_of_an_image_directory(tmp_path: Path) -> None:
+    """Score's shards of a big input each keep their own images, not the whole listing."""
+    from tasks.inference.score.images import list_images, list_slice
+
+    entries = _entries(10)
+    write_manifest(_with_files(tmp_path / "images", entries), _manifest(entries))
+    (tmp_path / "raw" / "x").mkdir(parents=True)
+    for name in ("b.png", "a.png", "c.jpg"):
+        (tmp_path / "raw" / "x" / name).write_bytes(b"abc")
+
+    for folder in (tmp_path / "images", tmp_path / "raw"):
+        whole, labeled = list_images(folder)
+        refs, sliced_labeled, first, total = list_slice(folder, lambda n: (n // 3, 2 * n // 3))
+        assert (first, total, sliced_labeled) == (len(whole) // 3, len(whole), labeled)
+        assert refs == whole[first : 2 * total // 3] and refs
+    assert [r.category for r in list_images(tmp_path / "images")[0][:2]] == ["a", "b"]
