@@ -91,8 +91,10 @@ def measured(argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> Run:
     return Run(wall, float(cpu), int(peak_kib) / 1024)
 
 
-def disk_bytes(*folders: Path) -> int:
-    """Bytes on disk under ``folders``, each inode once (a hard link is not a copy)."""
+def disk_bytes(*folders: Path, files_only: bool = False) -> int:
+    """Bytes on disk under ``folders``, each inode once (a hard link is not a copy): blocks of
+    files and folders, as ``du`` counts them; with ``files_only``, the files' own sizes (no
+    folder blocks: what copies of the images weigh, without the stores' layout)."""
     seen: set[tuple[int, int]] = set()
     total = 0
     for folder in folders:
@@ -101,7 +103,10 @@ def disk_bytes(*folders: Path) -> int:
                 st = os.lstat(os.path.join(dirpath, name))
                 if (st.st_dev, st.st_ino) not in seen:
                     seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
+                    if not files_only:
+                        total += st.st_blocks * 512
+                    elif name != ".":
+                        total += st.st_size
     return total
 
 
@@ -121,8 +126,9 @@ def prepare_model(work: Path) -> Path:
 
 def imageops_steps(
     n: int, source: Path, model: Path, work: Path, with_loop: bool
-) -> tuple[dict[str, Run], int]:
-    """Every step at ``n`` images in a fresh project; the runs, and the disk after version.
+) -> tuple[dict[str, Run], tuple[float, float]]:
+    """Every step at ``n`` images in a fresh project; the runs, and the disk after version over
+    the source's (blocks, as ``du``; the files' own bytes).
 
     Each baseline runs right after the step it is compared with, so a busy spell of this shared
     machine touches both: ``dvc add`` + ``dvc push`` after ``version`` (as ``"dvc"``), and with
@@ -155,11 +161,15 @@ def imageops_steps(
         "evaluate": ["evaluate", "scored.csv"],
     }  # fmt: skip
     runs: dict[str, Run] = {}
-    disk = 0
+    disk = (0.0, 0.0)
     for step in STEPS:
         runs[step] = measured([*cli, *commands[step]], project, env, logs / f"{step}.log")
         if step == "version":
-            disk = disk_bytes(source, project)  # the DVC remote is under the project's home
+            # The DVC remote is under the project's home.
+            disk = (
+                disk_bytes(source, project) / disk_bytes(source),
+                disk_bytes(source, project, files_only=True) / disk_bytes(source, files_only=True),
+            )
             runs["dvc"] = plain_dvc(n, work)
         if step == "convert" and with_loop:
             runs["PIL loop"] = pil_loop_run(source, work)
@@ -204,11 +214,11 @@ def run(full: bool, work: Path) -> Section:
     sources = make_images(work, sizes, PX)
     model = prepare_model(work)
     runs: dict[int, dict[str, Run]] = {}
-    disk: dict[int, float] = {}
+    disk: dict[int, tuple[float, float]] = {}
     largest = sizes[-1]
     for n in sizes:
         runs[n], after_version = imageops_steps(n, sources[n], model, work, n == largest)
-        disk[n] = after_version / disk_bytes(sources[n])
+        disk[n] = after_version
     baseline = {n: runs[n]["dvc"] for n in sizes}
     loop = runs[largest]["PIL loop"]
 
@@ -253,8 +263,9 @@ def run(full: bool, work: Path) -> Section:
          f"{split_ms:.3f} ms", verdict(split_ms <= SPLIT_GOAL_MS)],
     ]  # fmt: skip
     goals += [
-        [f"disk after version at {n:,} (source, working copy, DVC cache and remote) / source",
-         f"<= {DISK_GOAL}x", f"{disk[n]:.2f}x", verdict(disk[n] <= DISK_GOAL)]
+        [f"disk after version at {n:,} (source, working copy, DVC cache and remote) / source: "
+         "blocks, as `du`; the files' own bytes", f"<= {DISK_GOAL}x",
+         f"{disk[n][0]:.2f}x; {disk[n][1]:.2f}x", verdict(disk[n][0] <= DISK_GOAL)]
         for n in sizes
     ]  # fmt: skip
     return Section(
@@ -267,7 +278,11 @@ def run(full: bool, work: Path) -> Section:
             "CPU seconds and peak RSS of the command with the processes it waited for. "
             "`transform apply` works on the validation split (a tenth of the images); `score` "
             "scores them all. Split's per-image figure includes the command's start-up, so its "
-            "own goal is also measured without it in the convert section."
+            "own goal is also measured without it in the convert section. Disk counts the "
+            "source, the project (working copy, DVC cache) and the DVC remote, each inode once, "
+            "in blocks as `du` does, and as the files' own bytes: a DVC store keeps its objects "
+            "in up to 256 prefix folders, 1 MB of folder blocks in the cache and again in the "
+            "remote whatever the data's size, half the size of 1,000 small images."
         ],
         tables=[
             Table(columns, rows),

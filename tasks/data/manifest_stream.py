@@ -68,6 +68,12 @@ class StreamedManifest(ManifestHead):
             )
         return list(iter_images(self.root))
 
+    @classmethod
+    def of(cls, head: ManifestHead, root: Path, image_count: int) -> StreamedManifest:
+        """The result for ``root``'s manifest, whose head (from :func:`read_head`) and count
+        are known."""
+        return cls(**head.model_dump(), root=root, image_count=image_count)
+
     def whole(self) -> Manifest:
         """The manifest as :func:`tasks.data.imagedir.read_manifest` reads it."""
         return Manifest(**self.model_dump(), images=self.images)

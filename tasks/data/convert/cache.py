@@ -123,7 +123,7 @@ def previous(dest: Path, source: Path) -> StreamedManifest | None:
         return None  # not a directory we can trust: convert again, replacing it
     if count is None:
         return None
-    return StreamedManifest(**head.model_dump(), root=dest, image_count=count)
+    return StreamedManifest.of(head, dest, count)
 
 
 def _intact(dest: Path) -> int | None:
