@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -116,19 +115,8 @@ class Manifest(ManifestHead):
 
     images: list[ImageEntry]
 
-    def labels(self) -> list[int]:
-        return [int(e.label) for e in self.images if e.label is not None]
-
     def head(self) -> ManifestHead:
         return ManifestHead.model_validate(self.model_dump(exclude={"images"}))
-
-
-def find_duplicates(entries: Iterable[ImageEntry]) -> list[list[str]]:
-    """Paths that share a sha256, as sorted groups of two or more, ordered by first path."""
-    by_hash: dict[str, list[str]] = {}
-    for entry in entries:
-        by_hash.setdefault(entry.sha256, []).append(entry.path)
-    return sorted(sorted(paths) for paths in by_hash.values() if len(paths) > 1)
 
 
 def read_manifest(root: Path) -> Manifest:
