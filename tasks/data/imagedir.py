@@ -119,28 +119,40 @@ class Manifest(ManifestHead):
         return ManifestHead.model_validate(self.model_dump(exclude={"images"}))
 
 
+def missing_manifest(root: Path) -> InvalidImageDirectoryError:
+    return InvalidImageDirectoryError(
+        f"{root} is not an ImageDirectory: {MANIFEST} is missing.",
+        "Create one with `imageops convert SOURCE DEST`.",
+    )
+
+
+def invalid_manifest(path: Path, what: str) -> InvalidImageDirectoryError:
+    return InvalidImageDirectoryError(
+        f"{path} is not a valid ImageDirectory manifest: {what}.",
+        "Re-create the directory with `imageops convert`.",
+    )
+
+
+def check_format_version(path: Path, version: int) -> None:
+    """Refuse a manifest written by a newer imageops."""
+    if version > FORMAT_VERSION:
+        raise InvalidImageDirectoryError(
+            f"{path} has format version {version}; this imageops reads up to {FORMAT_VERSION}.",
+            "Upgrade imageops.",
+        )
+
+
 def read_manifest(root: Path) -> Manifest:
     """Read and check ``<root>/manifest.json``; raise InvalidImageDirectoryError if unusable."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
-        raise InvalidImageDirectoryError(
-            f"{root} is not an ImageDirectory: {MANIFEST} is missing.",
-            "Create one with `imageops convert SOURCE DEST`.",
-        )
+        raise missing_manifest(root)
     try:
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as exc:
-        raise InvalidImageDirectoryError(
-            f"{path} is not a valid ImageDirectory manifest: {exc.errors()[0]['msg']}.",
-            "Re-create the directory with `imageops convert`.",
-        ) from exc
-    if manifest.format_version > FORMAT_VERSION:
-        raise InvalidImageDirectoryError(
-            f"{path} has format version {manifest.format_version}; this imageops reads up to "
-            f"{FORMAT_VERSION}.",
-            "Upgrade imageops.",
-        )
+        raise invalid_manifest(path, exc.errors()[0]["msg"]) from exc
+    check_format_version(path, manifest.format_version)
     check = PathCheck(root)
     for entry in manifest.images:
         check(entry.path)

@@ -28,12 +28,14 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from models.atomic import atomic_file
 from tasks.data.imagedir import (
-    FORMAT_VERSION,
     MANIFEST,
     ImageEntry,
     Manifest,
     ManifestHead,
     PathCheck,
+    check_format_version,
+    invalid_manifest,
+    missing_manifest,
 )
 from tasks.shared.errors import InvalidImageDirectoryError
 
@@ -95,20 +97,6 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
     return info.st_ino, info.st_mtime_ns, info.st_size
 
 
-def _invalid(path: Path, what: str) -> InvalidImageDirectoryError:
-    return InvalidImageDirectoryError(
-        f"{path} is not a valid ImageDirectory manifest: {what}.",
-        "Re-create the directory with `imageops convert`.",
-    )
-
-
-def _missing(root: Path) -> InvalidImageDirectoryError:
-    return InvalidImageDirectoryError(
-        f"{root} is not an ImageDirectory: {MANIFEST} is missing.",
-        "Create one with `imageops convert SOURCE DEST`.",
-    )
-
-
 def _is_entry_line(line: bytes) -> bool:
     return line.startswith(b"    {") and line.endswith((b"}\n", b"},\n"))
 
@@ -118,17 +106,7 @@ def _whole(path: Path) -> Manifest:
     try:
         return Manifest.model_validate_json(path.read_bytes())
     except ValidationError as exc:
-        raise _invalid(path, exc.errors()[0]["msg"]) from exc
-
-
-def _checked_head(path: Path, head: ManifestHead) -> ManifestHead:
-    if head.format_version > FORMAT_VERSION:
-        raise InvalidImageDirectoryError(
-            f"{path} has format version {head.format_version}; this imageops reads up to "
-            f"{FORMAT_VERSION}.",
-            "Upgrade imageops.",
-        )
-    return head
+        raise invalid_manifest(path, exc.errors()[0]["msg"]) from exc
 
 
 def _find_list(fh: IO[bytes]) -> tuple[bytes, bool]:
@@ -162,11 +140,13 @@ def read_head(root: Path) -> ManifestHead:
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
-        raise _missing(root)
+        raise missing_manifest(root)
     with path.open("rb") as fh:
         before, streamable = _find_list(fh)
         if not streamable:
-            return _checked_head(path, _whole(path).head())
+            head = _whole(path).head()
+            check_format_version(path, head.format_version)
+            return head
         if _list_is_last(fh):
             after = b"}\n"
         else:  # the list in the middle (written before): read past it for the keys after it
@@ -179,8 +159,9 @@ def read_head(root: Path) -> ManifestHead:
     try:
         head = ManifestHead.model_validate_json(text + after)
     except ValidationError as exc:
-        raise _invalid(path, exc.errors()[0]["msg"]) from exc
-    return _checked_head(path, head)
+        raise invalid_manifest(path, exc.errors()[0]["msg"]) from exc
+    check_format_version(path, head.format_version)
+    return head
 
 
 def iter_images(root: Path) -> Iterator[ImageEntry]:
@@ -193,7 +174,7 @@ def iter_images(root: Path) -> Iterator[ImageEntry]:
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
-        raise _missing(root)
+        raise missing_manifest(root)
     check = PathCheck(root)
     with path.open("rb") as fh:
         _, streamable = _find_list(fh)
@@ -208,7 +189,7 @@ def iter_images(root: Path) -> Iterator[ImageEntry]:
                     entry = ImageEntry.model_validate_json(line.rstrip(b",\n"))
                 except ValidationError as exc:
                     what = f"image {number} of its list: {exc.errors()[0]['msg']}"
-                    raise _invalid(path, what) from exc
+                    raise invalid_manifest(path, what) from exc
                 check(entry.path)
                 yield entry
                 done += 1

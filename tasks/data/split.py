@@ -117,9 +117,9 @@ def split(
         )
     source, first, second = Path(source), Path(first), Path(second)
     head = read_head(source)
-    outputs = [first, second] + ([Path(third)] if third else [])
-    _check_paths(source, dict(zip(("first", "second", "third"), outputs, strict=False)))
-    for out in outputs:  # all of them before writing any: no half split
+    outputs = {"first": first, "second": second} | ({"third": Path(third)} if third else {})
+    _check_paths(source, outputs)
+    for out in outputs.values():  # all of them before writing any: no half split
         check_destination(out, replaces=MANIFEST)
     # First pass: the paths and labels only (a string and 8 bytes an image), every image
     # checked before any output is written: no half split.
@@ -147,7 +147,7 @@ def split(
             stack.enter_context(
                 ManifestWriter(stack.enter_context(atomic_directory(out, replaces=MANIFEST)), out)
             )
-            for out in outputs
+            for out in outputs.values()
         ]
         made: set[str] = set()
         for index, entry in enumerate(iter_images(source)):

@@ -49,33 +49,8 @@ def list_images(images: Path) -> tuple[list[ImageRef], bool]:
     An ImageDirectory is read from its manifest (labeled ones carry the true class); any other
     folder is walked recursively for image extensions, hidden files left out, and is unlabeled.
     """
-    images = Path(images)
-    if not images.is_dir():
-        raise NoUsableImagesError(
-            f"{images} is not a folder.", "Pass an ImageDirectory or a folder of images."
-        )
-    if (images / MANIFEST).is_file():
-        head = read_head(images)
-        classes: list[str | None] = list(head.classes) if head.labeled else []
-        refs = [
-            ImageRef(images, entry.path, classes[entry.label] if classes else None)
-            for entry in iter_images(images)
-        ]
-        return refs, head.labeled
-    found: list[str] = []
-    for folder, dirnames, filenames in os.walk(images):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        below = os.path.relpath(folder, images)
-        prefix = "" if below == "." else below.replace(os.sep, "/") + "/"
-        found += [
-            prefix + name
-            for name in filenames
-            if not name.startswith(".")
-            and is_image_file(Path(name))
-            and os.path.isfile(os.path.join(folder, name))
-        ]
-    found.sort(key=lambda rel: rel.split("/"))  # as paths sort: part by part
-    return [_raw_ref(images, rel) for rel in found], False
+    refs, labeled, _, _ = list_slice(images, lambda total: (0, total))
+    return refs, labeled
 
 
 def list_slice(
@@ -88,10 +63,14 @@ def list_slice(
     the listing of all of them).
     """
     images = Path(images)
+    if not images.is_dir():
+        raise NoUsableImagesError(
+            f"{images} is not a folder.", "Pass an ImageDirectory or a folder of images."
+        )
     if not (images / MANIFEST).is_file():
-        refs, labeled = list_images(images)
-        first, last = bounds(len(refs))
-        return refs[first:last], labeled, first, len(refs)
+        found = _walk(images)
+        first, last = bounds(len(found))
+        return [_raw_ref(images, rel) for rel in found[first:last]], False, first, len(found)
     head = read_head(images)
     total = count_images(images)
     first, last = bounds(total)
@@ -101,6 +80,24 @@ def list_slice(
         for entry in itertools.islice(iter_images(images), first, last)
     ]
     return refs, head.labeled, first, total
+
+
+def _walk(images: Path) -> list[str]:
+    """The image files below ``images`` (hidden ones left out), as paths sort: part by part."""
+    found: list[str] = []
+    for folder, dirnames, filenames in os.walk(images):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        below = os.path.relpath(folder, images)
+        prefix = "" if below == "." else below.replace(os.sep, "/") + "/"
+        found += [
+            prefix + name
+            for name in filenames
+            if not name.startswith(".")
+            and is_image_file(Path(name))
+            and os.path.isfile(os.path.join(folder, name))
+        ]
+    found.sort(key=lambda rel: rel.split("/"))
+    return found
 
 
 def _raw_ref(root: Path, rel: str) -> ImageRef:
