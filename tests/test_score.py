@@ -302,3 +302,22 @@ def test_threaded_reading_keeps_the_images_order_and_each_ones_error(
         assert all(np.array_equal(a, b) for a, b in zip(tensors, expected, strict=True))
     warned = [r.getMessage() for r in caplog.records if "Cannot score" in r.getMessage()]
     assert [w.split()[2].rstrip(":") for w in warned] == ["a-broken.png", "m-broken.png"]
+
+
+def test_shards_scored_in_turn_share_one_session_per_model_file(
+    exported_model: Path, tmp_path: Path
+) -> None:
+    from tasks.inference.score import inference_session, sessions_reused
+
+    onnx_path = tmp_path / ONNX
+    shutil.copy2(exported_model / ONNX, onnx_path)
+    assert inference_session(onnx_path) is not inference_session(onnx_path)  # outside a block
+    with sessions_reused():
+        first = inference_session(onnx_path)
+        assert inference_session(onnx_path) is first
+        assert inference_session(onnx_path, threads=1) is not first  # other settings
+        onnx_path.write_bytes(onnx_path.read_bytes())  # rewritten: another model, maybe
+        again = inference_session(onnx_path)
+        assert again is not first
+        assert inference_session(onnx_path) is again
+    assert inference_session(onnx_path) is not again  # the block's sessions are gone with it

@@ -19,6 +19,7 @@ _WHERE = {
     "list_images": "images",
     "default_threads": "session",
     "inference_session": "session",
+    "sessions_reused": "session",
     "CHECKPOINT_FORMAT": "shards",
     "CHECKPOINTS": "shards",
     "SCRATCH": "shards",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +33,45 @@ def _load_cuda_libraries() -> None:
     ort.preload_dlls()
 
 
+# The sessions of a :func:`sessions_reused` block, by model file and threads; None outside one.
+_REUSED: ContextVar[dict[tuple, ort.InferenceSession] | None] = ContextVar(
+    "imageops_reused_sessions", default=None
+)
+
+
+@contextlib.contextmanager
+def sessions_reused() -> Iterator[None]:
+    """Inside the block, :func:`inference_session` hands out one session per model file.
+
+    Scoring shards one after another made a session per shard, and each left its share of the
+    heap behind (ORT frees its arena, the allocator keeps the pages): 10 shards peaked 108 MB above
+    one; with one session, 1 MB (docs/benchmarks.md, "Data at scale"). Closed with the block.
+    """
+    token = _REUSED.set({})
+    try:
+        yield
+    finally:
+        _REUSED.reset(token)
+
+
 def inference_session(onnx_path: Path, threads: int | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime session tuned for batch scoring.
+    """An ONNX Runtime session tuned for batch scoring (the block's own in :func:`sessions_reused`).
 
     All graph optimisations; intra-op threads = the cores we may use (ORT's default can count the
     host's cores inside a container); CUDA first when this onnxruntime build has it (the worker
     image installs onnxruntime-gpu), CPU always as the fallback. Details: docs/scoring.md#on-a-gpu.
     """
+    reused = _REUSED.get()
+    if reused is None:
+        return _new_session(onnx_path, threads)
+    stat = os.stat(onnx_path)  # a file rewritten inside the block is another model
+    key = (os.path.realpath(onnx_path), stat.st_ino, stat.st_size, stat.st_mtime_ns, threads)
+    if key not in reused:
+        reused[key] = _new_session(onnx_path, threads)
+    return reused[key]
+
+
+def _new_session(onnx_path: Path, threads: int | None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

@@ -24,6 +24,7 @@ from models.untrained import MODEL_JSON
 from tasks.inference.export import sha256_file
 from tasks.inference.score.batches import LOGGER, score
 from tasks.inference.score.images import ImageRef, list_images
+from tasks.inference.score.session import sessions_reused
 from tasks.inference.score.table import merge_tables
 from tasks.shared.errors import ImageOpsError, InvalidParameterError
 from tasks.shared.step import step_logger
@@ -69,9 +70,10 @@ ShardRunner = Callable[[Sequence[ShardJob]], None]
 
 
 def run_in_turn(jobs: Sequence[ShardJob]) -> None:
-    """Score the jobs one after another, in this process."""
-    for job in jobs:
-        score(**job.arguments())
+    """Score the jobs one after another, in this process, with one ONNX Runtime session."""
+    with sessions_reused():
+        for job in jobs:
+            score(**job.arguments())
 
 
 def checkpoint_dir(
