@@ -20,7 +20,7 @@ from sklearn.metrics import (
     top_k_accuracy_score,
 )
 
-from tasks.inference.evaluate import compute_metrics, evaluate
+from tasks.inference.evaluate import compute_metrics, evaluate, table_metrics
 from tasks.inference.score import score
 from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.shared.settings import Settings
@@ -155,6 +155,52 @@ def test_top_k_and_per_class_on_a_ten_class_table_match_scikit_learn() -> None:
         )[i]  # fmt: skip
         assert result[f"{name}_weighted"] == pytest.approx(weighted)
     assert result["f1_weighted"] != pytest.approx(result["f1_macro"])
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_table_read_a_chunk_at_a_time_gives_the_whole_tables_metrics(
+    tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """evaluate and promote read a scored table in chunks (memory flat in its rows): the chunks'
+    tally must be the whole table's, unread images and a class the model never knew included."""
+    rng = np.random.default_rng(1)
+    classes = ["0", "1", "2", "10"]  # names that pandas would turn into numbers
+    truth = np.array([*classes, "unknown"])[rng.integers(0, 5, size=53)]
+    probs = rng.dirichlet(np.ones(4), size=53)
+    table = pd.DataFrame({"id": range(53), "path": [f"{t}/{i}.png" for i, t in enumerate(truth)]})
+    table["category"] = truth
+    table["Scoring Error"] = ["OSError: truncated" if i % 11 == 0 else "" for i in range(53)]
+    for i, c in enumerate(classes):
+        table[f"Scored Probabilities_{c}"] = np.where(
+            table["Scoring Error"] == "", probs[:, i], np.nan
+        )
+    table["Scored Labels"] = np.where(
+        table["Scoring Error"] == "", np.array(classes)[probs.argmax(axis=1)], ""
+    )
+    path = tmp_path / f"scores{suffix}"
+    if suffix == ".csv":
+        table.to_csv(path, index=False)
+    else:
+        table.to_parquet(path, index=False)
+    whole = compute_metrics(table)
+    assert whole["unscored_images"] == 5 and "unknown" in whole.labels
+
+    monkeypatch.setattr("tasks.inference.evaluate.EVALUATED_ROWS", 7)  # 8 chunks
+    chunked = table_metrics(path)
+
+    assert chunked.metrics == pytest.approx(whole.metrics)
+    assert (chunked.labels, chunked.confusion, chunked.per_class) == (
+        whole.labels,
+        whole.confusion,
+        whole.per_class,
+    )
+    header_only = tmp_path / f"empty{suffix}"
+    if suffix == ".csv":
+        table.iloc[:0].to_csv(header_only, index=False)
+    else:
+        table.iloc[:0].to_parquet(header_only, index=False)
+    with pytest.raises(InvalidParameterError, match="not a non-empty Score Image Model table"):
+        table_metrics(header_only)
 
 
 def _other_model(table: pd.DataFrame) -> pd.DataFrame:

@@ -255,7 +255,7 @@ def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
 ) -> None:
     """The issue's failure: a `\\r` in a name split a row in two and evaluate then failed."""
     from tasks.data.convert import convert
-    from tasks.inference.evaluate import compute_metrics, read_scored
+    from tasks.inference.evaluate import compute_metrics, table_metrics
 
     raw = tmp_path / "raw"
     for label in ("0", "1", "2"):
@@ -268,10 +268,12 @@ def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
 
     out = score(exported_model, images, tmp_path / "scores.csv", batch_size=4, threads=1)
 
-    table = read_scored(out)
+    table = _read_csv(out)
     assert sorted(table["path"]) == sorted(e.path for e in manifest.images)
     assert table["category"].tolist() == [p.split("/")[0] for p in table["path"]]
-    assert compute_metrics(table).confusion  # every row is one image with its true class
+    # every row is one image with its true class, whole or a chunk at a time
+    assert sum(map(sum, table_metrics(out).confusion)) == 6
+    assert table_metrics(out).metrics == compute_metrics(table).metrics
 
 
 def test_threaded_reading_keeps_the_images_order_and_each_ones_error(

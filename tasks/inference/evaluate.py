@@ -12,6 +12,7 @@ evaluation); inside a Prefect run they are also published as Prefect artifacts.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,6 +44,7 @@ SUMMARY_ROWS = {
     "f1_weighted": "weighted F1",
 }
 TOP_K = 5
+EVALUATED_ROWS = 50_000  # rows of a scored table read at a time (table_metrics)
 
 
 @dataclass(frozen=True)
@@ -68,122 +70,167 @@ class EvaluationResult(Mapping[str, float]):
         return len(self.metrics)
 
 
-def read_scored(path: Path) -> pd.DataFrame:
-    """Read a scored table; class names stay strings (digit classes must not become ints)."""
+def table_metrics(path: Path) -> EvaluationResult:
+    """:func:`compute_metrics` of the scored table at ``path``, read ``EVALUATED_ROWS`` at a time.
+
+    Memory follows the chunk, not the table: a whole read of 200,000 rows cost 90 MB more than of
+    10,000 (docs/benchmarks.md, "Data at scale"). The paths are never read: nothing here uses them.
+    """
     path = Path(path)
     if not path.is_file():
         raise InvalidParameterError(f"Scored table {path} does not exist.", "Run the score step.")
-    text = ["path", "category", LABEL_COLUMN, ERROR_COLUMN]
-    return table_format(path, "scored table").read(path, text)
+    tally = _Tally()
+    chunks = table_format(path, "scored table").read_chunks(
+        path, ["category", LABEL_COLUMN, ERROR_COLUMN], EVALUATED_ROWS, leave_out=["id", "path"]
+    )
+    for chunk in chunks:
+        tally.add(chunk)
+    return tally.result()
 
 
 def compute_metrics(table: pd.DataFrame) -> EvaluationResult:
     """All metrics of a labeled scored table (no files, no MLflow): the pure core of evaluate."""
-    if "category" not in table.columns:
-        raise NotLabeledDatasetError(
-            "The scored table has no `category` column: it was scored from unlabeled images, so "
-            "there is no truth to evaluate against.",
-            "Score a labeled ImageDirectory (one sub-folder per class) and evaluate that table.",
-        )
-    prob_columns = [c for c in table.columns if c.startswith(PROBABILITY_PREFIX)]
-    if not prob_columns or LABEL_COLUMN not in table.columns or table.empty:
-        raise InvalidParameterError(
-            "The table is not a non-empty Score Image Model table (it needs "
-            f"`{PROBABILITY_PREFIX}<class>` columns and `{LABEL_COLUMN}`).",
-            "Pass the output of the score step.",
-        )
-    classes = [c.removeprefix(PROBABILITY_PREFIX) for c in prob_columns]
-    # Images that could not be read have no scores: counted apart, not as wrong answers.
-    unscored = 0
-    if ERROR_COLUMN in table.columns:
-        failed = table[ERROR_COLUMN].fillna("").astype(str) != ""
-        unscored = int(failed.sum())
-        table = table[~failed]
-        if table.empty:
+    tally = _Tally()
+    tally.add(table)
+    return tally.result()
+
+
+class _Tally:
+    """What the metrics need from a scored table, added up a chunk of rows at a time: the count
+    of each (true class, predicted class) pair, the top-k hits and the rows that were not scored."""
+
+    def __init__(self) -> None:
+        self.classes: list[str] = []
+        self.prob_columns: list[str] = []
+        self.pairs: Counter[tuple[str, str]] = Counter()
+        self.scored = self.unscored = self.top_k_hits = 0
+
+    def _check(self, table: pd.DataFrame) -> None:
+        if "category" not in table.columns:
+            raise NotLabeledDatasetError(
+                "The scored table has no `category` column: it was scored from unlabeled images, "
+                "so there is no truth to evaluate against.",
+                "Score a labeled ImageDirectory (one sub-folder per class) and evaluate that "
+                "table.",
+            )
+        self.prob_columns = [c for c in table.columns if c.startswith(PROBABILITY_PREFIX)]
+        if not self.prob_columns or LABEL_COLUMN not in table.columns:
+            raise _not_a_scored_table()
+        self.classes = [c.removeprefix(PROBABILITY_PREFIX) for c in self.prob_columns]
+
+    def add(self, table: pd.DataFrame) -> None:
+        if not self.classes:
+            self._check(table)
+        # Images that could not be read have no scores: counted apart, not as wrong answers.
+        if ERROR_COLUMN in table.columns:
+            failed = table[ERROR_COLUMN].fillna("").astype(str) != ""
+            self.unscored += int(failed.sum())
+            table = table[~failed]
+        truth = table["category"].astype(str).to_numpy()
+        predicted = table[LABEL_COLUMN].astype(str).to_numpy()
+        probs = table[self.prob_columns].to_numpy(dtype=np.float64)
+        top = np.argsort(-probs, axis=1, kind="stable")[:, : self.top_k]
+        index = {c: i for i, c in enumerate(self.classes)}
+        true_index = np.array([index.get(t, -1) for t in truth], dtype=np.int64)
+        self.top_k_hits += int((top == true_index[:, None]).any(axis=1).sum())
+        self.pairs.update(zip(truth.tolist(), predicted.tolist(), strict=True))
+        self.scored += len(table)
+
+    @property
+    def top_k(self) -> int:
+        return min(TOP_K, len(self.classes))
+
+    def result(self) -> EvaluationResult:
+        if not self.scored:
+            if not self.unscored:
+                raise _not_a_scored_table()
             raise InvalidParameterError(
-                f"None of the {unscored} image(s) of the table was scored (see its "
+                f"None of the {self.unscored} image(s) of the table was scored (see its "
                 f"`{ERROR_COLUMN}` column).",
                 "Fix or remove the unreadable images and score again.",
             )
-    truth = table["category"].astype(str).to_numpy()
-    predicted = table[LABEL_COLUMN].astype(str).to_numpy()
-    # A true class the model never learned still counts: as a row of the report, always wrong.
-    labels = classes + sorted(set(truth) - set(classes))
-
-    k = min(TOP_K, len(classes))
-    probs = table[prob_columns].to_numpy(dtype=np.float64)
-    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-    index = {c: i for i, c in enumerate(classes)}
-    true_index = np.array([index.get(t, -1) for t in truth])
-    top_k_hits = (top == true_index[:, None]).any(axis=1)
-
-    matrix, precision, recall, f1, support = _per_class(truth, predicted, labels)
-    macro = [float(values.mean()) for values in (precision, recall, f1)]
-    weighted = [float(np.average(values, weights=support)) for values in (precision, recall, f1)]
-    metrics = {
-        "accuracy": float(np.mean(truth == predicted)),
-        "top5_accuracy": float(top_k_hits.mean()),
-        "precision_macro": macro[0],
-        "recall_macro": macro[1],
-        "f1_macro": macro[2],
-        "precision_weighted": weighted[0],
-        "recall_weighted": weighted[1],
-        "f1_weighted": weighted[2],
-        "images": float(len(table)),
-        "unscored_images": float(unscored),
-    }
-    per_class = [
-        {
-            "class": label,
-            "precision": float(precision[i]),
-            "recall": float(recall[i]),
-            "f1": float(f1[i]),
-            "support": int(support[i]),
+        # A true class the model never learned still counts: as a row of the report, always wrong.
+        labels = self.classes + sorted({t for t, _ in self.pairs} - set(self.classes))
+        matrix, support = _confusion(self.pairs, labels)
+        precision, recall, f1 = _per_class(matrix, support)
+        scores = (precision, recall, f1)
+        macro = [float(values.mean()) for values in scores]
+        weighted = [float(np.average(values, weights=support)) for values in scores]
+        metrics = {
+            "accuracy": float(np.trace(matrix) / self.scored),
+            "top5_accuracy": self.top_k_hits / self.scored,
+            "precision_macro": macro[0],
+            "recall_macro": macro[1],
+            "f1_macro": macro[2],
+            "precision_weighted": weighted[0],
+            "recall_weighted": weighted[1],
+            "f1_weighted": weighted[2],
+            "images": float(self.scored),
+            "unscored_images": float(self.unscored),
         }
-        for i, label in enumerate(labels)
-    ]
-    return EvaluationResult(
-        metrics=metrics,
-        per_class=per_class,
-        labels=labels,
-        confusion=matrix.tolist(),
-        top_k=k,
+        per_class = [
+            {
+                "class": label,
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(support[i]),
+            }
+            for i, label in enumerate(labels)
+        ]
+        return EvaluationResult(
+            metrics=metrics,
+            per_class=per_class,
+            labels=labels,
+            confusion=matrix.tolist(),
+            top_k=self.top_k,
+        )
+
+
+def _not_a_scored_table() -> InvalidParameterError:
+    return InvalidParameterError(
+        "The table is not a non-empty Score Image Model table (it needs "
+        f"`{PROBABILITY_PREFIX}<class>` columns and `{LABEL_COLUMN}`).",
+        "Pass the output of the score step.",
     )
 
 
-def _per_class(
-    truth: np.ndarray, predicted: np.ndarray, labels: list[str]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Confusion matrix (rows: true) and per-class precision, recall, F1 and support.
+def _confusion(
+    pairs: Mapping[tuple[str, str], int], labels: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The confusion matrix (rows: true) and each class's support, from the pairs' counts.
 
-    What scikit-learn's ``confusion_matrix`` and ``precision_recall_fscore_support(labels=...,
-    zero_division=0)`` return (tests/test_evaluate.py holds them to it), in a few lines of numpy:
-    importing scikit-learn (and scipy with it) cost more than a second of every `imageops
-    evaluate`. A prediction outside ``labels`` is a miss for its true class and nobody's false
-    positive, as there.
+    A prediction outside ``labels`` is a miss for its true class and nobody's false positive, as
+    in scikit-learn's ``confusion_matrix(labels=...)``.
     """
     where = {label: i for i, label in enumerate(labels)}
-    n = len(labels)
-    true_ids = np.array([where[t] for t in truth], dtype=np.int64)  # labels holds every truth
-    pred_ids = np.array([where.get(p, -1) for p in predicted], dtype=np.int64)
-    known = pred_ids >= 0
-    matrix = np.zeros((n, n), dtype=np.int64)
-    np.add.at(matrix, (true_ids[known], pred_ids[known]), 1)
+    matrix = np.zeros((len(labels), len(labels)), dtype=np.int64)
+    support = np.zeros(len(labels), dtype=np.int64)
+    for (true, guess), count in pairs.items():
+        support[where[true]] += count  # labels holds every truth
+        if guess in where:
+            matrix[where[true], where[guess]] += count
+    return matrix, support
+
+
+def _per_class(
+    matrix: np.ndarray, support: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class precision, recall and F1 from the confusion matrix and the supports.
+
+    What scikit-learn's ``precision_recall_fscore_support(labels=..., zero_division=0)`` returns
+    (tests/test_evaluate.py holds them to it), in a few lines of numpy: importing scikit-learn
+    (and scipy with it) cost more than a second of every `imageops evaluate`.
+    """
+    n = len(support)
     hits = np.diag(matrix).astype(np.float64)
-    support = np.bincount(true_ids, minlength=n)
-    guessed = np.bincount(pred_ids[known], minlength=n)
+    guessed = matrix.sum(axis=0)
 
     def ratio(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
         return np.divide(top, bottom, out=np.zeros(n), where=bottom > 0)
 
     # F1 as scikit-learn computes it: 2 tp / (2 tp + fp + fn), 0 where nothing was true or guessed.
-    return (
-        matrix,
-        ratio(hits, guessed),
-        ratio(hits, support),
-        ratio(2 * hits, guessed + support),
-        support,
-    )
+    return ratio(hits, guessed), ratio(hits, support), ratio(2 * hits, guessed + support)
 
 
 def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Path:
@@ -364,8 +411,8 @@ def evaluate(
     for table in (scored, compare):
         if table is not None:
             output_paths(table)  # a name too long is refused before any work
-    result = compute_metrics(read_scored(scored))
-    compared = None if compare is None else compute_metrics(read_scored(compare))
+    result = table_metrics(scored)
+    compared = None if compare is None else table_metrics(compare)
     log = step_logger(__name__)
 
     if compared is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,6 +55,15 @@ class TableFormat:
         empty cells as ``""`` (a class "1" must not become the number 1)."""
         raise NotImplementedError
 
+    def read_chunks(
+        self, path: Path, text: Sequence[str], rows: int, leave_out: Sequence[str] = ()
+    ) -> Iterator[pd.DataFrame]:
+        """:meth:`read` ``rows`` rows at a time, without the columns ``leave_out``: memory follows
+        ``rows``, not the table. At least one frame, empty for a table of no rows. This default,
+        for a format that cannot read in pieces, reads the whole table."""
+        table = self.read(path, text)
+        yield table.drop(columns=[c for c in leave_out if c in table.columns])
+
 
 class _CsvWriter(TableWriter):
     def __init__(self, path: Path, schema: pa.Schema) -> None:
@@ -94,6 +103,19 @@ class CsvTable(TableFormat):
             dtype=dict.fromkeys(text, str),
             keep_default_na=False,
         )
+
+    def read_chunks(
+        self, path: Path, text: Sequence[str], rows: int, leave_out: Sequence[str] = ()
+    ) -> Iterator[pd.DataFrame]:
+        skipped = set(leave_out)
+        with pd.read_csv(
+            path,
+            usecols=lambda column: column not in skipped,
+            dtype=dict.fromkeys(text, str),
+            keep_default_na=False,
+            chunksize=rows,
+        ) as chunks:
+            yield from chunks  # a table of no rows is one empty chunk
 
 
 class _ParquetWriter(TableWriter):
@@ -141,6 +163,18 @@ class ParquetTable(TableFormat):
         self, path: Path, text: Sequence[str], columns: Sequence[str] | None = None
     ) -> pd.DataFrame:
         return pd.read_parquet(path, columns=None if columns is None else list(columns))
+
+    def read_chunks(
+        self, path: Path, text: Sequence[str], rows: int, leave_out: Sequence[str] = ()
+    ) -> Iterator[pd.DataFrame]:
+        source = pq.ParquetFile(path)
+        columns = [name for name in source.schema_arrow.names if name not in set(leave_out)]
+        empty = True
+        for batch in source.iter_batches(batch_size=rows, columns=columns):
+            empty = False
+            yield batch.to_pandas()
+        if empty:
+            yield source.schema_arrow.empty_table().select(columns).to_pandas()
 
 
 # One entry per format; the suffix of a table's name picks it.

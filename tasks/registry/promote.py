@@ -23,7 +23,7 @@ from models.atomic import write_json
 from models.directory import read_model_info
 from tasks.data.imagedir import MANIFEST, ManifestHead
 from tasks.data.manifest_stream import content_digest, count_images, read_head
-from tasks.inference.evaluate import SUMMARY_ROWS, compute_metrics, read_scored
+from tasks.inference.evaluate import SUMMARY_ROWS, table_metrics
 from tasks.inference.score import score
 from tasks.registry.register import check_alias
 from tasks.shared.errors import InvalidParameterError, RegistryError
@@ -149,7 +149,7 @@ def _score_version(
             holdout.digest[:12] if holdout.digest else "",
         )
         return known[metric], True
-    result = compute_metrics(read_scored(score(model_dir, holdout.path, dest)))
+    result = table_metrics(score(model_dir, holdout.path, dest))
     metrics = {key: float(value) for key, value in result.metrics.items()}
     if holdout.digest is not None:
         record = {
