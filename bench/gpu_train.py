@@ -282,6 +282,7 @@ def part_step(plan: Plan, data: Path) -> dict:
 
     from models.untrained import resnet
     from tasks.train.build import build_optimizer, configure_backends, prepare_model
+    from tasks.train.params import TrainParams
     from tasks.train.precision import Amp
 
     device = _device(plan)
@@ -299,7 +300,7 @@ def part_step(plan: Plan, data: Path) -> dict:
             else:
                 amp = Amp.for_run(device.type, _precision(plan), plan.crop)  # type: ignore[arg-type]
                 model = prepare_model(resnet(arch, pretrained=False), CLASSES, device, SEED, amp)
-                optimizer = build_optimizer(model, LEARNING_RATE)
+                optimizer = build_optimizer(model, LEARNING_RATE, TrainParams().resolved())
             images = torch.randn(plan.batch, 3, plan.crop, plan.crop, device=device)
             targets = torch.randint(0, CLASSES, (plan.batch,), device=device)
             step = training_step(model, optimizer, amp, images, targets)
@@ -451,7 +452,7 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     configure_backends(device)
     amp = Amp.for_run(device.type, _precision(plan), input_size(_spec(plan)))  # type: ignore[arg-type]
     model = prepare_model(resnet(plan.arch, pretrained=False), CLASSES, device, SEED, amp)
-    optimizer = build_optimizer(model, LEARNING_RATE)
+    optimizer = build_optimizer(model, LEARNING_RATE, TrainParams().resolved())
     scaler = amp.grad_scaler()
     scheduler = build_scheduler(
         optimizer, steps_per_epoch=len(loader), epochs=plan.epochs, warmup_epochs=0

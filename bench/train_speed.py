@@ -161,6 +161,7 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
     from tasks.train.build import build_optimizer, configure_backends, prepare_model
     from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
     from tasks.train.loop import StepParts, train_one_epoch
+    from tasks.train.params import TrainParams
     from tasks.train.precision import Amp
     from tasks.train.schedule import build_scheduler
 
@@ -171,7 +172,7 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
     dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
     amp = Amp.for_run(device.type, precision, SIZE)  # type: ignore[arg-type]
     model = prepare_model(resnet(arch, pretrained=False), CLASSES, device, seed=1, amp=amp)
-    optimizer = build_optimizer(model, LEARNING_RATE)
+    optimizer = build_optimizer(model, LEARNING_RATE, TrainParams().resolved())
     scaler = amp.grad_scaler()
     criterion = torch.nn.CrossEntropyLoss()
     log = logging.getLogger("bench.train_speed")

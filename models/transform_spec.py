@@ -18,6 +18,16 @@ MAX_DEGREES = 180
 # The Azure design's two modes of Apply Image Transformation: training adds the random steps.
 Mode = Literal["training", "inference"]
 MODES: tuple[str, ...] = get_args(Mode)
+# torchvision's augmentation policies (v2.RandAugment, TrivialAugmentWide, AugMix, AutoAugment).
+Augmentation = Literal["none", "randaugment", "trivialaugment", "augmix", "autoaugment"]
+MAX_MAGNITUDE = 30  # RandAugment's num_magnitude_bins - 1 (torchvision's default 31 bins)
+# The fields a training recipe fills where a spec leaves them empty (tasks.train.recipes).
+RECIPE_FIELDS = (
+    "random_erasing",
+    "random_erasing_probability",
+    "augmentation",
+    "augmentation_magnitude",
+)
 
 
 def _size(default: int, title: str, description: str) -> Any:
@@ -132,11 +142,38 @@ class TransformSpec(BaseModel):
         description="Training only: a random perspective distortion (scale 0.5) with "
         "probability 0.5.",
     )
-    random_erasing: bool = Field(
-        False,
+    random_erasing: bool | None = Field(
+        None,
         title="Random erasing",
         description="Training only: erase a random rectangle of the normalised tensor with "
-        "probability 0.5 (Zhong et al., 2017).",
+        "probability `random_erasing_probability` (Zhong et al., 2017). Empty: the training "
+        "recipe's (azure: off, modern: on); off outside training.",
+    )
+    random_erasing_probability: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        title="Random erasing probability",
+        description="Chance that random erasing erases a rectangle of an image, 0 to 1. Empty: "
+        "the training recipe's (azure: 0.5, modern: 0.25); 0.5 outside training.",
+    )
+    augmentation: Augmentation | None = Field(
+        None,
+        title="Augmentation policy",
+        description="Training only: a learned or random augmentation policy of torchvision, "
+        "applied to the image before it becomes a tensor: randaugment, trivialaugment (Trivial"
+        "AugmentWide), augmix, autoaugment (its ImageNet policy) or none. Empty: the training "
+        "recipe's (azure: none, modern: randaugment); none outside training.",
+    )
+    augmentation_magnitude: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_MAGNITUDE,
+        title="Augmentation magnitude",
+        description=f"RandAugment's magnitude (0 to {MAX_MAGNITUDE}) and AugMix's severity "
+        "(1 to 10). Empty: the training recipe's (modern: 7), else torchvision's default (9 for "
+        "RandAugment, 3 for AugMix).",
     )
     mean: Annotated[
         list[Annotated[float, Field(allow_inf_nan=False)]], Field(min_length=3, max_length=3)

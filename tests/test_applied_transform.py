@@ -32,6 +32,7 @@ from tasks.inference.score import score
 from tasks.shared.errors import InvalidTransformationDirectoryError
 from tasks.shared.settings import Settings
 from tasks.train.launch import open_run, train
+from tasks.train.recipes import resolve_transform
 from tasks.train.request import TrainRequest
 
 # 16x16 digits become 20x20 network inputs: resize to 24, center crop 20; no flip for digits.
@@ -91,7 +92,8 @@ def test_train_uses_the_transform_the_data_was_prepared_with(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "transform: the one the data was prepared with (20x20 images)" in result.stdout
     info = read_model_info(tmp_path / "model")
-    assert info.transform == read_transformation(transform)
+    # the data's spec, with the default recipe's (azure) values where it left fields empty
+    assert info.transform == resolve_transform(read_transformation(transform), "azure")
     assert input_size(info.transform) == 20
 
     # Score Image Model on the prepared validation split equals scoring the raw images.

@@ -21,8 +21,9 @@ def test_params_yaml_equals_the_flow_defaults() -> None:
 
 
 def test_the_demo_keeps_the_seed_training_defaults() -> None:
-    train = PipelineConfig().train
-    azure = TrainParams()
+    train = PipelineConfig().train.resolved()  # the recipe fields left empty: azure's values
+    azure = TrainParams().resolved()
+    assert (train.recipe, train.optimizer, train.schedule) == ("azure", "sgd", "poly")
     for name in ("epochs", "batch_size", "warmup_epochs", "learning_rate", "seed", "patience"):
         assert getattr(train, name) == getattr(azure, name), name
     assert (train.epochs, train.batch_size, train.learning_rate) == (5, 16, 0.001)

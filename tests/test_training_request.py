@@ -78,8 +78,8 @@ def test_params_yaml_and_the_dvc_stages_take_every_field() -> None:
 def test_cli_options_override_the_config_and_reach_the_run(
     project: Settings, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """momentum, weight decay, precision and loader workers from the command line; the rest from
-    params.yaml; all of them in the MLflow run."""
+    """recipe, momentum, precision and loader workers from the command line; the rest from
+    params.yaml; all of them in the MLflow run, with what the recipe filled in."""
     config = PipelineConfig().model_dump(mode="json")
     config["train"].update(weight_decay=0.003, patience=2, epochs=1)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(config))
@@ -88,7 +88,8 @@ def test_cli_options_override_the_config_and_reach_the_run(
     result = imageops(
         "train", str(untrained), *map(str, digits_split), str(tmp_path / "model"),
         "--config", "params.yaml", "--momentum", "0.5", "--precision", "fp32",
-        "--num-workers", "0", "--device", "cpu", "--transform", "transform", cwd=tmp_path,
+        "--num-workers", "0", "--device", "cpu", "--transform", "transform",
+        "--recipe", "modern", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     (run_id,) = re.findall(r"MLflow run: (\w+)", result.stdout)
@@ -96,6 +97,25 @@ def test_cli_options_override_the_config_and_reach_the_run(
     assert (params["momentum"], params["precision"], params["num_workers"]) == ("0.5", "fp32", "0")
     assert (params["weight_decay"], params["patience"]) == ("0.003", "2")  # from the file
     assert params["nproc_per_node"] == "2"  # the file's (the demo), not the Azure default
+    # what the recipe filled in where neither the file nor the options set a value
+    assert (params["recipe"], params["optimizer"], params["schedule"]) == (
+        "modern",
+        "adamw",
+        "cosine",
+    )
+    assert (params["learning_rate"], params["warmup_epochs"], params["label_smoothing"]) == (
+        "0.001",
+        "1",
+        "0.1",
+    )
+    assert params["decay_norm_and_bias"] == "False"
+    assert (params["transform.augmentation"], params["transform.random_erasing"]) == (
+        "randaugment",
+        "True",
+    )
+    model_json = json.loads((tmp_path / "model" / "model.json").read_text())
+    assert model_json["transform"]["augmentation_magnitude"] == 7  # the model records it too
+    assert model_json["train_params"]["optimizer"] == "adamw"
 
 
 def test_model_build_takes_every_model_option(tmp_path: Path) -> None:

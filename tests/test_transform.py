@@ -20,7 +20,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from models.directory import ONNX, read_model_info
-from models.transform_spec import TransformSpec
+from models.transform_spec import RECIPE_FIELDS, TransformSpec
 from models.untrained import resnet, write_untrained
 from tasks.data.imagedir import load_rgb, read_manifest
 from tasks.data.transform import (
@@ -116,12 +116,16 @@ def _outputs(transform: v2.Compose, image: Image.Image, seeds: range) -> list[to
 
 
 def test_defaults_are_the_seeds_and_every_option_is_explained() -> None:
-    spec = TransformSpec().model_dump()
+    from tasks.train.recipes import resolve_transform
+
+    # What a training run uses: the empty augmentation fields filled by the default recipe.
+    spec = resolve_transform(TransformSpec(), "azure").model_dump()
     assert {k: spec[k] for k in SEED_DEFAULTS} == SEED_DEFAULTS
     assert len(SEED_DEFAULTS) == 21  # the Azure design's options, plus the normalisation below
     assert spec["mean"] == [0.485, 0.456, 0.406] and spec["std"] == [0.229, 0.224, 0.225]
+    assert (spec["augmentation"], spec["random_erasing_probability"]) == ("none", 0.5)
     schema = TransformSpec.model_json_schema()["properties"]  # what the Prefect form shows
-    assert set(schema) == {*SEED_DEFAULTS, "mean", "std"}
+    assert set(schema) == {*SEED_DEFAULTS, *RECIPE_FIELDS, "mean", "std"}
     assert all(field.get("title") and field.get("description") for field in schema.values())
     for name in ("random_rotation_degrees", "random_affine_degrees"):
         assert (schema[name]["minimum"], schema[name]["maximum"]) == (0, 180)

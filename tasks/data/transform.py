@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from models.atomic import atomic_directory, check_destination, write_json
-from models.transform_spec import MODES, AppliedTransform, Mode, TransformSpec
+from models.transform_spec import MODES, RECIPE_FIELDS, AppliedTransform, Mode, TransformSpec
 from tasks.data.imagedir import (
     MANIFEST,
     ImageEntry,
@@ -47,6 +47,7 @@ FORMAT_VERSION = 1
 COLOR_JITTER = 0.4
 RANDOM_GRAYSCALE_P = 0.1
 PERSPECTIVE_DISTORTION = 0.5
+ERASING_P = 0.5  # random erasing's probability where the spec leaves it empty (torchvision's)
 
 _HINT = "Create one with `imageops transform init DEST` (Init Image Transformation)."
 
@@ -217,14 +218,33 @@ def build_transform(
         steps.append(v2.Grayscale(num_output_channels=3))  # the network takes 3 channels
     if training:
         steps += _random_steps(spec)
+        steps += _policy(spec)  # on the uint8 image, as torchvision's policies expect
     if normalize:
         steps += [
             v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(mean=list(spec.mean), std=list(spec.std)),
         ]
-    if training and spec.random_erasing:
-        steps.append(v2.RandomErasing())  # on the tensor: erased pixels become 0 (the mean)
+    if training and spec.random_erasing:  # on the tensor: erased pixels become 0 (the mean)
+        p = spec.random_erasing_probability
+        steps.append(v2.RandomErasing(p=ERASING_P if p is None else p))
     return v2.Compose(steps)
+
+
+def _policy(spec: TransformSpec) -> list[v2.Transform]:
+    """The spec's augmentation policy (none when empty: a recipe fills it in training runs)."""
+    from torchvision.transforms import v2
+
+    magnitude = spec.augmentation_magnitude
+    if spec.augmentation == "randaugment":
+        return [v2.RandAugment() if magnitude is None else v2.RandAugment(magnitude=magnitude)]
+    if spec.augmentation == "trivialaugment":
+        return [v2.TrivialAugmentWide()]
+    if spec.augmentation == "augmix":
+        severity = 3 if magnitude is None else min(max(magnitude, 1), 10)
+        return [v2.AugMix(severity=severity)]
+    if spec.augmentation == "autoaugment":
+        return [v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)]
+    return []
 
 
 def _geometry(spec: TransformSpec, training: bool) -> list[v2.Transform]:
@@ -261,9 +281,15 @@ def check_applied(
     """
     if applied is None:
         return None
-    if applied.spec != spec:
-        ours, theirs = spec.model_dump(), applied.spec.model_dump()
-        differ = [f"{k} {theirs[k]} vs {ours[k]}" for k in ours if ours[k] != theirs[k]]
+    ours, theirs = spec.model_dump(), applied.spec.model_dump()
+    # A field a training recipe fills (augmentation) and one side left empty is no difference:
+    # a trained model's spec has the recipe's values, data prepared before has none.
+    differ = [
+        f"{k} {theirs[k]} vs {ours[k]}"
+        for k in ours
+        if ours[k] != theirs[k] and not (k in RECIPE_FIELDS and None in (ours[k], theirs[k]))
+    ]
+    if differ:
         raise InvalidTransformationDirectoryError(
             f"{root} was prepared by Apply Image Transformation with another transform than "
             f"this run's (the data's vs the run's: {'; '.join(differ[:6])}"

@@ -18,6 +18,7 @@ from models.atomic import write_json
 from models.transform_spec import TransformSpec
 from models.untrained import ModelSpec
 from tasks.shared.validation import checked
+from tasks.train.recipes import TRAINING, Recipe, filled
 
 # Where and how patiently a job runs, not what it trains: outside a job's identity, so a retry
 # through another cluster address, or with more patience, resumes the same run.
@@ -45,38 +46,76 @@ class TrainParams(BaseModel):
         "global batch (what Vertex AI's batch size means) is this x nodes x processes per node: "
         "for a global batch of 64 on 4 processes, give 16.",
     )
-    warmup_epochs: int = Field(
-        0,
+    recipe: Recipe = Field(
+        "azure",
+        title="Recipe",
+        description="Fills every recipe field left empty. azure: the Azure component (SGD "
+        "with Nesterov momentum, warm-up then polynomial decay, no label smoothing). modern: "
+        "for small data sets and fine-tuning (AdamW, cosine decay after a warm-up epoch, label "
+        "smoothing 0.1, no weight decay on norm layers and biases, RandAugment and random "
+        "erasing in training). Any field you set wins over the recipe's.",
+    )
+    optimizer: Literal["sgd", "adamw"] | None = Field(
+        None,
+        title="Optimizer",
+        description="sgd (Nesterov momentum) or adamw (decoupled weight decay). Empty: the "
+        "recipe's (azure: sgd, modern: adamw).",
+    )
+    schedule: Literal["poly", "cosine"] | None = Field(
+        None,
+        title="Learning-rate schedule",
+        description="After the warm-up, per step: poly (Azure's polynomial decay to 0) or "
+        "cosine (half a cosine to 0). Empty: the recipe's (azure: poly, modern: cosine).",
+    )
+    warmup_epochs: int | None = Field(
+        None,
         ge=0,
         title="Warm-up epochs",
         description="Epochs over which the learning rate rises linearly to its full value, "
-        "in case the initial rate is too large to start converging.",
+        "in case the initial rate is too large to start converging. Empty: the recipe's "
+        "(azure: 0, modern: 1).",
     )
-    learning_rate: float = Field(
-        0.001,
+    learning_rate: float | None = Field(
+        None,
         gt=0,
         allow_inf_nan=False,
         title="Learning rate",
-        description="Initial SGD learning rate of one process; distributed runs use it x the "
-        "number of processes, decayed polynomially to 0. Lower it if the loss becomes NaN. "
-        "Azure's page says 0.001 in its text and 0.1 in its table: imageops takes the text's "
-        "0.001; give 0.1 for the table's.",
+        description="Initial learning rate of one process; distributed runs use it x the "
+        "number of processes. Lower it if the loss becomes NaN. Empty: the recipe's (azure and "
+        "modern: 0.001). Azure's page says 0.001 in its text and 0.1 in its table: imageops "
+        "takes the text's 0.001; give 0.1 for the table's.",
     )
-    momentum: float = Field(
-        0.9,
+    momentum: float | None = Field(
+        None,
         ge=0,
         lt=1,
         allow_inf_nan=False,
         title="Momentum",
-        description="SGD momentum (Nesterov when above 0): how much of the last step each "
-        "step keeps.",
+        description="SGD momentum (Nesterov when above 0), AdamW's beta1: how much of the last "
+        "step each step keeps. Empty: the recipe's (0.9).",
     )
-    weight_decay: float = Field(
-        1e-4,
+    weight_decay: float | None = Field(
+        None,
         ge=0,
         allow_inf_nan=False,
         title="Weight decay",
-        description="L2 penalty on the weights, as in torchvision's recipes.",
+        description="SGD: L2 penalty on the weights, as in torchvision's recipes; AdamW: "
+        "decoupled decay. Empty: the recipe's (azure: 0.0001, modern: 0.05).",
+    )
+    decay_norm_and_bias: bool | None = Field(
+        None,
+        title="Decay norm layers and biases",
+        description="Apply weight decay to normalisation layers' weights and to biases too. "
+        "Empty: the recipe's (azure: yes, modern: no).",
+    )
+    label_smoothing: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        title="Label smoothing",
+        description="Share of the target spread over the other classes in the training loss, "
+        "0 to below 1. Empty: the recipe's (azure: 0, modern: 0.1).",
     )
     seed: int = Field(
         1,
@@ -155,6 +194,10 @@ class TrainParams(BaseModel):
     @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    def resolved(self) -> TrainParams:
+        """These parameters with every recipe field left empty filled from the recipe."""
+        return self.model_copy(update=filled(self.model_dump(), TRAINING[self.recipe]))
 
     @model_validator(mode="after")
     def _placed(self) -> TrainParams:

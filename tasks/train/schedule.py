@@ -1,4 +1,5 @@
-"""The Azure design's learning-rate schedule: linear warm-up, then polynomial decay to 0, per step.
+"""Learning-rate schedules, per step: linear warm-up, then the Azure design's polynomial decay
+to 0 (``poly``), or half a cosine to 0 (``cosine``, the modern recipe's).
 
 Per optimizer step rather than per epoch, so a short run (Azure's default is 5 epochs) still
 decays smoothly. :func:`lr_factor` is a pure function (tested on its own); :func:`build_scheduler`
@@ -6,6 +7,9 @@ wraps it in a LambdaLR, whose state is plain numbers and so checkpoints with ``w
 """
 
 from __future__ import annotations
+
+import math
+from typing import Literal
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -15,12 +19,23 @@ from torch.optim.lr_scheduler import LambdaLR
 POWER = 0.9
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, power: float = POWER) -> float:
+Schedule = Literal["poly", "cosine"]
+
+
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    power: float = POWER,
+    schedule: Schedule = "poly",
+) -> float:
     """Multiplier of the base learning rate for optimizer step ``step`` (0-based).
 
     Warm-up rises linearly from ``1/warmup_steps`` (never 0: a step at rate 0 is wasted) to 1 at
-    step ``warmup_steps``; then ``(1 - progress) ** power`` falls to 0 at ``total_steps``, so the
-    last step still moves the weights a little.
+    step ``warmup_steps``; then ``(1 - progress) ** power`` (poly) or ``(1 + cos(pi progress)) /
+    2`` (cosine) falls towards 0 at ``total_steps``, so the last step still moves the weights a
+    little.
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -28,6 +43,8 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, power: float = 
     if decay_steps <= 0:  # warm-up covers the whole run: nothing left to decay over
         return 1.0
     progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
     return (1.0 - progress) ** power
 
 
@@ -38,6 +55,7 @@ def build_scheduler(
     epochs: int,
     warmup_epochs: int,
     power: float = POWER,
+    schedule: Schedule = "poly",
 ) -> LambdaLR:
     """A LambdaLR stepping :func:`lr_factor`; call ``scheduler.step()`` after every batch."""
     warmup_steps = warmup_epochs * steps_per_epoch
@@ -46,6 +64,12 @@ def build_scheduler(
     # A closure (not a partial or a callable object): LambdaLR then leaves it out of its
     # state_dict, which stays plain numbers.
     def factor(step: int) -> float:
-        return lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps, power=power)
+        return lr_factor(
+            step,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            power=power,
+            schedule=schedule,
+        )
 
     return LambdaLR(optimizer, factor)

@@ -173,14 +173,15 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     amp = Amp.for_run(device.type, config.precision, input_size(config.transform))
     model = prepare_model(config.architecture, num_classes, device, params.seed, amp)
     lr = params.learning_rate * dist.world_size  # Azure's rule: global batch = batch x world
-    optimizer = build_optimizer(model, lr, params.momentum, params.weight_decay)
+    optimizer = build_optimizer(model, lr, params)
     scheduler = build_scheduler(
         optimizer,
         steps_per_epoch=len(train_loader),
         epochs=params.epochs,
         warmup_epochs=params.warmup_epochs,
+        schedule=params.schedule,
     )
-    criterion = nn.CrossEntropyLoss()
+    criterion = nn.CrossEntropyLoss(label_smoothing=params.label_smoothing)
     parts = StepParts(optimizer, scheduler, criterion, amp.grad_scaler(), amp, device)
     progress, best_state, resumed = resume(config, model, parts, dist.is_primary)
     if resumed:

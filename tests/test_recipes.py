@@ -1,0 +1,127 @@
+"""Training recipes: azure (the default, exact) and modern, each field still the user's to set."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from models.transform_spec import AppliedTransform, TransformSpec
+from models.untrained import resnet
+from models.zoo import build_model
+from tasks.data.transform import build_transform, check_applied
+from tasks.shared.errors import InvalidParameterError, InvalidTransformationDirectoryError
+from tasks.train.build import build_optimizer
+from tasks.train.params import TrainParams
+from tasks.train.recipes import TRAINING, resolve_transform
+from tasks.train.schedule import lr_factor
+
+
+def test_azure_resolves_to_the_azure_components_settings() -> None:
+    azure = TrainParams().resolved()
+    assert azure.recipe == "azure"
+    assert (azure.optimizer, azure.schedule, azure.learning_rate) == ("sgd", "poly", 0.001)
+    assert (azure.momentum, azure.weight_decay, azure.warmup_epochs) == (0.9, 1e-4, 0)
+    assert (azure.label_smoothing, azure.decay_norm_and_bias) == (0.0, True)
+
+
+def test_a_field_set_wins_over_the_recipe_and_the_rest_come_from_it() -> None:
+    modern = TrainParams(recipe="modern", learning_rate=0.01, label_smoothing=0.0).resolved()
+    assert (modern.learning_rate, modern.label_smoothing) == (0.01, 0.0)  # set: kept, 0 too
+    assert (modern.optimizer, modern.schedule, modern.weight_decay) == ("adamw", "cosine", 0.05)
+    assert modern.warmup_epochs == 1 and modern.decay_norm_and_bias is False
+    assert all(getattr(modern, name) is not None for name in TRAINING["modern"])
+    assert modern.resolved() == modern  # resolving again changes nothing
+
+
+def test_a_bad_recipe_or_recipe_value_is_refused_naming_it() -> None:
+    with pytest.raises(InvalidParameterError, match="recipe"):
+        TrainParams.checked(recipe="fancy")
+    with pytest.raises(InvalidParameterError, match="label_smoothing"):
+        TrainParams.checked(label_smoothing=1.0)
+    with pytest.raises(InvalidParameterError, match="optimizer"):
+        TrainParams.checked(optimizer="adam")
+
+
+def test_modern_optimizer_is_adamw_without_decay_on_norm_layers_and_biases() -> None:
+    model = build_model(resnet("resnet18", pretrained=False), 3)
+    flat = {id(p) for p in model.parameters() if p.ndim <= 1}
+    assert flat  # batch norm scales and shifts, the head's bias
+
+    modern = build_optimizer(model, 0.002, TrainParams(recipe="modern").resolved())
+    assert isinstance(modern, torch.optim.AdamW)
+    decayed, kept = modern.param_groups
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.05, 0.0)
+    assert {id(p) for p in kept["params"]} == flat
+    assert all(p.ndim > 1 for p in decayed["params"])
+    assert decayed["lr"] == 0.002 and decayed["betas"][0] == 0.9
+
+    azure = build_optimizer(model, 0.002, TrainParams().resolved())
+    assert isinstance(azure, torch.optim.SGD)
+    (group,) = azure.param_groups
+    assert (group["weight_decay"], group["momentum"], group["nesterov"]) == (1e-4, 0.9, True)
+    assert len(group["params"]) == len(list(model.parameters()))
+
+
+def test_cosine_schedule_warms_up_then_follows_half_a_cosine() -> None:
+    def factor(step: int) -> float:
+        return lr_factor(step, warmup_steps=10, total_steps=110, schedule="cosine")
+
+    assert [factor(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # the same warm-up as poly
+    assert factor(10) == 1.0
+    assert factor(60) == pytest.approx(0.5)  # half way through the decay
+    assert factor(35) == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
+    assert factor(109) == pytest.approx((1 + math.cos(math.pi * 99 / 100)) / 2)
+    assert 0 < factor(109) < 0.001
+    # poly is unchanged: (1 - progress) ** 0.9
+    assert lr_factor(60, warmup_steps=10, total_steps=110) == pytest.approx(0.5**0.9)
+
+
+@pytest.mark.parametrize(
+    ("augmentation", "kind"),
+    [
+        ("randaugment", v2.RandAugment),
+        ("trivialaugment", v2.TrivialAugmentWide),
+        ("augmix", v2.AugMix),
+        ("autoaugment", v2.AutoAugment),
+    ],
+)
+def test_an_augmentation_policy_runs_in_training_mode_only(augmentation: str, kind: type) -> None:
+    spec = TransformSpec(
+        resize_size=24, center_crop_size=20, augmentation=augmentation, augmentation_magnitude=5
+    )
+    training = build_transform(spec, "training")
+    assert [type(t) for t in training.transforms].count(kind) == 1
+    assert kind not in [type(t) for t in build_transform(spec, "inference").transforms]
+    image = torch.randint(0, 256, (3, 30, 30), dtype=torch.uint8)
+    torch.manual_seed(0)
+    assert training(image).shape == (3, 20, 20) and training(image).dtype == torch.float32
+
+
+def test_modern_fills_the_augmentation_a_spec_leaves_empty() -> None:
+    modern = resolve_transform(TransformSpec(), "modern")
+    assert (modern.augmentation, modern.augmentation_magnitude) == ("randaugment", 7)
+    assert (modern.random_erasing, modern.random_erasing_probability) == (True, 0.25)
+    steps = build_transform(modern, "training").transforms
+    (policy,) = [t for t in steps if isinstance(t, v2.RandAugment)]
+    (erasing,) = [t for t in steps if isinstance(t, v2.RandomErasing)]
+    assert (policy.magnitude, erasing.p) == (7, 0.25)
+    mine = resolve_transform(TransformSpec(augmentation="none", random_erasing=False), "modern")
+    assert (mine.augmentation, mine.random_erasing) == ("none", False)  # set: kept
+    # a spec outside training runs (transform apply) leaves them empty: no policy, no erasing
+    plain = [type(t) for t in build_transform(TransformSpec(), "training").transforms]
+    assert v2.RandAugment not in plain and v2.RandomErasing not in plain
+
+
+def test_data_prepared_before_a_recipe_filled_the_spec_is_still_the_models() -> None:
+    """A model trained with modern records randaugment; the validation data it was trained on,
+    prepared by `transform apply` with the same spec, has those fields empty: the same spec."""
+    data_spec = TransformSpec(resize_size=20, center_crop_size=20)
+    applied = AppliedTransform(spec=data_spec, mode="inference", seed=1)
+    model_spec = resolve_transform(data_spec, "modern")
+    assert check_applied(model_spec, applied, "val", "inference") == "inference"
+    other = resolve_transform(data_spec.model_copy(update={"resize_size": 24}), "modern")
+    with pytest.raises(InvalidTransformationDirectoryError, match="resize_size 20 vs 24"):
+        check_applied(other, applied, "val", "inference")
