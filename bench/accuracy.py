@@ -192,8 +192,10 @@ def run(full: bool, work: Path) -> Section:
             "the training never saw. Time: the training command's wall time."
         ],
         tables=[
-            Table(["data set", "train / val images", "recipe", "top-1", "macro F1",
-                   "training time"], rows),  # fmt: skip
+            Table(
+                ["data set", "train / val images", "recipe", "top-1", "macro F1", "training time"],
+                rows,
+            ),
             Table(["goal (issue 27)", "wanted", "measured", ""], goals, "Goals"),
         ],
         figures={

@@ -13,7 +13,7 @@ from models.untrained import resnet
 from models.zoo import build_model
 from tasks.data.transform import build_transform, check_applied
 from tasks.shared.errors import InvalidParameterError, InvalidTransformationDirectoryError
-from tasks.train.build import build_optimizer
+from tasks.train.build import batch_mixer, build_optimizer, training_loss
 from tasks.train.params import TrainParams
 from tasks.train.recipes import TRAINING, resolve_transform
 from tasks.train.schedule import lr_factor
@@ -125,3 +125,75 @@ def test_data_prepared_before_a_recipe_filled_the_spec_is_still_the_models() -> 
     other = resolve_transform(data_spec.model_copy(update={"resize_size": 24}), "modern")
     with pytest.raises(InvalidTransformationDirectoryError, match="resize_size 20 vs 24"):
         check_applied(other, applied, "val", "inference")
+
+
+def test_balanced_class_weights_make_a_rare_class_count_as_much() -> None:
+    params = TrainParams(class_weights="balanced").resolved()
+    loss = training_loss(params, [0, 0, 0, 0, 0, 0, 1, 1, 2], 4)  # class 3 has no image
+    torch.testing.assert_close(loss.weight, torch.tensor([9 / 24, 9 / 8, 9 / 4, 0.0]))
+    assert training_loss(TrainParams().resolved(), [0, 1], 2).weight is None
+    smoothed = training_loss(TrainParams(recipe="modern").resolved(), [0, 1], 2)
+    assert smoothed.label_smoothing == 0.1
+
+
+def test_mixup_and_cutmix_give_soft_labels_on_the_batch() -> None:
+    assert batch_mixer(TrainParams().resolved(), 10) is None  # azure: off
+    images = torch.rand(8, 3, 16, 16)
+    labels = torch.arange(8) % 4
+    for values in (
+        {"mixup_alpha": 0.2},
+        {"cutmix_alpha": 1.0},
+        {"mixup_alpha": 0.2, "cutmix_alpha": 1.0},
+    ):
+        mix = batch_mixer(TrainParams(**values).resolved(), 4)
+        torch.manual_seed(0)
+        mixed, soft = mix(images, labels)
+        assert mixed.shape == images.shape and soft.shape == (8, 4)
+        torch.testing.assert_close(soft.sum(dim=1), torch.ones(8))
+        assert (soft.max(dim=1).values < 1).any()  # labels mixed, not one-hot
+
+
+def test_an_epoch_with_mixing_clipping_and_weights_trains_and_clips(tmp_path) -> None:
+    """The loop's new parts on a real epoch: soft targets through the weighted, smoothed loss,
+    and no gradient above the clip when the optimizer steps."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tasks.train.loop import StepParts, train_one_epoch
+    from tasks.train.precision import Amp
+    from tasks.train.schedule import build_scheduler
+
+    torch.manual_seed(0)
+    model = build_model(resnet("resnet18", pretrained=False), 3)
+    params = TrainParams(
+        recipe="modern", mixup_alpha=0.4, cutmix_alpha=1.0, clip_grad_norm=0.01,
+        class_weights="balanced",
+    ).resolved()  # fmt: skip
+    data = TensorDataset(torch.rand(12, 3, 32, 32), torch.tensor([0] * 8 + [1] * 3 + [2]))
+    loader = DataLoader(data, batch_size=4)
+    optimizer = build_optimizer(model, 0.001, params)
+    norms: list[float] = []
+    optimizer.register_step_pre_hook(
+        lambda opt, *_: norms.append(
+            float(torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+            ))
+        )
+    )  # fmt: skip
+    amp = Amp.for_run("cpu", "fp32", 32)
+    parts = StepParts(
+        optimizer,
+        build_scheduler(optimizer, steps_per_epoch=3, epochs=1, warmup_epochs=1, schedule="cosine"),
+        training_loss(params, data.tensors[1].tolist(), 3),
+        amp.grad_scaler(),
+        amp,
+        torch.device("cpu"),
+        mix=batch_mixer(params, 3),
+        clip_grad_norm=params.clip_grad_norm,
+    )
+    import logging
+
+    stats = train_one_epoch(
+        model, loader, parts, epoch=1, epochs=1, print_frequency=10, log=logging.getLogger("t")
+    )
+    assert math.isfinite(stats.loss) and stats.images == 12
+    assert len(norms) == 3 and max(norms) <= 0.01 * 1.001

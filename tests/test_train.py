@@ -185,13 +185,23 @@ def test_missing_pretrained_weights_are_refused_before_start(
 
 
 def test_parameter_defaults_are_the_seeds() -> None:
-    assert TrainParams().model_dump() == {
+    """The Azure design's defaults, with the recipe fields filled by the default recipe."""
+    assert TrainParams().resolved().model_dump() == {
         "epochs": 5,
         "batch_size": 16,
+        "recipe": "azure",
+        "optimizer": "sgd",
+        "schedule": "poly",
         "warmup_epochs": 0,
         "learning_rate": 0.001,
         "momentum": 0.9,
         "weight_decay": 0.0001,
+        "decay_norm_and_bias": True,
+        "mixup_alpha": 0.0,
+        "cutmix_alpha": 0.0,
+        "clip_grad_norm": 0.0,
+        "class_weights": "none",
+        "label_smoothing": 0.0,
         "seed": 1,
         "patience": 3,
         "print_frequency": 10,

@@ -6,6 +6,8 @@ loaders, the network initialised from the run's seed, the optimizer of the run's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
@@ -78,6 +80,34 @@ def build_optimizer(model: nn.Module, lr: float, params: TrainParams) -> torch.o
     if params.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), fused=True)
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0, fused=True)
+
+
+def batch_mixer(
+    params: TrainParams, num_classes: int
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """MixUp and/or CutMix of each training batch (one of them per batch when both are on), or
+    None. torchvision's v2 transforms, on the batch once it is on the device."""
+    from torchvision.transforms import v2
+
+    mixers: list[v2.Transform] = []
+    if params.mixup_alpha:
+        mixers.append(v2.MixUp(alpha=params.mixup_alpha, num_classes=num_classes))
+    if params.cutmix_alpha:
+        mixers.append(v2.CutMix(alpha=params.cutmix_alpha, num_classes=num_classes))
+    if not mixers:
+        return None
+    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+
+
+def training_loss(params: TrainParams, targets: Sequence[int], num_classes: int) -> nn.Module:
+    """Cross-entropy with the run's label smoothing and, with ``class_weights`` balanced, each
+    class weighted by images / (classes x its images) in ``targets`` (the training set's labels):
+    scikit-learn's "balanced". A class without images gets weight 0 (it never occurs)."""
+    weight = None
+    if params.class_weights == "balanced":
+        counts = torch.bincount(torch.as_tensor(list(targets)), minlength=num_classes).double()
+        weight = torch.where(counts > 0, counts.sum() / (num_classes * counts), 0.0).float()
+    return nn.CrossEntropyLoss(weight=weight, label_smoothing=params.label_smoothing)
 
 
 def load_datasets(config: RunConfig) -> dict[str, ManifestImageFolder]:

@@ -12,7 +12,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +124,9 @@ class StepParts:
     scaler: torch.amp.GradScaler  # from ``amp.grad_scaler()``
     amp: Amp
     device: torch.device
+    # MixUp / CutMix of a batch on the device: (images, labels) -> (images, soft labels).
+    mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    clip_grad_norm: float = 0.0  # 0: no clipping
 
 
 def train_one_epoch(
@@ -157,12 +160,17 @@ def train_one_epoch(
             log.info("epoch %d/%d: first batch after %.2f s", epoch, epochs, first_batch)
         images = model_input(loader, images, device, amp.memory_format)
         targets = targets.to(device, non_blocking=True)
+        if parts.mix is not None:  # targets become class probabilities (the loss takes both)
+            images, targets = parts.mix(images, targets)
         with amp.autocast():
             logits = model(images)
         # Softmax and log of a low-precision logit lose digits the loss needs: float32.
         loss = criterion(logits.float(), targets)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
+        if parts.clip_grad_norm > 0:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+            nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad_norm)
         scaler.step(optimizer)  # skipped (and the scale lowered) if float16 gradients overflowed
         scaler.update()
         scheduler.step()

@@ -18,7 +18,7 @@ from models.atomic import write_json
 from models.transform_spec import TransformSpec
 from models.untrained import ModelSpec
 from tasks.shared.validation import checked
-from tasks.train.recipes import TRAINING, Recipe, filled
+from tasks.train.recipes import TRAINING, Recipe, filled, resolve_transform
 
 # Where and how patiently a job runs, not what it trains: outside a job's identity, so a retry
 # through another cluster address, or with more patience, resumes the same run.
@@ -107,6 +107,38 @@ class TrainParams(BaseModel):
         title="Decay norm layers and biases",
         description="Apply weight decay to normalisation layers' weights and to biases too. "
         "Empty: the recipe's (azure: yes, modern: no).",
+    )
+    mixup_alpha: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        title="MixUp alpha",
+        description="MixUp of each training batch (torchvision v2.MixUp): images and labels "
+        "blended with a share drawn from Beta(alpha, alpha); 0: off. With CutMix too, each batch "
+        "gets one of the two. Empty: the recipe's (azure and modern: 0).",
+    )
+    cutmix_alpha: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        title="CutMix alpha",
+        description="CutMix of each training batch (torchvision v2.CutMix): a box of another "
+        "image pasted in, labels mixed by its area; 0: off. Empty: the recipe's (0).",
+    )
+    clip_grad_norm: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        title="Gradient clipping",
+        description="Largest L2 norm of all gradients together before each step (scaled down "
+        "above it); 0: no clipping. Empty: the recipe's (0).",
+    )
+    class_weights: Literal["none", "balanced"] | None = Field(
+        None,
+        title="Class weights",
+        description="balanced: each class's loss weighted by images / (classes x its images) "
+        "in the training set, so a rare class counts as much as a common one; none: every "
+        "image alike. Empty: the recipe's (none).",
     )
     label_smoothing: float | None = Field(
         None,
@@ -265,6 +297,19 @@ class RunConfig(BaseModel):
     world_size: int = Field(ge=1)
     # Set when the run is a tuning trial; excluded from the job's identity (see TrialHook).
     tuning: TrialHook | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_filled(cls, data: Any) -> Any:
+        """The recipe's values in every field the request left empty, in ``params`` and in the
+        transform's augmentation: a run (its identity, its records, its model) holds the values
+        it trains with, never an empty field (tasks.train.recipes)."""
+        if isinstance(data, dict) and "params" in data and "transform" in data:
+            params = TrainParams.model_validate(data["params"]).resolved()
+            transform = TransformSpec.model_validate(data["transform"])
+            data = {**data, "params": params}
+            data["transform"] = resolve_transform(transform, params.recipe)
+        return data
 
     def digest(self) -> str:
         """Identity of the job: a checkpoint is only resumed by a job with the same digest."""

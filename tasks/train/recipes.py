@@ -29,6 +29,10 @@ TRAINING: dict[str, dict[str, Any]] = {
         "warmup_epochs": 0,
         "label_smoothing": 0.0,
         "decay_norm_and_bias": True,
+        "mixup_alpha": 0.0,
+        "cutmix_alpha": 0.0,
+        "clip_grad_norm": 0.0,
+        "class_weights": "none",
     },
     "modern": {
         "optimizer": "adamw",
@@ -39,6 +43,10 @@ TRAINING: dict[str, dict[str, Any]] = {
         "warmup_epochs": 1,
         "label_smoothing": 0.1,
         "decay_norm_and_bias": False,
+        "mixup_alpha": 0.0,  # short runs on small data learn slower with it (docs/training.md)
+        "cutmix_alpha": 0.0,
+        "clip_grad_norm": 0.0,
+        "class_weights": "none",
     },
 }
 # What each recipe gives the TransformSpec fields a transform leaves empty (None).

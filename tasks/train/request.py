@@ -33,7 +33,6 @@ from tasks.shared.settings import Settings
 from tasks.shared.step import step_logger
 from tasks.shared.validation import checked
 from tasks.train.params import RunConfig, TrainParams, TrialHook, manifest_fingerprint
-from tasks.train.recipes import resolve_transform
 
 CONFIG = "config.json"
 
@@ -175,8 +174,7 @@ def check_request(
             "val": (val_data, val_manifest.transform),
         },
     )
-    params = request.params.resolved()  # the recipe's values where the request left fields empty
-    spec_transform = resolve_transform(spec_transform, params.recipe)
+    params = request.params  # RunConfig fills the fields it leaves empty from its recipe
     _check_sizes(params, train_manifest)
     on_cluster = device is not None
     device = device or _resolve_device(params)

@@ -38,12 +38,14 @@ from tasks.shared.errors import TrainingFailedError
 from tasks.shared.settings import RedactingFormatter
 from tasks.train import distributed
 from tasks.train.build import (
+    batch_mixer,
     build_loaders,
     build_optimizer,
     configure_backends,
     load_datasets,
     loader_setup,
     prepare_model,
+    training_loss,
 )
 from tasks.train.checkpoint import save_checkpoint
 from tasks.train.failure import read_failures, record_failure
@@ -181,8 +183,17 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         warmup_epochs=params.warmup_epochs,
         schedule=params.schedule,
     )
-    criterion = nn.CrossEntropyLoss(label_smoothing=params.label_smoothing)
-    parts = StepParts(optimizer, scheduler, criterion, amp.grad_scaler(), amp, device)
+    criterion = training_loss(params, datasets["train"].targets, num_classes).to(device)
+    parts = StepParts(
+        optimizer,
+        scheduler,
+        criterion,
+        amp.grad_scaler(),
+        amp,
+        device,
+        mix=batch_mixer(params, num_classes),
+        clip_grad_norm=params.clip_grad_norm,
+    )
     progress, best_state, resumed = resume(config, model, parts, dist.is_primary)
     if resumed:
         log.info("resumed from the checkpoint after epoch %d", progress.epoch)
