@@ -68,6 +68,13 @@ def network_for(spec: ModelSpec) -> Network:
         ) from None
 
 
+def head_parameters(spec: ModelSpec, model: nn.Module) -> set[int]:
+    """The ids of the parameters of ``model``'s classification head (the layer replaced for our
+    classes): what transfer learning trains alone first, or at another rate than the backbone."""
+    head = getattr(model, network_for(spec).head)
+    return {id(p) for p in head.parameters()}
+
+
 def build_model(spec: ModelSpec, num_classes: int) -> nn.Module:
     """Build the torchvision network for ``spec`` with a ``num_classes``-way head.
 

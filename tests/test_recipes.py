@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from torchvision.transforms import v2
 
 from models.transform_spec import AppliedTransform, TransformSpec
@@ -197,3 +198,47 @@ def test_an_epoch_with_mixing_clipping_and_weights_trains_and_clips(tmp_path) ->
     )
     assert math.isfinite(stats.loss) and stats.images == 12
     assert len(norms) == 3 and max(norms) <= 0.01 * 1.001
+
+
+def test_transfer_learning_trains_the_head_alone_then_all_with_a_slower_backbone() -> None:
+    """head_only_epochs: the backbone does not move while the new head learns; then it does, at
+    backbone_lr_scale times the head's rate."""
+    from models.zoo import head_parameters
+    from tasks.train.schedule import build_scheduler
+
+    torch.manual_seed(0)
+    spec = resnet("resnet18", pretrained=False)
+    model = build_model(spec, 3)
+    head = head_parameters(spec, model)
+    assert head == {id(model.fc.weight), id(model.fc.bias)}
+    params = TrainParams(recipe="modern", head_only_epochs=1, backbone_lr_scale=0.1).resolved()
+    optimizer = build_optimizer(model, 0.01, params, head)
+    rates = {(g["backbone"], g["weight_decay"]): g["lr"] for g in optimizer.param_groups}
+    assert rates == {
+        (False, 0.05): 0.01,
+        (False, 0.0): 0.01,
+        (True, 0.05): 0.001,
+        (True, 0.0): 0.001,
+    }
+    scheduler = build_scheduler(
+        optimizer, steps_per_epoch=2, epochs=3, warmup_epochs=0, schedule="cosine",
+        head_only_epochs=1,
+    )  # fmt: skip
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        scheduler.step()
+
+    for _ in range(2):  # epoch 1: the head alone
+        step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == {"fc.weight", "fc.bias"}
+    step()  # epoch 2: everything, the backbone at a tenth of the head's rate
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert "conv1.weight" in moved and "layer4.1.bn2.bias" in moved
+    head_rate, backbone_rate = optimizer.param_groups[0]["lr"], optimizer.param_groups[2]["lr"]
+    assert backbone_rate == pytest.approx(head_rate * 0.1) and backbone_rate > 0

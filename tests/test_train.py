@@ -201,6 +201,8 @@ def test_parameter_defaults_are_the_seeds() -> None:
         "cutmix_alpha": 0.0,
         "clip_grad_norm": 0.0,
         "class_weights": "none",
+        "head_only_epochs": 0,
+        "backbone_lr_scale": 1.0,
         "label_smoothing": 0.0,
         "seed": 1,
         "patience": 3,

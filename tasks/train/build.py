@@ -57,25 +57,38 @@ def prepare_model(
     return build_model(spec, num_classes).to(device, memory_format=amp.memory_format)
 
 
-def build_optimizer(model: nn.Module, lr: float, params: TrainParams) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, lr: float, params: TrainParams, head: set[int] | None = None
+) -> torch.optim.Optimizer:
     """The run's optimizer at learning rate ``lr``: Azure's SGD with Nesterov momentum, or AdamW.
 
     ``params`` are resolved (:meth:`TrainParams.resolved`). Nesterov needs a momentum above 0: a
     momentum of 0 (a tuning trial may ask for it) is plain SGD. Without ``decay_norm_and_bias``,
     tensors of one dimension (biases, normalisation layers' scales and shifts) are not decayed,
     as in torchvision's and timm's recipes: decaying them only fights the normalisation.
+    ``head``: the ids of the head's parameters (:func:`models.zoo.head_parameters`); the others,
+    the backbone, learn at ``lr`` x ``backbone_lr_scale``, in groups marked ``backbone`` (the
+    schedule holds them at 0 during ``head_only_epochs``).
 
     Fused: one kernel updates every parameter, where the default (foreach) makes a pass over all
     weights per term (decay, momentum, Nesterov); on CPU that saves about 5 ms a step for resnet18,
     which counts at small image sizes (docs/benchmarks.md).
     """
-    decay = params.weight_decay
-    if params.decay_norm_and_bias:
-        groups: list[dict] = [{"params": list(model.parameters()), "weight_decay": decay}]
-    else:
-        weights = [p for p in model.parameters() if p.ndim > 1]
-        flat = [p for p in model.parameters() if p.ndim <= 1]
-        groups = [{"params": weights, "weight_decay": decay}, {"params": flat, "weight_decay": 0.0}]
+    head = head or set()
+    groups: list[dict] = []
+    for backbone in (False, True):
+        members = [p for p in model.parameters() if (id(p) not in head) == backbone]
+        parts = [members]
+        if not params.decay_norm_and_bias:  # weights decayed; 1-D tensors not
+            parts = [[p for p in members if p.ndim > 1], [p for p in members if p.ndim <= 1]]
+        for i, part in enumerate(parts):
+            if part:
+                groups.append({
+                    "params": part,
+                    "weight_decay": params.weight_decay if i == 0 else 0.0,
+                    "lr": lr * (params.backbone_lr_scale if backbone else 1.0),
+                    "backbone": backbone,
+                })  # fmt: skip
     momentum = params.momentum
     if params.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), fused=True)

@@ -102,6 +102,24 @@ class TrainParams(BaseModel):
         description="SGD: L2 penalty on the weights, as in torchvision's recipes; AdamW: "
         "decoupled decay. Empty: the recipe's (azure: 0.0001, modern: 0.05).",
     )
+    head_only_epochs: int | None = Field(
+        None,
+        ge=0,
+        title="Head-only epochs",
+        description="Transfer learning: for this many first epochs only the new classification "
+        "head learns (the backbone's learning rate is 0), then the whole network. Empty: the "
+        "recipe's (0).",
+    )
+    backbone_lr_scale: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        title="Backbone learning-rate scale",
+        description="The backbone's learning rate as a share of the head's (e.g. 0.1 for a "
+        "pretrained backbone that should move less than the new head); 1: one rate for all. "
+        "Empty: the recipe's (1).",
+    )
     decay_norm_and_bias: bool | None = Field(
         None,
         title="Decay norm layers and biases",

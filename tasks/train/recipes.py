@@ -33,6 +33,8 @@ TRAINING: dict[str, dict[str, Any]] = {
         "cutmix_alpha": 0.0,
         "clip_grad_norm": 0.0,
         "class_weights": "none",
+        "head_only_epochs": 0,
+        "backbone_lr_scale": 1.0,
     },
     "modern": {
         "optimizer": "adamw",
@@ -47,6 +49,8 @@ TRAINING: dict[str, dict[str, Any]] = {
         "cutmix_alpha": 0.0,
         "clip_grad_norm": 0.0,
         "class_weights": "none",
+        "head_only_epochs": 0,
+        "backbone_lr_scale": 1.0,
     },
 }
 # What each recipe gives the TransformSpec fields a transform leaves empty (None).

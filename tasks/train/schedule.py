@@ -56,8 +56,16 @@ def build_scheduler(
     warmup_epochs: int,
     power: float = POWER,
     schedule: Schedule = "poly",
+    head_only_epochs: int = 0,
 ) -> LambdaLR:
-    """A LambdaLR stepping :func:`lr_factor`; call ``scheduler.step()`` after every batch."""
+    """A LambdaLR stepping :func:`lr_factor`; call ``scheduler.step()`` after every batch.
+
+    With ``head_only_epochs``, the optimizer's groups marked ``backbone``
+    (:func:`tasks.train.build.build_optimizer`) stay at rate 0 for those epochs' steps: only the
+    new head learns, then the whole network follows the schedule. Freezing by rate keeps every
+    parameter in DDP's gradient reduction (a parameter without gradients stalls it); the backbone's
+    normalisation statistics still follow the data.
+    """
     warmup_steps = warmup_epochs * steps_per_epoch
     total_steps = epochs * steps_per_epoch
 
@@ -72,4 +80,12 @@ def build_scheduler(
             schedule=schedule,
         )
 
-    return LambdaLR(optimizer, factor)
+    head_only_steps = head_only_epochs * steps_per_epoch
+
+    def backbone_factor(step: int) -> float:  # frozen while the head learns alone
+        return 0.0 if step < head_only_steps else factor(step)
+
+    if not head_only_steps:
+        return LambdaLR(optimizer, factor)
+    lambdas = [backbone_factor if g.get("backbone") else factor for g in optimizer.param_groups]
+    return LambdaLR(optimizer, lambdas)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+from models.zoo import head_parameters
 from tasks.data.transform import input_size
 from tasks.shared import faults
 from tasks.shared.errors import TrainingFailedError
@@ -175,13 +176,14 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     amp = Amp.for_run(device.type, config.precision, input_size(config.transform))
     model = prepare_model(config.architecture, num_classes, device, params.seed, amp)
     lr = params.learning_rate * dist.world_size  # Azure's rule: global batch = batch x world
-    optimizer = build_optimizer(model, lr, params)
+    optimizer = build_optimizer(model, lr, params, head_parameters(config.architecture, model))
     scheduler = build_scheduler(
         optimizer,
         steps_per_epoch=len(train_loader),
         epochs=params.epochs,
         warmup_epochs=params.warmup_epochs,
         schedule=params.schedule,
+        head_only_epochs=params.head_only_epochs,
     )
     criterion = training_loss(params, datasets["train"].targets, num_classes).to(device)
     parts = StepParts(
