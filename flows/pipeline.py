@@ -116,7 +116,7 @@ def pipeline(
                 batch_size=config.score_batch_size,
             )
         )  # fmt: skip
-        evaluation = evaluate_task(scored, run_id=trained.run_id)
+        evaluation = evaluate_task(scored, run_id=trained.run_id, images=data / "val")
 
     result = PipelineResult(
         dataset=name,

@@ -126,11 +126,20 @@ def evaluate(
             "nothing goes to MLflow: the results are the files written beside the table.",
         ),
     ] = False,
+    images: Annotated[
+        Path | None,
+        typer.Option(
+            help="The folder that was scored: draws the most confidently wrong images as a "
+            "gallery (<table>.wrong.png). Without it, no gallery."
+        ),
+    ] = None,
 ) -> None:
-    """Evaluate Model: accuracy, top-5, macro and weighted precision/recall/F1, confusion matrix.
+    """Evaluate Model: accuracy, top-5, macro and weighted precision/recall/F1, confusion matrix,
+    per-class ROC and PR areas (one vs rest), calibration (ECE).
 
-    Writes <table>.metrics.json, per-class tables and the confusion matrix (PNG and JSON) beside
-    the scored table.
+    Writes <table>.metrics.json, per-class tables, the confusion matrix (PNG and JSON), the ROC
+    and PR curves (<table>.roc_pr.png), the reliability diagram (<table>.calib.png, bins in
+    .calib.json) and, with --images, the most confidently wrong images beside the scored table.
     """
     from tasks.inference.evaluate import evaluate as run
     from tasks.shared.errors import InvalidParameterError
@@ -141,7 +150,7 @@ def evaluate(
             "Give --run-id to log into that run, or --new-run to log into a new one.",
         )
     log = run_id is not None or new_run
-    result = run(scored, compare=compare, run_id=run_id, log_to_mlflow=log)
+    result = run(scored, compare=compare, run_id=run_id, log_to_mlflow=log, images=images)
     if result.compared is None:
         for key, value in result.metrics.items():
             out.print(f"{key}: {value:.4f}")

@@ -21,7 +21,15 @@ import numpy as np
 import pandas as pd
 
 from models.atomic import atomic_file, check_name_length, write_json
-from tasks.data.imageformat import visible_name
+from tasks.inference.error_analysis import (
+    Analysis,
+    ScoreSample,
+    analyse,
+    confusion_png,
+    curves_png,
+    gallery_png,
+    reliability_png,
+)
 from tasks.inference.score import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.inference.tables import CSV_FORMAT, table_format
 from tasks.shared.artifacts import png_markdown, publish_markdown
@@ -42,6 +50,9 @@ SUMMARY_ROWS = {
     "precision_weighted": "weighted precision",
     "recall_weighted": "weighted recall",
     "f1_weighted": "weighted F1",
+    "roc_auc_macro": "macro ROC AUC (one vs rest)",
+    "pr_auc_macro": "macro PR AUC (average precision)",
+    "ece": "expected calibration error",
 }
 TOP_K = 5
 EVALUATED_ROWS = 50_000  # rows of a scored table read at a time (table_metrics)
@@ -59,6 +70,10 @@ class EvaluationResult(Mapping[str, float]):
     paths: dict[str, Path] = field(default_factory=dict)
     run_id: str | None = None
     compared: EvaluationResult | None = None  # the second table's, when one was given
+    # ROC/PR areas, calibration, the most confidently wrong rows; and what the curves are drawn
+    # from (tasks.inference.error_analysis)
+    analysis: Analysis | None = field(default=None, repr=False, compare=False)
+    sample: ScoreSample | None = field(default=None, repr=False, compare=False)
 
     def __getitem__(self, key: str) -> float:
         return self.metrics[key]
@@ -74,14 +89,15 @@ def table_metrics(path: Path) -> EvaluationResult:
     """:func:`compute_metrics` of the scored table at ``path``, read ``EVALUATED_ROWS`` at a time.
 
     Memory follows the chunk, not the table: a whole read of 200,000 rows cost 90 MB more than of
-    10,000 (docs/benchmarks.md, "Data at scale"). The paths are never read: nothing here uses them.
+    10,000 (docs/benchmarks.md, "Data at scale"); what stays is the probabilities as float32 (for
+    the ROC and PR curves) and a few wrong rows' paths (for the gallery).
     """
     path = Path(path)
     if not path.is_file():
         raise InvalidParameterError(f"Scored table {path} does not exist.", "Run the score step.")
     tally = _Tally()
     chunks = table_format(path, "scored table").read_chunks(
-        path, ["category", LABEL_COLUMN, ERROR_COLUMN], EVALUATED_ROWS, leave_out=["id", "path"]
+        path, ["path", "category", LABEL_COLUMN, ERROR_COLUMN], EVALUATED_ROWS, leave_out=["id"]
     )
     for chunk in chunks:
         tally.add(chunk)
@@ -104,6 +120,7 @@ class _Tally:
         self.prob_columns: list[str] = []
         self.pairs: Counter[tuple[str, str]] = Counter()
         self.scored = self.unscored = self.top_k_hits = 0
+        self.sample = ScoreSample([])
 
     def _check(self, table: pd.DataFrame) -> None:
         if "category" not in table.columns:
@@ -117,6 +134,7 @@ class _Tally:
         if not self.prob_columns or LABEL_COLUMN not in table.columns:
             raise _not_a_scored_table()
         self.classes = [c.removeprefix(PROBABILITY_PREFIX) for c in self.prob_columns]
+        self.sample = ScoreSample(self.classes)
 
     def add(self, table: pd.DataFrame) -> None:
         if not self.classes:
@@ -134,6 +152,8 @@ class _Tally:
         true_index = np.array([index.get(t, -1) for t in truth], dtype=np.int64)
         self.top_k_hits += int((top == true_index[:, None]).any(axis=1).sum())
         self.pairs.update(zip(truth.tolist(), predicted.tolist(), strict=True))
+        paths = table["path"].astype(str).tolist() if "path" in table.columns else [""] * len(table)
+        self.sample.add(probs, truth, paths, predicted)
         self.scored += len(table)
 
     @property
@@ -154,6 +174,8 @@ class _Tally:
         matrix, support = _confusion(self.pairs, labels)
         precision, recall, f1 = _per_class(matrix, support)
         scores = (precision, recall, f1)
+        analysis = analyse(self.sample)
+        areas = {c: (analysis.roc_auc[i], analysis.pr_auc[i]) for i, c in enumerate(self.classes)}
         macro = [float(values.mean()) for values in scores]
         weighted = [float(np.average(values, weights=support)) for values in scores]
         metrics = {
@@ -165,6 +187,9 @@ class _Tally:
             "precision_weighted": weighted[0],
             "recall_weighted": weighted[1],
             "f1_weighted": weighted[2],
+            "roc_auc_macro": analysis.macro(analysis.roc_auc),
+            "pr_auc_macro": analysis.macro(analysis.pr_auc),
+            "ece": analysis.ece,
             "images": float(self.scored),
             "unscored_images": float(self.unscored),
         }
@@ -175,6 +200,9 @@ class _Tally:
                 "recall": float(recall[i]),
                 "f1": float(f1[i]),
                 "support": int(support[i]),
+                # one vs rest; none for a true class the model has no score for
+                "roc_auc": _finite(areas.get(label, (None, None))[0]),
+                "pr_auc": _finite(areas.get(label, (None, None))[1]),
             }
             for i, label in enumerate(labels)
         ]
@@ -184,7 +212,14 @@ class _Tally:
             labels=labels,
             confusion=matrix.tolist(),
             top_k=self.top_k,
+            analysis=analysis,
+            sample=self.sample,
         )
+
+
+def _finite(value: float | None) -> float | None:
+    """A number for the JSON and CSV files; None (empty) for an area that does not exist."""
+    return None if value is None or not np.isfinite(value) else float(value)
 
 
 def _not_a_scored_table() -> InvalidParameterError:
@@ -233,40 +268,6 @@ def _per_class(
     return ratio(hits, guessed), ratio(hits, support), ratio(2 * hits, guessed + support)
 
 
-def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Path:
-    """Draw the confusion matrix (rows: true class, columns: predicted) to a PNG, atomically.
-
-    A bare Figure on the Agg canvas, not pyplot: no global figure state and no display needed,
-    so it is safe in worker threads and on headless machines.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    data = np.asarray(matrix)
-    side = max(4.0, 0.5 * len(labels) + 2.0)
-    figure = Figure(figsize=(side, side), dpi=100, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    image = axes.imshow(data, cmap="Blues")
-    figure.colorbar(image, ax=axes, fraction=0.046)
-    # Class names are folder names: "$x$" is a name, not mathtext (which can fail to parse), and
-    # a "\r" in one is drawn as the two characters.
-    shown = [visible_name(label) for label in labels]
-    axes.set_xticks(range(len(labels)), shown, rotation=45, ha="right", parse_math=False)
-    axes.set_yticks(range(len(labels)), shown, parse_math=False)
-    axes.set_xlabel("Predicted")
-    axes.set_ylabel("True")
-    axes.set_title("Confusion matrix")
-    if len(labels) <= 30:  # beyond that the numbers are unreadable; the JSON has them
-        threshold = data.max() / 2 if data.size else 0
-        for (row, col), value in np.ndenumerate(data):
-            colour = "white" if value > threshold else "black"
-            axes.text(col, row, str(value), ha="center", va="center", color=colour, fontsize=8)
-    with atomic_file(path) as tmp:
-        figure.savefig(tmp, format="png")
-    return path
-
-
 def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | None) -> str:
     """One table, one column per scored table: the Azure design's side-by-side view."""
     columns = [result] if result.compared is None else [result, result.compared]
@@ -287,10 +288,17 @@ def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | No
         lines.append(f"| {label.format(k=result.top_k)} | {values} |")
     if result.run_id:
         lines += ["", f"MLflow run: `{result.run_id}`"]
+    pictures = {
+        "confusion_png": "confusion matrix",
+        "curves_png": "ROC and precision-recall curves",
+        "reliability_png": "reliability diagram",
+        "wrong_png": "most confidently wrong images",
+    }
     for name, r in zip(names, columns, strict=True):
-        if "confusion_png" in r.paths:
-            alt = "confusion matrix" if len(names) == 1 else f"confusion matrix of {name}"
-            lines += ["", png_markdown(r.paths["confusion_png"], alt)]
+        for kind, what in pictures.items():
+            if kind in r.paths:
+                alt = what if len(names) == 1 else f"{what} of {name}"
+                lines += ["", png_markdown(r.paths[kind], alt)]
     return "\n".join(lines) + "\n"
 
 
@@ -327,6 +335,10 @@ def output_paths(scored: Path) -> dict[str, Path]:
         "per_class_json": Path(f"{stem}.per_class.json"),
         "confusion_png": Path(f"{stem}.confusion.png"),
         "confusion_json": Path(f"{stem}.confusion.json"),
+        "curves_png": Path(f"{stem}.roc_pr.png"),
+        "reliability_png": Path(f"{stem}.calib.png"),
+        "calibration_json": Path(f"{stem}.calib.json"),
+        "wrong_png": Path(f"{stem}.wrong.png"),
     }
     try:
         for path in paths.values():
@@ -339,9 +351,22 @@ def output_paths(scored: Path) -> dict[str, Path]:
     return paths
 
 
-def _write_outputs(result: EvaluationResult, scored: Path) -> dict[str, Path]:
-    """The result's files beside ``scored``, each written atomically; returns them by kind."""
+def _write_outputs(result: EvaluationResult, scored: Path, images: Path | None) -> dict[str, Path]:
+    """The result's files beside ``scored``, each written atomically; returns them by kind. The
+    gallery of confidently wrong images only with ``images``, the folder that was scored."""
     paths = output_paths(scored)
+    if result.analysis is not None and result.sample is not None:
+        curves_png(result.sample, result.analysis, paths["curves_png"])
+        reliability_png(result.analysis, paths["reliability_png"])
+        write_json(paths["calibration_json"], result.analysis.bins)
+        wrong = result.analysis.wrong
+        if images is not None and wrong:
+            gallery_png(wrong, images, paths["wrong_png"])
+        else:
+            del paths["wrong_png"]
+    else:
+        for kind in ("curves_png", "reliability_png", "calibration_json", "wrong_png"):
+            del paths[kind]
     write_json(paths["metrics"], {**result.metrics, "top_k": result.top_k})
     with atomic_file(paths["per_class_csv"]) as tmp:
         pd.DataFrame(result.per_class).to_csv(tmp, index=False, **CSV_FORMAT)
@@ -385,14 +410,16 @@ def evaluate(
     settings: Settings | None = None,
     run_id: str | None = None,
     log_to_mlflow: bool = True,
+    images: Path | None = None,
 ) -> EvaluationResult:
     """Evaluate the labeled scored table ``scored`` (and ``compare`` beside it); write and log.
 
     Metrics files are written atomically beside each table and, with ``log_to_mlflow``, logged
     as ``eval/<name>`` (``eval/compare/<name>``) into run ``run_id`` (resumed) or a new run; the
-    second table's result is ``result.compared``. Raises NotLabeledDatasetError (no ``category``
-    column) and InvalidParameterError (same file twice, a name too long). Details:
-    docs/internals.md#evaluation.
+    second table's result is ``result.compared``. ``images``: the folder that was scored, for the
+    gallery of the most confidently wrong images (without it, no gallery). Raises
+    NotLabeledDatasetError (no ``category`` column) and InvalidParameterError (same file twice, a
+    name too long). Details: docs/internals.md#evaluation.
     """
     settings = settings or get_settings()
     scored = Path(scored)
@@ -416,8 +443,8 @@ def evaluate(
     log = step_logger(__name__)
 
     if compared is not None:
-        compared = replace(compared, paths=_write_outputs(compared, compare))
-    result = replace(result, paths=_write_outputs(result, scored), compared=compared)
+        compared = replace(compared, paths=_write_outputs(compared, compare, images))
+    result = replace(result, paths=_write_outputs(result, scored, images), compared=compared)
     if log_to_mlflow:
         used_run = _log_to_mlflow(settings, run_id, result, scored, compare)
         if compared is not None:
