@@ -184,6 +184,15 @@ def _figure(width: float, height: float) -> Figure:
     return figure
 
 
+def _thinned(tps: np.ndarray, fps: np.ndarray, points: int = 400) -> tuple[np.ndarray, ...]:
+    """At most ``points`` of a curve's thresholds, the last kept: a curve of 200,000 distinct
+    scores drew in seconds, and no screen shows more than a few hundred steps."""
+    if len(tps) <= points:
+        return tps, fps
+    keep = np.unique(np.r_[np.linspace(0, len(tps) - 1, points).astype(int), len(tps) - 1])
+    return tps[keep], fps[keep]
+
+
 def curves_png(sample: ScoreSample, analysis: Analysis, path: Path) -> Path:
     """Each class's ROC curve and PR curve, one vs rest, with its area in the legend."""
     probs, truth = sample.arrays()
@@ -193,7 +202,7 @@ def curves_png(sample: ScoreSample, analysis: Analysis, path: Path) -> Path:
         positive = truth == c
         if not positive.any() or positive.all():
             continue
-        tps, fps = _binary_curve(probs[:, c], positive)
+        tps, fps = _thinned(*_binary_curve(probs[:, c], positive))
         label = visible_name(name).replace("$", r"\$")  # a class name, never mathtext
         roc_axes.plot(np.r_[0, fps / fps[-1]], np.r_[0, tps / tps[-1]],
                       label=f"{label} ({analysis.roc_auc[c]:.3f})")  # fmt: skip
