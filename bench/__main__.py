@@ -1,7 +1,7 @@
 """Run every benchmark and write the results into docs/benchmarks.md, with plots in docs/img/.
 
 Usage: ``python -m bench [--full] [--only NAME ...] [--no-write]`` (``make bench``, ``make bench
-FULL=1``). The quick default takes about 18 minutes on 2 cores; ``--full`` uses real sizes and
+FULL=1``). The quick default takes about 25 minutes on 2 cores; ``--full`` uses real sizes and
 more repeats. Each benchmark runs in a process of its own (a fresh interpreter: no imports, threads
 or memory carried from one to the next) and hands back its figures as JSON; the runner adds the
 machine, the versions, the date and the hardware-ceiling table, then replaces the generated part
