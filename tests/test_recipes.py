@@ -43,7 +43,7 @@ def test_a_bad_recipe_or_recipe_value_is_refused_naming_it() -> None:
     with pytest.raises(InvalidParameterError, match="label_smoothing"):
         TrainParams.checked(label_smoothing=1.0)
     with pytest.raises(InvalidParameterError, match="optimizer"):
-        TrainParams.checked(optimizer="adam")
+        TrainParams.checked(optimizer="lion")
 
 
 def test_modern_optimizer_is_adamw_without_decay_on_norm_layers_and_biases() -> None:
@@ -242,3 +242,40 @@ def test_transfer_learning_trains_the_head_alone_then_all_with_a_slower_backbone
     assert "conv1.weight" in moved and "layer4.1.bn2.bias" in moved
     head_rate, backbone_rate = optimizer.param_groups[0]["lr"], optimizer.param_groups[2]["lr"]
     assert backbone_rate == pytest.approx(head_rate * 0.1) and backbone_rate > 0
+
+
+def test_onecycle_is_torchs_one_cycle_and_step_falls_tenfold_each_third() -> None:
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
+    reference = OneCycleLR(optimizer, max_lr=1.0, total_steps=50)
+    for step in range(50):
+        got = lr_factor(step, warmup_steps=5, total_steps=50, schedule="onecycle")  # no warm-up
+        assert got == pytest.approx(optimizer.param_groups[0]["lr"], abs=1e-9), step
+        optimizer.step()
+        reference.step()
+    factors = [lr_factor(s, warmup_steps=10, total_steps=100, schedule="step") for s in range(100)]
+    assert factors[9] == 1.0 and set(factors[10:40]) == {1.0}
+    assert factors[40:70] == pytest.approx([0.1] * 30)
+    assert factors[70:] == pytest.approx([0.01] * 30)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kind"),
+    [("adam", torch.optim.Adam), ("rmsprop", torch.optim.RMSprop), ("adamw", torch.optim.AdamW)],
+)
+def test_every_optimizer_is_torchs_with_the_runs_momentum_and_decay(
+    optimizer: str, kind: type
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    params = TrainParams(optimizer=optimizer, momentum=0.8, weight_decay=0.01).resolved()
+    built = build_optimizer(model, 0.1, params)
+    assert type(built) is kind
+    group = built.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (0.1, 0.01)  # azure decays every tensor
+    if optimizer == "rmsprop":
+        assert group["momentum"] == 0.8
+    else:
+        assert group["betas"] == (0.8, 0.999)
+    model(torch.rand(5, 4)).sum().backward()
+    built.step()  # it trains

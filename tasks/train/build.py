@@ -92,6 +92,10 @@ def build_optimizer(
     momentum = params.momentum
     if params.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), fused=True)
+    if params.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=(momentum, 0.999), fused=True)
+    if params.optimizer == "rmsprop":  # torch has no fused RMSprop
+        return torch.optim.RMSprop(groups, lr=lr, momentum=momentum)
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0, fused=True)
 
 

@@ -18,7 +18,7 @@ from models.atomic import write_json
 from models.transform_spec import TransformSpec
 from models.untrained import ModelSpec
 from tasks.shared.validation import checked
-from tasks.train.recipes import TRAINING, Recipe, filled, resolve_transform
+from tasks.train.recipes import TRAINING, Recipe, Schedule, filled, resolve_transform
 
 # Where and how patiently a job runs, not what it trains: outside a job's identity, so a retry
 # through another cluster address, or with more patience, resumes the same run.
@@ -55,17 +55,19 @@ class TrainParams(BaseModel):
         "smoothing 0.1, no weight decay on norm layers and biases, RandAugment and random "
         "erasing in training). Any field you set wins over the recipe's.",
     )
-    optimizer: Literal["sgd", "adamw"] | None = Field(
+    optimizer: Literal["sgd", "adamw", "adam", "rmsprop"] | None = Field(
         None,
         title="Optimizer",
-        description="sgd (Nesterov momentum) or adamw (decoupled weight decay). Empty: the "
-        "recipe's (azure: sgd, modern: adamw).",
+        description="sgd (Nesterov momentum), adamw (decoupled weight decay), adam (L2 weight "
+        "decay) or rmsprop (with momentum). Empty: the recipe's (azure: sgd, modern: adamw).",
     )
-    schedule: Literal["poly", "cosine"] | None = Field(
+    schedule: Schedule | None = Field(
         None,
         title="Learning-rate schedule",
-        description="After the warm-up, per step: poly (Azure's polynomial decay to 0) or "
-        "cosine (half a cosine to 0). Empty: the recipe's (azure: poly, modern: cosine).",
+        description="Per step, after the warm-up: poly (Azure's polynomial decay to 0), cosine "
+        "(half a cosine to 0) or step (a tenth at each third); or onecycle (torch's OneCycleLR: "
+        "up from 1/25 over the first 30% of the steps, then down; no warm-up). Empty: the "
+        "recipe's (azure: poly, modern: cosine).",
     )
     warmup_epochs: int | None = Field(
         None,

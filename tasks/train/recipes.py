@@ -17,6 +17,8 @@ from models.transform_spec import TransformSpec
 
 Recipe = Literal["azure", "modern"]
 RECIPES: tuple[str, ...] = get_args(Recipe)
+# The learning-rate schedules (tasks.train.schedule), named here so the request needs no torch.
+Schedule = Literal["poly", "cosine", "step", "onecycle"]
 
 # What each recipe gives the TrainParams fields a request leaves empty (None).
 TRAINING: dict[str, dict[str, Any]] = {
