@@ -279,3 +279,44 @@ def test_every_optimizer_is_torchs_with_the_runs_momentum_and_decay(
         assert group["betas"] == (0.8, 0.999)
     model(torch.rand(5, 4)).sum().backward()
     built.step()  # it trains
+
+
+def test_accumulated_batches_make_the_step_one_big_batch_makes() -> None:
+    """Two batches of 2 accumulated = one batch of 4 (a model without batch statistics); an
+    epoch of 3 batches with accumulation 2 makes 2 optimizer steps (the last window is short)."""
+    import logging
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tasks.train.loop import StepParts, train_one_epoch
+    from tasks.train.precision import Amp
+    from tasks.train.schedule import build_scheduler
+
+    data = TensorDataset(torch.rand(6, 5), torch.tensor([0, 1, 2, 0, 1, 2]))
+    amp = Amp.for_run("cpu", "fp32", 32)
+    params = TrainParams(optimizer="sgd", momentum=0.0, weight_decay=0.0).resolved()
+
+    def trained(batch: int, accumulation: int, images: int) -> tuple[nn.Module, int]:
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3)
+        optimizer = build_optimizer(model, 0.5, params)
+        steps: list[int] = []
+        optimizer.register_step_post_hook(lambda *_: steps.append(1))
+        subset = torch.utils.data.Subset(data, range(images))
+        loader = DataLoader(subset, batch_size=batch)
+        scheduler = build_scheduler(optimizer, steps_per_epoch=9, epochs=1, warmup_epochs=0)
+        parts = StepParts(
+            optimizer, scheduler, nn.CrossEntropyLoss(), amp.grad_scaler(), amp,
+            torch.device("cpu"), accumulation=accumulation,
+        )  # fmt: skip
+        train_one_epoch(model, loader, parts, epoch=1, epochs=1, print_frequency=10,
+                        log=logging.getLogger("t"))  # fmt: skip
+        return model, len(steps)
+
+    big, big_steps = trained(batch=4, accumulation=1, images=4)
+    small, small_steps = trained(batch=2, accumulation=2, images=4)
+    assert (big_steps, small_steps) == (1, 1)
+    torch.testing.assert_close(small.weight, big.weight)
+    torch.testing.assert_close(small.bias, big.bias)
+    _, steps = trained(batch=2, accumulation=2, images=6)
+    assert steps == 2

@@ -199,6 +199,7 @@ def test_parameter_defaults_are_the_seeds() -> None:
         "decay_norm_and_bias": True,
         "mixup_alpha": 0.0,
         "cutmix_alpha": 0.0,
+        "accumulation_steps": 1,
         "clip_grad_norm": 0.0,
         "class_weights": "none",
         "head_only_epochs": 0,

@@ -7,6 +7,7 @@ run's memory format, under autocast in its precision. Details: docs/training.md#
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -127,6 +128,7 @@ class StepParts:
     # MixUp / CutMix of a batch on the device: (images, labels) -> (images, soft labels).
     mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     clip_grad_norm: float = 0.0  # 0: no clipping
+    accumulation: int = 1  # batches whose gradients make one optimizer step
 
 
 def train_one_epoch(
@@ -139,7 +141,8 @@ def train_one_epoch(
     print_frequency: int,
     log: logging.Logger,
 ) -> TrainStats:
-    """Train one epoch; the scheduler steps per batch. Raises TrainingDivergedError on NaN/inf.
+    """Train one epoch; the scheduler steps per optimizer step (a batch, or ``accumulation`` of
+    them). Raises TrainingDivergedError on NaN/inf.
 
     Images/s counts from the first batch requested, so unhidden loading counts against it. The loss
     is read back only every ``print_frequency`` steps, so the CPU never waits for a step and the GPU
@@ -162,18 +165,29 @@ def train_one_epoch(
         targets = targets.to(device, non_blocking=True)
         if parts.mix is not None:  # targets become class probabilities (the loss takes both)
             images, targets = parts.mix(images, targets)
-        with amp.autocast():
-            logits = model(images)
-        # Softmax and log of a low-precision logit lose digits the loss needs: float32.
-        loss = criterion(logits.float(), targets)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        if parts.clip_grad_norm > 0:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-            nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad_norm)
-        scaler.step(optimizer)  # skipped (and the scale lowered) if float16 gradients overflowed
-        scaler.update()
-        scheduler.step()
+        # Gradients add up over ``accumulation`` batches, then one optimizer step (and the last,
+        # shorter window of the epoch); DDP reduces them only on the window's last batch.
+        window_start = (step - 1) % parts.accumulation == 0
+        stepping = step % parts.accumulation == 0 or step == steps
+        window = min(
+            parts.accumulation, steps - (step - 1) // parts.accumulation * parts.accumulation
+        )
+        if window_start:
+            optimizer.zero_grad(set_to_none=True)
+        quiet = not stepping and hasattr(model, "no_sync")
+        with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+            with amp.autocast():
+                logits = model(images)
+            # Softmax and log of a low-precision logit lose digits the loss needs: float32.
+            loss = criterion(logits.float(), targets)
+            scaler.scale(loss / window).backward()
+        if stepping:
+            if parts.clip_grad_norm > 0:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+                nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad_norm)
+            scaler.step(optimizer)  # skipped (and the scale lowered) if fp16 gradients overflowed
+            scaler.update()
+            scheduler.step()
         loss_sum += loss.detach().double() * targets.size(0)
         count += targets.size(0)
         # Every rank runs the same number of steps (DistributedSampler pads the shards), so all

@@ -145,6 +145,14 @@ class TrainParams(BaseModel):
         description="CutMix of each training batch (torchvision v2.CutMix): a box of another "
         "image pasted in, labels mixed by its area; 0: off. Empty: the recipe's (0).",
     )
+    accumulation_steps: int | None = Field(
+        None,
+        ge=1,
+        title="Gradient accumulation",
+        description="Batches whose gradients add up into one optimizer step: the step sees "
+        "batch_size x this images per process (a bigger batch than memory holds); the schedule "
+        "counts optimizer steps. Empty: the recipe's (1).",
+    )
     clip_grad_norm: float | None = Field(
         None,
         ge=0,

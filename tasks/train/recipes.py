@@ -34,6 +34,7 @@ TRAINING: dict[str, dict[str, Any]] = {
         "mixup_alpha": 0.0,
         "cutmix_alpha": 0.0,
         "clip_grad_norm": 0.0,
+        "accumulation_steps": 1,
         "class_weights": "none",
         "head_only_epochs": 0,
         "backbone_lr_scale": 1.0,
@@ -50,6 +51,7 @@ TRAINING: dict[str, dict[str, Any]] = {
         "mixup_alpha": 0.0,  # short runs on small data learn slower with it (docs/training.md)
         "cutmix_alpha": 0.0,
         "clip_grad_norm": 0.0,
+        "accumulation_steps": 1,
         "class_weights": "none",
         "head_only_epochs": 0,
         "backbone_lr_scale": 1.0,

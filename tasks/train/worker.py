@@ -179,7 +179,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     optimizer = build_optimizer(model, lr, params, head_parameters(config.architecture, model))
     scheduler = build_scheduler(
         optimizer,
-        steps_per_epoch=len(train_loader),
+        steps_per_epoch=-(-len(train_loader) // params.accumulation_steps),  # optimizer steps
         epochs=params.epochs,
         warmup_epochs=params.warmup_epochs,
         schedule=params.schedule,
@@ -195,6 +195,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         device,
         mix=batch_mixer(params, num_classes),
         clip_grad_norm=params.clip_grad_norm,
+        accumulation=params.accumulation_steps,
     )
     progress, best_state, resumed = resume(config, model, parts, dist.is_primary)
     if resumed:
