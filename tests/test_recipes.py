@@ -320,3 +320,58 @@ def test_accumulated_batches_make_the_step_one_big_batch_makes() -> None:
     torch.testing.assert_close(small.bias, big.bias)
     _, steps = trained(batch=2, accumulation=2, images=6)
     assert steps == 2
+
+
+def test_the_weight_average_follows_each_step_and_survives_a_resume(tmp_path) -> None:
+    """EMA: the average after each optimizer step is decay x average + (1 - decay) x weights;
+    a checkpoint keeps it, and a resumed run continues from it, not from the weights."""
+    from pathlib import Path
+
+    from tasks.train.build import weight_average
+    from tasks.train.checkpoint import save_checkpoint
+    from tasks.train.loop import StepParts
+    from tasks.train.params import RunConfig
+    from tasks.train.precision import Amp
+    from tasks.train.progress import Progress, checkpoint_state, resume
+    from tasks.train.run_folder import CHECKPOINT
+    from tasks.train.schedule import build_scheduler
+
+    assert weight_average(nn.Linear(2, 2), 0.0) is None  # off
+
+    def parts_for(model: nn.Module) -> StepParts:
+        optimizer = build_optimizer(model, 0.1, TrainParams(ema_decay=0.5).resolved())
+        ema = weight_average(model, 0.5)
+        optimizer.register_step_post_hook(lambda *_: ema.update_parameters(model))
+        scheduler = build_scheduler(optimizer, steps_per_epoch=4, epochs=1, warmup_epochs=0)
+        amp = Amp.for_run("cpu", "fp32", 32)
+        return StepParts(optimizer, scheduler, nn.CrossEntropyLoss(), amp.grad_scaler(), amp,
+                         torch.device("cpu"), ema=ema)  # fmt: skip
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    parts = parts_for(model)
+    expected = model.weight.detach().clone()
+    for step in range(3):
+        parts.optimizer.zero_grad()
+        model(torch.rand(4, 3)).sum().backward()
+        parts.optimizer.step()
+        current = model.weight.detach()
+        expected = current.clone() if step == 0 else 0.5 * expected + 0.5 * current
+    torch.testing.assert_close(parts.ema.module.weight, expected)
+    assert not torch.equal(parts.ema.module.weight, model.weight)  # an average, not the weights
+
+    config = RunConfig(
+        params=TrainParams(ema_decay=0.5), architecture=resnet("resnet18", pretrained=False),
+        classes=["a", "b"], transform=TransformSpec(), train_data=Path("t"), val_data=Path("v"),
+        data_fingerprint={}, out=tmp_path / "model", run_dir=tmp_path, device="cpu",
+        precision="fp32", world_size=1,
+    )  # fmt: skip
+    progress = Progress()
+    progress.epoch = 1
+    save_checkpoint(tmp_path / CHECKPOINT, checkpoint_state(config, model, parts, progress))
+    fresh = nn.Linear(3, 2)
+    fresh_parts = parts_for(fresh)
+    _, _, resumed = resume(config, fresh, fresh_parts, primary=False)
+    assert resumed
+    torch.testing.assert_close(fresh_parts.ema.module.weight, parts.ema.module.weight)
+    torch.testing.assert_close(fresh.weight, model.weight)

@@ -200,6 +200,7 @@ def test_parameter_defaults_are_the_seeds() -> None:
         "mixup_alpha": 0.0,
         "cutmix_alpha": 0.0,
         "accumulation_steps": 1,
+        "ema_decay": 0.0,
         "clip_grad_norm": 0.0,
         "class_weights": "none",
         "head_only_epochs": 0,

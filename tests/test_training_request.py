@@ -89,7 +89,7 @@ def test_cli_options_override_the_config_and_reach_the_run(
         "train", str(untrained), *map(str, digits_split), str(tmp_path / "model"),
         "--config", "params.yaml", "--momentum", "0.5", "--precision", "fp32",
         "--num-workers", "0", "--device", "cpu", "--transform", "transform",
-        "--recipe", "modern", "--accumulation-steps", "2", cwd=tmp_path,
+        "--recipe", "modern", "--accumulation-steps", "2", "--ema-decay", "0.9", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     (run_id,) = re.findall(r"MLflow run: (\w+)", result.stdout)
@@ -110,6 +110,7 @@ def test_cli_options_override_the_config_and_reach_the_run(
     )
     assert params["decay_norm_and_bias"] == "False"
     assert params["accumulation_steps"] == "2"  # DDP on 2 processes, reducing every 2nd batch
+    assert params["ema_decay"] == "0.9"  # the average is what was validated and exported
     assert (params["transform.augmentation"], params["transform.random_erasing"]) == (
         "randaugment",
         "True",

@@ -116,6 +116,17 @@ def batch_mixer(
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
+def weight_average(model: nn.Module, decay: float) -> nn.Module | None:
+    """The exponential moving average of ``model``'s weights and buffers (torch's
+    ``AveragedModel`` with its EMA function), or None when ``decay`` is 0. Every rank keeps its
+    own: after each DDP step the weights are the same everywhere, so the averages are too."""
+    if not decay:
+        return None
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+
 def training_loss(params: TrainParams, targets: Sequence[int], num_classes: int) -> nn.Module:
     """Cross-entropy with the run's label smoothing and, with ``class_weights`` balanced, each
     class weighted by images / (classes x its images) in ``targets`` (the training set's labels):

@@ -129,6 +129,9 @@ class StepParts:
     mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     clip_grad_norm: float = 0.0  # 0: no clipping
     accumulation: int = 1  # batches whose gradients make one optimizer step
+    # The EMA of the weights (torch.optim.swa_utils.AveragedModel), updated after every optimizer
+    # step; validated, kept as the best and exported instead of the weights when set.
+    ema: nn.Module | None = None
 
 
 def train_one_epoch(

@@ -153,6 +153,16 @@ class TrainParams(BaseModel):
         "batch_size x this images per process (a bigger batch than memory holds); the schedule "
         "counts optimizer steps. Empty: the recipe's (1).",
     )
+    ema_decay: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        title="EMA decay",
+        description="Keep an exponential moving average of the weights, updated after every "
+        "optimizer step with this decay (e.g. 0.999); validated, kept as the best and exported "
+        "instead of the weights. 0: off. Empty: the recipe's (0).",
+    )
     clip_grad_norm: float | None = Field(
         None,
         ge=0,

@@ -87,6 +87,8 @@ def resume(
     parts.optimizer.load_state_dict(checkpoint["optimizer"])
     parts.scheduler.load_state_dict(checkpoint["scheduler"])
     parts.scaler.load_state_dict(checkpoint["scaler"])
+    if parts.ema is not None:
+        parts.ema.load_state_dict(checkpoint["ema"])
     progress = Progress(**checkpoint["progress"])
     best_state = load_file(str(config.run_dir / BEST_WEIGHTS)) if primary else None
     return progress, best_state, True
@@ -107,6 +109,7 @@ def checkpoint_state(
         "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict(),
         "progress": asdict(progress),
+        **({} if parts.ema is None else {"ema": cpu_state(parts.ema)}),
     }
 
 

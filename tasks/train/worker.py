@@ -47,6 +47,7 @@ from tasks.train.build import (
     loader_setup,
     prepare_model,
     training_loss,
+    weight_average,
 )
 from tasks.train.checkpoint import save_checkpoint
 from tasks.train.failure import read_failures, record_failure
@@ -196,7 +197,11 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         mix=batch_mixer(params, num_classes),
         clip_grad_norm=params.clip_grad_norm,
         accumulation=params.accumulation_steps,
+        ema=weight_average(model, params.ema_decay),
     )
+    if parts.ema is not None:  # a step skipped (fp16 overflow) is not averaged either
+        ema = parts.ema
+        optimizer.register_step_post_hook(lambda *_: ema.update_parameters(model))
     progress, best_state, resumed = resume(config, model, parts, dist.is_primary)
     if resumed:
         log.info("resumed from the checkpoint after epoch %d", progress.epoch)
@@ -257,8 +262,9 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
             log=log,
         )
         check_weights(model, epoch, config.precision)
+        validated = model if parts.ema is None else parts.ema.module  # type: ignore[union-attr]
         val = evaluate(
-            model,
+            validated,
             val_loader,
             device=device,
             num_classes=num_classes,
@@ -269,7 +275,7 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         # takes the same decision and nobody waits alone at the next collective.
         improved = progress.record(epoch, metrics, params.patience, params.epochs)
         if improved and dist.is_primary:
-            best_state = save_best(config.run_dir, model)
+            best_state = save_best(config.run_dir, validated)
         if config.tuning is not None:
             progress.pruned = prune_vote(reporter, metrics, epoch) and epoch < params.epochs
         if dist.is_primary:
