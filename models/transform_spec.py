@@ -87,12 +87,22 @@ class TransformSpec(BaseModel):
     random_resized_crop: bool = Field(
         False,
         title="Random resized crop",
-        description="Training only: crop a random area (8% to 100%) with a random aspect ratio "
+        description="Training only: crop a random area (`random_resized_crop_scale`, 8% by "
+        "default, to 100%) with a random aspect ratio "
         "(3/4 to 4/3) and resize it to `random_resized_crop_size` (used to train Inception). "
         "Replaces resize and center crop in training.",
     )
     random_resized_crop_size: int = _size(
         256, "Random resized crop size", "Side of the random resized crop, in pixels (> 0)."
+    )
+    random_resized_crop_scale: float = Field(
+        0.08,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        title="Random resized crop scale",
+        description="Smallest share of the image's area a random resized crop takes (it takes "
+        "up to all of it): Azure's 0.08; 0.5 or more for small images or small objects.",
     )
     random_crop: bool = Field(
         False,

@@ -375,3 +375,14 @@ def test_the_weight_average_follows_each_step_and_survives_a_resume(tmp_path) ->
     assert resumed
     torch.testing.assert_close(fresh_parts.ema.module.weight, parts.ema.module.weight)
     torch.testing.assert_close(fresh.weight, model.weight)
+
+
+def test_the_random_resized_crops_smallest_share_reaches_torchvision() -> None:
+    spec = TransformSpec(random_resized_crop=True, random_resized_crop_size=20,
+                         random_resized_crop_scale=0.5)  # fmt: skip
+    (crop,) = [t for t in build_transform(spec, "training").transforms
+               if isinstance(t, v2.RandomResizedCrop)]  # fmt: skip
+    assert (crop.scale, tuple(crop.size)) == ((0.5, 1.0), (20, 20))
+    (azure,) = [t for t in build_transform(TransformSpec(random_resized_crop=True), "training")
+                .transforms if isinstance(t, v2.RandomResizedCrop)]  # fmt: skip
+    assert azure.scale == (0.08, 1.0)

@@ -125,7 +125,14 @@ def test_defaults_are_the_seeds_and_every_option_is_explained() -> None:
     assert spec["mean"] == [0.485, 0.456, 0.406] and spec["std"] == [0.229, 0.224, 0.225]
     assert (spec["augmentation"], spec["random_erasing_probability"]) == ("none", 0.5)
     schema = TransformSpec.model_json_schema()["properties"]  # what the Prefect form shows
-    assert set(schema) == {*SEED_DEFAULTS, *RECIPE_FIELDS, "mean", "std"}
+    assert set(schema) == {
+        *SEED_DEFAULTS,
+        *RECIPE_FIELDS,
+        "random_resized_crop_scale",
+        "mean",
+        "std",
+    }
+    assert spec["random_resized_crop_scale"] == 0.08  # Azure's "8% to 100%"
     assert all(field.get("title") and field.get("description") for field in schema.values())
     for name in ("random_rotation_degrees", "random_affine_degrees"):
         assert (schema[name]["minimum"], schema[name]["maximum"]) == (0, 180)

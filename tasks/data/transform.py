@@ -211,7 +211,7 @@ def build_transform(
     if prepared is None:
         steps += _geometry(spec, training)
     elif training and spec.random_resized_crop:
-        steps.append(v2.RandomResizedCrop(input_size(spec), antialias=True))
+        steps.append(v2.RandomResizedCrop(input_size(spec), scale=_rrc_scale(spec), antialias=True))
     if training and spec.color_jitter:
         steps.append(v2.ColorJitter(COLOR_JITTER, COLOR_JITTER, COLOR_JITTER))
     if spec.grayscale and prepared is None:
@@ -228,6 +228,10 @@ def build_transform(
         p = spec.random_erasing_probability
         steps.append(v2.RandomErasing(p=ERASING_P if p is None else p))
     return v2.Compose(steps)
+
+
+def _rrc_scale(spec: TransformSpec) -> tuple[float, float]:
+    return (spec.random_resized_crop_scale, 1.0)
 
 
 def _policy(spec: TransformSpec) -> list[v2.Transform]:
@@ -255,7 +259,11 @@ def _geometry(spec: TransformSpec, training: bool) -> list[v2.Transform]:
     steps: list[v2.Transform] = []
     if training and spec.random_resized_crop:
         # It picks its area from the whole image: resizing first would only lose detail.
-        steps.append(v2.RandomResizedCrop(spec.random_resized_crop_size, antialias=True))
+        steps.append(
+            v2.RandomResizedCrop(
+                spec.random_resized_crop_size, scale=_rrc_scale(spec), antialias=True
+            )
+        )
     elif training and spec.resize:
         steps.append(v2.Resize(spec.resize_size, antialias=True))
     elif not training and (size := inference_resize(spec)) is not None:
