@@ -20,43 +20,37 @@ RECIPES: tuple[str, ...] = get_args(Recipe)
 # The learning-rate schedules (tasks.train.schedule), named here so the request needs no torch.
 Schedule = Literal["poly", "cosine", "step", "onecycle"]
 
-# What each recipe gives the TrainParams fields a request leaves empty (None).
+# What each recipe gives the TrainParams fields a request leaves empty (None): Azure's
+# component, and what modern changes of it.
+AZURE: dict[str, Any] = {
+    "optimizer": "sgd",
+    "schedule": "poly",
+    "learning_rate": 0.001,
+    "momentum": 0.9,
+    "weight_decay": 1e-4,
+    "warmup_epochs": 0,
+    "label_smoothing": 0.0,
+    "decay_norm_and_bias": True,
+    "mixup_alpha": 0.0,
+    "cutmix_alpha": 0.0,
+    "clip_grad_norm": 0.0,
+    "accumulation_steps": 1,
+    "ema_decay": 0.0,
+    "class_weights": "none",
+    "head_only_epochs": 0,
+    "backbone_lr_scale": 1.0,
+}
 TRAINING: dict[str, dict[str, Any]] = {
-    "azure": {
-        "optimizer": "sgd",
-        "schedule": "poly",
-        "learning_rate": 0.001,
-        "momentum": 0.9,
-        "weight_decay": 1e-4,
-        "warmup_epochs": 0,
-        "label_smoothing": 0.0,
-        "decay_norm_and_bias": True,
-        "mixup_alpha": 0.0,
-        "cutmix_alpha": 0.0,
-        "clip_grad_norm": 0.0,
-        "accumulation_steps": 1,
-        "ema_decay": 0.0,
-        "class_weights": "none",
-        "head_only_epochs": 0,
-        "backbone_lr_scale": 1.0,
-    },
-    "modern": {
-        "optimizer": "adamw",
+    "azure": AZURE,
+    "modern": AZURE
+    | {
+        "optimizer": "adamw",  # momentum (0.9) is its beta1
         "schedule": "cosine",
-        "learning_rate": 0.001,
-        "momentum": 0.9,  # AdamW's beta1
         "weight_decay": 0.05,
         "warmup_epochs": 1,
         "label_smoothing": 0.1,
         "decay_norm_and_bias": False,
-        "mixup_alpha": 0.0,  # short runs on small data learn slower with it (docs/training.md)
-        "cutmix_alpha": 0.0,
-        "clip_grad_norm": 0.0,
-        "accumulation_steps": 1,
-        "ema_decay": 0.0,
-        "class_weights": "none",
-        "head_only_epochs": 0,
-        "backbone_lr_scale": 1.0,
+        # MixUp and CutMix stay off: short runs on small data learn slower with them.
     },
 }
 # What each recipe gives the TransformSpec fields a transform leaves empty (None).
@@ -69,7 +63,6 @@ AUGMENTATION: dict[str, dict[str, Any]] = {
         "random_erasing_probability": 0.25,
     },
 }
-TRAINING_FIELDS = frozenset(TRAINING["azure"])
 
 
 def filled(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
