@@ -1,15 +1,10 @@
-"""Evaluate's decision support: ROC and PR areas as scikit-learn computes them, calibration, the
-most confidently wrong images; and the files `imageops evaluate` writes from them."""
+"""Evaluate's decision support: ROC and PR areas as scikit-learn computes them, calibration and
+the most confidently wrong images (the files `imageops evaluate` writes: tests/test_evaluate.py)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
-from PIL import Image
-from projects import imageops
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from tasks.inference.error_analysis import (
@@ -21,16 +16,6 @@ from tasks.inference.error_analysis import (
 )
 
 pytest_plugins = ["model_fixtures"]
-
-
-@pytest.fixture(scope="module")
-def scored_val_table(
-    exported_model: Path, digits_split: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """The validation digits scored by the session model (CSV). Do not modify."""
-    from tasks.inference.score import score
-
-    return score(exported_model, digits_split[1], tmp_path_factory.mktemp("scored") / "val.csv")
 
 
 @pytest.mark.parametrize("decimals", [None, 1])  # 1: many tied scores
@@ -76,27 +61,3 @@ def test_calibration_and_the_most_confidently_wrong_across_chunks() -> None:
     assert len(kept) == GALLERY_IMAGES
     assert [w.confidence for w in kept] == sorted((w.confidence for w in kept), reverse=True)
     assert kept[0].path == "0-9"
-
-
-def test_imageops_evaluate_draws_the_curves_calibration_and_gallery(
-    scored_val_table: Path, digits_split: tuple[Path, Path], tmp_path: Path
-) -> None:
-    scored = tmp_path / "val.csv"
-    scored.write_bytes(scored_val_table.read_bytes())
-    result = imageops("evaluate", str(scored), "--images", str(digits_split[1]), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "roc_auc_macro:" in result.stdout and "ece:" in result.stdout
-    metrics = json.loads((tmp_path / "val.metrics.json").read_text())
-    assert 0.5 < metrics["roc_auc_macro"] <= 1 and 0 <= metrics["ece"] <= 1
-    per_class = json.loads((tmp_path / "val.per_class.json").read_text())
-    assert all(0 <= row["roc_auc"] <= 1 and 0 <= row["pr_auc"] <= 1 for row in per_class)
-    bins = json.loads((tmp_path / "val.calib.json").read_text())
-    assert sum(b["rows"] for b in bins) == metrics["images"]
-    for name in ("val.roc_pr.png", "val.calib.png", "val.confusion.png"):
-        with Image.open(tmp_path / name) as picture:
-            assert picture.width > 300, name
-    if metrics["accuracy"] < 1:  # the session model gets some wrong: they are drawn
-        with Image.open(tmp_path / "val.wrong.png") as gallery:
-            assert gallery.width > 300
-    without = imageops("evaluate", str(scored), cwd=tmp_path)  # no --images: no gallery
-    assert without.returncode == 0, without.stderr

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
+from PIL import Image
 from projects import imageops
 from sklearn.metrics import (
     accuracy_score,
@@ -322,3 +324,33 @@ def test_rows_of_unreadable_images_are_counted_not_scored_wrong(
     assert result["accuracy"] == pytest.approx(
         accuracy_score(rest["category"], rest["Scored Labels"])
     )
+
+
+def test_imageops_evaluate_draws_the_curves_calibration_and_gallery(
+    scored_val: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    table = pd.read_csv(scored_val, dtype={"category": str, "Scored Labels": str},
+                        keep_default_na=False)  # fmt: skip
+    for row in table.index[table["category"] == table["Scored Labels"]][:2]:
+        truth = table.loc[row, "category"]  # relabelled: the model gets it wrong for sure
+        table.loc[row, "category"] = next(c for c in CLASSES if c != truth)
+    scored = tmp_path / "val.csv"
+    table.to_csv(scored, index=False)
+    result = imageops("evaluate", str(scored), "--images", str(digits_split[1]), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "roc_auc_macro:" in result.stdout and "ece:" in result.stdout
+    metrics = json.loads((tmp_path / "val.metrics.json").read_text())
+    assert 0.5 < metrics["roc_auc_macro"] <= 1 and 0 <= metrics["ece"] <= 1
+    per_class = json.loads((tmp_path / "val.per_class.json").read_text())
+    assert all(0 <= row["roc_auc"] <= 1 and 0 <= row["pr_auc"] <= 1 for row in per_class)
+    bins = json.loads((tmp_path / "val.calib.json").read_text())
+    assert sum(b["rows"] for b in bins) == metrics["images"]
+    for name in ("val.roc_pr.png", "val.calib.png", "val.confusion.png", "val.wrong.png"):
+        with Image.open(tmp_path / name) as picture:
+            assert picture.width > 300, name
+
+    elsewhere = tmp_path / "plain"  # without the images: everything but the gallery
+    elsewhere.mkdir()
+    result = evaluate(shutil.copy(scored, elsewhere / "val.csv"), log_to_mlflow=False)
+    assert {"curves_png", "reliability_png"} <= set(result.paths)
+    assert "wrong_png" not in result.paths and not (elsewhere / "val.wrong.png").exists()
