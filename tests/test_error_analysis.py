@@ -15,8 +15,6 @@ from tasks.inference.error_analysis import (
     roc_auc,
 )
 
-pytest_plugins = ["model_fixtures"]
-
 
 @pytest.mark.parametrize("decimals", [None, 1])  # 1: many tied scores
 def test_areas_are_scikit_learns(decimals: int | None) -> None:
