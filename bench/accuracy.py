@@ -105,12 +105,19 @@ def font_digits(dest: Path, px: int) -> int:
     return count
 
 
+def _imageops(cwd: Path, env: dict[str, str], *args: str) -> None:
+    """One ``imageops`` command as a user types it; its error output on failure."""
+    command = [sys.executable, "-m", "app.cli", *args]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"imageops {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+
+
 def prepare(work: Path, env: dict[str, str]) -> dict[str, tuple[Path, Path, int]]:
     """Each data set's (train, val) ImageDirectories and its image side."""
-    cli = [sys.executable, "-m", "app.cli"]
 
     def imageops(*args: str) -> None:
-        subprocess.run([*cli, *args], cwd=work, env=env, check=True, capture_output=True)
+        _imageops(work, env, *args)
 
     from tasks.data.sample import write_digits
 
@@ -136,12 +143,9 @@ def train_and_evaluate(
     train, val, px = data
     run = work / "runs" / f"{name.replace(' ', '-')}-{recipe}"
     run.mkdir(parents=True)
-    cli = [sys.executable, "-m", "app.cli"]
 
     def imageops(*args: str) -> None:
-        done = subprocess.run([*cli, *args], cwd=run, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"imageops {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        _imageops(run, env, *args)
 
     imageops("model", "resnet", "untrained", "--name", "resnet18", "--no-pretrained")
     imageops("transform", "init", "transform", "--resize-size", str(px), "--center-crop-size",

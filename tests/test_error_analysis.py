@@ -59,3 +59,9 @@ def test_calibration_and_the_most_confidently_wrong_across_chunks() -> None:
     assert len(kept) == GALLERY_IMAGES
     assert [w.confidence for w in kept] == sorted((w.confidence for w in kept), reverse=True)
     assert kept[0].path == "0-9"
+    big = ScoreSample(classes)  # one chunk with more wrong rows than the gallery shows
+    conf = np.random.default_rng(2).uniform(0.5, 1.0, 40)
+    big.add(np.c_[conf, 1 - conf], np.array(["b"] * 40), [str(i) for i in range(40)],
+            np.array(["a"] * 40))  # fmt: skip
+    top = sorted(range(40), key=lambda i: -conf[i])[:GALLERY_IMAGES]
+    assert [w.path for w in big.most_confidently_wrong()] == [str(i) for i in top]

@@ -56,7 +56,10 @@ class ScoreSample:
         self.probs.append(probs.astype(np.float32))
         self.truth.append(np.array([index.get(t, -1) for t in truth], dtype=np.int32))
         confidence = probs.max(axis=1) if len(probs) else np.zeros(0)
-        for row in np.flatnonzero(truth != predicted):
+        wrong = np.flatnonzero(truth != predicted)
+        if len(wrong) > GALLERY_IMAGES:  # only a chunk's most confident can enter the gallery
+            wrong = wrong[np.argpartition(-confidence[wrong], GALLERY_IMAGES)[:GALLERY_IMAGES]]
+        for row in wrong:
             item = WrongImage(float(confidence[row]), paths[row], truth[row], predicted[row])
             if len(self.wrong) < GALLERY_IMAGES:
                 heapq.heappush(self.wrong, item)
