@@ -299,7 +299,9 @@ def part_step(plan: Plan, data: Path) -> dict:
                 )
             else:
                 amp = Amp.for_run(device.type, _precision(plan), plan.crop)  # type: ignore[arg-type]
-                model = prepare_model(resnet(arch, pretrained=False), CLASSES, device, SEED, amp)
+                model = prepare_model(
+                    resnet(arch, pretrained=False), CLASSES, device, SEED, amp, plan.crop
+                )
                 optimizer = build_optimizer(model, LEARNING_RATE, TrainParams().resolved())
             images = torch.randn(plan.batch, 3, plan.crop, plan.crop, device=device)
             targets = torch.randint(0, CLASSES, (plan.batch,), device=device)
@@ -451,7 +453,8 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     )
     configure_backends(device)
     amp = Amp.for_run(device.type, _precision(plan), input_size(_spec(plan)))  # type: ignore[arg-type]
-    model = prepare_model(resnet(plan.arch, pretrained=False), CLASSES, device, SEED, amp)
+    size = input_size(_spec(plan))
+    model = prepare_model(resnet(plan.arch, pretrained=False), CLASSES, device, SEED, amp, size)
     optimizer = build_optimizer(model, LEARNING_RATE, TrainParams().resolved())
     scaler = amp.grad_scaler()
     scheduler = build_scheduler(

@@ -171,7 +171,7 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
     spec = TransformSpec(resize_size=SIZE, center_crop_size=SIZE, random_horizontal_flip=False)
     dataset = ManifestImageFolder(root, read_manifest(root), build_transform(spec, "training"))
     amp = Amp.for_run(device.type, precision, SIZE)  # type: ignore[arg-type]
-    model = prepare_model(resnet(arch, pretrained=False), CLASSES, device, seed=1, amp=amp)
+    model = prepare_model(resnet(arch, pretrained=False), CLASSES, device, 1, amp, SIZE)
     optimizer = build_optimizer(model, LEARNING_RATE, TrainParams().resolved())
     scaler = amp.grad_scaler()
     criterion = torch.nn.CrossEntropyLoss()

@@ -88,9 +88,14 @@ def load_model_directory(path: Path) -> tuple[nn.Module, ModelInfo]:
         raise InvalidModelDirectoryError(
             f"{path} has no {WEIGHTS}.", "Train the model again; the directory is incomplete."
         )
-    # The trained weights replace any pretrained ones, so never fetch those here.
-    spec = info.architecture.model_copy(update={"pretrained": False})
-    model = build_model(spec, num_classes=len(info.classes))
+    # The trained weights replace any pretrained ones, so never read those here; the network is
+    # built as it was trained (pretrained weights fix options of some, e.g. Inception's).
+    model = build_model(
+        info.architecture,
+        num_classes=len(info.classes),
+        input_size=info.transform.input_side(),
+        load_weights=False,
+    )
     try:
         model.load_state_dict(load_file(str(path / WEIGHTS)))
     except (SafetensorError, RuntimeError) as exc:  # not safetensors (a pickle?), or another net

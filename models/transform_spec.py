@@ -203,6 +203,25 @@ class TransformSpec(BaseModel):
         "by default.",
     )
 
+    def crop_side(self) -> int | None:
+        """The side of the crop training ends with: the random crop, else the random resized
+        crop, else the center crop, else (resize only) the resized image's centered square.
+        None when all are off (see :func:`tasks.data.transform.crop_size`)."""
+        for on, size in (
+            (self.random_crop, self.random_crop_size),
+            (self.random_resized_crop, self.random_resized_crop_size),
+            (self.center_crop, self.center_crop_size),
+            (self.resize, self.resize_size),
+        ):
+            if on:
+                return size
+        return None
+
+    def input_side(self) -> int | None:
+        """The side of the square the network sees: the crop, plus the padding on both sides."""
+        crop = self.crop_side()
+        return None if crop is None else crop + (2 * self.padding if self.pad else 0)
+
 
 class AppliedTransform(BaseModel):
     """What Apply Image Transformation did to an ImageDirectory, kept in its manifest.

@@ -1,5 +1,8 @@
 """The UntrainedModelDirectory: the Azure DenseNet and ResNet components' options, as plain data.
 
+The zoo beyond them: every other classification network of torchvision by its name, and timm's
+models as ``timm/<name>``.
+
 A component writes ``model.json`` naming the architecture and its options: no weights and nothing
 pickled; the network is built at train time, when the number of classes is known
 (:func:`models.zoo.build_model`). No torch here: the CLI builds its options and the Prefect forms
@@ -8,6 +11,7 @@ their schema from these models, and must start fast.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,6 +36,35 @@ RESNETS = (
     "wide_resnet50_2",
     "wide_resnet101_2",
 )
+# Every other classification network of torchvision (tests/test_zoo.py checks this list against
+# torchvision.models.list_models, so a torchvision upgrade that adds one fails a test).
+TORCHVISION = (
+    "alexnet",
+    *(f"convnext_{size}" for size in ("tiny", "small", "base", "large")),
+    *(f"efficientnet_b{i}" for i in range(8)),
+    *(f"efficientnet_v2_{size}" for size in ("s", "m", "l")),
+    "googlenet",
+    "inception_v3",
+    "maxvit_t",
+    *(f"mnasnet{width}" for width in ("0_5", "0_75", "1_0", "1_3")),
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+    "mobilenet_v3_small",
+    *(f"regnet_x_{flops}" for flops in ("400mf", "800mf", "1_6gf", "3_2gf", "8gf", "16gf", "32gf")),
+    *(
+        f"regnet_y_{flops}"
+        for flops in ("400mf", "800mf", "1_6gf", "3_2gf", "8gf", "16gf", "32gf", "128gf")
+    ),
+    "resnext101_64x4d",
+    *(f"shufflenet_v2_x{width}" for width in ("0_5", "1_0", "1_5", "2_0")),
+    "squeezenet1_0",
+    "squeezenet1_1",
+    *(f"swin_{size}" for size in ("t", "s", "b")),
+    *(f"swin_v2_{size}" for size in ("t", "s", "b")),
+    *(f"vgg{depth}{bn}" for depth in (11, 13, 16, 19) for bn in ("", "_bn")),
+    *(f"vit_{size}" for size in ("b_16", "b_32", "l_16", "l_32", "h_14")),
+)
+TIMM_PREFIX = "timm/"  # timm's models are named timm/<timm model name>, e.g. timm/resnet18.a1_in1k
 # The on/off options of ModelSpec that only one family has (see Family.switch).
 SWITCHES = ("memory_efficient", "zero_init_residual")
 
@@ -49,6 +82,15 @@ class Family:
     title: str  # how people write it: "DenseNet"
     archs: tuple[str, ...]  # torchvision model names
     switch: str | None = None  # one of SWITCHES, or None
+    # A family of more names than a list holds (timm's): every name with this prefix is its own,
+    # checked against the library when the network is built (models.zoo), not here.
+    prefix: str | None = None
+
+    def has(self, arch: str) -> bool:
+        """Whether ``arch`` is one of this family's names."""
+        if self.prefix is not None:
+            return arch.startswith(self.prefix) and len(arch) > len(self.prefix)
+        return arch in self.archs
 
 
 FAMILIES: dict[str, Family] = {}
@@ -73,7 +115,7 @@ def architectures() -> tuple[str, ...]:
 def family_of(arch: str) -> Family:
     """The family of ``arch``; an unknown name is InvalidModelDirectoryError, never a default."""
     for family in FAMILIES.values():
-        if arch in family.archs:
+        if family.has(arch):
             return family
     _check_name(arch, architectures(), "imageops")
     raise AssertionError("unreachable")
@@ -81,6 +123,8 @@ def family_of(arch: str) -> Family:
 
 register_family(Family("densenet", "DenseNet", DENSENETS, "memory_efficient"))
 register_family(Family("resnet", "ResNet", RESNETS, "zero_init_residual"))
+register_family(Family("torchvision", "torchvision", TORCHVISION))
+register_family(Family("timm", "timm", (), prefix=TIMM_PREFIX))
 
 
 class ModelSpec(BaseModel):
@@ -152,13 +196,19 @@ class ModelChoice(BaseModel):
     name: str = Field(
         default="resnext101_32x8d",
         title="Architecture",
-        description=f"One of {', '.join(architectures())}.",
+        description="A torchvision classification network by its name (the Azure components' "
+        f"{', '.join(DENSENETS + RESNETS)}; also efficientnet_b0 to b7, efficientnet_v2_s/m/l, "
+        "convnext_tiny/small/base/large, regnet_*, mobilenet_v2, mobilenet_v3_small/large, "
+        "vit_b_16, swin_t, maxvit_t, ...: `imageops model list`), or a timm model as "
+        "timm/<name> (e.g. timm/resnet18.a1_in1k).",
     )
     pretrained: bool = Field(
         default=True,
         title="Pretrained",
-        description="Start from torchvision's ImageNet weights (from the weights cache, "
-        "IMAGEOPS_WEIGHTS_CACHE; needs the file there or network access).",
+        description="Start from the published ImageNet weights (torchvision's default weights "
+        "for the name, or timm's pretrained tag), from the weights cache "
+        "(IMAGEOPS_WEIGHTS_CACHE) or downloaded there; the transform should then match the "
+        "weights' input (`imageops transform init --like-model NAME`).",
     )
     memory_efficient: bool = Field(
         default=False,
@@ -191,9 +241,14 @@ class ModelChoice(BaseModel):
 
 def _check_name(name: str, allowed: tuple[str, ...], family: str) -> None:
     if name not in allowed:
-        raise InvalidModelDirectoryError(
-            f"Unknown {family} model name {name!r}.", f"Choose one of: {', '.join(allowed)}."
+        close = difflib.get_close_matches(name, allowed, n=3, cutoff=0.6)
+        listed = f"Did you mean {' or '.join(close)}? " if close else ""
+        choices = (
+            f"Choose one of: {', '.join(allowed)}."
+            if len(allowed) <= 20
+            else "`imageops model list` lists every name; a timm model is timm/<name>."
         )
+        raise InvalidModelDirectoryError(f"Unknown {family} model name {name!r}.", listed + choices)
 
 
 def write_untrained(spec: ModelSpec, dest: Path) -> Path:
@@ -224,5 +279,6 @@ def read_untrained(path: Path) -> ModelSpec:
             "not have.",
             f"Use one of: {', '.join(FAMILIES)}. {hint}",
         )
-    _check_name(spec.arch, family.archs, family.title)
+    if not family.has(spec.arch):
+        _check_name(spec.arch, family.archs, family.title)
     return spec

@@ -13,6 +13,7 @@ import torch
 import torchvision
 
 from models.errors import InvalidModelDirectoryError
+from models.pretrained import pretrained_weights_path
 from models.untrained import (
     DENSENETS,
     FAMILIES,
@@ -27,13 +28,7 @@ from models.untrained import (
     spec_for,
     write_untrained,
 )
-from models.zoo import (
-    NETWORKS,
-    Network,
-    PretrainedWeightsMissingError,
-    build_model,
-    pretrained_weights_path,
-)
+from models.zoo import NETWORKS, Network, PretrainedWeightsMissingError, build_model
 
 
 @pytest.fixture
@@ -71,12 +66,13 @@ def test_build_has_one_output_per_class(name: str) -> None:
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: densenet("densenet9"), lambda: resnet("resnet9"), lambda: spec_for("vgg16")],
+    [lambda: densenet("densenet9"), lambda: resnet("resnet9"), lambda: spec_for("vgg17")],
     ids=["densenet", "resnet", "any"],
 )
 def test_unknown_names_are_refused(make) -> None:
-    with pytest.raises(InvalidModelDirectoryError, match="Choose one of"):
+    with pytest.raises(InvalidModelDirectoryError, match=r"Unknown .* model name") as err:
         make()
+    assert "Did you mean" in err.value.hint  # densenet9 -> densenet169, vgg17 -> vgg16 ...
 
 
 def _model_json(tmp_path: Path, content: str) -> Path:
@@ -299,8 +295,11 @@ def test_an_unexpected_weights_file_is_refused_naming_it(
 
 @pytest.fixture
 def shufflenets(monkeypatch: pytest.MonkeyPatch) -> Family:
-    """A toy third family, registered for one test: torchvision's smallest ShuffleNet."""
+    """A toy family, registered for one test: torchvision's smallest ShuffleNet, taken out of the
+    torchvision family for it."""
     family = Family("shufflenet", "ShuffleNet", ("shufflenet_v2_x0_5",))
+    others = tuple(a for a in FAMILIES["torchvision"].archs if a not in family.archs)
+    monkeypatch.setitem(FAMILIES, "torchvision", Family("torchvision", "torchvision", others))
     monkeypatch.setitem(FAMILIES, family.name, family)
     monkeypatch.setitem(NETWORKS, family.name, Network())  # its head is `fc`, as ResNet's
     return family

@@ -135,6 +135,15 @@ def transform_init(
             "Azure design's defaults."
         ),
     ] = None,
+    like_model: Annotated[
+        str | None,
+        typer.Option(
+            help="A network of the zoo (efficientnet_b3, vit_b_16, timm/convnext_tiny.fb_in1k, "
+            "...): take the size, crop share, mean and std its pretrained weights were trained "
+            "on (torchvision's weights metadata, timm's pretrained_cfg); the options given "
+            "still win."
+        ),
+    ] = None,
     **options: Any,
 ) -> None:
     """Init Image Transformation: save a transform spec (the Azure design's defaults, changed by the
@@ -143,6 +152,11 @@ def transform_init(
     from tasks.shared.errors import InvalidTransformationDirectoryError
 
     base = _config(config).transform.model_dump() if config is not None else {}
+    if like_model is not None:
+        from models.untrained import spec_for
+        from models.zoo import transform_fields
+
+        base |= transform_fields(spec_for(like_model, pretrained=True))
     init_transformation(dest, {**base, **_given(options)})
     try:
         size = input_size(read_transformation(dest))

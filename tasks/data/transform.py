@@ -117,7 +117,7 @@ def crop_size(spec: TransformSpec) -> int:
     centered square of the resized image. Raises InvalidTransformationDirectoryError when
     resize and every crop are off: images of different sizes would reach the network.
     """
-    crop = _crop(spec)
+    crop = spec.crop_side()
     if crop is None:
         raise InvalidTransformationDirectoryError(
             "resize, center crop, random crop and random resized crop are all off: images of "
@@ -127,26 +127,16 @@ def crop_size(spec: TransformSpec) -> int:
     return crop
 
 
-def _crop(spec: TransformSpec) -> int | None:
-    for on, size in (
-        (spec.random_crop, spec.random_crop_size),
-        (spec.random_resized_crop, spec.random_resized_crop_size),
-        (spec.center_crop, spec.center_crop_size),
-        (spec.resize, spec.resize_size),
-    ):
-        if on:
-            return size
-    return None
-
-
 def input_size(spec: TransformSpec) -> int:
     """The side of the square image the network sees, the same in training and inference.
 
     Training decides it (:func:`crop_size`), plus twice the padding when pad is on; inference
     resizes and center-crops to the same size (:func:`inference_resize`).
     """
-    crop = crop_size(spec)
-    return crop + 2 * spec.padding if spec.pad else crop
+    crop_size(spec)  # refuses a spec without a crop
+    side = spec.input_side()
+    assert side is not None
+    return side
 
 
 def inference_resize(spec: TransformSpec) -> int | None:
@@ -159,7 +149,7 @@ def inference_resize(spec: TransformSpec) -> int | None:
     """
     if not spec.resize:
         return None
-    crop = _crop(spec)
+    crop = spec.crop_side()
     if spec.center_crop and crop is not None and spec.center_crop_size != crop:
         return max(1, round(spec.resize_size * crop / spec.center_crop_size))
     return spec.resize_size
@@ -255,7 +245,7 @@ def _geometry(spec: TransformSpec, training: bool) -> list[v2.Transform]:
     """Resize, crop and pad: every image leaves as an ``input_size`` square (when it has one)."""
     from torchvision.transforms import v2
 
-    crop = _crop(spec)
+    crop = spec.crop_side()
     steps: list[v2.Transform] = []
     if training and spec.random_resized_crop:
         # It picks its area from the whole image: resizing first would only lose detail.

@@ -46,15 +46,15 @@ def configure_backends(device: torch.device) -> None:
 
 
 def prepare_model(
-    spec: ModelSpec, num_classes: int, device: torch.device, seed: int, amp: Amp
+    spec: ModelSpec, num_classes: int, device: torch.device, seed: int, amp: Amp, size: int
 ) -> nn.Module:
     """The network for ``spec``, initialised from ``seed``, on ``device`` in ``amp``'s layout.
 
     Every rank passes the same seed: identical initial weights everywhere (DDP would broadcast
-    rank 0's anyway, but a 1-process run must match too).
+    rank 0's anyway, but a 1-process run must match too). ``size``: the input's side in pixels.
     """
     seed_everything(derive_seed(seed, "init"))
-    return build_model(spec, num_classes).to(device, memory_format=amp.memory_format)
+    return build_model(spec, num_classes, size).to(device, memory_format=amp.memory_format)
 
 
 def build_optimizer(

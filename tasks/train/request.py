@@ -187,8 +187,8 @@ def check_request(
         if params.precision != "auto" and not on_cluster
         else "fp32"  # a placeholder, outside the job's identity (RunConfig.job_key)
     )
-    if spec.pretrained and not on_cluster:  # each node fetches into its own cache
-        _ensure_pretrained_weights(spec, settings)
+    if not on_cluster:  # each node fetches into its own cache
+        _check_network(spec, settings, spec_transform)
     config = RunConfig(
         params=params,
         architecture=spec,
@@ -294,22 +294,37 @@ def _resolve_device(params: TrainParams) -> str:
     return device
 
 
-def _ensure_pretrained_weights(spec: ModelSpec, settings: Settings) -> None:
-    """Fetch the pretrained weights once, here, rather than in every worker at once.
-
-    A missing file then fails before any run exists, with PretrainedWeightsMissingError naming
-    the path, instead of as a worker traceback.
+def _check_network(spec: ModelSpec, settings: Settings, transform: TransformSpec) -> None:
+    """Check the network here, before any run exists: an input size it cannot take, or missing
+    pretrained weights, fail now (naming the size or the path) instead of as a traceback in every
+    worker; weights not yet in the cache are fetched once, not per worker.
     """
-    from models.zoo import build_model, pretrained_weights_path  # imports torchvision
+    from models.pretrained import weights_cached  # imports torchvision
+    from models.zoo import build_model, network_for, preprocessing
+
+    size = input_size(transform)
 
     # Workers get TORCH_HOME = settings.torch_home, and torch.hub's cache is <TORCH_HOME>/hub.
-    cached = settings.torch_home / "hub" / "checkpoints" / pretrained_weights_path(spec.arch).name
-    if cached.is_file():
-        return
     previous = os.environ.get("TORCH_HOME")
     os.environ["TORCH_HOME"] = str(settings.torch_home)
     try:
-        build_model(spec, num_classes=2)  # downloads into the cache, or raises with the path
+        network_for(spec).check(spec, size)
+        if spec.pretrained and not weights_cached(spec):
+            build_model(spec, num_classes=2, input_size=size)  # downloads, or names the path
+        if spec.pretrained:
+            expected = preprocessing(spec)
+            if (tuple(transform.mean), tuple(transform.std)) != (expected.mean, expected.std):
+                step_logger(__name__).warning(
+                    "%s's pretrained weights expect mean %s and std %s; this transform "
+                    "normalises with %s and %s. `imageops transform init DEST --like-model %s` "
+                    "writes the weights' transform.",
+                    spec.arch,
+                    expected.mean,
+                    expected.std,
+                    transform.mean,
+                    transform.std,
+                    spec.arch,
+                )
     finally:
         if previous is None:
             os.environ.pop("TORCH_HOME", None)

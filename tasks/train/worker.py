@@ -174,8 +174,9 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
     train_loader, sampler, val_loader = build_loaders(datasets, config, dist, setup)
 
     configure_backends(device)
-    amp = Amp.for_run(device.type, config.precision, input_size(config.transform))
-    model = prepare_model(config.architecture, num_classes, device, params.seed, amp)
+    size = input_size(config.transform)
+    amp = Amp.for_run(device.type, config.precision, size)
+    model = prepare_model(config.architecture, num_classes, device, params.seed, amp, size)
     lr = params.learning_rate * dist.world_size  # Azure's rule: global batch = batch x world
     optimizer = build_optimizer(model, lr, params, head_parameters(config.architecture, model))
     scheduler = build_scheduler(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic.fields import FieldInfo
 
-from models.untrained import FAMILIES, Family, ModelChoice, architectures
+from models.untrained import FAMILIES, Family, ModelChoice
 from tasks.shared.errors import InvalidParameterError, InvalidTuningSpecError
 from tasks.shared.validation import expected
 from tasks.train.params import TrainParams
@@ -59,10 +59,10 @@ def train_with(train: TrainParams, values: Mapping[str, Value]) -> TrainParams:
 
 
 def check_model_name(name: object, where: str) -> None:
-    if name not in architectures():
+    if not isinstance(name, str) or not any(f.has(name) for f in FAMILIES.values()):
         raise InvalidTuningSpecError(
             f"{where}: {name!r} is not an architecture of the zoo.",
-            f"Choose from: {', '.join(architectures())}.",
+            "Choose torchvision networks by name (`imageops model list`) or timm/<name>.",
         )
 
 
@@ -86,7 +86,7 @@ def _kind(name: str) -> Literal["int", "float", "bool", "choice"]:
 def _allowed(name: str) -> str:
     """What a parameter takes, in words (its field's type and range)."""
     if name == ARCHITECTURE:
-        return "one of " + ", ".join(architectures())
+        return "a torchvision network's name (`imageops model list`) or timm/<name>"
     return expected(_field(name))
 
 
