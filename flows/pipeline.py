@@ -116,7 +116,9 @@ def pipeline(
                 batch_size=config.score_batch_size,
             )
         )  # fmt: skip
-        evaluation = evaluate_task(scored, run_id=trained.run_id, images=data / "val")
+        evaluation = evaluate_task(
+            scored, run_id=trained.run_id, images=data / "val", model=trained.model_dir
+        )
 
     result = PipelineResult(
         dataset=name,

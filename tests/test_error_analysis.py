@@ -65,3 +65,37 @@ def test_calibration_and_the_most_confidently_wrong_across_chunks() -> None:
             np.array(["a"] * 40))  # fmt: skip
     top = sorted(range(40), key=lambda i: -conf[i])[:GALLERY_IMAGES]
     assert [w.path for w in big.most_confidently_wrong()] == [str(i) for i in top]
+
+
+def test_gradcam_points_at_what_raised_the_predicted_class() -> None:
+    """A network whose class 0 is the mean brightness of its one feature map (the red channel,
+    through a 1x1 convolution): the gradient weights that map positively, so the map of class 0
+    is the image itself, brightest in the square that was lit. A network without a spatial map (a
+    vision transformer whose input is one patch) gets no picture rather than a wrong one."""
+    import torch
+    from torch import nn
+
+    from tasks.inference.gradcam import class_activation
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 1, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.copy_(torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1))
+    head = nn.Linear(1, 2, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0], [-1.0]]))
+    model = nn.Sequential(conv, nn.AdaptiveAvgPool2d(1), nn.Flatten(), head).eval()
+    image = torch.zeros(1, 3, 16, 16)
+    image[0, 0, 2:6, 10:14] = 1.0  # a red square, top right
+    cam = class_activation(model, image, 0)
+    assert cam is not None and cam.shape == (16, 16)
+    peak = np.unravel_index(cam.argmax(), cam.shape)
+    assert 2 <= peak[0] < 6 and 10 <= peak[1] < 14
+    assert cam.max() == pytest.approx(1.0) and cam[12:, :4].max() == 0  # dark corner: nothing
+    # Class 1 falls as the square brightens: no positive evidence anywhere.
+    assert class_activation(model, image, 1).max() == 0
+
+    import torchvision
+
+    vit = torchvision.models.vit_b_32(image_size=32, num_classes=2).eval()
+    assert class_activation(vit, torch.zeros(1, 3, 32, 32), 0) is None

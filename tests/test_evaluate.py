@@ -326,8 +326,8 @@ def test_rows_of_unreadable_images_are_counted_not_scored_wrong(
     )
 
 
-def test_imageops_evaluate_draws_the_curves_calibration_and_gallery(
-    scored_val: Path, digits_split: tuple[Path, Path], tmp_path: Path
+def test_imageops_evaluate_draws_the_curves_calibration_gallery_and_gradcam(
+    scored_val: Path, exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
     table = pd.read_csv(scored_val, dtype={"category": str, "Scored Labels": str},
                         keep_default_na=False)  # fmt: skip
@@ -336,7 +336,10 @@ def test_imageops_evaluate_draws_the_curves_calibration_and_gallery(
         table.loc[row, "category"] = next(c for c in CLASSES if c != truth)
     scored = tmp_path / "val.csv"
     table.to_csv(scored, index=False)
-    result = imageops("evaluate", str(scored), "--images", str(digits_split[1]), cwd=tmp_path)
+    result = imageops(
+        "evaluate", str(scored), "--images", str(digits_split[1]), "--model",
+        str(exported_model), cwd=tmp_path,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "roc_auc_macro:" in result.stdout and "ece:" in result.stdout
     metrics = json.loads((tmp_path / "val.metrics.json").read_text())
@@ -345,7 +348,8 @@ def test_imageops_evaluate_draws_the_curves_calibration_and_gallery(
     assert all(0 <= row["roc_auc"] <= 1 and 0 <= row["pr_auc"] <= 1 for row in per_class)
     bins = json.loads((tmp_path / "val.calib.json").read_text())
     assert sum(b["rows"] for b in bins) == metrics["images"]
-    for name in ("val.roc_pr.png", "val.calib.png", "val.confusion.png", "val.wrong.png"):
+    pictures = ("roc_pr", "calib", "confusion", "wrong", "gradcam")
+    for name in (f"val.{kind}.png" for kind in pictures):
         with Image.open(tmp_path / name) as picture:
             assert picture.width > 300, name
 
@@ -354,3 +358,4 @@ def test_imageops_evaluate_draws_the_curves_calibration_and_gallery(
     result = evaluate(shutil.copy(scored, elsewhere / "val.csv"), log_to_mlflow=False)
     assert {"curves_png", "reliability_png"} <= set(result.paths)
     assert "wrong_png" not in result.paths and not (elsewhere / "val.wrong.png").exists()
+    assert "gradcam_png" not in result.paths

@@ -133,13 +133,22 @@ def evaluate(
             "gallery (<table>.wrong.png). Without it, no gallery."
         ),
     ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="The ModelDirectory that scored the table (with --images): Grad-CAM of the "
+            "predicted class on the most confidently wrong images (<table>.gradcam.png), to "
+            "see what the network looked at."
+        ),
+    ] = None,
 ) -> None:
     """Evaluate Model: accuracy, top-5, macro and weighted precision/recall/F1, confusion matrix,
     per-class ROC and PR areas (one vs rest), calibration (ECE).
 
     Writes <table>.metrics.json, per-class tables, the confusion matrix (PNG and JSON), the ROC
     and PR curves (<table>.roc_pr.png), the reliability diagram (<table>.calib.png, bins in
-    .calib.json) and, with --images, the most confidently wrong images beside the scored table.
+    .calib.json) and, with --images, the most confidently wrong images (and, with --model, their
+    Grad-CAM) beside the scored table.
     """
     from tasks.inference.evaluate import evaluate as run
     from tasks.shared.errors import InvalidParameterError
@@ -149,8 +158,15 @@ def evaluate(
             "--run-id and --new-run were both given.",
             "Give --run-id to log into that run, or --new-run to log into a new one.",
         )
+    if model is not None and images is None:
+        raise InvalidParameterError(
+            "--model was given without --images.",
+            "Grad-CAM needs the scored images: add --images FOLDER (the folder that was scored).",
+        )
     log = run_id is not None or new_run
-    result = run(scored, compare=compare, run_id=run_id, log_to_mlflow=log, images=images)
+    result = run(
+        scored, compare=compare, run_id=run_id, log_to_mlflow=log, images=images, model=model
+    )
     if result.compared is None:
         for key, value in result.metrics.items():
             out.print(f"{key}: {value:.4f}")

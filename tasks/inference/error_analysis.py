@@ -178,7 +178,8 @@ def confusion_png(labels: list[str], matrix: list[list[int]], path: Path) -> Pat
     return path
 
 
-def _figure(width: float, height: float) -> Figure:
+def figure_of(width: float, height: float) -> Figure:
+    """A figure drawn without pyplot (no global state: nothing to close, safe in threads)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -199,7 +200,7 @@ def _thinned(tps: np.ndarray, fps: np.ndarray, points: int = 400) -> tuple[np.nd
 def curves_png(sample: ScoreSample, analysis: Analysis, path: Path) -> Path:
     """Each class's ROC curve and PR curve, one vs rest, with its area in the legend."""
     probs, truth = sample.arrays()
-    figure = _figure(11, 5)
+    figure = figure_of(11, 5)
     roc_axes, pr_axes = figure.subplots(1, 2)
     for c, name in enumerate(sample.classes):
         positive = truth == c
@@ -229,7 +230,7 @@ def curves_png(sample: ScoreSample, analysis: Analysis, path: Path) -> Path:
 
 def reliability_png(analysis: Analysis, path: Path) -> Path:
     """The reliability diagram: accuracy against confidence per bin; the diagonal is calibrated."""
-    figure = _figure(5, 5)
+    figure = figure_of(5, 5)
     axes = figure.add_subplot()
     filled = [b for b in analysis.bins if b["rows"]]
     axes.bar([(b["low"] + b["high"]) / 2 for b in filled], [b["accuracy"] for b in filled],
@@ -250,7 +251,7 @@ def gallery_png(wrong: list[WrongImage], images: Path, path: Path) -> Path:
 
     columns = 4
     rows = max(1, -(-len(wrong) // columns))
-    figure = _figure(2.4 * columns, 2.6 * rows)
+    figure = figure_of(2.4 * columns, 2.6 * rows)
     axes = np.atleast_1d(figure.subplots(rows, columns)).ravel()
     for tile, item in zip(axes, wrong, strict=False):
         try:

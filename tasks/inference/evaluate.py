@@ -293,6 +293,7 @@ def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | No
         "curves_png": "ROC and precision-recall curves",
         "reliability_png": "reliability diagram",
         "wrong_png": "most confidently wrong images",
+        "gradcam_png": "Grad-CAM of the most confidently wrong images",
     }
     for name, r in zip(names, columns, strict=True):
         for kind, what in pictures.items():
@@ -339,6 +340,7 @@ def output_paths(scored: Path) -> dict[str, Path]:
         "reliability_png": Path(f"{stem}.calib.png"),
         "calibration_json": Path(f"{stem}.calib.json"),
         "wrong_png": Path(f"{stem}.wrong.png"),
+        "gradcam_png": Path(f"{stem}.gradcam.png"),
     }
     try:
         for path in paths.values():
@@ -351,22 +353,32 @@ def output_paths(scored: Path) -> dict[str, Path]:
     return paths
 
 
-def _write_outputs(result: EvaluationResult, scored: Path, images: Path | None) -> dict[str, Path]:
+def _write_outputs(
+    result: EvaluationResult, scored: Path, images: Path | None, model: Path | None
+) -> dict[str, Path]:
     """The result's files beside ``scored``, each written atomically; returns them by kind. The
-    gallery of confidently wrong images only with ``images``, the folder that was scored."""
+    gallery of confidently wrong images only with ``images``, the folder that was scored; their
+    Grad-CAM also with ``model``, the ModelDirectory that scored them."""
     paths = output_paths(scored)
+    wrong = result.analysis.wrong if result.analysis is not None else []
     if result.analysis is not None and result.sample is not None:
         curves_png(result.sample, result.analysis, paths["curves_png"])
         reliability_png(result.analysis, paths["reliability_png"])
         write_json(paths["calibration_json"], result.analysis.bins)
-        wrong = result.analysis.wrong
-        if images is not None and wrong:
-            gallery_png(wrong, images, paths["wrong_png"])
-        else:
-            del paths["wrong_png"]
     else:
-        for kind in ("curves_png", "reliability_png", "calibration_json", "wrong_png"):
+        for kind in ("curves_png", "reliability_png", "calibration_json"):
             del paths[kind]
+    if images is not None and wrong:
+        gallery_png(wrong, images, paths["wrong_png"])
+    else:
+        del paths["wrong_png"]
+    if images is None or not wrong or model is None:
+        del paths["gradcam_png"]
+    else:
+        from tasks.inference.gradcam import gradcam_png
+
+        if gradcam_png(wrong, images, model, paths["gradcam_png"]) is None:
+            del paths["gradcam_png"]
     write_json(paths["metrics"], {**result.metrics, "top_k": result.top_k})
     with atomic_file(paths["per_class_csv"]) as tmp:
         pd.DataFrame(result.per_class).to_csv(tmp, index=False, **CSV_FORMAT)
@@ -411,13 +423,16 @@ def evaluate(
     run_id: str | None = None,
     log_to_mlflow: bool = True,
     images: Path | None = None,
+    model: Path | None = None,
 ) -> EvaluationResult:
     """Evaluate the labeled scored table ``scored`` (and ``compare`` beside it); write and log.
 
     Metrics files are written atomically beside each table and, with ``log_to_mlflow``, logged
     as ``eval/<name>`` (``eval/compare/<name>``) into run ``run_id`` (resumed) or a new run; the
     second table's result is ``result.compared``. ``images``: the folder that was scored, for the
-    gallery of the most confidently wrong images (without it, no gallery). Raises
+    gallery of the most confidently wrong images (without it, no gallery); ``model``: the
+    ModelDirectory that scored ``scored``, for Grad-CAM on those images (``compare``'s are not
+    explained: another model scored them). Raises
     NotLabeledDatasetError (no ``category`` column) and InvalidParameterError (same file twice, a
     name too long). Details: docs/internals.md#evaluation.
     """
@@ -443,8 +458,9 @@ def evaluate(
     log = step_logger(__name__)
 
     if compared is not None:
-        compared = replace(compared, paths=_write_outputs(compared, compare, images))
-    result = replace(result, paths=_write_outputs(result, scored, images), compared=compared)
+        compared = replace(compared, paths=_write_outputs(compared, compare, images, None))
+    paths = _write_outputs(result, scored, images, model)
+    result = replace(result, paths=paths, compared=compared)
     if log_to_mlflow:
         used_run = _log_to_mlflow(settings, run_id, result, scored, compare)
         if compared is not None:
