@@ -10,7 +10,9 @@ Usage: ``python -m bench.train_speed [--full] [--json PATH]``
    - ``imageops``: the torchrun worker's own code called in-process as a world of one: its model
      and optimizer set-up (channels-last, fused SGD), its training loader and
      :func:`tasks.train.loop.train_one_epoch` under autocast in the precision ``auto`` resolves
-     to on this machine (bf16 on a CPU that computes it natively).
+     to on this machine (bf16 on a CPU that computes it natively);
+   - ``imageops + torch.compile``: the same, with the network compiled (``compile: true``); the
+     seconds compiling adds to the warm-up are reported.
 
    After a few untimed warm-up steps (oneDNN builds its kernels on the first calls), each round
    times a few steps of each loop, data loading included, one right after the other; "vs plain"
@@ -56,6 +58,7 @@ from bench.ceiling import forward_flops
 from bench.report import Plot, Section, Series, Stat, Table, run_main, usable_cores
 
 SIZE = 224  # the issue's image size for the loop comparison
+COMPILED = "imageops + torch.compile"
 BATCH = 16
 CLASSES = 10
 LEARNING_RATE = 0.001
@@ -149,8 +152,11 @@ def plain_loop(arch: str, root: Path) -> Callable[[int], float]:
     return run
 
 
-def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
-    """The worker's training step, in-process; returns ``run(steps) -> images/s``."""
+def our_loop(
+    arch: str, root: Path, precision: str, compiled: bool = False
+) -> Callable[[int], float]:
+    """The worker's training step, in-process; returns ``run(steps) -> images/s``. ``compiled``:
+    the network under ``torch.compile``, as the worker runs it with ``compile: true``."""
     import torch
     from torch.utils.data import Subset
 
@@ -175,6 +181,7 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
     optimizer = build_optimizer(model, LEARNING_RATE, TrainParams().resolved())
     scaler = amp.grad_scaler()
     criterion = torch.nn.CrossEntropyLoss()
+    net = torch.compile(model) if compiled else model
     log = logging.getLogger("bench.train_speed")
     log.addHandler(logging.NullHandler())
     log.propagate = False
@@ -191,7 +198,7 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
         sampler.set_epoch(1)
         scheduler = build_scheduler(optimizer, steps_per_epoch=steps, epochs=1, warmup_epochs=0)
         stats = train_one_epoch(
-            model,
+            net,
             loader,
             StepParts(optimizer, scheduler, criterion, scaler, amp, device),
             epoch=1,
@@ -206,34 +213,47 @@ def our_loop(arch: str, root: Path, precision: str) -> Callable[[int], float]:
 
 def compare_loops(
     plan: Plan, precision: str, work: Path
-) -> tuple[Table, dict[str, Stat], dict[str, float]]:
-    """Both loops for each architecture, alternating per round.
+) -> tuple[Table, dict[str, Stat], dict[str, float], dict[str, float]]:
+    """The loops for each architecture (plain, ours, ours under torch.compile), alternating per
+    round.
 
-    Returns the table, the ``flops/...`` figures and each architecture's forward GFLOPs.
+    Returns the table, the ``flops/...`` figures, each architecture's forward GFLOPs and the
+    seconds torch.compile added to the warm-up (compiling) per architecture.
     """
     images = make_images(work / "loops", max(plan.warmup, plan.steps) * BATCH, SIZE)
     rows: list[list[str | float | int | Stat]] = []
     figures: dict[str, Stat] = {}
     forward: dict[str, float] = {}
+    compile_seconds: dict[str, float] = {}
     for arch in plan.archs:
         flops = forward_flops(arch, SIZE, CLASSES)
         forward[arch] = flops / 1e9
-        loops = {"plain": plain_loop(arch, images), "imageops": our_loop(arch, images, precision)}
-        for run in loops.values():
+        loops = {
+            "plain": plain_loop(arch, images),
+            "imageops": our_loop(arch, images, precision),
+            COMPILED: our_loop(arch, images, precision, compiled=True),
+        }
+        warmup: dict[str, float] = {}
+        for name, run in loops.items():
+            start = time.perf_counter()
             run(plan.warmup)
+            warmup[name] = time.perf_counter() - start
+        compile_seconds[arch] = warmup[COMPILED] - warmup["imageops"]
         rates: dict[str, list[float]] = {name: [] for name in loops}
         for round_ in range(plan.rounds):  # a busy spell slows both sides of a round alike
             for name, run in loops.items():
                 rates[name].append(run(plan.steps))
             print(
                 f"{arch} round {round_ + 1}/{plan.rounds}: plain {rates['plain'][-1]:.1f}, "
-                f"imageops {rates['imageops'][-1]:.1f} images/s",
+                f"imageops {rates['imageops'][-1]:.1f}, compiled {rates[COMPILED][-1]:.1f} "
+                "images/s",
                 flush=True,
             )
-        ratio = Stat([o / p for p, o in zip(rates["plain"], rates["imageops"], strict=True)], "x")
-        for name, dtype, versus in (
+
+        for name, dtype, ratio in (
             ("plain", "fp32", "1.00x"),
-            ("imageops", precision, ratio),
+            ("imageops", precision, _versus(rates, "imageops")),
+            (COMPILED, precision, _versus(rates, COMPILED)),
         ):
             achieved = [3 * flops * rate for rate in rates[name]]
             rows.append(
@@ -243,13 +263,18 @@ def compare_loops(
                     dtype,
                     Stat(rates[name], "images/s"),
                     Stat([v / 1e9 for v in achieved], "GFLOP/s"),
-                    versus,
+                    ratio,
                 ]
             )
-            label = "imageops" if name == "imageops" else "plain loop"
+            label = "plain loop" if name == "plain" else name
             figures[f"flops/{dtype}/training {arch} {SIZE}px ({label})"] = Stat(achieved, "FLOP/s")
     table = Table(["arch", "loop", "precision", "images/s", "GFLOP/s", "vs plain"], rows)
-    return table, figures, forward
+    return table, figures, forward, compile_seconds
+
+
+def _versus(rates: dict[str, list[float]], name: str) -> Stat:
+    """``name``'s rate over the plain loop's, round by round."""
+    return Stat([o / p for p, o in zip(rates["plain"], rates[name], strict=True)], "x")
 
 
 def threads_per_process(processes: int) -> int:
@@ -475,7 +500,7 @@ def run(full: bool, work: Path) -> Section:
     speedup = cpu_bf16_speedup()
     probe = "bf16 autocast fails here" if speedup is None else f"bf16 probe {speedup:.2f}x fp32"
 
-    loops, figures, forward = compare_loops(plan, precision, work)
+    loops, figures, forward, compile_seconds = compare_loops(plan, precision, work)
     scaled = scaling(plan, work)
     scale_table, plot = scaling_parts(scaled.rates)
     tables = [loops, scale_table]
@@ -488,8 +513,12 @@ def run(full: bool, work: Path) -> Section:
         f"SGD), in the precision `auto` picks here at {SIZE} px: {precision} ({probe}). "
         f"{plan.warmup} untimed warm-up steps per loop, then {plan.rounds} rounds of "
         f"{plan.steps} timed steps ({plan.steps * BATCH} images, loading included) per loop, the "
-        "two loops one after the other in each round; vs plain is the per-round ratio. GFLOP/s = "
-        f"images/s x 3 x the forward GFLOPs per image ({flops}).",
+        "loops one after the other in each round; vs plain is the per-round ratio. GFLOP/s = "
+        f"images/s x 3 x the forward GFLOPs per image ({flops}). `{COMPILED}` is the same step "
+        "with the network under `torch.compile` (TorchInductor, default mode), as the worker "
+        "runs it with `compile: true`; compiling added "
+        + ", ".join(f"{s:.0f} s ({arch})" for arch, s in compile_seconds.items())
+        + " to the warm-up, paid once per training process.",
         f"**Scaling**: resnet18 at {SCALE_SIZE}x{SCALE_SIZE} px trained through "
         "`tasks.train.launch.train` (`torchrun --standalone`, DDP over gloo, an MLflow run per "
         f"launch), {scaled.train_images} training and {scaled.val_images} validation images, "

@@ -238,6 +238,14 @@ class TrainParams(BaseModel):
         "process). Empty: 0 on CPU, where the training processes already use every core; on GPU "
         "every core of the process's share of the node but one (forked from one fork server).",
     )
+    compile: bool = Field(
+        False,
+        title="torch.compile",
+        description="Compile the training step's network with torch.compile (TorchInductor): "
+        "the first steps wait for the compiler (a minute or more), later ones may run faster. "
+        "Off by default: measured in docs/benchmarks.md (train_speed) before it is a default "
+        "anywhere. Validation, checkpoints and the exported model use the network uncompiled.",
+    )
 
     cluster: str | None = Field(
         None,

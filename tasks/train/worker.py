@@ -215,6 +215,8 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         net = DistributedDataParallel(
             model, device_ids=[dist.local_rank] if device.type == "cuda" else None
         )
+    if params.compile:  # the DDP wrapper compiled: its graph breaks at bucket edges (DDPOptimizer)
+        net = torch.compile(net)
     tracker: Tracker | None = None
     if dist.is_primary:
         from tasks.train.tracker import Tracker  # mlflow on rank 0 only
