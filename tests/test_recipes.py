@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from models.zoo import build_model
 from tasks.data.transform import build_transform, check_applied
 from tasks.shared.errors import InvalidParameterError, InvalidTransformationDirectoryError
 from tasks.train.build import batch_mixer, build_optimizer, training_loss
-from tasks.train.params import TrainParams
+from tasks.train.params import RunConfig, TrainParams
 from tasks.train.recipes import TRAINING, resolve_transform
 from tasks.train.schedule import lr_factor
 
@@ -35,6 +36,26 @@ def test_a_field_set_wins_over_the_recipe_and_the_rest_come_from_it() -> None:
     assert modern.warmup_epochs == 1 and modern.decay_norm_and_bias is False
     assert all(getattr(modern, name) is not None for name in TRAINING["modern"])
     assert modern.resolved() == modern  # resolving again changes nothing
+
+
+def test_modern_fine_tunes_a_pretrained_network_head_first_and_the_backbone_slower() -> None:
+    scratch = TrainParams(recipe="modern").resolved(pretrained=False)
+    assert (scratch.head_only_epochs, scratch.backbone_lr_scale) == (0, 1.0)
+    tuned = TrainParams(recipe="modern").resolved(pretrained=True)
+    assert (tuned.head_only_epochs, tuned.backbone_lr_scale) == (1, 0.1)
+    assert TrainParams(recipe="modern", head_only_epochs=0).resolved(True).head_only_epochs == 0
+    # azure stays the Azure component, pretrained or not: the whole network at one rate
+    assert TrainParams().resolved(pretrained=True) == TrainParams().resolved()
+    # The run's configuration (config.json, MLflow params) holds the values it resolved to.
+    config = RunConfig(
+        params=TrainParams(recipe="modern"), architecture=resnet("resnet18", pretrained=True),
+        classes=["a", "b"], transform=TransformSpec(), train_data=Path("t"), val_data=Path("v"),
+        data_fingerprint={}, out=Path("m"), run_dir=Path("r"), device="cpu", precision="fp32",
+        world_size=1,
+    )  # fmt: skip
+    assert (config.params.head_only_epochs, config.params.backbone_lr_scale) == (1, 0.1)
+    reread = RunConfig.model_validate_json(config.model_dump_json())
+    assert reread.params == config.params
 
 
 def test_a_bad_recipe_or_recipe_value_is_refused_naming_it() -> None:
@@ -325,12 +346,9 @@ def test_accumulated_batches_make_the_step_one_big_batch_makes() -> None:
 def test_the_weight_average_follows_each_step_and_survives_a_resume(tmp_path) -> None:
     """EMA: the average after each optimizer step is decay x average + (1 - decay) x weights;
     a checkpoint keeps it, and a resumed run continues from it, not from the weights."""
-    from pathlib import Path
-
     from tasks.train.build import weight_average
     from tasks.train.checkpoint import save_checkpoint
     from tasks.train.loop import StepParts
-    from tasks.train.params import RunConfig
     from tasks.train.precision import Amp
     from tasks.train.progress import Progress, checkpoint_state, resume
     from tasks.train.run_folder import CHECKPOINT

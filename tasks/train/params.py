@@ -18,7 +18,14 @@ from models.atomic import write_json
 from models.transform_spec import TransformSpec
 from models.untrained import ModelSpec
 from tasks.shared.validation import checked
-from tasks.train.recipes import TRAINING, Recipe, Schedule, filled, resolve_transform
+from tasks.train.recipes import (
+    FINE_TUNING,
+    TRAINING,
+    Recipe,
+    Schedule,
+    filled,
+    resolve_transform,
+)
 
 # Where and how patiently a job runs, not what it trains: outside a job's identity, so a retry
 # through another cluster address, or with more patience, resumes the same run.
@@ -273,9 +280,11 @@ class TrainParams(BaseModel):
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
 
-    def resolved(self) -> TrainParams:
-        """These parameters with every recipe field left empty filled from the recipe."""
-        return self.model_copy(update=filled(self.model_dump(), TRAINING[self.recipe]))
+    def resolved(self, pretrained: bool = False) -> TrainParams:
+        """These parameters with every recipe field left empty filled from the recipe (its
+        fine-tuning values when the network starts from ``pretrained`` weights)."""
+        defaults = TRAINING[self.recipe] | (FINE_TUNING[self.recipe] if pretrained else {})
+        return self.model_copy(update=filled(self.model_dump(), defaults))
 
     @model_validator(mode="after")
     def _placed(self) -> TrainParams:
@@ -351,7 +360,13 @@ class RunConfig(BaseModel):
         transform's augmentation: a run (its identity, its records, its model) holds the values
         it trains with, never an empty field (tasks.train.recipes)."""
         if isinstance(data, dict) and "params" in data and "transform" in data:
-            params = TrainParams.model_validate(data["params"]).resolved()
+            spec = data.get("architecture")
+            pretrained = (
+                spec.pretrained
+                if isinstance(spec, ModelSpec)
+                else dict(spec or {}).get("pretrained", False)
+            )
+            params = TrainParams.model_validate(data["params"]).resolved(bool(pretrained))
             transform = TransformSpec.model_validate(data["transform"])
             data = {**data, "params": params}
             data["transform"] = resolve_transform(transform, params.recipe)

@@ -53,6 +53,14 @@ TRAINING: dict[str, dict[str, Any]] = {
         # MixUp and CutMix stay off: short runs on small data learn slower with them.
     },
 }
+# What each recipe changes when the network starts from pretrained weights: modern trains the new
+# head alone for an epoch (a random head's first gradients would wreck the features), then the
+# whole network with the backbone at a tenth of the head's rate (fastai's fine_tune, timm's and
+# torchvision's fine-tuning practice: the features need nudging, the head learning).
+FINE_TUNING: dict[str, dict[str, Any]] = {
+    "azure": {},
+    "modern": {"head_only_epochs": 1, "backbone_lr_scale": 0.1},
+}
 # What each recipe gives the TransformSpec fields a transform leaves empty (None).
 AUGMENTATION: dict[str, dict[str, Any]] = {
     "azure": {"augmentation": "none", "random_erasing": False, "random_erasing_probability": 0.5},
