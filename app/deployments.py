@@ -93,7 +93,10 @@ def runner_deployment(entry: dict[str, Any], pull: list[dict[str, Any]]) -> Any:
     """One prefect.yaml entry as Prefect's RunnerDeployment (loads the flow from its entrypoint)."""
     from prefect.deployments.runner import RunnerDeployment
     from prefect.events import DeploymentTriggerTypes
+    from prefect.flows import load_flow_from_entrypoint
     from pydantic import TypeAdapter
+
+    from tasks.shared.forms import form_schema
 
     unknown = set(entry) - _KNOWN_KEYS
     if unknown:
@@ -120,6 +123,9 @@ def runner_deployment(entry: dict[str, Any], pull: list[dict[str, Any]]) -> Any:
         job_variables=pool.get("job_variables") or {},
     )
     deployment.storage = _PullSteps(pull)
+    # Prefect titles each form field by its Python name and leaves our descriptions out.
+    flow = load_flow_from_entrypoint(entry["entrypoint"])
+    deployment._parameter_openapi_schema = form_schema(flow)
     return deployment
 
 

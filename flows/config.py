@@ -95,7 +95,11 @@ class SplitChoice(BaseModel):
     fraction: float = Field(
         default=0.9, ge=0.0, le=1.0, title="Training fraction", description="Share per class."
     )
-    seed: int = Field(default=1, title="Split seed")
+    seed: int = Field(
+        default=1,
+        title="Split seed",
+        description="Seeds which images go to training: same seed and images, same split.",
+    )
 
 
 class PromotionChoice(BaseModel):
@@ -137,15 +141,30 @@ class PipelineConfig(BaseModel):
         ".tar.bz2). Runs on different data sets can run at once; on the same one, they take "
         "turns.",
     )
-    split: SplitChoice = Field(default_factory=SplitChoice)
+    split: SplitChoice = Field(
+        default_factory=SplitChoice,
+        title="Split",
+        description="Split Image Directory: the share of each class that trains; the rest "
+        "validates.",
+    )
     transform: DemoTransform = Field(
         default=DEMO_TRANSFORM,
         title="Image transformation",
         description="Init Image Transformation: how images become the network's input. "
         "Training uses its training mode; validation, export and scoring its inference mode.",
     )
-    model: DemoModel = Field(default=DEMO_MODEL, title="Model")
-    train: DemoTrainParams = Field(default=DEMO_TRAIN, title="Training parameters")
+    model: DemoModel = Field(
+        default=DEMO_MODEL,
+        title="Model",
+        description="The network: a DenseNet or ResNet of the Azure components, any other "
+        "torchvision classifier by name, or timm/<name>.",
+    )
+    train: DemoTrainParams = Field(
+        default=DEMO_TRAIN,
+        title="Training parameters",
+        description="Train PyTorch Model's parameters and the recipe; empty fields take the "
+        "recipe's values.",
+    )
     quantize: bool = Field(
         default=False,
         title="Quantize to INT8",
@@ -153,10 +172,25 @@ class PipelineConfig(BaseModel):
         "if it loses at most max_top1_drop points of validation top-1.",
     )
     max_top1_drop: float = Field(
-        default=0.5, ge=0.0, le=100.0, title="Most top-1 INT8 may lose (points)"
+        default=0.5,
+        ge=0.0,
+        le=100.0,
+        title="Most top-1 INT8 may lose (points)",
+        description="The INT8 model is kept only if its validation top-1 is at most this many "
+        "points below the float model's.",
     )
-    promotion: PromotionChoice = Field(default_factory=PromotionChoice)
-    score_batch_size: int = Field(default=64, gt=0, title="Scoring batch size")
+    promotion: PromotionChoice = Field(
+        default_factory=PromotionChoice,
+        title="Promotion",
+        description="When the new model (@challenger) becomes @champion: the metric on the "
+        "validation set and the margin it must win by.",
+    )
+    score_batch_size: int = Field(
+        default=64,
+        gt=0,
+        title="Scoring batch size",
+        description="Images per ONNX Runtime call when the validation set is scored.",
+    )
     version_data: bool = Field(
         default=True, title="Version data with DVC", description="dvc add + push every data set."
     )

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from flows.config import PipelineConfig
 from flows.score import score_in_flow
-from flows.train import train_flow
+from flows.train import train_and_report
 from tasks.data.convert import convert_task
 from tasks.data.datasets import dataset_lock
 from tasks.data.split import split_task
@@ -98,7 +98,7 @@ def pipeline(
         )  # fmt: skip
         build_model_task(config.model, request.model)
         # A sub-flow: on many nodes it runs one agent per node against one MLflow run.
-        trained = train_flow(request)
+        trained = train_and_report(request)
         export_task(trained.model_dir, sample=data / "val")
         if config.quantize:
             quantize_task(

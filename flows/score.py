@@ -4,8 +4,8 @@ Composition only: resolve the model (a ModelDirectory path, or a ``models:/`` UR
 registry into the local cache), then the score task, or one per shard of a large input
 (:func:`score_in_flow`). The deployment carries a trigger on the
 alias event of :mod:`tasks.registry.promotion_events`, so a version becoming ``@champion`` runs this
-flow with ``model="models:/<name>@champion"``, whether the event came from MLflow's webhook (through
-``app/webhook.py``) or from the promote step in embedded mode.
+flow with ``model="models:/<name>/<version>"`` (the version the event names), whether the event came
+from MLflow's webhook (through ``app/webhook.py``) or from the promote step in embedded mode.
 """
 
 from __future__ import annotations
@@ -31,13 +31,17 @@ from tasks.inference.score import (
     score_sharded,
     score_task,
 )
+from tasks.inference.score.report import score_markdown
 from tasks.registry.model_uri import fetch_registered_model_task, is_registry_uri
 from tasks.registry.promotion_events import CHAMPION, alias_trigger
+from tasks.shared.artifacts import publish_markdown
 from tasks.shared.errors import ImageOpsError, error_text
+from tasks.shared.forms import form_schema
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import in_prefect_run, name_flow_run
 
 DEPLOYMENT_NAME = "score"
+SCORING_REPORT = "scoring-report"
 SCORES_DIR = "scores"
 
 
@@ -97,7 +101,10 @@ def score_flow(
             description=".csv or .parquet; default: <home>/scores/<model>-<UTC time>.csv.",
         ),
     ] = None,
-    batch_size: Annotated[int, Field(gt=0, title="Batch size")] = 64,
+    batch_size: Annotated[
+        int,
+        Field(gt=0, title="Batch size", description="Images per ONNX Runtime call."),
+    ] = 64,
     shard_images: Annotated[
         int,
         Field(
@@ -141,6 +148,14 @@ def score_flow(
         )
     )
     print(f"Scored {images} with {model} ({model_dir}) into {scored}")
+    if in_prefect_run():
+        url = None
+        if version is not None:  # the cache's folder is <registered name>/<version>
+            from tasks.shared.tracking import model_version_url  # imports mlflow
+
+            url = model_version_url(settings, model_dir.parent.name, version)
+        report = score_markdown(model, version, url, images, scored)
+        publish_markdown(SCORING_REPORT, report, f"Scoring of {images} with {model}")
     return ScoreResult(model=model, model_dir=model_dir, version=version, scored=scored)
 
 
@@ -159,7 +174,7 @@ def scoring_deployment(
     """
     settings = settings or get_settings()
     defaults = {k: v for k, v in {"images": images, "dest": dest}.items() if v is not None}
-    return score_flow.to_deployment(
+    deployment = score_flow.to_deployment(
         name=name,
         description=f"Scores images with {settings.registered_model_name}@{alias}; runs when a "
         f"version becomes @{alias} in the MLflow registry.",
@@ -167,6 +182,8 @@ def scoring_deployment(
         triggers=[alias_trigger(settings.registered_model_name, alias)],
         tags=["imageops", "scoring"],
     )
+    deployment._parameter_openapi_schema = form_schema(score_flow)  # titled and described
+    return deployment
 
 
 def serve_scoring(

@@ -27,6 +27,7 @@ from tasks.data.versioning import version_task
 from tasks.inference.export import export_task
 from tasks.registry.promote import CHALLENGER
 from tasks.registry.register import register_task
+from tasks.shared.artifacts import TRAINING_REPORT, republish
 from tasks.shared.settings import get_settings
 from tasks.shared.step import name_flow_run
 from tasks.train.build_model import build_model_task
@@ -38,6 +39,15 @@ from tasks.train.request import TrainRequest
 def train_flow(request: TrainRequest) -> TrainResult:
     """Train ``request`` with ``params.nodes`` x ``params.nproc_per_node`` processes."""
     return train_task(request)
+
+
+def train_and_report(request: TrainRequest) -> TrainResult:
+    """:func:`train_flow` as a sub-flow, its training report shown on the calling run too (the
+    run a person started from a deployment, where they look first)."""
+    state = train_flow(request, return_state=True)
+    trained = state.result()
+    republish(state.state_details.flow_run_id, (TRAINING_REPORT,))
+    return trained
 
 
 class TrainedModel(BaseModel):
@@ -70,7 +80,14 @@ EVERY_STEP = TrainSteps()
 
 @flow(name="imageops-train-model", log_prints=True)
 def train_model_flow(
-    model: Annotated[DemoModel, Field(title="Model")] = DEMO_MODEL,
+    model: Annotated[
+        DemoModel,
+        Field(
+            title="Model",
+            description="The network: a DenseNet or ResNet of the Azure components, any other "
+            "torchvision classifier by name, or timm/<name>.",
+        ),
+    ] = DEMO_MODEL,
     train_data: Annotated[
         str,
         Field(
@@ -87,7 +104,14 @@ def train_model_flow(
             min_length=1,
         ),
     ] = "data/digits/val",
-    params: Annotated[DemoTrainParams, Field(title="Training parameters")] = DEMO_TRAIN,
+    params: Annotated[
+        DemoTrainParams,
+        Field(
+            title="Training parameters",
+            description="Train PyTorch Model's parameters and the recipe; empty fields take the "
+            "recipe's values.",
+        ),
+    ] = DEMO_TRAIN,
     transform: Annotated[
         DemoTransform | None,
         Field(
@@ -98,7 +122,13 @@ def train_model_flow(
             "with another transform is refused.",
         ),
     ] = DEMO_TRANSFORM,
-    steps: Annotated[TrainSteps, Field(title="Steps around training")] = EVERY_STEP,
+    steps: Annotated[
+        TrainSteps,
+        Field(
+            title="Steps around training",
+            description="Version the data with DVC first; export and register the model after.",
+        ),
+    ] = EVERY_STEP,
 ) -> TrainedModel:
     """Train one model from the UI or a schedule: build, train (DDP), export, register."""
     settings = get_settings()
@@ -116,7 +146,7 @@ def train_model_flow(
         out=out / "model", params=params, transform=transform, data_version=data_version,
     )  # fmt: skip
     build_model_task(model, request.model)
-    trained = train_flow(request)
+    trained = train_and_report(request)
     version = None
     if steps.register_model:
         export_task(trained.model_dir, sample=val_path)

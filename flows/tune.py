@@ -99,7 +99,14 @@ def tune_flow(
             "Transformation), else the demo's (32x32 digits, as the example study expects).",
         ),
     ] = None,
-    data_version: dict[str, str] | None = None,
+    data_version: Annotated[
+        dict[str, str] | None,
+        Field(
+            title="Data versions",
+            description='DVC md5s of the data sets, e.g. {"train": "..."}, recorded on each '
+            "trial's run and the registered model; empty: none recorded.",
+        ),
+    ] = None,
     register_best: Annotated[
         bool, Field(title="Register the best model", description="As @challenger.")
     ] = True,
@@ -157,7 +164,20 @@ def tune_flow(
 
 
 @flow(name="imageops-tune-trial", log_prints=True)
-def trial_flow(job: TrialJob, asked: AskedTrial) -> TrialOutcome:
+def trial_flow(
+    job: Annotated[
+        TrialJob,
+        Field(
+            title="Study",
+            description="The study the trial belongs to: its storage, spec, data and folder "
+            "(the tune flow fills it).",
+        ),
+    ],
+    asked: Annotated[
+        AskedTrial,
+        Field(title="Trial", description="The trial's number and the values it trains with."),
+    ],
+) -> TrialOutcome:
     """One trial of a study as a flow run of its own: the ``tune-trial`` deployment.
 
     The tune flow starts it on the work pool with ``trial_deployment``; the study's storage

@@ -27,6 +27,34 @@ def test_every_entrypoint_is_a_flow_that_takes_the_parameters(deployment: dict) 
     assert given <= accepted, f"{deployment['name']}: unknown parameters {given - accepted}"
 
 
+def _fields(schema: dict) -> list[tuple[str, dict]]:
+    """Every field a form shows: the parameters and, section by section, the models' fields."""
+    fields = [(name, prop) for name, prop in schema["properties"].items()]
+    for model, definition in schema.get("definitions", {}).items():
+        fields += [(f"{model}.{k}", v) for k, v in definition.get("properties", {}).items()]
+    return fields
+
+
+@pytest.mark.parametrize("deployment", SPEC["deployments"], ids=lambda d: d["name"])
+def test_every_form_field_has_a_title_in_words_and_a_plain_description(deployment: dict) -> None:
+    """What the Prefect UI's form shows for each field: the deployment's own parameter schema
+    (Prefect alone titles parameters by their Python names and leaves descriptions out)."""
+    from app.deployments import runner_deployment
+
+    built = runner_deployment(deployment, [])
+    schema = built._parameter_openapi_schema.model_dump_for_openapi()
+    for name, prop in _fields(schema):
+        title = prop.get("title") or ""
+        assert title and not re.fullmatch(r"[a-z0-9_]+", title), f"{name}: title {title!r}"
+        assert prop.get("description"), f"{deployment['name']}: {name} has no description"
+    text = repr(schema)
+    for markup in ("``", ":func:", ":class:", ":mod:"):
+        assert markup not in text, f"{deployment['name']}: {markup} shown raw"
+    if deployment["name"] == "train":
+        assert schema["properties"]["train_data"]["title"] == "Training data"
+        assert schema["properties"]["train_data"]["description"].startswith("Labeled")
+
+
 def test_the_promote_and_score_deployments_are_there() -> None:
     names = {d["name"] for d in SPEC["deployments"]}
     assert {"pipeline", "train", "tune", "tune-trial", "promote", "score"} <= names

@@ -120,12 +120,26 @@ def test_the_score_flow_takes_a_path_or_the_champion_by_default(
     assert (by_path.model_dir, by_path.version) == (exported_model, None)
 
     register(exported_model, settings=project, alias="champion")
-    by_alias = score_flow(images=str(val))  # default: models:/<registered name>@champion
+    state = score_flow(images=str(val), return_state=True)  # default: <registered name>@champion
+    by_alias = state.result()
     assert by_alias.model == f"models:/{NAME}@champion"
     assert (by_alias.model_dir, by_alias.version) == (cache_path(project, NAME, 1), 1)
     assert by_alias.scored.parent == project.home_dir / "scores"
     assert by_alias.scored.name.startswith(f"{NAME}-v1-")
     pd.testing.assert_frame_equal(pd.read_csv(by_alias.scored), pd.read_csv(by_path.scored))
+
+    # The run's own report: which version scored what, how many, where the table is.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        (report,) = [a for a in client.read_artifacts(flow_run_filter=this_run)
+                     if a.key == "scoring-report"]  # fmt: skip
+    rows = len(pd.read_csv(by_alias.scored))
+    assert f"`models:/{NAME}@champion` (version 1)" in report.data  # file store: no UI link
+    assert f"| rows | {rows:,} |" in report.data and "| unreadable (a row" in report.data
+    assert f"| table | `{by_alias.scored}` |" in report.data
 
 
 def test_a_version_logged_with_the_onnx_flavor_still_resolves(

@@ -98,6 +98,9 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
         reports = {a.key: a.data for a in mine}
         summary = next(a for a in mine if a.key == "pipeline-summary")
         flow_run = prefect.read_flow_run(summary.flow_run_id)
+    # On the run a person started, not only on the training sub-flow's run.
+    on_the_run = {a.key for a in mine if a.flow_run_id == summary.flow_run_id}
+    assert on_the_run == {"training-report", "evaluation-summary", "pipeline-summary"}
     assert "![training curves](data:image/png;base64," in reports["training-report"]
     assert "| epoch |" in reports["training-report"]
     assert "rank_0.log" in reports["training-report"] and "rank_1.log" in reports["training-report"]

@@ -316,33 +316,40 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
         project_root=project_root, home=project_root / ".imageops", mlflow_tracking_uri=mlflow_url
     )
     try:
-        registered = register(exported_model, settings=settings)
+        versions = [register(exported_model, settings=settings).version for _ in range(2)]
     finally:
         mlflow.set_tracking_uri(None)  # other tests must not talk to this server
         mlflow.set_registry_uri(None)
-    # ... and promoted through MLflow's REST API, as any other tool would.
-    answer = httpx.post(
-        f"{mlflow_url}/api/2.0/mlflow/registered-models/alias",
-        json={"name": NAME, "alias": "champion", "version": str(registered.version)},
-        timeout=30,
-    )
-    assert answer.status_code == 200, answer.text
+    # ... and promoted through MLflow's REST API, as any other tool would: twice, at once. Each
+    # promotion must score its own version (not whatever @champion is when its run starts).
+    for version in versions:
+        answer = httpx.post(
+            f"{mlflow_url}/api/2.0/mlflow/registered-models/alias",
+            json={"name": NAME, "alias": "champion", "version": str(version)},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
 
-    def finished_run() -> Any:
+    def finished_runs() -> Any:
         query = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]))
         with prefect_client() as client:
             runs = client.read_flow_runs(flow_run_filter=query)
         for run in runs:
             if run.state_type.value in {"FAILED", "CRASHED", "CANCELLED"}:
                 pytest.fail(f"scoring run ended {run.state_type.value}\n{processes.report()}")
-        return next((r for r in runs if r.state_type.value == "COMPLETED"), None)
+        done = [r for r in runs if r.state_type.value == "COMPLETED"]
+        return done if len(done) == len(versions) else None
 
-    run = processes.wait("a completed scoring run", finished_run, timeout_s=240)
-    assert run.parameters["model"] == f"models:/{NAME}@champion"
+    runs = processes.wait("two completed scoring runs", finished_runs, timeout_s=300)
+    assert sorted(run.parameters["model"] for run in runs) == [
+        f"models:/{NAME}/{version}" for version in sorted(versions)
+    ]
     table = pd.read_csv(scores)
     assert len(table) == len(read_manifest(val).images)
-    cached = project_root / ".imageops" / "registry-cache" / NAME / str(registered.version)
-    assert (cached / "model.onnx").is_file()
+    for version in versions:
+        cached = project_root / ".imageops" / "registry-cache" / NAME / str(version)
+        assert (cached / "model.onnx").is_file()
     receiver_log = (processes.logs / "receiver.log").read_text()
     assert "MLflow webhook test delivery" in receiver_log
-    assert f"{NAME}@champion -> version {registered.version}: emitted" in receiver_log
+    for version in versions:
+        assert f"{NAME}@champion -> version {version}: emitted" in receiver_log

@@ -197,6 +197,25 @@ def test_serve_prints_both_uis_and_binds_to_localhost(served: Served) -> None:
     assert listening and listening <= {"127.0.0.1"}, listening
 
 
+def test_what_serve_prints_works_with_the_prefect_and_mlflow_commands(served: Served) -> None:
+    """A person copies the printed export lines into another shell and runs Prefect's and
+    MLflow's own commands: they must reach this stack, not start servers of their own."""
+    exports = [line.strip() for line in served.log.read_text().splitlines()
+               if line.strip().startswith("export ")]  # fmt: skip
+    assert any("PREFECT_API_URL=" in e and "MLFLOW_TRACKING_URI=" in e for e in exports)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "MLFLOW_", "IMAGEOPS_"))}  # fmt: skip
+    env |= {"PREFECT_HOME": str(served.root / ".prefect-shell"), "COLUMNS": "200"}
+    bin_dir = Path(sys.executable).parent
+    script = "\n".join([*exports, f"{bin_dir}/prefect deployment ls",
+                         f"{bin_dir}/mlflow experiments search"])  # fmt: skip
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert set(FULL_NAME.findall(done.stdout)) == deployments_of_the_file(), done.stdout
+    assert "Default" in done.stdout  # MLflow's experiments, from this stack's server
+
+
 def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> None:
     with served.client() as client:
         flows = {f.id: f.name for f in client.read_flows()}

@@ -40,3 +40,25 @@ def test_crashes_are_retried_and_user_errors_are_not(prefect_api: None) -> None:
 
     assert retry_policy() == (True, "done", True)
     assert calls == {"bad_input": 1, "flaky": 3, "crashed_worker": 2}
+
+
+@pytest.mark.slow
+def test_a_run_name_a_person_typed_is_kept_and_a_made_up_one_replaced(prefect_api: None) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.context import get_run_context
+
+    from tasks.shared.step import name_flow_run
+
+    @flow(name="named-run")
+    def named() -> str:
+        name_flow_run("train-resnet18")
+        name_flow_run("train-resnet18-data-1234abcd")  # our own name, made more precise
+        return str(get_run_context().flow_run.id)
+
+    def final_name(run_id: str) -> str:
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(run_id).name
+
+    assert final_name(named()) == "train-resnet18-data-1234abcd"  # Prefect's random name went
+    typed = named.with_options(flow_run_name="my-retrain-after-relabel")
+    assert final_name(typed()) == "my-retrain-after-relabel"

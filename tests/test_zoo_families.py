@@ -140,10 +140,15 @@ def test_timm_models_are_a_family_of_the_zoo() -> None:
     assert head_parameters(spec, model) == {id(p) for p in model.fc.parameters()}
 
 
-def test_an_unknown_timm_name_is_refused_naming_similar_ones() -> None:
+def test_an_unknown_timm_name_is_refused_naming_similar_ones(tmp_path: Path) -> None:
+    from tasks.train.build_model import build_model as write_model_directory
+
     with pytest.raises(InvalidModelDirectoryError, match="timm has no model 'resnet18x'") as err:
         build_model(spec_for("timm/resnet18x"), 3, 32)
     assert "resnet18" in err.value.hint
+    with pytest.raises(InvalidModelDirectoryError, match="timm has no model"):  # at once
+        write_model_directory({"name": "timm/resnet18x", "pretrained": False}, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
 
 
 def _write_hub_cache(repo: str) -> dict[str, torch.Tensor]:
@@ -197,3 +202,15 @@ def test_transform_init_like_a_model_writes_the_weights_input(tmp_path: Path) ->
     assert (spec["resize_size"], spec["center_crop_size"]) == (480, 480)
     assert spec["mean"] == [0.5, 0.5, 0.5]
     assert "480x480" in result.output
+
+
+def test_model_list_names_every_family_and_timms_models_on_demand() -> None:
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    result = CliRunner().invoke(app, ["model", "list", "--timm", "resnet18*", "--pretrained"])
+    assert result.exit_code == 0, result.output
+    for name in ("densenet201", "resnext101_32x8d", "efficientnet_v2_s", "maxvit_t", "vit_h_14"):
+        assert name in result.output
+    assert "timm/resnet18.a1_in1k" in result.output

@@ -61,9 +61,16 @@ def serve_stack(
         out.print(f"[bold]Receiver[/]    {stack.receiver_url}")
         out.print(f"[bold]Worker[/]      {'pool `local`' if worker else 'none'}")
         out.print(f"[bold]Logs[/]        {stack.dir / 'logs'}")
-        out.print("Use this stack from another shell:")
-        out.print(f"  export IMAGEOPS_PREFECT_API_URL={stack.prefect_api}")
-        out.print(f"  export IMAGEOPS_MLFLOW_TRACKING_URI={stack.mlflow_url}")
+        out.print("Use this stack from another shell (the prefect, mlflow and imageops commands):")
+        out.print(
+            f"  export PREFECT_API_URL={stack.prefect_api} MLFLOW_TRACKING_URI={stack.mlflow_url}",
+            soft_wrap=True,  # one line, however narrow the terminal: it is copied as it is
+        )
+        out.print(
+            f"  export IMAGEOPS_PREFECT_API_URL={stack.prefect_api} "
+            f"IMAGEOPS_MLFLOW_TRACKING_URI={stack.mlflow_url}",
+            soft_wrap=True,
+        )
         out.print("[bold]ready[/]; Ctrl-C stops everything")
         stack.serve_forever()
     except KeyboardInterrupt:

@@ -82,12 +82,42 @@ def model_build(
     ] = None,
     **options: Any,
 ) -> None:
-    """Any DenseNet or ResNet by name, from params.yaml's `model` section and the options."""
+    """Any network of the zoo by name (`imageops model list`), from params.yaml's `model`
+    section and the options."""
     from tasks.train.build_model import build_model
 
     base = _config(config).model.model_dump() if config is not None else {}
     spec = build_model({**base, **_given(options)}, dest)
     out.print(f"wrote {spec.arch} to {dest}")
+
+
+@model_app.command("list")
+def model_list(
+    timm: Annotated[
+        str | None,
+        typer.Option(
+            help="Also list timm's models whose names match this pattern (e.g. '*convnext*'; "
+            "'*' for all 1,000 and more), each usable as --name timm/<name>."
+        ),
+    ] = None,
+    pretrained: Annotated[
+        bool,
+        typer.Option(help="With --timm: only names with published weights (their tags)."),
+    ] = False,
+) -> None:
+    """Every architecture of the zoo, family by family: names for `model build --name`."""
+    from models.untrained import FAMILIES
+
+    for family in FAMILIES.values():
+        if family.prefix is None:
+            out.print(f"[bold]{family.title}[/bold]: {', '.join(family.archs)}")
+        else:
+            out.print(f"[bold]{family.title}[/bold]: {family.prefix}<name> (see --timm)")
+    if timm is not None:
+        from models.pretrained import timm as timm_module
+
+        names = timm_module().list_models(timm, pretrained=pretrained)
+        out.print("\n".join(f"timm/{name}" for name in names) or f"no timm model matches {timm!r}")
 
 
 @app.command()

@@ -32,7 +32,7 @@ from tasks.inference.error_analysis import (
 )
 from tasks.inference.score import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.inference.tables import CSV_FORMAT, table_format
-from tasks.shared.artifacts import png_markdown, publish_markdown
+from tasks.shared.artifacts import png_markdown, publish_markdown, publish_table
 from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.shared.settings import Settings, get_settings
 from tasks.shared.step import in_prefect_run, step, step_logger, tasks_on_first_use
@@ -306,17 +306,11 @@ def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | No
 def _publish_prefect_artifacts(
     result: EvaluationResult, scored: Path, compare: Path | None
 ) -> None:
-    from prefect.artifacts import create_table_artifact
-
     tables = [("evaluation-per-class", result, scored)]
     if result.compared is not None and compare is not None:
         tables.append(("evaluation-compare-per-class", result.compared, compare))
     for key, r, path in tables:
-        create_table_artifact(
-            table=r.per_class,
-            key=key,
-            description=f"Per-class precision, recall and F1 of {path.name}",
-        )
+        publish_table(key, r.per_class, f"Per-class precision, recall and F1 of {path.name}")
     title = scored.name if compare is None else f"{scored.name} vs {compare.name}"
     publish_markdown(
         "evaluation-summary", _summary_markdown(result, scored, compare), f"Evaluation of {title}"

@@ -109,6 +109,10 @@ async def send_event(event: Event) -> None:
         await client.emit(event)
 
 
+# Prefect renders a trigger's parameters as Jinja templates of the triggering event.
+VERSION_URI_TEMPLATE = "{{ event.payload.version_uri }}"
+
+
 def alias_trigger(
     name: str,
     alias: str = CHAMPION,
@@ -116,10 +120,12 @@ def alias_trigger(
     parameters: dict[str, Any] | None = None,
     enabled: bool = True,
 ) -> DeploymentEventTrigger:
-    """A deployment trigger: run when ``alias`` of ``name`` is set, with ``model`` = its URI.
+    """A deployment trigger: run when ``alias`` of ``name`` is set, with ``model`` = the version
+    the event names (``models:/<name>/<version>``, the event's ``version_uri``).
 
-    ``parameters`` are added to (and may override) ``{"model": "models:/<name>@<alias>"}``;
-    the deployment's own defaults fill the rest.
+    Not ``models:/<name>@<alias>``: that is resolved when the run starts, and a second alias move
+    in between would have both runs score the later version. ``parameters`` are added to (and
+    may override) ``{"model": ...}``; the deployment's own defaults fill the rest.
     """
     return DeploymentEventTrigger(
         name=f"{name}@{alias} promoted",
@@ -127,5 +133,5 @@ def alias_trigger(
         enabled=enabled,
         expect={ALIAS_CREATED_EVENT},
         match={"prefect.resource.id": model_resource_id(name), ALIAS_LABEL: alias},
-        parameters={"model": f"models:/{name}@{alias}", **(parameters or {})},
+        parameters={"model": VERSION_URI_TEMPLATE, **(parameters or {})},
     )

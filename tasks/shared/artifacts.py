@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tasks.shared.step import in_prefect_run
 
+TRAINING_REPORT = "training-report"  # the training run's curves, metrics and logs
+
 
 def png_markdown(path: Path, alt: str) -> str:
     """An inline markdown image of the PNG at ``path`` (empty if it is missing)."""
@@ -22,14 +24,22 @@ def png_markdown(path: Path, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{data})"
 
 
+def for_people(value: object) -> object:
+    """A float as people read it: 4 decimals, or 3 significant digits when smaller than 0.001
+    (a learning rate of 1e-05, not 0.0000); anything else as it is."""
+    if not isinstance(value, float):
+        return value
+    return f"{value:.3g}" if 0 < abs(value) < 0.001 else f"{value:.4f}"
+
+
 def markdown_table(rows: list[dict[str, object]]) -> str:
-    """A markdown table of ``rows`` (same keys in every row); floats with 4 decimals."""
+    """A markdown table of ``rows`` (same keys in every row); floats as :func:`for_people`."""
     if not rows:
         return ""
     columns = list(rows[0])
 
     def cell(value: object) -> str:
-        return f"{value:.4f}" if isinstance(value, float) else str(value)
+        return str(for_people(value))
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
@@ -52,5 +62,41 @@ def publish_table(key: str, rows: list[dict[str, object]], description: str) -> 
         return False
     from prefect.artifacts import create_table_artifact
 
-    create_table_artifact(table=rows, key=key, description=description)
+    shown = [{k: for_people(v) for k, v in row.items()} for row in rows]
+    create_table_artifact(table=shown, key=key, description=description)
     return True
+
+
+def republish(flow_run_id: object, keys: tuple[str, ...]) -> int:
+    """Create in this flow run the latest markdown artifact of each of ``keys`` that flow run
+    ``flow_run_id`` (a sub-flow, or its tasks) made; returns how many.
+
+    Prefect shows a run's own artifacts only: a deployment whose work happens in a sub-flow
+    (training) would otherwise show nothing on the run a person started.
+    """
+    if not in_prefect_run():
+        return 0
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    query = ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+        key=ArtifactFilterKey(any_=list(keys)),
+    )
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=query, sort=ArtifactSort.CREATED_DESC)
+    latest = {}
+    for artifact in found:  # newest first: the first of each key is its latest
+        if artifact.type == "markdown" and artifact.key not in latest:
+            latest[artifact.key] = artifact
+    for artifact in latest.values():
+        create_markdown_artifact(
+            markdown=str(artifact.data), key=artifact.key, description=artifact.description
+        )
+    return len(latest)

@@ -12,6 +12,7 @@ A module makes its tasks on first use with :func:`tasks_on_first_use`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -113,8 +114,10 @@ def step_logger(name: str) -> logging.Logger | logging.LoggerAdapter:
 def name_flow_run(name: str) -> None:
     """Give the flow run we are in a name a person can find it by (model, data version, trial).
 
-    Prefect names a run at random before its parameters are validated; the flow renames it once
-    it knows what it runs on. Outside a flow run this does nothing.
+    Prefect names a run at random (two words, e.g. ``crimson-lemur``) before its parameters are
+    validated; the flow renames it once it knows what it runs on. A name a person typed (in the
+    UI's custom run form, ``prefect deployment run --flow-run-name``) is theirs: it is kept, and
+    the name we would have given is logged. Outside a flow run this does nothing.
     """
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
@@ -122,5 +125,33 @@ def name_flow_run(name: str) -> None:
     context = FlowRunContext.get()
     if context is None or context.flow_run is None:
         return
+    run_id = context.flow_run.id
     with get_client(sync_client=True) as client:
-        client.update_flow_run(context.flow_run.id, name=name)
+        current = client.read_flow_run(run_id).name
+        if not _random_name(current) and _NAMED.get(run_id) != current:
+            step_logger(__name__).info("Keeping the run name %r (it would be %r)", current, name)
+            return
+        client.update_flow_run(run_id, name=name)
+    _NAMED[run_id] = name
+
+
+# The names this process gave its flow runs: a later, more precise name may replace them.
+_NAMED: dict[object, str] = {}
+
+
+def _random_name(name: str) -> bool:
+    """Whether ``name`` is one Prefect made up: two words of coolname's, Prefect's name maker."""
+    words = name.split("-")
+    return len(words) == 2 and all(word in _coolname_words() for word in words)
+
+
+@functools.cache
+def _coolname_words() -> frozenset[str]:
+    import coolname.data  # Prefect's own dependency, the source of its run names
+
+    return frozenset(
+        word
+        for words in coolname.data.config.values()
+        if words.get("type") == "words"
+        for word in words["words"]
+    )

@@ -1,4 +1,5 @@
-"""The DenseNet / ResNet components as a pipeline step: write an UntrainedModelDirectory."""
+"""The DenseNet / ResNet components (and any network of the zoo) as a pipeline step: write an
+UntrainedModelDirectory."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ from tasks.shared.validation import checked
 
 
 def build_model(choice: ModelChoice | Mapping[str, Any], dest: Path) -> ModelSpec:
-    """Write the UntrainedModelDirectory of ``choice`` (any DenseNet or ResNet) to ``dest``.
+    """Write the UntrainedModelDirectory of ``choice`` (any network of the zoo) to ``dest``.
 
-    An unknown name or a switch of the other family is Azure's InvalidModelDirectoryError.
+    An unknown name or a switch of the other family is Azure's InvalidModelDirectoryError; a timm
+    name is checked against timm's list here (imported only for a timm name), not at training.
     """
     if not isinstance(choice, ModelChoice):
         choice = model_choice(**dict(choice))
     spec = choice.spec()
+    if spec.family == "timm":
+        from models.pretrained import timm_model_name
+
+        timm_model_name(spec)
     write_untrained(spec, Path(dest))
     return spec
 

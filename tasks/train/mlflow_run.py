@@ -23,7 +23,7 @@ from models.untrained import ModelSpec
 from tasks.data.git_revision import git_revision
 from tasks.data.imagedir import Manifest
 from tasks.data.transform import input_size
-from tasks.shared.artifacts import markdown_table, png_markdown, publish_markdown
+from tasks.shared.artifacts import TRAINING_REPORT, markdown_table, png_markdown, publish_markdown
 from tasks.shared.errors import InvalidParameterError, TrainingFailedError
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
@@ -191,7 +191,7 @@ def publish_report(run_id: str, run_dir: Path, result: dict[str, Any], settings:
         )
         if part
     )
-    publish_markdown("training-report", markdown, f"Training curves of MLflow run {run_id}")
+    publish_markdown(TRAINING_REPORT, markdown, f"Training curves of MLflow run {run_id}")
 
 
 class Outcome:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optuna.trial import FrozenTrial, TrialState
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from models.transform_spec import TransformSpec
 from tasks.tune.parameters import Value
@@ -36,9 +36,15 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 class AskedTrial(BaseModel):
     """A trial the study handed out: its number and the values to train with."""
 
-    number: int
-    values: dict[str, Value]
-    resumes: int | None = None  # continue the run of this (interrupted) trial
+    number: int = Field(title="Trial number", description="The study's number for the trial.")
+    values: dict[str, Value] = Field(
+        title="Values", description="Each tuned parameter's value for this trial."
+    )
+    resumes: int | None = Field(
+        None,
+        title="Resumes trial",
+        description="The interrupted trial whose run this one continues; empty: a new run.",
+    )
 
     @property
     def folder_number(self) -> int:
@@ -48,15 +54,24 @@ class AskedTrial(BaseModel):
 class TrialJob(BaseModel):
     """Everything a trial needs besides its values; JSON-able, so a remote flow run takes it."""
 
-    study_name: str
-    storage: str | None  # the journal file; None: the settings' database
-    spec: TuningSpec
-    train_data: Path
-    val_data: Path
-    transform: TransformSpec
-    data_version: dict[str, str] = {}
-    parent_run_id: str
-    folder: Path
+    study_name: str = Field(title="Study name", description="The Optuna study's name.")
+    storage: str | None = Field(
+        title="Study storage",
+        description="The study's journal file; empty: the settings' database.",
+    )
+    spec: TuningSpec = Field(title="Tuning spec", description="The study's spec.")
+    train_data: Path = Field(title="Training data", description="Labeled ImageDirectory.")
+    val_data: Path = Field(title="Validation data", description="Labeled ImageDirectory.")
+    transform: TransformSpec = Field(
+        title="Image transformation", description="The transform every trial trains with."
+    )
+    data_version: dict[str, str] = Field(
+        default_factory=dict, title="Data versions", description="DVC md5s of the data sets."
+    )
+    parent_run_id: str = Field(
+        title="Parent MLflow run", description="The study's run; each trial's run is its child."
+    )
+    folder: Path = Field(title="Study folder", description="Where each trial's folder goes.")
 
     def trial_folder(self, asked: AskedTrial) -> Path:
         return self.folder / f"trial_{asked.folder_number:04d}"

@@ -50,7 +50,11 @@ class TuningSpec(BaseModel):
         title="Metric",
         description=f"Per-epoch metric of the training run: {', '.join(METRICS)}.",
     )
-    goal: Literal["maximize", "minimize"] = Field("maximize", title="Goal")
+    goal: Literal["maximize", "minimize"] = Field(
+        "maximize",
+        title="Goal",
+        description="Whether the metric's best value is its largest (maximize) or smallest.",
+    )
     parameters: list[ParameterSpec] = Field(
         default_factory=default_parameters,
         min_length=1,
