@@ -9,6 +9,7 @@ step emits it itself. How to run it, and what it answers: docs/promotion.md#webh
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -198,6 +199,9 @@ async def _forward(data: Any, delivery_id: str, seen: _SeenDeliveries) -> JSONRe
             status_code=503,
         )
     seen.add(delivery_id)
+    await asyncio.to_thread(
+        _record_champion, str(data["name"]), str(data["alias"]), int(data["version"])
+    )
     log.info(
         "%s@%s -> version %s: emitted %s (%s)",
         data["name"],
@@ -207,6 +211,25 @@ async def _forward(data: Any, delivery_id: str, seen: _SeenDeliveries) -> JSONRe
         event.id,
     )
     return JSONResponse({"status": "emitted", "event": event.event, "event_id": str(event.id)})
+
+
+def _record_champion(name: str, alias: str, version: int) -> None:
+    """The ``champion`` tags after a move of the alias (by hand, or the promote step's): true on
+    both versions (tasks.registry.champion_record). A failure is logged, never refused: the
+    scoring run is what the delivery is for, and the next move reconciles again."""
+    if alias != "champion":
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from tasks.registry.champion_record import reconcile
+
+        settings = get_settings()
+        client = MlflowClient(settings.tracking_uri, registry_uri=settings.registry_uri)
+        reconcile(client, name, alias, moved_to=version)
+    except Exception as exc:
+        log.warning("could not record %s@%s on the versions: %s: %s", name, alias,
+                    type(exc).__name__, exc)  # fmt: skip
 
 
 def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, secret: str | None = None) -> None:

@@ -92,9 +92,13 @@ def test_the_first_model_becomes_champion(
     assert decision.challenger_score == pytest.approx(0.25)
     assert _alias(CHAMPION) == 1
     tags = MlflowClient().get_model_version(NAME, "1").tags
-    assert tags["promotion.decision"] == "promoted"
-    assert "no champion" in tags["promotion.reason"]
-    assert float(tags["promotion.challenger_score"]) == pytest.approx(0.25)
+    assert tags["promotion"].startswith("promoted to @champion ")
+    assert "no champion" in tags["promotion"]
+    assert json.loads(tags["promotion.details"])["challenger_score"] == pytest.approx(0.25)
+    assert tags["champion"].startswith("yes, since ") and tags["champion"].endswith(
+        "(imageops promote)"
+    )
+    assert "champion.pending" not in tags
 
 
 def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
@@ -112,11 +116,16 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
     assert _alias(CHAMPION) == 2
     client = MlflowClient()
     tags = client.get_model_version(NAME, "2").tags  # the winner says why, with both scores
-    assert tags["promotion.decision"] == "promoted"
-    assert float(tags["promotion.challenger_score"]) == pytest.approx(0.75)
-    assert float(tags["promotion.champion_score"]) == pytest.approx(0.25)
-    assert tags["promotion.holdout"] == str(holdout.resolve())
-    assert client.get_model_version(NAME, "1").tags["promotion.replaced_by"] == "2"
+    assert tags["promotion"].startswith("promoted to @champion ")
+    assert "0.7500 vs champion v1 0.2500" in tags["promotion"]
+    details = json.loads(tags["promotion.details"])
+    assert (details["challenger_score"], details["champion_score"]) == pytest.approx((0.75, 0.25))
+    assert details["holdout"] == str(holdout.resolve())
+    first = client.get_model_version(NAME, "1").tags
+    assert "v2 won" in first["promotion.replaced"]
+    assert first["champion"].startswith("no: was @champion from ") and first["champion"].endswith(
+        "(imageops promote); then v2"
+    )
 
     # Version 1 again, now as the candidate against champion v2: it loses, nothing moves.
     again = promote(holdout, candidate=1, settings=project)
@@ -124,13 +133,47 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
     assert not again.promoted
     assert "not more than the margin" in again.reason
     assert _alias(CHAMPION) == 2
-    assert client.get_model_version(NAME, "1").tags["promotion.decision"] == "not promoted"
+    assert client.get_model_version(NAME, "1").tags["promotion"].startswith("not promoted ")
     # the champion's own record stands; the defence is written beside it
     champion = client.get_model_version(NAME, "2").tags
-    assert champion["promotion.decision"] == "promoted"
-    assert float(champion["promotion.challenger_score"]) == pytest.approx(0.75)
-    assert champion["promotion.defended_against"] == "1"
-    assert "not more than the margin" in champion["promotion.defended_reason"]
+    assert champion["promotion"].startswith("promoted to @champion ")
+    assert json.loads(champion["promotion.details"])["challenger_score"] == pytest.approx(0.75)
+    assert "against v1, " in champion["promotion.defended"]
+    assert "not more than the margin" in champion["promotion.defended"]
+    assert champion["champion"].startswith("yes, since ")
+
+
+def test_a_move_by_hand_leaves_true_champion_tags_on_both_versions(
+    project: Settings, always: dict[str, Path], holdout: Path
+) -> None:
+    """A person moves @champion in the registry (the webhook receiver then reconciles): the
+    version that lost it says so, and the one that got it says it was by hand."""
+    from tasks.registry.champion_record import reconcile
+
+    register(always["1"], settings=project, alias=CHALLENGER)
+    promote(holdout, settings=project)  # v1 champion by the promote step
+    register(always["0"], settings=project)  # v2
+    client = MlflowClient()
+    client.set_registered_model_alias(NAME, CHAMPION, "2")  # by hand
+    assert reconcile(client, NAME) == 2
+    assert reconcile(client, NAME) == 2  # a re-delivered webhook changes nothing
+    one, two = (client.get_model_version(NAME, v).tags for v in ("1", "2"))
+    assert one["champion"].startswith("no: was @champion from ")
+    assert one["champion"].endswith("(imageops promote); then v2")
+    assert two["champion"].startswith("yes, since ")
+    assert two["champion"].endswith("(by hand in the MLflow registry)")
+    assert "promotion" not in two  # no decision of ours made it champion, and none claims to
+
+    # Two moves before the receiver hears of the first (v3, then back to v1): v3 held it briefly.
+    register(always["0"], settings=project)  # v3
+    client.set_registered_model_alias(NAME, CHAMPION, "3")
+    client.set_registered_model_alias(NAME, CHAMPION, "1")
+    assert reconcile(client, NAME, moved_to=3) == 1
+    three = client.get_model_version(NAME, "3").tags
+    assert three["champion"].startswith("no: was @champion briefly, until ")
+    assert three["champion"].endswith("(by hand in the MLflow registry); then v1")
+    assert client.get_model_version(NAME, "1").tags["champion"].startswith("yes, since ")
+    assert client.get_model_version(NAME, "2").tags["champion"].endswith("; then v1")
 
 
 def test_a_win_smaller_than_the_margin_leaves_the_champion(
@@ -188,7 +231,9 @@ def test_the_champion_is_scored_once_per_holdout_version(
     assert second.champion_score == pytest.approx(record["metrics"]["f1_macro"])
     assert not (_work_folder(project, 3) / "v1.csv").exists()
     assert (_work_folder(project, 3) / "v3.csv").is_file()
-    assert client.get_model_version(NAME, "3").tags["promotion.scores_reused"] == "v1"
+    assert json.loads(client.get_model_version(NAME, "3").tags["promotion.details"])[
+        "scores_reused"
+    ] == [1]
 
     # One 0 replaced by another scan: another holdout version, so the champion is scored again.
     changed = _holdout(tmp_path / "changed", digits_raw, skip=1)

@@ -349,6 +349,22 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     for version in versions:
         cached = project_root / ".imageops" / "registry-cache" / NAME / str(version)
         assert (cached / "model.onnx").is_file()
+
+    # Both moves were by hand (MLflow's REST API): the receiver left true tags on both versions.
+    def champion_tags() -> Any:
+        get = f"{mlflow_url}/api/2.0/mlflow/model-versions/get"
+        found = [
+            httpx.get(get, params={"name": NAME, "version": str(v)}, timeout=30).json()
+            for v in versions
+        ]
+        tags = [{t["key"]: t["value"] for t in f["model_version"].get("tags", [])} for f in found]
+        return tags if tags[0].get("champion", "").startswith("no") else None
+
+    first, second = processes.wait("the champion tags", champion_tags, timeout_s=60)
+    # (held for a moment only: "from ... to ..." or "briefly, until ...", as the deliveries fell)
+    assert first["champion"].endswith(f"(by hand in the MLflow registry); then v{versions[1]}")
+    assert second["champion"].startswith("yes, since ")
+    assert second["champion"].endswith("(by hand in the MLflow registry)")
     receiver_log = (processes.logs / "receiver.log").read_text()
     assert "MLflow webhook test delivery" in receiver_log
     for version in versions:

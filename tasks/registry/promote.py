@@ -25,6 +25,7 @@ from tasks.data.imagedir import MANIFEST, ManifestHead
 from tasks.data.manifest_stream import content_digest, count_images, read_head
 from tasks.inference.evaluate import SUMMARY_ROWS, table_metrics
 from tasks.inference.score import score
+from tasks.registry.champion_record import mark_pending, reconcile
 from tasks.registry.register import check_alias
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.project_lock import taking_turns
@@ -34,6 +35,8 @@ from tasks.shared.step import step, step_logger, tasks_on_first_use
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 TAG_PREFIX = "promotion."
+PROMOTION_TAG = "promotion"  # the decision in one sentence
+DETAILS_TAG = TAG_PREFIX + "details"  # every field of the decision, JSON
 METRICS = tuple(SUMMARY_ROWS)  # all "higher is better"
 LOCK_TIMEOUT_S = 1800.0  # other promotions scoring a large holdout first
 # A version's metrics on one holdout: tag SCORES_TAG + the holdout's content digest. Raise
@@ -313,7 +316,9 @@ def _decide(
     _record(client, decision, stamp)
     write_json(work / "promotion.json", asdict(decision))
     if promoted:
+        mark_pending(client, name, challenger)  # the webhook receiver may reconcile first
         client.set_registered_model_alias(name, CHAMPION, str(challenger))
+        reconcile(client, name, CHAMPION)
         _announce(settings, name, challenger)
     log.info(
         "%s v%d %s: %s",
@@ -326,38 +331,31 @@ def _decide(
 
 
 def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
-    """The decision as tags on the challenger; on the champion, only what happened to it.
+    """The decision as one sentence on the challenger (``promotion``), its details as JSON
+    beside it (``promotion.details``); on the champion, one sentence of what happened to it.
 
-    The champion keeps the tags of the decision that made it champion: a challenger's loss is
-    written on the challenger, and the champion gets ``promotion.defended_*`` (or, when beaten,
-    ``promotion.replaced_by``) beside its own record, never over it.
+    The champion keeps the record of the decision that made it champion: a challenger's loss is
+    written on the challenger, and the champion gets ``promotion.defended`` (or, when beaten,
+    ``promotion.replaced``) beside its own record, never over it. Two tags where there were
+    twelve: the registry's version list stays readable.
     """
-    tags = {
-        "decision": "promoted" if decision.promoted else "not promoted",
-        "reason": decision.reason,
-        "metric": decision.metric,
-        "margin": repr(decision.margin),
-        "challenger_version": str(decision.challenger_version),
-        "challenger_score": repr(decision.challenger_score),
-        "champion_version": str(decision.champion_version or ""),
-        "champion_score": "" if decision.champion_score is None else repr(decision.champion_score),
-        "holdout": decision.holdout,
-        "holdout_digest": decision.holdout_digest or "",
-        "scores_reused": ",".join(f"v{v}" for v in reused_versions(decision)),
-        "time": stamp,
-    }
-    _set_tags(client, decision.name, decision.challenger_version, tags)
+    verdict = "promoted to @champion" if decision.promoted else "not promoted"
+    details = {**asdict(decision), "time": stamp, "scores_reused": reused_versions(decision)}
+    _set_tags(
+        client,
+        decision.name,
+        decision.challenger_version,
+        {PROMOTION_TAG: f"{verdict} {stamp}: {decision.reason}", DETAILS_TAG: json.dumps(details)},
+    )
     champion = decision.champion_version
     if champion is None or champion == decision.challenger_version:
         return
     if decision.promoted:
-        against = {"replaced_by": str(decision.challenger_version), "replaced_time": stamp}
+        against = {TAG_PREFIX + "replaced": f"{stamp}: v{decision.challenger_version} won, "
+                   f"{decision.reason}"}  # fmt: skip
     else:
-        against = {
-            "defended_against": str(decision.challenger_version),
-            "defended_reason": decision.reason,
-            "defended_time": stamp,
-        }
+        against = {TAG_PREFIX + "defended": f"{stamp}: against v{decision.challenger_version}, "
+                   f"{decision.reason}"}  # fmt: skip
     _set_tags(client, decision.name, champion, against)
 
 
@@ -372,7 +370,7 @@ def reused_versions(decision: Promotion) -> list[int]:
 
 def _set_tags(client: MlflowClient, name: str, version: int, tags: dict[str, str]) -> None:
     for key, value in tags.items():
-        client.set_model_version_tag(name, str(version), TAG_PREFIX + key, value)
+        client.set_model_version_tag(name, str(version), key, value)
 
 
 def _announce(settings: Settings, name: str, version: int) -> None:

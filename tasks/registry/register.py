@@ -145,8 +145,12 @@ def _version_tags(
     if len(classes) <= MAX_TAG_VALUE:
         tags["classes"] = classes
     tags |= {f"data_md5.{name}": str(md5) for name, md5 in data_version.items()}
-    tags |= {f"param.{key}": str(value) for key, value in info.train_params.items()}
-    tags |= {f"metric.{key}": repr(float(value)) for key, value in info.metrics.items()}
+    # What a person compares in the version list; every parameter and metric is in the
+    # training run the version links to (and in model.json), not repeated here as 40 tags.
+    if "recipe" in info.train_params:
+        tags["recipe"] = str(info.train_params["recipe"])
+    if "val/top1" in info.metrics:
+        tags["val_top1"] = f"{float(info.metrics['val/top1']):.4f}"
     return tags
 
 
