@@ -123,9 +123,8 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
     assert details["holdout"] == str(holdout.resolve())
     first = client.get_model_version(NAME, "1").tags
     assert "v2 won" in first["promotion.replaced"]
-    assert first["champion"].startswith("no: was @champion from ") and first["champion"].endswith(
-        "(imageops promote); then v2"
-    )
+    assert first["champion"].startswith("no: was @champion from ")
+    assert first["champion"].endswith("(imageops register --alias champion); then v2")
 
     # Version 1 again, now as the candidate against champion v2: it loses, nothing moves.
     again = promote(holdout, candidate=1, settings=project)

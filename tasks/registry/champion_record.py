@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 CHAMPION_TAG = "champion"
 PENDING_TAG = "champion.pending"  # set by the promote step before it moves the alias
+CHAMPION_ALIAS = "champion"
 BY_PROMOTE = "imageops promote"
+BY_REGISTER = "imageops register --alias champion"
 BY_HAND = "by hand in the MLflow registry"
 
 
@@ -68,6 +70,6 @@ def reconcile(
     return current
 
 
-def mark_pending(client: MlflowClient, name: str, version: int) -> None:
-    """Say, before the promote step moves the alias, that the move is the promote step's."""
-    client.set_model_version_tag(name, str(version), PENDING_TAG, BY_PROMOTE)
+def mark_pending(client: MlflowClient, name: str, version: int, by: str = BY_PROMOTE) -> None:
+    """Say, before imageops moves the alias, whose move it is (the promote step's, by default)."""
+    client.set_model_version_tag(name, str(version), PENDING_TAG, by)

@@ -31,6 +31,7 @@ from tasks.data.git_revision import git_revision
 from tasks.data.transform import inference_steps
 from tasks.inference.export import META_WEIGHTS_SHA256, sha256_file
 from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX
+from tasks.registry.champion_record import BY_REGISTER, CHAMPION_ALIAS, mark_pending, reconcile
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import step, step_logger, tasks_on_first_use
@@ -225,7 +226,12 @@ def register(
         description=describe_version(info, settings.registered_model_name, version.version),
     )
     if alias is not None:
-        client.set_registered_model_alias(settings.registered_model_name, alias, version.version)
+        name = settings.registered_model_name
+        if alias == CHAMPION_ALIAS:  # the champion tags say it was this command's move
+            mark_pending(client, name, int(version.version), BY_REGISTER)
+        client.set_registered_model_alias(name, alias, version.version)
+        if alias == CHAMPION_ALIAS:
+            reconcile(client, name, alias)
     log.info(
         "Registered %s version %s%s",
         settings.registered_model_name,
