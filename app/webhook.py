@@ -213,6 +213,9 @@ async def _forward(data: Any, delivery_id: str, seen: _SeenDeliveries) -> JSONRe
     return JSONResponse({"status": "emitted", "event": event.event, "event_id": str(event.id)})
 
 
+_RECONCILING = threading.Lock()
+
+
 def _record_champion(name: str, alias: str, version: int) -> None:
     """The ``champion`` tags after a move of the alias (by hand, or the promote step's): true on
     both versions (tasks.registry.champion_record). A failure is logged, never refused: the
@@ -226,7 +229,8 @@ def _record_champion(name: str, alias: str, version: int) -> None:
 
         settings = get_settings()
         client = MlflowClient(settings.tracking_uri, registry_uri=settings.registry_uri)
-        reconcile(client, name, alias, moved_to=version)
+        with _RECONCILING:  # two deliveries at once would write the same tags at once
+            reconcile(client, name, alias, moved_to=version)
     except Exception as exc:
         log.warning("could not record %s@%s on the versions: %s: %s", name, alias,
                     type(exc).__name__, exc)  # fmt: skip

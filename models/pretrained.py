@@ -79,7 +79,7 @@ def timm_model_name(spec: ModelSpec) -> str:
         raise InvalidModelDirectoryError(
             f"timm has no model {name!r}.",
             (f"Similar names: {', '.join(close)}. " if close else "")
-            + "`python -c \"import timm; print(timm.list_models('*resnet*'))\"` lists them.",
+            + "`imageops model list --timm '*resnet*'` lists them.",
         )
     return name
 
@@ -121,8 +121,8 @@ def _hub_file(cfg: dict) -> tuple[str, str]:
         raise PretrainedWeightsMissingError(
             f"timm publishes no hub weights for {cfg.get('architecture')} "
             f"({cfg.get('tag') or 'default tag'}).",
-            "Choose a tagged name that has them (timm.list_models(pretrained=True)), or "
-            "train without pretrained weights.",
+            "Choose a tagged name that has them (`imageops model list --timm PATTERN "
+            "--pretrained` lists them), or train without pretrained weights.",
         )
     return repo, cfg.get("hf_hub_filename") or WEIGHTS_FILE
 

@@ -50,9 +50,18 @@ def test_every_form_field_has_a_title_in_words_and_a_plain_description(deploymen
     text = repr(schema)
     for markup in ("``", ":func:", ":class:", ":mod:"):
         assert markup not in text, f"{deployment['name']}: {markup} shown raw"
+    assert "<" not in text.replace("<=", "")  # the form's Markdown would drop <name> as a tag
     if deployment["name"] == "train":
         assert schema["properties"]["train_data"]["title"] == "Training data"
         assert schema["properties"]["train_data"]["description"].startswith("Labeled")
+        # An optional number is one input, left empty for the recipe's value: no type switch,
+        # and no null in the defaults the form would send back.
+        params = schema["definitions"]["TrainParams"]["properties"]
+        assert "anyOf" not in params["momentum"] and params["momentum"]["type"] == "number"
+        assert "default" not in params["momentum"]
+        assert "momentum" not in schema["properties"]["params"]["default"]
+        # A toggle cannot be empty: the recipe's choice stays a choice.
+        assert {"type": "null"} in params["decay_norm_and_bias"]["anyOf"]
 
 
 def test_the_promote_and_score_deployments_are_there() -> None:

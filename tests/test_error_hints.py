@@ -128,7 +128,7 @@ def test_the_scan_reads_every_hint() -> None:
     found = {path: [text for _, text in hints(tree, errors)] for path, tree in trees.items()}
     assert sum(len(texts) for texts in found.values()) > 150
     assert any("`imageops convert SOURCE DEST`" in t for t in found["tasks/data/imagedir.py"])
-    assert any("--no-pretrained" in t for t in found["models/zoo.py"])  # via _without_pretrained
+    assert any("--no-pretrained" in t for t in found["models/pretrained.py"])  # via a helper
     assert any("`imageops train` wrote" in t for t in found["models/directory.py"])  # via `hint`
 
 

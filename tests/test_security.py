@@ -312,7 +312,9 @@ def test_reports_and_links_mask_the_tracking_password(
     for text in (report, printed):
         assert "s3cret" not in text and "u:***@db.example/ml" in text
     server = Settings(project_root=tmp_path, mlflow_tracking_uri="https://u:s3cret@ml.example")
-    assert ui_url(server, "models/m") == "https://u:***@ml.example/#/models/m"
+    assert ui_url(server, "models/m") == (
+        "https://u:***@ml.example/#/models/m?workflowType=machine_learning"
+    )
 
 
 def test_training_output_and_logs_mask_passwords(

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def served(
     }
     log = root / "serve.log"
     process = servers.start(
-        [sys.executable, "-m", "app.cli", "serve", "--no-ui",
+        [sys.executable, "-m", "app.cli", "serve",
          "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
          "--receiver-port", str(ports["receiver"])],
         log, env, cwd=root,
@@ -229,9 +230,8 @@ def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> Non
     params = schema["definitions"]["TrainParams"]["properties"]
     assert params["epochs"]["title"] == "Epochs"
     assert params["epochs"]["exclusiveMinimum"] == 0
-    # empty (null) or a number below 1: a recipe field, left empty for the recipe to fill
-    (number, empty) = params["momentum"]["anyOf"]
-    assert (number["exclusiveMaximum"], empty["type"]) == (1, "null")
+    # a number below 1, one input a person may leave empty for the recipe to fill
+    assert (params["momentum"]["type"], params["momentum"]["exclusiveMaximum"]) == ("number", 1)
     assert params["learning_rate"]["description"].startswith("Initial learning rate")
     assert schema["properties"]["train_data"]["default"] == "data/digits/train"
     # The form shows the demo's values: the ones a partial override keeps (flows.config).
@@ -348,6 +348,111 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     assert form_params["world_size"] == "1"  # 1 node x 1 process, as the form said
     (version,) = client.search_model_versions(f"name = '{MODEL}'")
     assert client.get_model_version_by_alias(MODEL, "challenger").version == version.version
+
+
+# --- in a real browser: Playwright driving Debian's Chromium (apt-get install chromium) --------
+
+CHROMIUM = shutil.which("chromium")
+
+
+@contextmanager
+def browser_page() -> Iterator[Any]:
+    """A page of Debian's Chromium, driven by Playwright (the browser is not downloaded)."""
+    if CHROMIUM is None:
+        pytest.skip("Chromium is not installed: `apt-get install chromium` (.ci/run does)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1600})
+        finally:
+            browser.close()
+
+
+def _field_text(page_text: str, title: str) -> str:
+    """What the form shows for the field titled ``title``, up to the next field."""
+    after = page_text.split(f"{title} (Optional)", 1)[1]
+    return after.split(" (Optional)", 1)[0]
+
+
+def test_browser_the_forms_show_each_field_titled_described_and_one_input(served: Served) -> None:
+    ui = served.api.removesuffix("/api")
+    for name in ("imageops-train-model/train", "imageops-pipeline/pipeline"):
+        deployment = served.deployment(name)
+        with browser_page() as page:
+            page.goto(f"{ui}/deployments/deployment/{deployment.id}/run")
+            page.get_by_text("Parameters", exact=True).wait_for(timeout=60_000)
+            page.get_by_text(" (Optional)").first.wait_for(timeout=60_000)
+            text = page.inner_text("body")
+        for key, prop in deployment.parameter_openapi_schema["properties"].items():
+            assert f"{prop['title']} (Optional)" in text, f"{name}: {key}'s title"
+            assert prop["description"] in text, f"{name}: {key}'s description"
+        for title in ("Momentum", "Learning rate", "Optimizer"):  # optional: one empty input
+            assert "Property is type" not in _field_text(text, title), f"{name}: {title}"
+
+
+def test_browser_a_run_submitted_from_the_form_keeps_the_typed_name_and_values(
+    served: Served, digits_split: tuple[Path, Path]
+) -> None:
+    ui = served.api.removesuffix("/api")
+    train = served.deployment("imageops-train-model/train")
+    train_dir, val_dir = digits_split
+    with browser_page() as page:
+        page.goto(f"{ui}/deployments/deployment/{train.id}/run")
+        page.get_by_text("Run Name", exact=True).wait_for(timeout=60_000)
+        page.locator("input").first.fill("typed-in-the-browser")
+
+        def field(title: str) -> Any:  # the input right after the field's title
+            label = page.get_by_text(f"{title} (Optional)", exact=True).first
+            return label.locator("xpath=following::*[self::input or self::textarea][1]")
+
+        field("Training data").fill(str(train_dir))
+        field("Validation data").fill(str(val_dir))
+        field("Epochs").fill("1")
+        field("Processes per node").fill("1")
+        for toggle in ("Version data with DVC", "Register"):
+            label = page.get_by_text(f"{toggle} (Optional)", exact=True).first
+            label.locator("xpath=following::*[@role='switch'][1]").click()
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_url(re.compile(r"tab=Runs|/runs/flow-run/"), timeout=60_000)
+
+    def submitted() -> Any:
+        runs = served.flow_runs(train.id)
+        return next((r for r in runs if r.name == "typed-in-the-browser"), None)
+
+    run = served.wait("the run submitted from the form", submitted, timeout_s=60)
+    (done,) = served.wait("it to complete", served.finished([run.id]), timeout_s=420)
+    assert done.name == "typed-in-the-browser"  # kept, not renamed train-resnet18-...
+    assert done.parameters["params"]["epochs"] == 1
+    assert done.parameters["steps"] == {"version_data": False, "register_model": False}
+
+
+def test_browser_the_mlflow_links_open_on_the_runs_and_the_registry(served: Served) -> None:
+    """The links imageops prints (`serve`'s MLflow UI line, each run's page): MLflow's model
+    training view, with the experiment's runs table and the registry one click away, not its
+    GenAI overview (traces, token usage)."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.shared.settings import Settings
+    from tasks.shared.tracking import ui_url
+
+    client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
+    experiment = client.get_experiment_by_name("imageops")
+    (run,) = client.search_runs([experiment.experiment_id], max_results=1)
+    printed = re.search(r"MLflow UI\s+(\S+)", served.log.read_text()).group(1)
+    link = ui_url(
+        Settings(mlflow_tracking_uri=served.mlflow), f"experiments/{experiment.experiment_id}"
+    )
+    assert printed == f"{link.split('?')[0]}/runs?{link.split('?')[1]}"
+    for url in (printed, link):
+        with browser_page() as page:
+            page.goto(url)
+            page.get_by_text(run.info.run_name).first.wait_for(timeout=60_000)
+            text = page.inner_text("body")
+            assert "Token Usage" not in text and "Detect Issues" not in text, text[:1500]
+            page.get_by_role("link", name="Models", exact=True).first.click()
+            page.get_by_text(MODEL).first.wait_for(timeout=60_000)
 
 
 def test_the_prefect_cli_lists_what_the_stack_holds(served: Served) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -18,6 +18,9 @@ from app.cli.root import (
     serve_app,
 )
 from tasks.shared.settings import Settings, get_settings, redact_uri
+
+if TYPE_CHECKING:
+    from app.stack import Stack
 
 
 @serve_app.callback(invoke_without_command=True)
@@ -57,7 +60,7 @@ def serve_stack(
     stack.start()
     try:
         out.print(f"[bold]Prefect UI[/]  {stack.prefect_url}")
-        out.print(f"[bold]MLflow UI[/]   {stack.mlflow_url}")
+        out.print(f"[bold]MLflow UI[/]   {_experiment_page(stack)}")
         out.print(f"[bold]Receiver[/]    {stack.receiver_url}")
         out.print(f"[bold]Worker[/]      {'pool `local`' if worker else 'none'}")
         out.print(f"[bold]Logs[/]        {stack.dir / 'logs'}")
@@ -78,6 +81,25 @@ def serve_stack(
     finally:
         stack.stop()
     err.print("stopped")
+
+
+def _experiment_page(stack: Stack) -> str:
+    """The MLflow UI's page of the project's experiment (created now if new), on its runs.
+
+    Not MLflow's home page: MLflow 3's UI opens there, and on an experiment reached from its
+    list, in its GenAI view (traces, token usage), with the runs and the registry out of the
+    sidebar; the link asks for the model-training view (tasks.shared.tracking.ui_url)."""
+    from tasks.shared.tracking import configure_mlflow, ui_url
+
+    project = get_settings()
+    settings = Settings(
+        project_root=project.project_root,
+        home=project.home_dir,
+        mlflow_tracking_uri=stack.mlflow_url,
+        mlflow_experiment=project.mlflow_experiment,
+    )
+    experiment = configure_mlflow(settings)
+    return ui_url(settings, f"experiments/{experiment}/runs") or stack.mlflow_url
 
 
 @serve_app.command("scoring")

@@ -55,19 +55,29 @@ def reconcile(
         elif number != current and record.startswith("yes"):
             since, _, by = record.removeprefix("yes, since ").partition(" (")
             then = f"; then v{current}" if current is not None else ""
-            client.set_model_version_tag(
-                name, str(number), CHAMPION_TAG,
-                f"no: was @{alias} from {since} to {stamp} ({by}{then}",
-            )  # fmt: skip
+            _set(client, name, number, f"no: was @{alias} from {since} to {stamp} ({by}{then}")
         elif number == moved_to and number != current and not record:
             by = tags.get(PENDING_TAG) or BY_HAND
-            client.set_model_version_tag(
-                name, str(number), CHAMPION_TAG,
+            _set(
+                client,
+                name,
+                number,
                 f"no: was @{alias} briefly, until {stamp} ({by}); then v{current}",
-            )  # fmt: skip
+            )
         if number == current and PENDING_TAG in tags:
             client.delete_model_version_tag(name, str(number), PENDING_TAG)
     return current
+
+
+def _set(client: MlflowClient, name: str, version: int, record: str) -> None:
+    """Set the ``champion`` tag; once more if another writer set it at the same moment (MLflow's
+    SQL stores insert a new tag, and two inserts of one key collide)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_model_version_tag(name, str(version), CHAMPION_TAG, record)
+    except MlflowException:
+        client.set_model_version_tag(name, str(version), CHAMPION_TAG, record)
 
 
 def mark_pending(client: MlflowClient, name: str, version: int, by: str = BY_PROMOTE) -> None:

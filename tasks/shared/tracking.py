@@ -21,6 +21,7 @@ LOCK_TIMEOUT_S = 600.0  # another process migrating a new MLflow database on a s
 # this kind opens it on its training runs.
 EXPERIMENT_KIND = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"  # the UI's query parameter for that view
 
 
 def configure_mlflow(settings: Settings) -> str:
@@ -113,12 +114,16 @@ def ui_url(settings: Settings, path: str) -> str | None:
     """A link into the MLflow UI (``path`` after ``#/``) when tracking goes to an MLflow server.
 
     A local SQLite store has no UI until someone runs ``mlflow ui``, so there is no link to give.
-    Links land in logs and Prefect artifacts, so a password in the URI is masked.
+    Links land in logs and Prefect artifacts, so a password in the URI is masked. Each link
+    asks for MLflow's model-training view (``workflowType=machine_learning``): MLflow 3's UI
+    otherwise opens on its GenAI pages (traces, token usage), whatever the experiment's kind,
+    with the runs and the registry out of the sidebar.
     """
     uri = redact_uri(settings.tracking_uri)
     if not uri.startswith(("http://", "https://")):
         return None
-    return f"{uri.rstrip('/')}/#/{path.lstrip('/')}"
+    path = path.lstrip("/")
+    return f"{uri.rstrip('/')}/#/{path}{'&' if '?' in path else '?'}{MODEL_TRAINING_VIEW}"
 
 
 def run_url(settings: Settings, run_id: str, tab: str = "") -> str | None:
