@@ -214,6 +214,7 @@ def test_parameter_defaults_are_the_seeds() -> None:
         "device": "auto",
         "precision": "auto",
         "num_workers": None,
+        "compile": False,  # measured slower on CPU (docs/training.md): off
         "cluster": None,  # torchrun on this machine
         "cluster_timeout_s": 180,  # waits of minutes, not torch's 10
         "rdzv_timeout_s": 180,
