@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -260,11 +260,21 @@ def gallery_png(wrong: list[WrongImage], images: Path, path: Path) -> Path:
             tile.imshow(np.asarray(image))
         except Exception as exc:  # a gallery tile must not sink the evaluation
             tile.text(0.5, 0.5, type(exc).__name__, ha="center", va="center")
-        names = f"{visible_name(item.truth)} -> {visible_name(item.predicted)}"
-        tile.set_title(f"{names} ({item.confidence:.2f})", fontsize=8, parse_math=False)
+        title_tile(tile, item)
+    return save_grid(figure, axes, "Most confidently wrong (true -> predicted)", path)
+
+
+def title_tile(tile: Any, item: WrongImage) -> None:
+    """A wrong image's tile title: true -> predicted (the wrong answer's confidence)."""
+    names = f"{visible_name(item.truth)} -> {visible_name(item.predicted)}"
+    tile.set_title(f"{names} ({item.confidence:.2f})", fontsize=8, parse_math=False)
+
+
+def save_grid(figure: Figure, axes: Any, title: str, path: Path) -> Path:
+    """A grid of image tiles, without axes, titled, written atomically to ``path``."""
     for tile in axes:
         tile.set_axis_off()
-    figure.suptitle("Most confidently wrong (true -> predicted)")
+    figure.suptitle(title)
     with atomic_file(path) as tmp:
         figure.savefig(tmp, format="png")
     return path

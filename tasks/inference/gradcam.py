@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from models.atomic import atomic_file
-from tasks.data.imageformat import visible_name
-from tasks.inference.error_analysis import WrongImage, figure_of
+from tasks.inference.error_analysis import WrongImage, figure_of, save_grid, title_tile
 from tasks.shared.step import step_logger
 
 if TYPE_CHECKING:
@@ -110,11 +108,5 @@ def gradcam_png(wrong: list[WrongImage], images: Path, model_dir: Path, path: Pa
             seen = (batch[0] * std + mean).clamp(0, 1).permute(1, 2, 0).numpy()
             tile.imshow(seen)
             tile.imshow(cam, cmap="jet", alpha=0.45, vmin=0, vmax=1)
-        names = f"{visible_name(item.truth)} -> {visible_name(item.predicted)}"
-        tile.set_title(f"{names} ({item.confidence:.2f})", fontsize=8, parse_math=False)
-    for tile in axes:
-        tile.set_axis_off()
-    figure.suptitle("Grad-CAM of the predicted class (true -> predicted)")
-    with atomic_file(path) as tmp:
-        figure.savefig(tmp, format="png")
-    return path
+        title_tile(tile, item)
+    return save_grid(figure, axes, "Grad-CAM of the predicted class (true -> predicted)", path)
