@@ -7,7 +7,9 @@ Face hub cache), with the network cut off: nothing is downloaded.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import safetensors.torch
@@ -194,9 +196,10 @@ def test_transform_init_like_a_model_writes_the_weights_input(tmp_path: Path) ->
     from app.cli import app
 
     dest = tmp_path / "t"
-    result = CliRunner().invoke(
-        app, ["transform", "init", str(dest), "--like-model", "efficientnet_v2_l"]
-    )
+    with mock.patch.dict(os.environ):  # the CLI exports its settings: keep them in here
+        result = CliRunner().invoke(
+            app, ["transform", "init", str(dest), "--like-model", "efficientnet_v2_l"]
+        )
     assert result.exit_code == 0, result.output
     spec = json.loads((dest / "transform.json").read_text())["transform"]
     assert (spec["resize_size"], spec["center_crop_size"]) == (480, 480)
@@ -209,7 +212,8 @@ def test_model_list_names_every_family_and_timms_models_on_demand() -> None:
 
     from app.cli import app
 
-    result = CliRunner().invoke(app, ["model", "list", "--timm", "resnet18*", "--pretrained"])
+    with mock.patch.dict(os.environ):  # the CLI exports its settings: keep them in here
+        result = CliRunner().invoke(app, ["model", "list", "--timm", "resnet18*", "--pretrained"])
     assert result.exit_code == 0, result.output
     for name in ("densenet201", "resnext101_32x8d", "efficientnet_v2_s", "maxvit_t", "vit_h_14"):
         assert name in result.output
