@@ -45,6 +45,18 @@ DEMO_TRANSFORM = TransformSpec(
 DEMO_MODEL = ModelChoice(name="resnet18", pretrained=False)
 # Two training processes: the demo shows DDP on a 2-core machine.
 DEMO_TRAIN = TrainParams(nproc_per_node=2)
+# The model and training sections as every form shows them (the pipeline's and the train
+# deployment's): one definition, so the two forms cannot drift apart.
+MODEL_FIELD = Field(
+    title="Model",
+    description="The network: a DenseNet or ResNet of the Azure components, any other "
+    "torchvision classifier by name, or timm/<name>.",
+)
+TRAIN_FIELD = Field(
+    title="Training parameters",
+    description="Train PyTorch Model's parameters and the recipe; empty fields take the "
+    "recipe's values.",
+)
 
 
 def in_project(path: str, what: str, settings: Settings) -> Path:
@@ -153,18 +165,8 @@ class PipelineConfig(BaseModel):
         description="Init Image Transformation: how images become the network's input. "
         "Training uses its training mode; validation, export and scoring its inference mode.",
     )
-    model: DemoModel = Field(
-        default=DEMO_MODEL,
-        title="Model",
-        description="The network: a DenseNet or ResNet of the Azure components, any other "
-        "torchvision classifier by name, or timm/<name>.",
-    )
-    train: DemoTrainParams = Field(
-        default=DEMO_TRAIN,
-        title="Training parameters",
-        description="Train PyTorch Model's parameters and the recipe; empty fields take the "
-        "recipe's values.",
-    )
+    model: Annotated[DemoModel, MODEL_FIELD] = DEMO_MODEL
+    train: Annotated[DemoTrainParams, TRAIN_FIELD] = DEMO_TRAIN
     quantize: bool = Field(
         default=False,
         title="Quantize to INT8",

@@ -18,6 +18,8 @@ from flows.config import (
     DEMO_MODEL,
     DEMO_TRAIN,
     DEMO_TRANSFORM,
+    MODEL_FIELD,
+    TRAIN_FIELD,
     DemoModel,
     DemoTrainParams,
     DemoTransform,
@@ -80,14 +82,7 @@ EVERY_STEP = TrainSteps()
 
 @flow(name="imageops-train-model", log_prints=True)
 def train_model_flow(
-    model: Annotated[
-        DemoModel,
-        Field(
-            title="Model",
-            description="The network: a DenseNet or ResNet of the Azure components, any other "
-            "torchvision classifier by name, or timm/<name>.",
-        ),
-    ] = DEMO_MODEL,
+    model: Annotated[DemoModel, MODEL_FIELD] = DEMO_MODEL,
     train_data: Annotated[
         str,
         Field(
@@ -104,14 +99,7 @@ def train_model_flow(
             min_length=1,
         ),
     ] = "data/digits/val",
-    params: Annotated[
-        DemoTrainParams,
-        Field(
-            title="Training parameters",
-            description="Train PyTorch Model's parameters and the recipe; empty fields take the "
-            "recipe's values.",
-        ),
-    ] = DEMO_TRAIN,
+    params: Annotated[DemoTrainParams, TRAIN_FIELD] = DEMO_TRAIN,
     transform: Annotated[
         DemoTransform | None,
         Field(
