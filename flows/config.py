@@ -28,6 +28,7 @@ from tasks.data.convert import source_classes
 from tasks.data.datasets import NAME_PATTERN, name_problem, source_name
 from tasks.data.transform import input_size
 from tasks.shared.errors import InvalidParameterError, InvalidTransformationDirectoryError
+from tasks.shared.forms import form_field
 from tasks.shared.settings import Settings
 from tasks.train.params import TrainParams
 
@@ -47,12 +48,12 @@ DEMO_MODEL = ModelChoice(name="resnet18", pretrained=False)
 DEMO_TRAIN = TrainParams(nproc_per_node=2)
 # The model and training sections as every form shows them (the pipeline's and the train
 # deployment's): one definition, so the two forms cannot drift apart.
-MODEL_FIELD = Field(
+MODEL_FIELD = form_field(
     title="Model",
     description="The network: a DenseNet or ResNet of the Azure components, any other "
     "torchvision classifier by name, or timm/<name>.",
 )
-TRAIN_FIELD = Field(
+TRAIN_FIELD = form_field(
     title="Training parameters",
     description="Train PyTorch Model's parameters and the recipe; empty fields take the "
     "recipe's values.",

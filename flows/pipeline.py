@@ -13,7 +13,7 @@ from typing import Annotated
 
 from prefect import flow
 from prefect.context import FlowRunContext
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from flows.config import PipelineConfig
 from flows.score import score_in_flow
@@ -29,6 +29,7 @@ from tasks.inference.score import ShardedScoring
 from tasks.registry.promote import CHALLENGER, Promotion, promote_task
 from tasks.registry.register import register_task
 from tasks.shared.artifacts import markdown_table, publish_markdown
+from tasks.shared.forms import form_field
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import name_flow_run
 from tasks.shared.tracking import model_version_url, run_url
@@ -61,7 +62,7 @@ DEFAULT_CONFIG = PipelineConfig()
 def pipeline(
     config: Annotated[
         PipelineConfig,
-        Field(
+        form_field(
             title="Pipeline parameters",
             description="Every option of `imageops run` (params.yaml has the same shape).",
         ),

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Annotated
 
 from prefect import flow
-from pydantic import Field
 
 from tasks.registry.promote import CHALLENGER, Promotion, promote_task
+from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings
 from tasks.shared.step import name_flow_run
 
@@ -21,7 +21,7 @@ from tasks.shared.step import name_flow_run
 def promote_flow(
     holdout: Annotated[
         str | None,
-        Field(
+        form_field(
             title="Holdout images",
             description="Labeled ImageDirectory neither model trained on, relative to the "
             "project root. Empty: the demo pipeline's validation set (data/digits/val).",
@@ -29,7 +29,7 @@ def promote_flow(
     ] = None,
     candidate: Annotated[
         str,
-        Field(
+        form_field(
             title="Candidate",
             description="Alias (e.g. challenger) or version number of the model to promote.",
             min_length=1,
@@ -37,7 +37,7 @@ def promote_flow(
     ] = CHALLENGER,
     metric: Annotated[
         str,
-        Field(
+        form_field(
             title="Metric",
             description="Evaluate Model metric compared (higher is better): accuracy, "
             "top5_accuracy, precision/recall/f1 _macro or _weighted.",
@@ -45,7 +45,7 @@ def promote_flow(
     ] = "accuracy",
     margin: Annotated[
         float,
-        Field(
+        form_field(
             title="Margin",
             description="How much more than the champion's the candidate's metric must be.",
             ge=0.0,

@@ -20,7 +20,7 @@ from typing import Annotated
 from prefect import flow, serve
 from prefect.deployments.runner import RunnerDeployment
 from prefect.futures import wait
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from tasks.inference.score import (
     SHARD_IMAGES,
@@ -36,7 +36,7 @@ from tasks.registry.model_uri import fetch_registered_model_task, is_registry_ur
 from tasks.registry.promotion_events import CHAMPION, alias_trigger
 from tasks.shared.artifacts import publish_markdown
 from tasks.shared.errors import ImageOpsError, error_text
-from tasks.shared.forms import form_schema
+from tasks.shared.forms import form_field, form_schema
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import in_prefect_run, name_flow_run
 
@@ -85,29 +85,29 @@ class ScoreResult(BaseModel):
 def score_flow(
     model: Annotated[
         str | None,
-        Field(
+        form_field(
             title="Model",
             description="A ModelDirectory path, models:/<name>@<alias> or models:/<name>/<version>;"
             " default: models:/<registered model name>@champion.",
         ),
     ] = None,
     images: Annotated[
-        str, Field(title="Images", description="ImageDirectory or image folder to score.")
+        str, form_field(title="Images", description="ImageDirectory or image folder to score.")
     ] = "data/digits/val",
     dest: Annotated[
         str | None,
-        Field(
+        form_field(
             title="Scored table",
             description=".csv or .parquet; default: <home>/scores/<model>-<UTC time>.csv.",
         ),
     ] = None,
     batch_size: Annotated[
         int,
-        Field(gt=0, title="Batch size", description="Images per ONNX Runtime call."),
+        form_field(gt=0, title="Batch size", description="Images per ONNX Runtime call."),
     ] = 64,
     shard_images: Annotated[
         int,
-        Field(
+        form_field(
             gt=0,
             title="Images per shard",
             description="A larger input is cut into shards scored by parallel tasks; "
@@ -116,7 +116,7 @@ def score_flow(
         ),
     ] = SHARD_IMAGES,
     threads: Annotated[
-        int | None, Field(gt=0, title="Threads", description="Default: the cores available.")
+        int | None, form_field(gt=0, title="Threads", description="Default: the cores available.")
     ] = None,
 ) -> ScoreResult:
     """Score ``images`` with ``model``; relative paths are under the project root."""

@@ -30,6 +30,7 @@ from tasks.inference.export import export_task
 from tasks.registry.promote import CHALLENGER
 from tasks.registry.register import register_task
 from tasks.shared.artifacts import TRAINING_REPORT, republish
+from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings
 from tasks.shared.step import name_flow_run
 from tasks.train.build_model import build_model_task
@@ -85,7 +86,7 @@ def train_model_flow(
     model: Annotated[DemoModel, MODEL_FIELD] = DEMO_MODEL,
     train_data: Annotated[
         str,
-        Field(
+        form_field(
             title="Training data",
             description="Labeled ImageDirectory, relative to the project root.",
             min_length=1,
@@ -93,7 +94,7 @@ def train_model_flow(
     ] = "data/digits/train",
     val_data: Annotated[
         str,
-        Field(
+        form_field(
             title="Validation data",
             description="Labeled ImageDirectory scored after every epoch (the best epoch wins).",
             min_length=1,
@@ -102,7 +103,7 @@ def train_model_flow(
     params: Annotated[DemoTrainParams, TRAIN_FIELD] = DEMO_TRAIN,
     transform: Annotated[
         DemoTransform | None,
-        Field(
+        form_field(
             title="Image transformation",
             description="Init Image Transformation; the default fits the 32x32 digits demo. "
             "Empty (null): the transform the data was prepared with (Apply Image "
@@ -112,7 +113,7 @@ def train_model_flow(
     ] = DEMO_TRANSFORM,
     steps: Annotated[
         TrainSteps,
-        Field(
+        form_field(
             title="Steps around training",
             description="Version the data with DVC first; export and register the model after.",
         ),

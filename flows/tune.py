@@ -16,7 +16,6 @@ from prefect import flow
 from prefect.deployments import run_deployment
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import Field
 
 from flows.config import DEMO_TRANSFORM
 from models.transform_spec import TransformSpec
@@ -24,6 +23,7 @@ from tasks.data.transform import applied_to, data_transform
 from tasks.inference.export import export_task
 from tasks.registry.promote import CHALLENGER
 from tasks.registry.register import register_task
+from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings, redact_uri
 from tasks.shared.step import name_flow_run, step
 from tasks.tune.gpus import check_study_gpus, local_gpus
@@ -78,22 +78,22 @@ trial_task = step(run_trial_anywhere, name="tune-trial", retries=0)
 def tune_flow(
     spec: Annotated[
         TuningSpec | None,
-        Field(
+        form_field(
             title="Tuning spec",
             description="The study: parameters, metric, trials (see "
             "tuning.yaml). Empty: the example study of the digits demo.",
         ),
     ] = None,
     train_data: Annotated[
-        str, Field(title="Training data", description="Labeled ImageDirectory.")
+        str, form_field(title="Training data", description="Labeled ImageDirectory.")
     ] = "data/digits/train",
     val_data: Annotated[
         str,
-        Field(title="Validation data", description="Labeled ImageDirectory the metric is on."),
+        form_field(title="Validation data", description="Labeled ImageDirectory the metric is on."),
     ] = "data/digits/val",
     transform: Annotated[
         TransformSpec | None,
-        Field(
+        form_field(
             title="Image transformation",
             description="Default: the transform the data was prepared with (Apply Image "
             "Transformation), else the demo's (32x32 digits, as the example study expects).",
@@ -101,18 +101,18 @@ def tune_flow(
     ] = None,
     data_version: Annotated[
         dict[str, str] | None,
-        Field(
+        form_field(
             title="Data versions",
             description='DVC md5s of the data sets, e.g. {"train": "..."}, recorded on each '
             "trial's run and the registered model; empty: none recorded.",
         ),
     ] = None,
     register_best: Annotated[
-        bool, Field(title="Register the best model", description="As @challenger.")
+        bool, form_field(title="Register the best model", description="As @challenger.")
     ] = True,
     trial_deployment: Annotated[
         str | None,
-        Field(
+        form_field(
             title="Trial deployment",
             description="<flow>/<deployment> that runs one trial (imageops-tune-trial/"
             "tune-trial): trials become flow runs on its work pool. Empty: tasks of this flow.",
@@ -167,7 +167,7 @@ def tune_flow(
 def trial_flow(
     job: Annotated[
         TrialJob,
-        Field(
+        form_field(
             title="Study",
             description="The study the trial belongs to: its storage, spec, data and folder "
             "(the tune flow fills it).",
@@ -175,7 +175,7 @@ def trial_flow(
     ],
     asked: Annotated[
         AskedTrial,
-        Field(title="Trial", description="The trial's number and the values it trains with."),
+        form_field(title="Trial", description="The trial's number and the values it trains with."),
     ],
 ) -> TrialOutcome:
     """One trial of a study as a flow run of its own: the ``tune-trial`` deployment.

@@ -60,8 +60,26 @@ def test_every_form_field_has_a_title_in_words_and_a_plain_description(deploymen
         assert "anyOf" not in params["momentum"] and params["momentum"]["type"] == "number"
         assert "default" not in params["momentum"]
         assert "momentum" not in schema["properties"]["params"]["default"]
-        # A toggle cannot be empty: the recipe's choice stays a choice.
-        assert {"type": "null"} in params["decay_norm_and_bias"]["anyOf"]
+        # A toggle cannot be empty: yes, no or empty (the recipe's) is a select.
+        assert params["decay_norm_and_bias"]["enum"] == [True, False]
+        assert "anyOf" not in params["decay_norm_and_bias"]
+
+
+@pytest.mark.parametrize("deployment", SPEC["deployments"], ids=lambda d: d["name"])
+def test_prefect_deploy_titles_and_describes_every_parameter_too(deployment: dict) -> None:
+    """`prefect deploy --prefect-file deployments/prefect.yaml` builds the schema itself, with
+    Prefect's own calls (load the entrypoint, ``parameter_schema``): the same titles and
+    descriptions as the deployments imageops registers."""
+    from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
+
+    from app.deployments import runner_deployment
+
+    theirs = parameter_schema(load_flow_from_entrypoint(deployment["entrypoint"]))
+    ours = runner_deployment(deployment, [])._parameter_openapi_schema
+    for name, prop in theirs.properties.items():
+        assert prop["title"] == ours.properties[name]["title"], name
+        assert prop["description"] == ours.properties[name]["description"], name
 
 
 def test_the_promote_and_score_deployments_are_there() -> None:

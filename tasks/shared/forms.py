@@ -1,20 +1,22 @@
 """The Prefect UI's run forms: each deployment's parameter schema, titled and described in words.
 
 Prefect builds a deployment's schema from the flow's signature but titles every parameter by its
-Python name (``train_data``) and takes descriptions only from a Google-style docstring, so the
-``Annotated[..., Field(title=..., description=...)]`` our flows declare never reached the form.
-:func:`form_schema` puts them back, and turns the docstring markup pydantic copies into the
-schema (``code``, :func:`name`) into plain text: the form shows descriptions as they are.
+Python name (``train_data``) and takes descriptions only from a Google-style docstring: a plain
+``Annotated[..., Field(title=..., description=...)]`` never reaches the form. A flow parameter
+declared with :func:`form_field` carries both in ``json_schema_extra``, which Prefect keeps, so
+Prefect's own ``prefect deploy`` gets them too. :func:`form_schema` (what ``imageops serve`` and
+``python -m app.deployments`` register) also turns the docstring markup pydantic copies into the
+nested models' descriptions (``code``, :func:`name`) into plain text, and draws an optional value
+as one input that may be left empty.
 """
 
 from __future__ import annotations
 
 import re
-import typing
 from collections.abc import Callable
 from typing import Any
 
-from pydantic.fields import FieldInfo
+from pydantic import Field
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :func:`tasks.x.y` -> tasks.x.y
 _CODE = re.compile(r"`{1,2}([^`]+)`{1,2}")  # ``imageops run`` / `resize_size` -> the words
@@ -26,21 +28,26 @@ def plain_text(text: str) -> str:
     return _PLACEHOLDER.sub(r"{\1}", _CODE.sub(r"\1", _ROLE.sub(r"\1", text)))
 
 
+def form_field(*, title: str, description: str, **constraints: Any) -> Any:
+    """A flow parameter's ``Field`` whose title and description reach the deployment's form,
+    whichever way the deployment is registered (``json_schema_extra`` survives Prefect's own
+    schema, which overrides ``title`` with the parameter's name)."""
+    text = plain_text(description)
+    return Field(
+        title=title,
+        description=text,
+        json_schema_extra={"title": title, "description": text},
+        **constraints,
+    )
+
+
 def form_schema(fn: Callable[..., Any]) -> Any:
-    """Prefect's parameter schema of flow function ``fn`` (a ``ParameterSchema``), with each
-    parameter's title and description from its ``Annotated`` Field and every description, down
-    to the nested models' fields, in plain text."""
+    """Prefect's parameter schema of flow function ``fn`` (a ``ParameterSchema``), every
+    description, down to the nested models' fields, in plain text, and optional values as one
+    input."""
     from prefect.utilities.callables import parameter_schema
 
-    fn = getattr(fn, "fn", fn)  # a Prefect Flow: its function
-    schema = parameter_schema(fn)
-    hints = typing.get_type_hints(fn, include_extras=True)
-    for name, prop in schema.properties.items():
-        field = _annotated_field(hints.get(name))
-        if field is not None and field.title:
-            prop["title"] = field.title
-        if field is not None and field.description:
-            prop["description"] = field.description
+    schema = parameter_schema(getattr(fn, "fn", fn))  # a Prefect Flow: its function
     for part in (schema.properties, schema.definitions):
         _plain_descriptions(part)
         _one_input_for_optional(part)
@@ -61,9 +68,13 @@ def _one_input_for_optional(node: Any) -> None:
         options = node.get("anyOf")
         if isinstance(options, list) and len(options) == 2 and {"type": "null"} in options:
             (value,) = [o for o in options if o != {"type": "null"}]
-            # Not a nested model (null there is a real choice: "the data's transform"), nor a
-            # switch: a toggle cannot be left empty, and would send false for "the recipe's".
-            if ("type" in value or "enum" in value) and value.get("type") != "boolean":
+            # Not a nested model (null there is a real choice: "the data's transform"). A switch
+            # cannot be left empty (it would send false for "the recipe's"): a yes/no/empty
+            # choice instead, which the form draws as a select.
+            if value.get("type") == "boolean":
+                del node["anyOf"]
+                node["enum"] = [True, False]
+            elif "type" in value or "enum" in value:
                 del node["anyOf"]
                 node.update(value)
         if "default" in node:
@@ -83,12 +94,6 @@ def _without_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_nulls(v) for v in value]
     return value
-
-
-def _annotated_field(hint: Any) -> FieldInfo | None:
-    if typing.get_origin(hint) is typing.Annotated:
-        return next((m for m in typing.get_args(hint)[1:] if isinstance(m, FieldInfo)), None)
-    return None
 
 
 def _plain_descriptions(node: Any) -> None:
