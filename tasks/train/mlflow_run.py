@@ -28,7 +28,7 @@ from tasks.shared.errors import InvalidParameterError, TrainingFailedError
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.shared.tracking import run_url
-from tasks.train.loop import TOP1
+from tasks.train.loop import LOSS, LR, THROUGHPUT, TOP1, TOP5, VAL_LOSS
 from tasks.train.params import RunConfig, TrainParams
 from tasks.train.request import CONFIG, Request
 from tasks.train.run_folder import CHECKPOINT, CURVES
@@ -166,9 +166,33 @@ def _log_params(
     client.log_batch(run_id, params=[Param(k, str(v)) for k, v in values.items()])
 
 
+# The report's per-epoch table: short headings, so it fits the Prefect UI's artifact panel
+# (every metric, per process too, is in the MLflow run).
+REPORT_COLUMNS = {
+    LOSS: "train loss", VAL_LOSS: "val loss", TOP1: "top-1", TOP5: "top-5",
+    THROUGHPUT: "images/s", LR: "learning rate",
+}  # fmt: skip
+
+
+def report_rows(history: list[dict[str, float]]) -> list[dict[str, object]]:
+    """The per-epoch table as people read it: accuracies in %, throughput in whole images."""
+    rows = []
+    for epoch in history:
+        row: dict[str, object] = {"epoch": int(epoch["epoch"])}
+        for key, heading in REPORT_COLUMNS.items():
+            value = epoch.get(key)
+            if value is not None and key in (TOP1, TOP5):
+                value = f"{100 * value:.1f}%"
+            elif value is not None and key == THROUGHPUT:
+                value = round(value)
+            row[heading] = "" if value is None else value
+        rows.append(row)
+    return rows
+
+
 def publish_report(run_id: str, run_dir: Path, result: dict[str, Any], settings: Settings) -> None:
     """The training curves, per-epoch metrics and where each rank's log is, as an artifact."""
-    rows = [{"epoch": int(h.pop("epoch")), **h} for h in map(dict, result.get("history", []))]
+    rows = report_rows(result.get("history", []))
     logs_page = run_url(settings, run_id, "artifacts")
     logs = "\n".join(
         f"- `{path.name}`: `{path}`"

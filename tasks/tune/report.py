@@ -151,7 +151,8 @@ def report_study(study: Study) -> StudyResult:
             f"### Study `{study.name}`: {spec.metric} ({spec.goal}), {spec.algorithm} search",
             f"{len(rows)} trials ({counts}); {summary}.",
             png_markdown(plot, "metric over trials"),
-            markdown_table(rows),
+            # the run id's first 8 characters, so the table fits the panel (whole: tuning-trials)
+            markdown_table([{**r, "mlflow_run_id": (r["mlflow_run_id"] or "")[:8]} for r in rows]),
         ]
     )
     publish_markdown("tuning-report", markdown, f"Trials of study {study.name}")
