@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # editable installs leave out data files (pypa/setuptools#3399).
 PATH_HOOK := $(VENV)/lib/python3.11/site-packages/imageops-venv-bin.pth
 
-.PHONY: install run serve test lint format bench clean
+.PHONY: screenshots install run serve test lint format bench clean
 
 install: $(STAMP) $(PATH_HOOK)
 	@# A cached environment (CI keeps one per lock) may hold the editable install of another
@@ -59,6 +59,11 @@ lint: install
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The README's screenshots (docs/img/prefect-*.png, mlflow-*.png), taken by the browser tests of
+# tests/test_stack.py as they pass (Debian's chromium; about 8 minutes on 2 cores).
+screenshots: install
+	IMAGEOPS_SCREENSHOTS=$(CURDIR)/docs/img $(BIN)/python -m pytest -p no:randomly tests/test_stack.py
 
 # Every benchmark in bench/, each in a fresh process; writes the results table into
 # docs/benchmarks.md and the plots into docs/img/. Quick by default (about 18 minutes on 2 cores);

@@ -353,6 +353,8 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
 # --- in a real browser: Playwright driving Debian's Chromium (apt-get install chromium) --------
 
 CHROMIUM = shutil.which("chromium")
+# `make screenshots` sets it: the README's pictures are what these tests saw.
+SCREENSHOTS = os.environ.get("IMAGEOPS_SCREENSHOTS")
 
 
 @contextmanager
@@ -370,6 +372,16 @@ def browser_page() -> Iterator[Any]:
             browser.close()
 
 
+def shoot(page: Any, name: str, *, full_page: bool = False) -> None:
+    """Save what the page shows as ``<IMAGEOPS_SCREENSHOTS>/<name>.png`` (when set), whole."""
+    if SCREENSHOTS:
+        folder = Path(SCREENSHOTS)
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".{name}.partial.png"
+        page.screenshot(path=str(partial), full_page=full_page)
+        partial.replace(folder / f"{name}.png")
+
+
 def _field_text(page_text: str, title: str) -> str:
     """What the form shows for the field titled ``title``, up to the next field."""
     after = page_text.split(f"{title} (Optional)", 1)[1]
@@ -385,10 +397,13 @@ def test_browser_the_forms_show_each_field_titled_described_and_one_input(served
             page.get_by_text("Parameters", exact=True).wait_for(timeout=60_000)
             page.get_by_text(" (Optional)").first.wait_for(timeout=60_000)
             text = page.inner_text("body")
+            if name.endswith("/train"):
+                shoot(page, "prefect-train-run-form")
         for key, prop in deployment.parameter_openapi_schema["properties"].items():
             assert f"{prop['title']} (Optional)" in text, f"{name}: {key}'s title"
             assert prop["description"] in text, f"{name}: {key}'s description"
-        for title in ("Momentum", "Learning rate", "Optimizer"):  # optional: one empty input
+        # optional: one input left empty for the recipe's value; yes/no/empty as a select
+        for title in ("Momentum", "Learning rate", "Optimizer", "Decay norm layers and biases"):
             assert "Property is type" not in _field_text(text, title), f"{name}: {title}"
 
 
@@ -451,8 +466,99 @@ def test_browser_the_mlflow_links_open_on_the_runs_and_the_registry(served: Serv
             page.get_by_text(run.info.run_name).first.wait_for(timeout=60_000)
             text = page.inner_text("body")
             assert "Token Usage" not in text and "Detect Issues" not in text, text[:1500]
+            if url == printed:
+                shoot(page, "mlflow-experiment-runs")
             page.get_by_role("link", name="Models", exact=True).first.click()
             page.get_by_text(MODEL).first.wait_for(timeout=60_000)
+
+
+def test_browser_the_training_report_fits_its_panel(served: Served) -> None:
+    """The report a person opens from the train run: its curves and per-epoch table inside the
+    artifact panel, nothing cut off at the right edge."""
+    with served.client() as client:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        query = ArtifactFilter(key=ArtifactFilterKey(any_=["training-report"]))
+        (report, *_) = client.read_artifacts(artifact_filter=query)
+    ui = served.api.removesuffix("/api")
+    with browser_page() as page:
+        page.goto(f"{ui}/artifacts/artifact/{report.id}")
+        page.get_by_text("train loss", exact=True).first.wait_for(timeout=60_000)
+        overflowing = page.evaluate(
+            """() => [...document.querySelectorAll('table')]
+                .filter(t => t.scrollWidth > t.parentElement.clientWidth + 1)
+                .map(t => [t.scrollWidth, t.parentElement.clientWidth, t.rows[0].innerText])"""
+        )
+        assert page.locator("table").count() >= 1
+        assert not overflowing, overflowing
+        shoot(page, "prefect-training-report", full_page=True)
+
+
+@pytest.fixture
+def registered_version(served: Served, digits_split: tuple[Path, Path]) -> str:
+    """A version of the model in the served registry: the one the form and CLI runs registered,
+    else one trained here (when this test runs alone)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
+    versions = client.search_model_versions(f"name = '{MODEL}'") if client.search_registered_models(
+        f"name = '{MODEL}'") else []  # fmt: skip
+    if not versions:
+        train_dir, val_dir = digits_split
+        with served.client() as prefect:
+            run = prefect.create_flow_run_from_deployment(
+                served.deployment("imageops-train-model/train").id,
+                parameters={
+                    "train_data": str(train_dir), "val_data": str(val_dir),
+                    "params": {"epochs": 1, "nproc_per_node": 1},
+                    "transform": {"resize_size": 16, "center_crop_size": 16},
+                    "steps": {"version_data": False},
+                },
+            )  # fmt: skip
+        served.wait("a model to train and register", served.finished([run.id]), 420)
+        versions = client.search_model_versions(f"name = '{MODEL}'")
+    return max(versions, key=lambda v: int(v.version)).version
+
+
+def test_browser_champion_set_by_clicks_scores_that_version(
+    served: Served, registered_version: str, digits_split: tuple[Path, Path]
+) -> None:
+    """In MLflow's registry page: Aliases, Add (or the pencil), type champion, Save. MLflow's
+    webhook reaches the receiver, Prefect's trigger starts the score deployment with that
+    version, and it completes; the version's tag says since when and how it became champion."""
+    from mlflow.tracking import MlflowClient
+
+    # The score deployment's images (data/digits/val), where a person's project keeps them.
+    images = served.root / "data" / "digits" / "val"
+    if not images.exists():
+        shutil.copytree(digits_split[1], images)
+    score = served.deployment("imageops-score/score")
+    before = {r.id for r in served.flow_runs(score.id)}
+    with browser_page() as page:
+        page.goto(f"{served.mlflow}/#/models/{MODEL}/versions/{registered_version}")
+        # the Aliases row's button: "Add" on a version without one, "Edit aliases" with one
+        aliases = page.locator("[data-testid=descriptions-item]", has_text="Aliases")
+        aliases.get_by_role("button").click()
+        dialog = page.get_by_role("dialog")
+        dialog.get_by_role("combobox").fill("champion")
+        dialog.get_by_role("combobox").press("Enter")
+        dialog.get_by_role("button", name="Save aliases").click()
+        dialog.wait_for(state="hidden", timeout=30_000)
+        page.get_by_text("@ champion").first.wait_for(timeout=30_000)
+        shoot(page, "mlflow-model-champion")
+
+    def started() -> list | None:
+        runs = [r for r in served.flow_runs(score.id) if r.id not in before]
+        # not the daily schedule's (models:/...@champion, resolved when it starts)
+        return [r for r in runs if not r.parameters["model"].endswith("@champion")] or None
+
+    (run,) = served.wait("the trigger to start a scoring run", started, timeout_s=120)
+    assert run.parameters["model"] == f"models:/{MODEL}/{registered_version}"
+    served.wait("the scoring run to complete", served.finished([run.id]), timeout_s=300)
+    client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
+    tags = client.get_model_version(MODEL, registered_version).tags
+    assert tags["champion"].startswith("yes, since "), tags
+    assert tags["champion"].endswith("(by hand in the MLflow registry)"), tags
 
 
 def test_the_prefect_cli_lists_what_the_stack_holds(served: Served) -> None:
