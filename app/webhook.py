@@ -130,9 +130,9 @@ def create_app(
                 f"missing {', '.join(missing)}: only signed MLflow webhooks are accepted "
                 "(create the webhook with a secret).",
             )
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return _refuse(413, f"body of {len(body)} bytes; at most {MAX_BODY_BYTES}.")
+        body = await _capped_body(request)
+        if body is None:
+            return _refuse(413, f"body over {MAX_BODY_BYTES} bytes, the most a payload may be.")
         delivery_id, timestamp = headers[DELIVERY_ID_HEADER], headers[TIMESTAMP_HEADER]
         if not signature_matches(secret, delivery_id, timestamp, body, headers[SIGNATURE_HEADER]):
             return _refuse(
@@ -167,6 +167,20 @@ def create_app(
         return await _forward(data, delivery_id, seen)
 
     return app
+
+
+async def _capped_body(request: Request) -> bytes | None:
+    """The body, or None when it is over MAX_BODY_BYTES: refused by its Content-Length before
+    any of it is read, else reading stops at the cap (a chunked body declares no length)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            return None
+    return bytes(body)
 
 
 async def _forward(data: Any, delivery_id: str, seen: _SeenDeliveries) -> JSONResponse:

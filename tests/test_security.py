@@ -9,10 +9,13 @@ the receiver through FastAPI's TestClient, the CLI's option parsing.
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import json
 import logging
+import os
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -230,6 +233,69 @@ def test_the_receiver_refuses_future_relabelled_and_malformed_deliveries() -> No
 
     huge, headers = b"{" + b" " * MAX_BODY_BYTES + b"}", _delivery()[1]
     assert client.post(PATH, content=huge, headers=headers).status_code == 413
+
+
+def test_a_huge_unsigned_body_is_refused_before_it_fills_the_receivers_memory(
+    tmp_path: Path,
+) -> None:
+    """600 MB, falsely signed, at the real receiver (`imageops serve webhook`): refused by its
+    declared length
+    before a byte is read, and a chunked body (no length) read no further than the cap; the
+    process grows by less than 20 MB either way."""
+    import socket
+
+    import psutil
+
+    from app.webhook import MAX_BODY_BYTES, PATH
+    from tasks.shared import servers
+
+    port = servers.free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "IMAGEOPS_"))}
+    env |= {"IMAGEOPS_WEBHOOK_SECRET": SECRET, "PREFECT_API_URL": "http://127.0.0.1:9/api",
+            "IMAGEOPS_PROJECT_ROOT": str(tmp_path), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    receiver = servers.start(
+        [sys.executable, "-m", "app.cli", "serve", "webhook", "--port", str(port)],
+        tmp_path / "receiver.log", env,
+    )  # fmt: skip
+    try:
+        assert servers.wait_until(
+            lambda: servers.healthy(f"http://127.0.0.1:{port}/health", timeout_s=2), 60, 0.2
+        ), (tmp_path / "receiver.log").read_text()
+        process = psutil.Process(receiver.pid)
+        before, peak, sending = process.memory_info().rss, [0], threading.Event()
+
+        def watch() -> None:  # the receiver's largest size while the body is on its way
+            while sending.is_set():
+                peak[0] = max(peak[0], process.memory_info().rss)
+                time.sleep(0.01)
+
+        total, chunk = 600 * 2**20, b"x" * 2**20
+        for chunked in (False, True):
+            signed = _delivery()[1] | {WEBHOOK_SIGNATURE_HEADER: "v1,forged"}
+            head = f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            head += "".join(f"{k}: {v}\r\n" for k, v in signed.items())
+            head += "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {total}\r\n"
+            sending.set()
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(head.encode() + b"\r\n")
+                sent = 0
+                with contextlib.suppress(OSError):  # the receiver may close once it has answered
+                    while sent < total:
+                        sock.sendall(b"100000\r\n" + chunk + b"\r\n" if chunked else chunk)
+                        sent += len(chunk)
+                    if chunked:
+                        sock.sendall(b"0\r\n\r\n")
+                answer = sock.recv(4096).decode(errors="replace")
+            sending.clear()
+            watcher.join()
+            assert " 413 " in answer.splitlines()[0], answer
+            grown = peak[0] - before
+            assert grown < 20 * 2**20, f"receiver grew {grown / 2**20:.0f} MB (chunked={chunked})"
+        assert MAX_BODY_BYTES < 2**20
+    finally:
+        servers.stop(receiver)
 
 
 # ---------------------------------------------------------------------------------------------
