@@ -165,7 +165,8 @@ def _creation_lock(database: Path) -> FileLock:
 def start_temporary_api(log: Path) -> TemporaryAPI | None:
     """Start the server now and export its ``PREFECT_API_URL``; None when one is configured.
 
-    Call it before importing Prefect, and :meth:`TemporaryAPI.wait` before the flow. A server of
+    Call it early (the server starts while the flow's libraries import), and
+    :meth:`TemporaryAPI.wait` before the flow. A server of
     your own (``PREFECT_API_URL`` already set) is always used instead. The server stops when this
     process exits.
     """
@@ -186,4 +187,8 @@ def start_temporary_api(log: Path) -> TemporaryAPI | None:
     api = TemporaryAPI(log, save_template_to=save_to, creating=creating)
     atexit.register(api.stop)
     os.environ["PREFECT_API_URL"] = api.url
+    # Prefect reads its settings once, when imported: a module that imported it before this
+    # call would leave it without the URL, and it would start a second server of its own.
+    if "prefect.context" in sys.modules:
+        sys.modules["prefect.context"].refresh_global_settings_context()
     return api

@@ -24,6 +24,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
+    if sys.argv[2:] == ["prefect-first"]:  # a module imported Prefect before the server started
+        import prefect
     from app.temporary_api import start_temporary_api
 
     api = start_temporary_api(Path(sys.argv[1]))
@@ -53,12 +55,15 @@ def _env(home: Path, cache: Path) -> dict[str, str]:
     return env
 
 
-def _run_probes(project: Path, cache: Path, count: int = 1) -> list[dict]:
+def _run_probes(
+    project: Path, cache: Path, count: int = 1, *, prefect_first: bool = False
+) -> list[dict]:
     """``count`` commands started at once in ``project``, each with its flow run's result."""
     project.mkdir()
+    first = ["prefect-first"] if prefect_first else []
     probes = [
         subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, str(project / f"api-{i}.log")],
+            [sys.executable, "-c", SCRIPT, str(project / f"api-{i}.log"), *first],
             env=_env(project / "prefect", cache),
             cwd=project,
             stdout=subprocess.PIPE,
@@ -110,9 +115,11 @@ def test_the_flow_runs_on_the_temporary_api_which_stops_with_the_process(tmp_pat
     with sqlite3.connect(templates[0]) as db:
         assert db.execute("SELECT version_num FROM alembic_version").fetchone()
         assert db.execute("SELECT count(*) FROM flow_run").fetchone() == (0,)  # empty
-    # ...from which the next new project starts, with its own database and its own runs.
-    (second,) = _run_probes(tmp_path / "second", cache)
+    # ...from which the next new project starts, with its own database and its own runs; in a
+    # process that imported Prefect first, on this one server still (no second of Prefect's own).
+    (second,) = _run_probes(tmp_path / "second", cache, prefect_first=True)
     assert second["state"] == "COMPLETED" and second["run_id"] != result["run_id"]
+    assert second["server_code_here"] is False
     assert _flow_runs(tmp_path / "second" / "prefect" / "prefect.db") == [
         second["run_id"].replace("-", "")
     ]
