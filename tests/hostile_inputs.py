@@ -790,6 +790,21 @@ def _score_pickle_beside(io_: Inputs) -> Run:
     return _score(io_, str(model), io_.val)
 
 
+def _score_truncated_onnx(io_: Inputs) -> Run:
+    model = _model_copy(io_)
+    onnx_file = model / "model.onnx"
+    onnx_file.write_bytes(onnx_file.read_bytes()[: onnx_file.stat().st_size // 2])
+    return _score(io_, str(model), io_.val)
+
+
+def _score_reordered_classes(io_: Inputs) -> Run:
+    model = _model_copy(io_)
+    info = json.loads((model / "model.json").read_text())
+    info["classes"] = info["classes"][::-1]  # an edit: every label moved to another class
+    (model / "model.json").write_text(json.dumps(info))
+    return _score(io_, str(model), io_.val)
+
+
 def _score_bad_images(io_: Inputs) -> Run:
     _digits(io_, io_.src / "images", per_class=2)
     (io_.src / "images" / "0" / "cut.jpg").write_bytes(_jpeg_bytes(io_)[:200])
@@ -1243,6 +1258,10 @@ CASES: list[Case] = [
          _export_pickle_weights, "InvalidModelDirectoryError", "model.safetensors"),
     Case("score-pickle-beside", "score", "a model directory with pickles (model.pkl, model.pt)",
          _score_pickle_beside, "ok: wrote"),
+    Case("score-truncated-onnx", "score", "model.onnx cut to half its size",
+         _score_truncated_onnx, "InvalidModelDirectoryError", "is not a readable ONNX model"),
+    Case("score-reordered-classes", "score", "model.json's class list reversed",
+         _score_reordered_classes, "InvalidModelDirectoryError", "would get the wrong labels"),
     Case("score-bad-images", "score", "a truncated JPEG and an empty PNG among the images",
          _score_bad_images, "ok: wrote"),
     Case("score-odd-names", "score",

@@ -77,7 +77,7 @@ def test_a_path_is_returned_as_is_and_bad_uris_are_refused_with_a_hint(
         resolve_model("models:/nope@champion", project)
 
 
-def test_a_stale_or_half_cache_is_replaced_and_a_corrupt_download_leaves_nothing(
+def test_a_stale_half_or_altered_cache_is_replaced_and_a_corrupt_download_leaves_nothing(
     project: Settings, exported_model: Path
 ) -> None:
     registered = register(exported_model, settings=project, alias="champion")
@@ -92,6 +92,12 @@ def test_a_stale_or_half_cache_is_replaced_and_a_corrupt_download_leaves_nothing
     (path / ONNX).write_bytes(b"not this model")
     assert resolve_model(uri, project) == path
     assert json.loads((path / ORIGIN).read_text())["run_id"] == registered.run_id
+    assert (path / ONNX).read_bytes() == (exported_model / ONNX).read_bytes()
+
+    # The cached model.onnx replaced under a complete cache entry (same origin): its sha256 is
+    # checked on every use, so the version is downloaded again rather than scored with another.
+    (path / ONNX).write_bytes((path / ONNX).read_bytes()[:-100] + b"\0" * 100)
+    assert resolve_model(uri, project) == path
     assert (path / ONNX).read_bytes() == (exported_model / ONNX).read_bytes()
 
     # The artifact store's copy changes after registration: the download is refused by the

@@ -44,6 +44,7 @@ from tasks.train.loop import METRICS
 from tasks.train.params import TrainParams
 from tasks.train.request import TrainRequest
 from tasks.train.run_folder import CHECKPOINT
+from tasks.train.run_lock import output_lock
 from tasks.train.torchrun import run_torchrun, torchrun_command
 
 pytest_plugins = ["training_runs"]
@@ -117,6 +118,20 @@ def test_a_batch_larger_than_the_training_set_is_refused(
         run_train(project, untrained, digits_split, tmp_path / "out", batch_size=images + 1)
     assert f"batch_size = {images + 1}" in str(err.value)
     assert f"({images} images)" in str(err.value)
+    assert_nothing_started(project)
+
+
+def test_a_second_training_into_an_output_being_written_is_refused(
+    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two `imageops train` into one folder: the later is refused while the first holds it
+    (both used to end well, the first's model silently replaced)."""
+    out = tmp_path / "out"
+    # the lock the first training holds until it ends
+    with output_lock(out, project), pytest.raises(InvalidParameterError) as err:
+        run_train(project, untrained, digits_split, out)
+    assert f"{out.resolve()} is being written by another training" in err.value.message
+    assert "another output folder" in err.value.hint
     assert_nothing_started(project)
 
 
@@ -283,6 +298,15 @@ def test_checkpoint_loads_with_weights_only_and_refuses_another_job(tmp_path: Pa
     with pytest.raises(TrainingFailedError, match="different training configuration"):
         load_checkpoint(path, "another job")
     assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]  # no temporary file left
+
+    # Truncated (a full disk, a copy cut short) or overwritten: named, with the way to start over.
+    whole = path.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"", b"not a checkpoint at all"):
+        path.write_bytes(damaged)
+        with pytest.raises(TrainingFailedError) as refused:
+            load_checkpoint(path, "abc")
+        assert f"The checkpoint {path} cannot be read" in refused.value.message
+        assert f"rm {path}" in refused.value.hint and "afresh" in refused.value.hint
 
 
 def test_image_folder_follows_the_manifest(digits_split: tuple[Path, Path], tmp_path: Path) -> None:

@@ -124,18 +124,28 @@ def _not_found(
     )
 
 
-def _is_cached(path: Path, run_id: str, source: str) -> bool:
-    """True when ``path`` is a complete download of the version with this run and source."""
+def _is_cached(path: Path, run_id: str, source: str, onnx_sha256: str | None) -> bool:
+    """True when ``path`` is a complete download of the version with this run and source, whose
+    ONNX file is still the one registered (checked on every use: a cache is a folder anyone can
+    write to, and a replaced model.onnx would score with another model)."""
     try:
         origin = json.loads((path / ORIGIN).read_text())
     except (OSError, ValueError):
         return False
-    return (
+    complete = (
         origin.get("run_id") == run_id
         and origin.get("source") == source
         and (path / MODEL_JSON).is_file()
         and (path / ONNX).is_file()
     )
+    if complete and onnx_sha256 and sha256_file(path / ONNX) != onnx_sha256:
+        step_logger(__name__).warning(
+            "%s is not the ONNX file the version was registered with (its sha256 differs): "
+            "downloading the version again",
+            path / ONNX,
+        )
+        return False
+    return complete
 
 
 def _download(
@@ -269,10 +279,11 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
         "Check for a stuck `imageops` process using this cache and stop it, then run again.",
     )
     with holding(lock, LOCK_TIMEOUT_S, busy):
-        if _is_cached(cached.path, cached.run_id, cached.source):
+        registered_sha256 = version.tags.get("onnx_sha256")
+        if _is_cached(cached.path, cached.run_id, cached.source, registered_sha256):
             log.info("%s is version %s, cached in %s", uri, cached.version, cached.path)
             return cached
-        _download(client, settings, cached, version.tags.get("onnx_sha256"))
+        _download(client, settings, cached, registered_sha256)
     log.info("%s is version %s, downloaded to %s", uri, cached.version, cached.path)
     return cached
 

@@ -7,6 +7,8 @@ resumed run draws what an uninterrupted one would. Details: docs/training.md#che
 
 from __future__ import annotations
 
+import pickle
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,22 @@ def load_checkpoint(path: Path, config_digest: str) -> dict[str, Any] | None:
     path = Path(path)
     if not path.is_file():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
+        # Truncated (a disk that filled up, a copy cut short) or edited: every rerun would resume
+        # it and fail the same way, so say which file and how to start over.
+        raise TrainingFailedError(
+            f"The checkpoint {path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}): it "
+            "is truncated or damaged.",
+            f"Delete it (rm {shlex.quote(str(path))}) and run the same command again: the "
+            "training starts afresh from epoch 1.",
+        ) from None
+    if not isinstance(state, dict):
+        raise TrainingFailedError(
+            f"The checkpoint {path} holds a {type(state).__name__}, not a training state.",
+            f"Delete it (rm {shlex.quote(str(path))}) and run the same command again.",
+        )
     if state.get("schema_version") != SCHEMA_VERSION:
         raise TrainingFailedError(
             f"{path} has checkpoint schema {state.get('schema_version')}, this imageops writes "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidGraph, InvalidProtobuf
 
 from models.directory import ModelInfo
 from tasks.data.transform import input_size
+from tasks.inference.export import META_CLASSES
 from tasks.shared.errors import InvalidModelDirectoryError
 
 
@@ -80,7 +83,15 @@ def _new_session(onnx_path: Path, threads: int | None) -> ort.InferenceSession:
     if "CUDAExecutionProvider" in ort.get_available_providers():  # the onnxruntime-gpu build
         providers.insert(0, "CUDAExecutionProvider")
         _load_cuda_libraries()
-    return ort.InferenceSession(str(onnx_path), sess_options=options, providers=providers)
+    try:
+        return ort.InferenceSession(str(onnx_path), sess_options=options, providers=providers)
+    except (InvalidProtobuf, InvalidGraph, Fail) as exc:  # truncated, edited, not ONNX at all
+        raise InvalidModelDirectoryError(
+            f"{onnx_path} is not a readable ONNX model ({type(exc).__name__}: "
+            f"{str(exc)[:200]}): the file is truncated or damaged.",
+            "Export the model again (imageops export), or for a registered model delete its "
+            "cached folder so the next run downloads it again.",
+        ) from None
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -107,4 +118,13 @@ def check_model(session: ort.InferenceSession, info: ModelInfo, onnx_path: Path)
             f"{onnx_path} returns {out.shape[-1]} scores, but model.json lists "
             f"{len(info.classes)} classes.",
             hint,
+        )
+    # The exporter writes the class list into the model too: a model.json whose list was
+    # reordered or renamed would otherwise label every score with another class.
+    stored = session.get_modelmeta().custom_metadata_map.get(META_CLASSES)
+    if stored is not None and json.loads(stored) != list(info.classes):
+        raise InvalidModelDirectoryError(
+            f"model.json lists the classes {list(info.classes)}, but {onnx_path} was exported "
+            f"for {json.loads(stored)} (in that order): its scores would get the wrong labels.",
+            "Restore model.json's class list, or export the model again.",
         )
