@@ -190,16 +190,22 @@ def test_a_win_smaller_than_the_margin_leaves_the_champion(
     assert json.loads(record[-1].read_text())["promoted"] is False
 
 
-def test_the_champion_against_itself_stays(
+def test_the_champion_against_itself_stays_and_keeps_its_record(
     project: Settings, always: dict[str, Path], holdout: Path
 ) -> None:
-    register(always["0"], settings=project, alias=CHAMPION)
-    MlflowClient().set_registered_model_alias(NAME, CHALLENGER, "1")
+    """Two promotions of one challenger at once (they take turns): the second finds it already
+    champion, and the record of why it is champion is not replaced by "not promoted"."""
+    register(always["0"], settings=project, alias=CHALLENGER)
+    assert promote(holdout, settings=project).promoted
+    record = MlflowClient().get_model_version(NAME, "1").tags
 
     decision = promote(holdout, settings=project)
 
     assert not decision.promoted
     assert "already the champion" in decision.reason
+    tags = MlflowClient().get_model_version(NAME, "1").tags
+    assert tags["promotion"].startswith("promoted to @champion ")
+    assert {k: tags[k] for k in record} == record
 
 
 def _work_folder(project: Settings, challenger: int) -> Path:

@@ -339,6 +339,8 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
     ``promotion.replaced``) beside its own record, never over it. Two tags where there were
     twelve: the registry's version list stays readable.
     """
+    if decision.champion_version == decision.challenger_version:
+        return  # already champion (a second promotion of it): the record that made it so stays
     verdict = "promoted to @champion" if decision.promoted else "not promoted"
     details = {**asdict(decision), "time": stamp, "scores_reused": reused_versions(decision)}
     _set_tags(
@@ -348,7 +350,7 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
         {PROMOTION_TAG: f"{verdict} {stamp}: {decision.reason}", DETAILS_TAG: json.dumps(details)},
     )
     champion = decision.champion_version
-    if champion is None or champion == decision.challenger_version:
+    if champion is None:
         return
     if decision.promoted:
         against = {TAG_PREFIX + "replaced": f"{stamp}: v{decision.challenger_version} won, "

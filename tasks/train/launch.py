@@ -25,7 +25,7 @@ from tasks.train.params import RunConfig
 from tasks.train.request import CONFIG, TrainRequest, check_request
 from tasks.train.retention import discard_checkpoints
 from tasks.train.run_folder import RESULT
-from tasks.train.run_lock import launch_lock
+from tasks.train.run_lock import launch_lock, output_lock
 from tasks.train.torchrun import (
     TORCHRUN_LOG,
     read_from,
@@ -61,6 +61,11 @@ def train(request: TrainRequest, settings: Settings | None = None) -> TrainResul
     ...) before anything starts, a worker's ImageOpsError, else TrainingFailedError.
     """
     settings = settings or get_settings()
+    with output_lock(request.out, settings):
+        return _train(request, settings)
+
+
+def _train(request: TrainRequest, settings: Settings) -> TrainResult:
     log = step_logger(__name__)  # inside a Prefect run, these lines reach the UI
     if request.params.cluster:
         from tasks.train.cluster import train_on_cluster
