@@ -7,6 +7,8 @@ the model zoo (which knows nothing of Prefect or datasets) raises it.
 
 from __future__ import annotations
 
+import errno
+
 
 class ImageOpsError(Exception):
     """A failure the user can fix: ``str(err)`` says what was wrong, ``err.hint`` what to do.
@@ -39,3 +41,38 @@ class InvalidParameterError(ImageOpsError):
     Here, not in ``tasks/shared/errors.py`` (which re-exports it), because the atomic writer
     refuses a destination it must not replace.
     """
+
+
+class DiskFullError(ImageOpsError):
+    """A disk filled up (or a quota ran out) while a step wrote its output.
+
+    Not retried: a second attempt seconds later meets the same full disk. Here, beside the base
+    class, because training workers (which import little) report it too.
+    """
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> DiskFullError | None:
+    """``exc`` as a DiskFullError when it is (or was caused by) a full disk, else None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, DiskFullError):
+            return seen
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            where = seen.filename or "the output"
+            return no_space_left(f"the disk holding {where} ({seen.strerror})")
+        if "No space left on device" in str(seen):  # libraries that drop the errno (DVC, torch)
+            return no_space_left(f"the disk: {str(seen)[:300]}")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def no_space_left(where: str) -> DiskFullError:
+    """The DiskFullError for ``where`` ("the disk holding /data/out (...)")."""
+    return DiskFullError(
+        f"no space left on {where}.",
+        "Free space on that disk (or write to another: the output folder, IMAGEOPS_HOME), then "
+        "run the same command again; nothing half-written is kept.",
+    )

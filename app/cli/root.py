@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
-from models.errors import ImageOpsError
+from models.errors import ImageOpsError, disk_full
 from tasks.shared.errors import error_summary
 from tasks.shared.settings import Settings, get_settings
 
@@ -155,10 +155,19 @@ def main() -> None:
     try:
         app()
     except ImageOpsError as exc:
-        # The error's name first (the Azure docs know errors by it); messages may quote a
-        # settings URI or a library's error that echoes one: passwords masked, markup escaped.
-        problem, hint = error_summary(exc)
-        err.print(f"[bold red]error:[/] {escape(problem)}")
-        if hint:
-            err.print(f"[yellow]what to do:[/] {escape(hint)}")
-        sys.exit(2)
+        _exit_with(exc)
+    except Exception as exc:
+        full = disk_full(exc)  # a full disk is the user's to fix, not a bug: no traceback
+        if full is None:
+            raise
+        _exit_with(full)
+
+
+def _exit_with(exc: ImageOpsError) -> None:
+    # The error's name first (the Azure docs know errors by it); messages may quote a settings
+    # URI or a library's error that echoes one: passwords masked, markup escaped.
+    problem, hint = error_summary(exc)
+    err.print(f"[bold red]error:[/] {escape(problem)}")
+    if hint:
+        err.print(f"[yellow]what to do:[/] {escape(hint)}")
+    sys.exit(2)

@@ -6,13 +6,20 @@ PyTorch Model, Apply Image Transformation); the others name the step that refuse
 
 from __future__ import annotations
 
-from models.errors import ImageOpsError, InvalidModelDirectoryError, InvalidParameterError
+from models.errors import (
+    DiskFullError,
+    ImageOpsError,
+    InvalidModelDirectoryError,
+    InvalidParameterError,
+    disk_full,
+)
 from tasks.shared.settings import redact_uri
 
 __all__ = [
     "ClusterUnavailableError",
     "DataUnavailableError",
     "DatasetBusyError",
+    "DiskFullError",
     "ExportParityError",
     "ImageOpsError",
     "InvalidDatasetError",
@@ -37,6 +44,7 @@ __all__ = [
     "TuningFailedError",
     "UnsafeArchiveError",
     "VersioningError",
+    "disk_full",
     "error_summary",
     "error_text",
 ]

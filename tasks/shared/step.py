@@ -1,9 +1,9 @@
 """How a plain step function becomes a Prefect task: retries with back-off, no pickled results.
 
-Transient failures (a locked database, a worker killed mid-epoch, a full disk freed) are retried
-with exponential back-off. An :class:`~models.errors.ImageOpsError` means the input is wrong, and
-retrying cannot fix it, so it fails the task at once with its message, unless the error says it is
-``retryable`` (a crashed training worker).
+Transient failures (a locked database, a worker killed mid-epoch) are retried with exponential
+back-off. An :class:`~models.errors.ImageOpsError` means the input is wrong, and retrying cannot
+fix it, so it fails the task at once with its message, unless the error says it is ``retryable``
+(a crashed training worker); a full disk is not retried either (it is still full seconds later).
 
 Prefect is imported only when a task is made or a run is asked about: importing it costs about a
 second, and the command line, DVC stages and training workers call the steps as plain functions.
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from models.errors import ImageOpsError
+from models.errors import ImageOpsError, disk_full
 
 if TYPE_CHECKING:
     from prefect import Task
@@ -33,8 +33,8 @@ def _retry_unless_user_error(task: Task, task_run: Any, state: Any) -> bool:
         state.result()
     except ImageOpsError as exc:
         return exc.retryable
-    except Exception:
-        return True
+    except Exception as exc:
+        return disk_full(exc) is None  # a full disk is still full seconds later
     return True
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from models.atomic import write_json
-from models.errors import ImageOpsError
+from models.errors import ImageOpsError, disk_full
 
 PATTERN = "error_rank_*.json"
 
@@ -43,6 +43,7 @@ class Failure(BaseModel):
 
 
 def record_failure(run_dir: Path, rank: int, attempt: int, exc: BaseException) -> Path:
+    exc = disk_full(exc) or exc  # a full disk reaches the launcher as itself, not as a crash
     user_error = isinstance(exc, ImageOpsError)
     failure = Failure(
         rank=rank,

@@ -1,0 +1,110 @@
+"""A disk that fills up while a step writes: a named error and what to do, never a traceback, and
+nothing half-written left that looks whole.
+
+Each test writes onto a real full disk: a small tmpfs mounted for the test and filled to the brim
+(root only; elsewhere the tests say why they skip). The steps are run as a user runs them, with
+the ``imageops`` command.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from model_helpers import copy_model
+from projects import imageops
+
+from models.directory import ONNX
+from models.errors import DiskFullError, disk_full
+from tasks.shared.step import _retry_unless_user_error
+
+pytest_plugins = ["model_fixtures"]
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 160 MiB tmpfs (room for a resnet18 ModelDirectory), for the test to put its inputs on
+    and then :func:`fill`."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path) -> None:
+    """Take every free byte of ``disk``."""
+    with (disk / "filler").open("ab") as filler, pytest.raises(OSError):
+        while True:
+            filler.write(b"\0" * 65536)
+            filler.flush()
+    assert shutil.disk_usage(disk).free == 0
+
+
+def assert_named_disk_full(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "error: DiskFullError: no space left on" in done.stderr, done.stderr
+    assert "what to do: Free space on that disk" in done.stderr, done.stderr
+
+
+def left_on(disk: Path) -> list[str]:
+    return sorted(p.relative_to(disk).as_posix() for p in disk.rglob("*") if p.name != "filler")
+
+
+def test_convert_onto_a_full_disk_says_so_and_leaves_nothing(
+    full_disk: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    fill(full_disk)
+    done = imageops("convert", str(digits_raw), str(full_disk / "images"), cwd=tmp_path)
+    assert_named_disk_full(done)
+    assert left_on(full_disk) == []  # no images folder, no temporary one
+
+
+def test_export_and_score_onto_a_full_disk_say_so_and_leave_no_half_file(
+    full_disk: Path, exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model = copy_model(exported_model, full_disk / "model")
+    (model / ONNX).unlink()  # exported again below, onto the full disk
+    before = left_on(full_disk)
+    fill(full_disk)
+
+    exported = imageops("export", str(model), cwd=tmp_path)
+    assert_named_disk_full(exported)
+    assert left_on(full_disk) == before  # no model.onnx, whole or not
+
+    scored = imageops(
+        "score", str(exported_model), str(digits_split[1]), str(full_disk / "scores.csv"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert_named_disk_full(scored)
+    assert left_on(full_disk) == before  # no table, no shard checkpoints
+
+
+def test_a_full_disk_is_not_retried_by_prefect() -> None:
+    """The steps' retry policy: a full disk fails the task at once (it is still full seconds
+    later), a crash is retried."""
+
+    class State:
+        def __init__(self, exc: BaseException) -> None:
+            self.exc = exc
+
+        def result(self) -> None:
+            raise self.exc
+
+    full = OSError(28, "No space left on device", "/data/out/model.onnx")
+    assert isinstance(disk_full(full), DiskFullError)
+    assert "/data/out/model.onnx" in disk_full(full).message
+    assert _retry_unless_user_error(None, None, State(full)) is False
+    torch_style = RuntimeError("PytorchStreamWriter failed writing file: No space left on device")
+    assert _retry_unless_user_error(None, None, State(torch_style)) is False
+    assert _retry_unless_user_error(None, None, State(RuntimeError("worker crashed"))) is True
