@@ -108,3 +108,44 @@ def test_a_full_disk_is_not_retried_by_prefect() -> None:
     torch_style = RuntimeError("PytorchStreamWriter failed writing file: No space left on device")
     assert _retry_unless_user_error(None, None, State(torch_style)) is False
     assert _retry_unless_user_error(None, None, State(RuntimeError("worker crashed"))) is True
+
+
+def test_a_register_that_meets_a_full_disk_leaves_the_training_run_finished(
+    tmp_path: Path, exported_model: Path, project
+) -> None:
+    """The artifact store fills up while `imageops register` logs the model into the training
+    run: a named error, and the run keeps the FINISHED its training gave it; once space is
+    freed, the same command registers the model and the run is still FINISHED."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from tasks.shared.tracking import configure_mlflow
+
+    artifacts = project.home_dir / "mlartifacts"  # the project's MLflow artifact store
+    artifacts.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(artifacts)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
+    try:
+        experiment = configure_mlflow(project)
+        client = MlflowClient(project.tracking_uri)
+        run = client.create_run(experiment, run_name="a finished training")
+        client.set_terminated(run.info.run_id, "FINISHED")
+        model = copy_model(exported_model, tmp_path / "model")
+        info = json.loads((model / "model.json").read_text())
+        (model / "model.json").write_text(json.dumps({**info, "mlflow_run_id": run.info.run_id}))
+        fill(artifacts)
+
+        done = imageops("register", str(model), cwd=project.project_root)
+        assert_named_disk_full(done)
+        assert client.get_run(run.info.run_id).info.status == "FINISHED"
+
+        (artifacts / "filler").unlink()
+        again = imageops("register", str(model), cwd=project.project_root)
+        assert again.returncode == 0, again.stderr
+        assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    finally:
+        subprocess.run(["umount", "-l", str(artifacts)], check=False)

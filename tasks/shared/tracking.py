@@ -81,8 +81,8 @@ def mlflow_run(
     Yields the run id. A step that logs into an existing run (the training run, a flow's run)
     resumes it instead of opening a second one; when that run is already active here it is used
     as is and left open for its owner to end. A new run is ended when the block ends (FAILED if
-    it raised); a resumed run gets back the status it had (a run still training elsewhere stays
-    RUNNING, a failed one stays FAILED).
+    it raised); a resumed run gets back the status it had, however the block ends (a run still
+    training elsewhere stays RUNNING, a failed one FAILED, a finished one FINISHED).
     """
     experiment_id = configure_mlflow(settings)
     client = MlflowClient()
@@ -99,15 +99,19 @@ def mlflow_run(
                 f"MLflow run {run_id} does not exist in {redact_uri(settings.tracking_uri)}.",
                 "Pass the id of a run in this tracking store, or none to start a new run.",
             ) from exc
-    with mlflow.start_run(
-        run_id=run_id,
-        experiment_id=None if run_id else experiment_id,
-        run_name=None if run_id else run_name,
-        nested=active is not None,
-    ) as run:
-        yield run.info.run_id
-    if status is not None and status != "FINISHED":
-        client.update_run(run_id, status=status)
+    try:
+        with mlflow.start_run(
+            run_id=run_id,
+            experiment_id=None if run_id else experiment_id,
+            run_name=None if run_id else run_name,
+            nested=active is not None,
+        ) as run:
+            yield run.info.run_id
+    finally:
+        # Also when the block failed (a full disk while registering): MLflow would end the
+        # resumed run FAILED, and a training that finished would read as failed or running.
+        if status is not None and client.get_run(run_id).info.status != status:
+            client.update_run(run_id, status=status)
 
 
 def ui_url(settings: Settings, path: str) -> str | None:
