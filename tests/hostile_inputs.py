@@ -978,10 +978,20 @@ def _split_long_dest(io_: Inputs) -> Run:
 
 
 def odd_model(model: Path, dest: Path, classes: tuple[str, ...]) -> Path:
-    """A copy of the exported 3-class model whose classes are ``classes``."""
+    """A copy of the exported 3-class model whose classes are ``classes``, as if it had been
+    trained on them: in model.json and in the list the exporter writes into the ONNX model."""
+    import onnx
+
+    from tasks.inference.export import META_CLASSES
+
     copy = Path(shutil.copytree(model, dest))
     info = json.loads((copy / "model.json").read_text())
     (copy / "model.json").write_text(json.dumps({**info, "classes": list(classes)}))
+    proto = onnx.load(str(copy / "model.onnx"))
+    for prop in proto.metadata_props:
+        if prop.key == META_CLASSES:
+            prop.value = json.dumps(list(classes))
+    onnx.save(proto, str(copy / "model.onnx"))
     return copy
 
 
