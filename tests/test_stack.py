@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class Served:
     root: Path
     api: str
     mlflow: str
+    env: dict[str, str]  # `imageops serve` as it was started: its environment and command
+    command: list[str]
 
     def report(self) -> str:
         logs = [self.log, *sorted((self.root / ".imageops" / "stack" / "logs").glob("*.log"))]
@@ -161,18 +164,18 @@ def served(
         "PREFECT_WORKER_QUERY_SECONDS": "1",
     }
     log = root / "serve.log"
-    process = servers.start(
-        [sys.executable, "-m", "app.cli", "serve",
-         "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
-         "--receiver-port", str(ports["receiver"])],
-        log, env, cwd=root,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "app.cli", "serve",
+               "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
+               "--receiver-port", str(ports["receiver"])]  # fmt: skip
+    process = servers.start(command, log, env, cwd=root)
     served = Served(
         process,
         log,
         root,
         api=f"http://127.0.0.1:{ports['prefect']}/api",
         mlflow=f"http://127.0.0.1:{ports['mlflow']}",
+        env=env,
+        command=command,
     )
     try:
         served.wait("`imageops serve` to say ready", lambda: "ready" in log.read_text())
@@ -613,11 +616,27 @@ def test_a_partial_pipeline_config_keeps_the_demo_values(served: Served) -> None
     }  # fmt: skip
 
 
-def test_ctrl_c_stops_every_process(served: Served) -> None:
+def test_ctrl_c_stops_every_process_within_10_s_and_a_restart_works(served: Served) -> None:
     children = psutil.Process(served.process.pid).children(recursive=True)
     assert len(children) >= 4  # two servers, the receiver, the worker (and their own children)
+    pressed = time.monotonic()
     served.process.send_signal(signal.SIGINT)
     assert served.process.wait(timeout=60) == 0, served.report()
     _, alive = psutil.wait_procs(children, timeout=15)
+    took = time.monotonic() - pressed
     assert not alive, [p.cmdline() for p in alive]
+    assert took < 10, f"Ctrl-C took {took:.1f} s to stop the stack"
     assert "stopped" in served.log.read_text()
+
+    # At once on the same ports (their connections still in TIME_WAIT), then Ctrl-C again.
+    again = servers.start(served.command, served.root / "serve-again.log", served.env,
+                          cwd=served.root)  # fmt: skip
+    try:
+        log = served.root / "serve-again.log"
+        ready = servers.wait_until(lambda: again.poll() is not None or "ready" in log.read_text(),
+                                   240, interval_s=0.5)  # fmt: skip
+        assert ready and again.poll() is None, log.read_text()[-3000:]
+        assert servers.healthy(f"{served.api}/health")
+    finally:
+        again.send_signal(signal.SIGINT)
+        assert again.wait(timeout=60) == 0
