@@ -26,6 +26,7 @@ from tasks.registry.register import register_task
 from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings, redact_uri
 from tasks.shared.step import name_flow_run, step
+from tasks.train.torchrun import trainings_stop_when_interrupted
 from tasks.tune.gpus import check_study_gpus, local_gpus
 from tasks.tune.records import AskedTrial, TrialJob, TrialOutcome
 from tasks.tune.report import StudyResult, report_study
@@ -137,7 +138,8 @@ def tune_flow(
         settings=settings, data_version=data_version,
     )  # fmt: skip
     name_flow_run(f"tune-{study.job.study_name}")
-    with study.tracking():
+    # A stop (Ctrl-C, SIGTERM) stops the running trials first: the task runner waits for them.
+    with study.tracking(), trainings_stop_when_interrupted():
         try:
             running: dict[PrefectFuture, int] = {}
             while True:

@@ -321,9 +321,12 @@ def _training_with_loaders(tree: list[psutil.Process]) -> bool:
 
 
 @pytest.mark.slow
-def test_a_killed_tune_leaves_no_trial_process_or_api_server(
-    project: Settings, tmp_path: Path
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_or_stopped_tune_leaves_no_trial_process_or_api_server(
+    project: Settings, tmp_path: Path, sig: signal.Signals
 ) -> None:
+    """SIGKILL: everything dies with the command. SIGTERM (a stop, as `kill` or a scheduler
+    sends it): within 10 s, running trials included, and their MLflow runs end KILLED."""
     root = tmp_path / "in"
     digits = write_digits(root / "digits", size=8, classes=[0, 1], per_class=8)
     convert(digits, root / "train")
@@ -351,7 +354,22 @@ def test_a_killed_tune_leaves_no_trial_process_or_api_server(
     with _cleanup(command) as tree:
         # The temporary Prefect API server, and two trials training at once: torchrun and worker.
         tree += _tree_when(command, _two_trials_training, log)
-        _kill_and_check(command, tree)
+        if sig == signal.SIGKILL:
+            _kill_and_check(command, tree)
+            return
+        stopped = time.monotonic()
+        os.kill(command.pid, signal.SIGTERM)
+        assert command.wait(timeout=60) != 0
+        took = time.monotonic() - stopped
+        assert _survivors(tree) == []
+        assert took < 10, f"SIGTERM took {took:.1f} s to stop `imageops tune`"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(project.tracking_uri)
+    trials = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert trials and all(r.info.status != "RUNNING" for r in trials), [
+        (r.info.run_name, r.info.status) for r in trials
+    ]
 
 
 def _two_trials_training(tree: list[psutil.Process]) -> bool:

@@ -194,9 +194,11 @@ def run_pipeline(
     # The temporary API comes up while the flow's libraries import.
     api_ready = _start_prefect_api(settings)
     from flows.pipeline import pipeline
+    from tasks.train.torchrun import trainings_stop_with_the_command
 
     api_ready()
-    result = pipeline(cfg)
+    with trainings_stop_with_the_command():  # Ctrl-C or SIGTERM stops its training too
+        result = pipeline(cfg)
     _print_summary(settings, result)
     if result.data_version:
         data = settings.data_path / result.dataset

@@ -153,6 +153,7 @@ def train(
     """
     from tasks.train import launch
     from tasks.train.request import TrainRequest
+    from tasks.train.torchrun import trainings_stop_with_the_command
 
     base = _config(config).train.model_dump() if config is not None else {}
     request = TrainRequest.checked(
@@ -160,7 +161,8 @@ def train(
         params={**base, **_given(options)},
     )  # fmt: skip
     out.print(_transform_note(transform, train_data, val_data))
-    result = launch.train(request)
+    with trainings_stop_with_the_command():  # SIGTERM too: the MLflow run ends KILLED
+        result = launch.train(request)
     out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
 
 
@@ -244,6 +246,7 @@ def tune(
     from flows.config import DEMO_TRANSFORM
     from flows.tune import study_transform, tune_flow, tune_spec_file
     from tasks.data.transform import input_size, read_transformation
+    from tasks.train.torchrun import trainings_stop_with_the_command
 
     study_spec = tune_spec_file(spec, **replaced)
     given = read_transformation(transform) if transform is not None else None
@@ -252,14 +255,15 @@ def tune(
     source = transform or ("the data's" if chosen != DEMO_TRANSFORM else "the demo's")
     out.print(escape(f"transform: {source} (the network sees {side}x{side} images)"))
     api_ready()
-    result = tune_flow(
-        study_spec,
-        str(train_data.resolve()),
-        str(val_data.resolve()),
-        transform=chosen,
-        register_best=register,
-        trial_deployment=trial_deployment,
-    )
+    with trainings_stop_with_the_command():  # Ctrl-C or SIGTERM stops the running trials too
+        result = tune_flow(
+            study_spec,
+            str(train_data.resolve()),
+            str(val_data.resolve()),
+            transform=chosen,
+            register_best=register,
+            trial_deployment=trial_deployment,
+        )
     out.rule(f"study {result.study_name}")
     for trial in result.trials:
         value = "" if trial.value is None else f"{trial.value:.4f}"

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -138,6 +138,42 @@ def _pump(stream: IO[str], path: Path) -> None:
             sys.stdout.flush()
 
 
+# Set when this command is stopping: Ctrl-C and SIGTERM reach only the main thread, and a
+# training in another thread (a study's parallel trials) would run to its end first.
+STOPPING = threading.Event()
+
+
+@contextlib.contextmanager
+def trainings_stop_when_interrupted() -> Iterator[None]:
+    """A Ctrl-C or SIGTERM raised inside (KeyboardInterrupt, Prefect's TerminationSignal) stops
+    every training this process runs: each :func:`run_torchrun` stops its torchrun within half a
+    second. Around the code that waits for trainings in other threads (a study's trials), so they
+    stop before anything waits for them to end (a task runner's shutdown does)."""
+    STOPPING.clear()  # a command run earlier in this process (a test) may have stopped
+    try:
+        yield
+    except BaseException as stop:
+        if not isinstance(stop, Exception):
+            STOPPING.set()
+        raise
+
+
+@contextlib.contextmanager
+def trainings_stop_with_the_command() -> Iterator[None]:
+    """Inside, SIGTERM is Ctrl-C (outside a Prefect flow, which has its own bridge), and either
+    stops every training this process runs, not only the main thread's."""
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with trainings_stop_when_interrupted():
+            yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_torchrun(
     command: list[str],
     env: dict[str, str],
@@ -171,6 +207,8 @@ def run_torchrun(
                 returncode = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
+                if STOPPING.is_set():
+                    raise KeyboardInterrupt from None  # the command is stopping
                 if deadline is not None and time.monotonic() > deadline:
                     raise TrainingFailedError(
                         f"Training ran longer than timeout_s = {timeout_s} s and was stopped.",
