@@ -298,6 +298,42 @@ def test_a_killed_train_leaves_no_torchrun_worker_or_loader(
     assert not (tmp_path / "model").exists()
 
 
+@pytest.mark.slow
+def test_ctrl_c_on_imageops_run_ends_it_within_10_s_with_every_run_ended(
+    project: Settings, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT to the command's process group, as a terminal sends it) while the
+    pipeline trains: the command ends within 10 s, nothing of it left running, its flow runs
+    reported Crashed (a final state), its MLflow run KILLED, and no traceback."""
+    source = write_digits(tmp_path / "digits", size=8, classes=[0, 1], per_class=10)
+    argv = ["run", str(source), "--epochs", "1000", "--nproc-per-node", "1"]
+    log = tmp_path / "run.log"
+    command = _start(argv, project.project_root, log)
+    with _cleanup(command) as tree:
+        tree += _tree_when(command, _one_training, log)
+        pressed = time.monotonic()
+        os.killpg(command.pid, signal.SIGINT)
+        assert command.wait(timeout=60) != 0
+        took = time.monotonic() - pressed
+        assert _survivors(tree) == []
+        assert took < 10, f"Ctrl-C took {took:.1f} s to stop `imageops run`"
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "ConnectError" not in text, text[-3000:]
+    assert "Finished in state Crashed" in text, text[-3000:]
+    assert "Finished in state Running" not in text
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(project.tracking_uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    statuses = [(r.info.run_name, r.info.status) for r in runs]
+    assert [status for _, status in statuses] == ["KILLED"], statuses
+
+
+def _one_training(tree: list[psutil.Process]) -> bool:
+    workers = _count(tree, "-m tasks.train.worker", without="torch.distributed.run")
+    return _count(tree, "torch.distributed.run") == 1 and workers == 1
+
+
 def _ppid(proc: psutil.Process) -> int | None:
     with contextlib.suppress(psutil.Error):
         return proc.ppid()

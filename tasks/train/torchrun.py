@@ -161,17 +161,19 @@ def trainings_stop_when_interrupted() -> Iterator[None]:
 @contextlib.contextmanager
 def trainings_stop_with_the_command() -> Iterator[None]:
     """Inside, SIGTERM is Ctrl-C (outside a Prefect flow, which has its own bridge), and either
-    stops every training this process runs, not only the main thread's."""
+    stops every training this process runs, not only the main thread's. SIGINT too: a shell
+    that starts a command in the background makes it ignore SIGINT otherwise."""
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with trainings_stop_when_interrupted():
             yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_torchrun(
