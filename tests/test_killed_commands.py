@@ -320,7 +320,6 @@ def test_ctrl_c_on_imageops_run_ends_it_within_10_s_with_every_run_ended(
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "ConnectError" not in text, text[-3000:]
     assert "Finished in state Crashed" in text, text[-3000:]
-    assert "Finished in state Running" not in text
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(project.tracking_uri)
