@@ -16,8 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,24 +70,6 @@ def kept_secret(path: Path, make: Callable[[], str]) -> str:
     return value
 
 
-@contextmanager
-def stop_signals() -> Iterator[None]:
-    """Inside: SIGTERM and SIGINT raise KeyboardInterrupt, so a stop always runs its cleanup.
-
-    SIGINT too: a shell that starts a command in the background makes it ignore SIGINT otherwise.
-    """
-
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 class Services:
     """Processes started in order, watched, and stopped last started first, logs in ``dir``.
 
@@ -130,7 +111,7 @@ class Services:
 
     def serve_forever(self, poll_s: float = 1.0) -> None:
         """Block until Ctrl-C (or SIGTERM), or until a service dies."""
-        with stop_signals():
+        with servers.stop_signals():
             while True:
                 self.check_alive()
                 time.sleep(poll_s)

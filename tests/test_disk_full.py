@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,21 +25,27 @@ from tasks.shared.step import _retry_unless_user_error
 pytest_plugins = ["model_fixtures"]
 
 
-@pytest.fixture
-def full_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 160 MiB tmpfs (room for a resnet18 ModelDirectory), for the test to put its inputs on
-    and then :func:`fill`."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
+@contextmanager
+def tmpfs_at(folder: Path) -> Iterator[Path]:
+    """A 160 MiB tmpfs (room for a resnet18 ModelDirectory) mounted on ``folder`` for the block;
+    the test skips, saying why, where mounting is not allowed (root only)."""
+    folder.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(disk)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(folder)], capture_output=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
     try:
-        yield disk
+        yield folder
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs for the test to put its inputs on and then :func:`fill`."""
+    with tmpfs_at(tmp_path / "disk") as disk:
+        yield disk
 
 
 def fill(disk: Path) -> None:
@@ -122,14 +129,8 @@ def test_a_register_that_meets_a_full_disk_leaves_the_training_run_finished(
 
     from tasks.shared.tracking import configure_mlflow
 
-    artifacts = project.home_dir / "mlartifacts"  # the project's MLflow artifact store
-    artifacts.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(artifacts)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
-    try:
+    # the project's MLflow artifact store on the tmpfs
+    with tmpfs_at(project.home_dir / "mlartifacts") as artifacts:
         experiment = configure_mlflow(project)
         client = MlflowClient(project.tracking_uri)
         run = client.create_run(experiment, run_name="a finished training")
@@ -147,5 +148,3 @@ def test_a_register_that_meets_a_full_disk_leaves_the_training_run_finished(
         again = imageops("register", str(model), cwd=project.project_root)
         assert again.returncode == 0, again.stderr
         assert client.get_run(run.info.run_id).info.status == "FINISHED"
-    finally:
-        subprocess.run(["umount", "-l", str(artifacts)], check=False)

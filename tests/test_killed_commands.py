@@ -124,6 +124,28 @@ def _kill_and_check(command: subprocess.Popen[bytes], tree: list[psutil.Process]
     assert _survivors(tree) == []
 
 
+def _stop_and_check(
+    command: subprocess.Popen[bytes], tree: list[psutil.Process], stop: Callable[[], None]
+) -> None:
+    """``stop()`` the command (a signal as a terminal or a scheduler sends it): it must end,
+    all of ``tree`` with it, within 10 s."""
+    pressed = time.monotonic()
+    stop()
+    assert command.wait(timeout=60) != 0
+    took = time.monotonic() - pressed
+    assert _survivors(tree) == []
+    assert took < 10, f"the command took {took:.1f} s to stop"
+
+
+def _run_statuses(settings: Settings) -> list[tuple[str, str]]:
+    """Every MLflow run of the project: (name, status)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(settings.tracking_uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return [(r.info.run_name, r.info.status) for r in runs]
+
+
 def _kinds(folder: Path, name: str) -> list[str]:
     """What each entry beside ``folder/name`` is, by the temporary names imageops gives."""
     name = re.escape(name)
@@ -311,20 +333,11 @@ def test_ctrl_c_on_imageops_run_ends_it_within_10_s_with_every_run_ended(
     command = _start(argv, project.project_root, log)
     with _cleanup(command) as tree:
         tree += _tree_when(command, _one_training, log)
-        pressed = time.monotonic()
-        os.killpg(command.pid, signal.SIGINT)
-        assert command.wait(timeout=60) != 0
-        took = time.monotonic() - pressed
-        assert _survivors(tree) == []
-        assert took < 10, f"Ctrl-C took {took:.1f} s to stop `imageops run`"
+        _stop_and_check(command, tree, lambda: os.killpg(command.pid, signal.SIGINT))
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "ConnectError" not in text, text[-3000:]
     assert "Finished in state Crashed" in text, text[-3000:]
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(project.tracking_uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    statuses = [(r.info.run_name, r.info.status) for r in runs]
+    statuses = _run_statuses(project)
     assert [status for _, status in statuses] == ["KILLED"], statuses
 
 
@@ -392,19 +405,9 @@ def test_a_killed_or_stopped_tune_leaves_no_trial_process_or_api_server(
         if sig == signal.SIGKILL:
             _kill_and_check(command, tree)
             return
-        stopped = time.monotonic()
-        os.kill(command.pid, signal.SIGTERM)
-        assert command.wait(timeout=60) != 0
-        took = time.monotonic() - stopped
-        assert _survivors(tree) == []
-        assert took < 10, f"SIGTERM took {took:.1f} s to stop `imageops tune`"
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(project.tracking_uri)
-    trials = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert trials and all(r.info.status != "RUNNING" for r in trials), [
-        (r.info.run_name, r.info.status) for r in trials
-    ]
+        _stop_and_check(command, tree, lambda: os.kill(command.pid, signal.SIGTERM))
+    statuses = _run_statuses(project)
+    assert statuses and all(status != "RUNNING" for _, status in statuses), statuses
 
 
 def _two_trials_training(tree: list[psutil.Process]) -> bool:

@@ -37,8 +37,8 @@ def team_server(
     ui: Annotated[bool, typer.Option(help="Serve the Prefect UI.")] = True,
 ) -> None:
     """Run the team's shared services on this machine until Ctrl-C; write the join file."""
-    from app.stack import stop_signals
     from app.team import TeamPorts, TeamServer
+    from tasks.shared.servers import stop_signals
 
     ports = TeamPorts(
         prefect=prefect_port, mlflow=mlflow_port, s3=s3_port, postgres=postgres_port, ray=ray_port
@@ -97,8 +97,8 @@ def team_join(
     ] = None,
 ) -> None:
     """Join this GPU machine to the team: a Ray node and a Prefect worker, until Ctrl-C."""
-    from app.stack import stop_signals
     from app.team_join import TeamMember
+    from tasks.shared.servers import stop_signals
 
     member = TeamMember(
         get_settings(), env, node_ip=node_ip, pool=pool, num_cpus=num_cpus, num_gpus=num_gpus,

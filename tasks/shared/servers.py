@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -146,3 +146,21 @@ def stop_together(processes: list[subprocess.Popen], timeout_s: float = STOP_TIM
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGINT raise KeyboardInterrupt, so a stop always runs its cleanup.
+
+    SIGINT too: a shell that starts a command in the background makes it ignore SIGINT otherwise.
+    """
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

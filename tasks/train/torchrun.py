@@ -30,6 +30,7 @@ from models.errors import no_space_left
 from tasks.shared.errors import ImageOpsError, TrainingFailedError
 from tasks.shared.log_tail import tail
 from tasks.shared.parent_death import dying_with_this_process
+from tasks.shared.servers import stop_signals
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.train.failure import read_failures
@@ -160,20 +161,11 @@ def trainings_stop_when_interrupted() -> Iterator[None]:
 
 @contextlib.contextmanager
 def trainings_stop_with_the_command() -> Iterator[None]:
-    """Inside, SIGTERM is Ctrl-C (outside a Prefect flow, which has its own bridge), and either
-    stops every training this process runs, not only the main thread's. SIGINT too: a shell
-    that starts a command in the background makes it ignore SIGINT otherwise."""
-
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with trainings_stop_when_interrupted():
-            yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    """Inside, SIGTERM and SIGINT are Ctrl-C (:func:`~tasks.shared.servers.stop_signals`;
+    a Prefect flow has its own SIGTERM bridge), and either stops every training this process
+    runs, not only the main thread's."""
+    with stop_signals(), trainings_stop_when_interrupted():
+        yield
 
 
 def run_torchrun(
