@@ -34,6 +34,7 @@ from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import name_flow_run
 from tasks.shared.tracking import model_version_url, run_url
 from tasks.train.build_model import build_model_task
+from tasks.train.outputs_folder import outputs_folder
 from tasks.train.request import TrainRequest
 
 
@@ -77,10 +78,15 @@ def pipeline(
     name_flow_run(run_name)
     source, data = config.check_sources(settings)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    outputs = settings.outputs_dir / f"{stamp}-{name}-{_run_id()}"
 
     # From convert to the end: another run on this data set would replace the split mid-training.
-    with dataset_lock(settings, name):
+    # The same parameters again after a stop: the same outputs, so the training resumes.
+    with (
+        dataset_lock(settings, name),
+        outputs_folder(
+            settings, f"{stamp}-{name}-{_run_id()}", config.model_dump_json()
+        ) as outputs,
+    ):
         convert_task(source, data / "images")
         split_task(
             data / "images", data / "train", data / "val",

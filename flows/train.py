@@ -13,6 +13,7 @@ from typing import Annotated
 
 from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import to_json
 
 from flows.config import (
     DEMO_MODEL,
@@ -35,6 +36,7 @@ from tasks.shared.settings import get_settings
 from tasks.shared.step import name_flow_run
 from tasks.train.build_model import build_model_task
 from tasks.train.launch import TrainResult, train_task
+from tasks.train.outputs_folder import outputs_folder
 from tasks.train.request import TrainRequest
 
 
@@ -129,18 +131,26 @@ def train_model_flow(
         data_version = {name: version_task(path) for name, path in
                         (("train", train_path), ("val", val_path))}  # fmt: skip
         name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
-    out = settings.outputs_dir / datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
-    request = TrainRequest(
-        model=out / "untrained", train_data=train_path, val_data=val_path,
-        out=out / "model", params=params, transform=transform, data_version=data_version,
-    )  # fmt: skip
-    build_model_task(model, request.model)
-    trained = train_and_report(request)
-    version = None
-    if steps.register_model:
-        export_task(trained.model_dir, sample=val_path)
-        registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
-        version = str(registered.version)
+    fresh = datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
+    asked = {
+        "model": model, "train_data": train_path, "val_data": val_path, "params": params,
+        "transform": transform, "steps": steps, "data_version": data_version,
+    }  # fmt: skip
+    # The same request again after a stop: the same outputs, so the training resumes.
+    with outputs_folder(settings, fresh, to_json(asked).decode()) as out:
+        request = TrainRequest(
+            model=out / "untrained", train_data=train_path, val_data=val_path,
+            out=out / "model", params=params, transform=transform, data_version=data_version,
+        )  # fmt: skip
+        build_model_task(model, request.model)
+        trained = train_and_report(request)
+        version = None
+        if steps.register_model:
+            export_task(trained.model_dir, sample=val_path)
+            registered = register_task(
+                trained.model_dir, data_version=data_version, alias=CHALLENGER
+            )
+            version = str(registered.version)
     return TrainedModel(
         model_dir=trained.model_dir,
         mlflow_run_id=trained.run_id,

@@ -11,15 +11,18 @@ import pytest
 import torch
 from model_helpers import copy_model, make_model_dir
 from onnx import numpy_helper
+from safetensors.torch import load_file, save_file
 
-from models.directory import ONNX, load_model_directory
+from models.directory import ONNX, WEIGHTS, load_model_directory
 from tasks.data.imagedir import load_rgb, read_manifest
 from tasks.data.transform import build_transform
 from tasks.inference.export import (
     META_WEIGHTS_SHA256,
+    PARITY_RTOL,
     PARITY_TOLERANCE,
     export_onnx,
     onnx_weights_sha256,
+    parity_batch,
     sha256_file,
     verify_onnx,
 )
@@ -85,6 +88,26 @@ def test_tampered_weights_fail_the_parity_gate(exported_model: Path, tmp_path: P
     message = str(caught.value)
     assert "max abs difference 0.5" in message
     assert "predicted classes differ" in message
+
+
+def test_logits_in_the_millions_pass_by_the_rounding_their_size_allows(
+    tmp_path: Path, model_classes: list[str]
+) -> None:
+    """A few epochs on a few tiny images can leave batch-norm statistics that make logits of
+    about 1e7 (seen after `imageops run` at 8 px): float32 rounding alone then differs by more
+    than 1e-4, which an absolute tolerance took for a broken export."""
+    model_dir = make_model_dir(tmp_path / "m", model_classes, seed=1)
+    weights = load_file(model_dir / WEIGHTS)
+    for name in ("fc.weight", "fc.bias"):
+        weights[name] = weights[name] * 1e7
+    save_file(weights, model_dir / WEIGHTS)
+    model, info = load_model_directory(model_dir)
+    with torch.no_grad():
+        assert model(parity_batch(info, None)).abs().max() > 1e5
+
+    result = export_onnx(model_dir)
+
+    assert PARITY_TOLERANCE < result.max_abs_diff <= PARITY_TOLERANCE + PARITY_RTOL * 1e8
 
 
 def test_reexport_replaces_the_file_and_records_the_new_weights(

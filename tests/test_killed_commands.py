@@ -32,6 +32,7 @@ from tasks.data.convert import convert
 from tasks.data.sample import write_digits
 from tasks.data.transform import init_transformation
 from tasks.inference.score import score_in_shards
+from tasks.shared import faults
 from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
@@ -339,6 +340,45 @@ def test_ctrl_c_on_imageops_run_ends_it_within_10_s_with_every_run_ended(
     assert "Finished in state Crashed" in text, text[-3000:]
     statuses = _run_statuses(project)
     assert [status for _, status in statuses] == ["KILLED"], statuses
+
+
+@pytest.mark.slow
+def test_sigterm_on_imageops_run_ends_it_and_the_same_run_again_resumes_its_training(
+    project: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM (a scheduler's stop) after epoch 1's checkpoint: the command ends within 10 s,
+    nothing of it left, its MLflow run KILLED. The same command again continues that run from
+    epoch 2, in the same outputs folder, and finishes the pipeline."""
+    source = write_digits(tmp_path / "digits", size=8, classes=[0, 1], per_class=10)
+    argv = ["run", str(source), "--epochs", "3", "--nproc-per-node", "1"]
+    stopped, resumed = tmp_path / "stopped.trace", tmp_path / "resumed.trace"
+    monkeypatch.setenv(faults.TRACE, str(stopped))
+    monkeypatch.setenv(faults.FAULT, "train.epoch_end:epoch=1:hang")  # the stop lands here
+    log = tmp_path / "run.log"
+    command = _start(argv, project.project_root, log)
+
+    def after_epoch_1(tree: list[psutil.Process]) -> bool:
+        return stopped.is_file() and bool(faults.reached(stopped, "train.epoch_end"))
+
+    with _cleanup(command) as tree:
+        tree += _tree_when(command, after_epoch_1, log)
+        _stop_and_check(command, tree, lambda: os.kill(command.pid, signal.SIGTERM))
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
+    [(name, status)] = _run_statuses(project)
+    assert status == "KILLED"
+    [outputs] = project.outputs_dir.iterdir()
+
+    monkeypatch.delenv(faults.FAULT)
+    monkeypatch.setenv(faults.TRACE, str(resumed))
+    again = imageops(*argv, cwd=project.project_root)
+
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _run_statuses(project) == [(name, "FINISHED")]  # the same run, continued
+    epochs = [int(e["epoch"]) for e in faults.reached(resumed, "train.epoch_end")]
+    assert epochs == [2, 3]
+    assert list(project.outputs_dir.iterdir()) == [outputs]
+    assert (outputs / "model" / "model.onnx").is_file()
 
 
 def _one_training(tree: list[psutil.Process]) -> bool:

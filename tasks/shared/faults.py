@@ -2,7 +2,7 @@
 
 A poller racing a worker on a loaded machine may miss its window; a process failing itself at
 the exact point makes the test deterministic. ``IMAGEOPS_FAULT="POINT[:KEY=VALUE...]:ACTION"``
-(``;`` between faults; actions kill, kill_parent, stop, raise), e.g.
+(``;`` between faults; actions kill, kill_parent, stop, hang, raise), e.g.
 ``train.epoch_end:rank=1:epoch=1:kill``; ``IMAGEOPS_FAULT_TRACE`` names a file logging every point
 reached, in order. Unset, :func:`point` costs nothing. Details: docs/faults.md.
 """
@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 FAULT = "IMAGEOPS_FAULT"
 TRACE = "IMAGEOPS_FAULT_TRACE"
-ACTIONS = ("kill", "kill_parent", "stop", "raise")
+ACTIONS = ("kill", "kill_parent", "stop", "hang", "raise")
+# ``hang``: a step that takes far longer than it should, yet answers signals (``stop`` does not).
+HANG_S = 3600.0
 
 
 class InjectedFault(RuntimeError):
@@ -72,6 +75,9 @@ def _matching_action(spec: str, name: str, fields: dict[str, object]) -> str | N
 def _fire(action: str, spec: str) -> None:
     if action == "raise":
         raise InjectedFault(f"injected by {FAULT}={spec!r}")
+    if action == "hang":
+        time.sleep(HANG_S)
+        return
     if action == "kill_parent":
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
