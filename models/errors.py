@@ -8,6 +8,8 @@ the model zoo (which knows nothing of Prefect or datasets) raises it.
 from __future__ import annotations
 
 import errno
+import shutil
+from pathlib import Path
 
 
 class ImageOpsError(Exception):
@@ -52,6 +54,9 @@ class DiskFullError(ImageOpsError):
 
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# Less free than this: a failure that did not say why (a worker that could not write its
+# record, DVC's "files failed to upload") is taken for the full disk's.
+FULL_DISK_BYTES = 1 << 20
 
 
 def disk_full(exc: BaseException) -> DiskFullError | None:
@@ -67,6 +72,17 @@ def disk_full(exc: BaseException) -> DiskFullError | None:
             return no_space_left(f"the disk: {str(seen)[:300]}")
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def full_disk_at(what: str, path: Path) -> DiskFullError | None:
+    """A DiskFullError naming ``what`` at ``path`` when its disk has (almost) no space left."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    if free >= FULL_DISK_BYTES:
+        return None
+    return no_space_left(f"the disk holding {what} {path} ({free:,} bytes free)")
 
 
 def no_space_left(where: str) -> DiskFullError:

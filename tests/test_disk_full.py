@@ -8,6 +8,9 @@ the ``imageops`` command.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -15,11 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 from model_helpers import copy_model
 from projects import imageops
 
 from models.directory import ONNX
 from models.errors import DiskFullError, disk_full
+from tasks.data.versioning import _nothing_half_done, ensure_dvc_repo, version
 from tasks.shared.step import _retry_unless_user_error
 
 pytest_plugins = ["model_fixtures"]
@@ -48,13 +53,16 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         yield disk
 
 
-def fill(disk: Path) -> None:
-    """Take every free byte of ``disk``."""
-    with (disk / "filler").open("ab") as filler, pytest.raises(OSError):
-        while True:
-            filler.write(b"\0" * 65536)
-            filler.flush()
-    assert shutil.disk_usage(disk).free == 0
+def fill(disk: Path, leave: int = 0) -> None:
+    """Take every free byte of ``disk`` but ``leave``."""
+    with (disk / "filler").open("ab") as filler:
+        filler.write(b"\0" * max(0, shutil.disk_usage(disk).free - leave - (1 << 20)))
+        filler.flush()
+        with contextlib.suppress(OSError):
+            while shutil.disk_usage(disk).free > leave:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+    assert shutil.disk_usage(disk).free == leave
 
 
 def assert_named_disk_full(done: subprocess.CompletedProcess[str]) -> None:
@@ -95,6 +103,51 @@ def test_export_and_score_onto_a_full_disk_say_so_and_leave_no_half_file(
     )  # fmt: skip
     assert_named_disk_full(scored)
     assert left_on(full_disk) == before  # no table, no shard checkpoints
+
+
+def test_version_onto_a_full_disk_says_so_and_leaves_no_staging_file_or_broken_pointer(
+    digits_raw: Path, project
+) -> None:
+    """The push meets the full disk (the cache links the images, the remote copies them): DVC
+    left a 0-byte staging file in the remote per image it could not copy (treeverse/dvc-objects
+    #379) and said "files failed to upload". Once space is freed, the same command versions."""
+    with tmpfs_at(project.project_root) as root:
+        converted = imageops("convert", str(digits_raw), "data/images", cwd=root)
+        assert converted.returncode == 0, converted.stderr
+        fill(root, leave=64 << 10)  # room for DVC's records, not for a copy of the images
+
+        done = imageops("version", "data/images", cwd=root)
+
+        assert_named_disk_full(done)
+        assert "failed to transfer" in done.stderr  # the push's copies failed, as intended
+        assert [p for p in root.rglob("*.tmp")] == []
+        for pointer in (p for p in root.rglob("*.dvc") if p.is_file()):
+            assert yaml.safe_load(pointer.read_text())["outs"][0]["md5"]
+        (root / "filler").unlink()
+        again = imageops("version", "data/images", cwd=root)
+        assert again.returncode == 0, again.stderr
+        assert re.search(r"[0-9a-f]{32}\.dir", again.stdout)
+
+
+def test_a_pointer_cut_short_by_a_full_disk_is_put_back(project) -> None:
+    """DVC rewrites ``images.dvc`` in place: a full disk at that moment leaves it empty, a
+    pointer to nothing. The one before is put back, and the error says the disk is full."""
+    images = project.data_path / "images"
+    images.mkdir(parents=True)
+    (images / "a.txt").write_text("a")
+    version(images, project)
+    pointer = images.parent / "images.dvc"
+    before = pointer.read_bytes()
+
+    with (
+        pytest.raises(DiskFullError),
+        ensure_dvc_repo(project) as repo,
+        _nothing_half_done(repo, images, project),
+    ):
+        pointer.write_bytes(b"")
+        raise OSError(errno.ENOSPC, "No space left on device", str(pointer))
+
+    assert pointer.read_bytes() == before
 
 
 def test_a_full_disk_is_not_retried_by_prefect() -> None:

@@ -10,19 +10,23 @@ docs/internals.md#data-versioning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
 import socket
 import subprocess
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
-from models.atomic import atomic_directory, write_text
+from models.atomic import atomic_directory, write_bytes, write_text
+from models.errors import disk_full, full_disk_at
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
@@ -369,7 +373,11 @@ def version(path: Path, settings: Settings | None = None) -> str:
 
     settings = settings or get_settings()
     target = _inside_project(path, settings)
-    with _serialised(settings), linking_add(_ensure(settings), target) as repo:
+    with (
+        _serialised(settings),
+        linking_add(_ensure(settings), target) as repo,
+        _nothing_half_done(repo, target, settings),
+    ):
         try:
             stages = repo.add([str(target)])
             dvc_file = Path(stages[0].path)
@@ -395,6 +403,78 @@ def version(path: Path, settings: Settings | None = None) -> str:
     return md5
 
 
+# The staging file of DVC's local file system (dvc_objects.fs.utils.tmp_fname), beside the object.
+_STAGING = re.compile(r"^\.[A-Za-z0-9_-]{22}\.tmp$")
+
+
+@contextmanager
+def _nothing_half_done(repo: Repo, target: Path, settings: Settings) -> Iterator[None]:
+    """A failed ``dvc add`` or ``dvc push`` leaves nothing that looks whole, and a full disk is
+    named as such.
+
+    Removed: the staging files a failed copy leaves in the cache or a folder remote (DVC's local
+    ``put_file`` does not remove its own: treeverse/dvc-objects#379; a 600-file push onto a full
+    disk left 600), those dated from this operation on, as the project's DVC lock is held; and a
+    ``.dvc`` pointer the failure emptied or cut short (the one before is put back). DVC reports
+    a full remote as "N files failed to upload": the free space says why.
+    """
+    pointer = target.parent / f"{target.name}.dvc"
+    before = pointer.read_bytes() if pointer.is_file() else None
+    stores = {"the DVC cache": Path(repo.cache.local.path)}
+    if not _URL.match(remote := _remote_url(settings)):
+        stores["the DVC remote"] = Path(remote)
+    started = time.time() - 1.0  # file times are coarser than the clock on some file systems
+    try:
+        yield
+    except BaseException as exc:
+        for store in stores.values():
+            _remove_staging_files(store, started)
+        _put_back(pointer, before)
+        if not isinstance(exc, Exception):
+            raise
+        places = {**stores, "the data": target.parent}
+        full = next((f for what, p in places.items() if (f := full_disk_at(what, p))), None)
+        named = full or disk_full(exc)
+        if named is None or named is exc:
+            raise
+        raise named from exc
+
+
+def _remove_staging_files(store: Path, since: float) -> None:
+    objects = store / "files" / "md5"
+    if not objects.is_dir():
+        return
+    for folder in objects.iterdir():
+        for entry in os.scandir(folder) if folder.is_dir() else ():
+            if not _STAGING.match(entry.name):
+                continue
+            with contextlib.suppress(OSError):  # gone already
+                if entry.stat(follow_symlinks=False).st_mtime >= since:
+                    os.unlink(entry.path)
+
+
+def _put_back(pointer: Path, before: bytes | None) -> None:
+    """The ``.dvc`` pointer as it was, when the failure left one that does not parse."""
+    try:
+        yaml.safe_load(pointer.read_bytes())["outs"][0]["md5"]
+        return  # whole: the add went through, only the push did not (DVC's own behaviour)
+    except FileNotFoundError:
+        return
+    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError):
+        pass
+    try:
+        if before is None:
+            pointer.unlink()
+        else:
+            write_bytes(pointer, before)
+    except OSError:  # no room even for that: better no pointer than a broken one
+        pointer.unlink(missing_ok=True)
+        step_logger(__name__).warning(
+            "removed %s, cut short by the failure: `git checkout -- %s` restores the last "
+            "committed one",
+            pointer,
+            pointer.name,
+        )
 
 
 def _open_versions_repo(settings: Settings) -> Repo:

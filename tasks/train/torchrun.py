@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from typing import IO, TYPE_CHECKING
 import psutil
 
 import tasks
-from models.errors import no_space_left
+from models.errors import full_disk_at
 from tasks.shared.errors import ImageOpsError, TrainingFailedError
 from tasks.shared.log_tail import tail
 from tasks.shared.parent_death import dying_with_this_process
@@ -41,8 +40,6 @@ if TYPE_CHECKING:
     from tasks.train.request import TrainRequest
 
 TORCHRUN_LOG = "torchrun.log"
-# Less free than this where the workers write: a failure without a record is the full disk's.
-FULL_DISK_BYTES = 1 << 20
 KILL_GRACE_S = 15.0
 
 
@@ -270,10 +267,9 @@ def torchrun_failure(
             "its firewall) and start the agent on that host first.",
         )
     failures = read_failures(run_dir)
-    if not failures and shutil.disk_usage(run_dir).free < FULL_DISK_BYTES:
-        # The workers could not even write down why they failed: their disk is full.
-        free = shutil.disk_usage(run_dir).free
-        return no_space_left(f"the disk holding the run folder {run_dir} ({free:,} bytes free)")
+    # The workers could not even write down why they failed: their disk is full.
+    if not failures and (full := full_disk_at("the run folder", run_dir)) is not None:
+        return full
     for failure in failures:
         error = failure.as_error()
         if error is not None:
