@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.deployments import DEPLOYMENTS_FILE, TRAINING_QUEUE, register_deployments
+from app.temporary_api import DATABASE_VARIABLES
 from app.webhook import DEFAULT_PORT as RECEIVER_PORT
 from app.webhook import PATH as RECEIVER_PATH
 from tasks.shared import servers
+from tasks.shared.database_templates import seed
 from tasks.shared.errors import ImageOpsError
 from tasks.shared.log_tail import tail
 from tasks.shared.settings import Settings
@@ -258,6 +260,10 @@ class Stack(Services):
                         "--port", str(self.ports.prefect)]  # fmt: skip
         if not self.ui:
             prefect_args.append("--no-ui")
+        # New databases start from the migrated templates: seconds of migrations saved.
+        if not any(base.get(name) for name in DATABASE_VARIABLES):  # else not SQLite's file
+            seed("prefect", self.dir / "prefect" / "prefect.db")
+        seed("mlflow", home / "mlflow.db")
         self._launch(
             "prefect-server",
             prefect_args,

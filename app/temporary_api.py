@@ -16,7 +16,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
@@ -24,6 +23,7 @@ from filelock import FileLock
 from models.errors import ImageOpsError
 from models.locks import acquire
 from tasks.shared import servers
+from tasks.shared.database_templates import backup, copy_atomically, template
 from tasks.shared.log_tail import tail
 
 STARTUP_TIMEOUT_S = 120.0  # a new project's database migrations on a slow, busy machine
@@ -41,35 +41,6 @@ def _database() -> Path | None:
     if any(os.environ.get(name) for name in DATABASE_VARIABLES):
         return None
     return Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect") / "prefect.db"
-
-
-def _template() -> Path:
-    """Where a freshly migrated, empty database of this Prefect version is kept."""
-    from importlib.metadata import version
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "imageops"
-    return cache / f"prefect-{version('prefect')}-empty.db"
-
-
-def _copy_atomically(copy: Callable[[Path], object], dest: Path) -> None:
-    """``copy(tmp)`` writes a temporary file beside ``dest``, which then replaces ``dest``."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    try:
-        copy(tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _backup(source: Path, tmp: Path) -> None:
-    """A consistent copy of a live SQLite database (the server may be writing to it)."""
-    live, copy = sqlite3.connect(source), sqlite3.connect(tmp)
-    try:
-        live.backup(copy)
-    finally:
-        copy.close()
-        live.close()
 
 
 def _launch(port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -130,12 +101,12 @@ class TemporaryAPI:
 
     def _save_template(self) -> None:
         """Keep the just-migrated database for the next new project (best effort: a cache)."""
-        database, template = _database(), self.save_template_to
-        if template is None or database is None or template.exists():
+        database, made = _database(), self.save_template_to
+        if made is None or database is None or made.exists():
             return
         # On failure there is no cache this time: the next new project migrates its own database.
         with contextlib.suppress(OSError, sqlite3.Error):
-            _copy_atomically(lambda tmp: _backup(database, tmp), template)
+            copy_atomically(lambda tmp: backup(database, tmp), made)
 
     def _created(self) -> None:
         """The new database is migrated: other commands waiting to start on it may go on."""
@@ -173,17 +144,17 @@ def start_temporary_api(log: Path) -> TemporaryAPI | None:
     if os.environ.get("PREFECT_API_URL"):
         return None
     log.parent.mkdir(parents=True, exist_ok=True)
-    database, template, save_to, creating = _database(), _template(), None, None
+    database, made, save_to, creating = _database(), template("prefect"), None, None
     if database is not None:
         # Even when the file is there: another command's server may be migrating it right now.
         lock = _creation_lock(database)
         if database.exists():
             lock.release()
-        elif template.is_file():  # migrated once on this machine: start from that copy
-            _copy_atomically(lambda tmp: shutil.copyfile(template, tmp), database)
+        elif made.is_file():  # migrated once on this machine: start from that copy
+            copy_atomically(lambda tmp: shutil.copyfile(made, tmp), database)
             lock.release()
         else:  # held until our server has migrated it (TemporaryAPI.wait)
-            save_to, creating = template, lock
+            save_to, creating = made, lock
     api = TemporaryAPI(log, save_template_to=save_to, creating=creating)
     atexit.register(api.stop)
     os.environ["PREFECT_API_URL"] = api.url

@@ -63,9 +63,9 @@ class Processes:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        """Last started, first stopped: clients go before the servers they would call."""
-        for _, proc in reversed(self.started):
-            servers.stop(proc)
+        """All at once, as ``imageops serve`` stops its stack: one timeout, not one each (a
+        team's nine processes took up to 25 s one after the other)."""
+        servers.stop_together([proc for _, proc in reversed(self.started)])
 
     def crash(self, proc: subprocess.Popen) -> None:
         """SIGKILL ``proc``'s whole process group, as a crash would; it is not waited for again.

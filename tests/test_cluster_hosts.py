@@ -47,6 +47,7 @@ class Team:
     """The hosts, the servers on the bridge, and a Ray cluster of host A (head) and host B."""
 
     def __init__(self, hosts: Hosts, root: Path) -> None:
+        from tasks.shared.database_templates import seed
         from tasks.shared.object_store import ensure_bucket, start_seaweedfs
 
         self.hosts = hosts
@@ -60,6 +61,9 @@ class Team:
         self.mlflow = f"http://{gateway}:{mlflow_port}"
         self.prefect_api = f"http://{gateway}:{prefect_port}/api"
         servers = hosts.processes
+        # The databases from the migrated templates, as `imageops serve` does.
+        seed("mlflow", root / "mlflow.db")
+        seed("prefect", root / "prefect" / "prefect.db")
         servers.start(
             "mlflow",
             [PY, "-m", "mlflow", "server", "--host", gateway, "--port", str(mlflow_port),

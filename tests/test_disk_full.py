@@ -24,7 +24,8 @@ from projects import imageops
 
 from models.directory import ONNX
 from models.errors import DiskFullError, disk_full
-from tasks.data.versioning import _nothing_half_done, ensure_dvc_repo, version
+from tasks.data.dvc_repairs import nothing_half_done
+from tasks.data.versioning import ensure_dvc_repo, version
 from tasks.shared.step import _retry_unless_user_error
 
 pytest_plugins = ["model_fixtures"]
@@ -142,7 +143,7 @@ def test_a_pointer_cut_short_by_a_full_disk_is_put_back(project) -> None:
     with (
         pytest.raises(DiskFullError),
         ensure_dvc_repo(project) as repo,
-        _nothing_half_done(repo, images, project),
+        nothing_half_done(repo, images, None),
     ):
         pointer.write_bytes(b"")
         raise OSError(errno.ENOSPC, "No space left on device", str(pointer))

@@ -322,68 +322,55 @@ def test_a_killed_train_leaves_no_torchrun_worker_or_loader(
 
 
 @pytest.mark.slow
-def test_ctrl_c_on_imageops_run_ends_it_within_10_s_with_every_run_ended(
-    project: Settings, tmp_path: Path
-) -> None:
-    """Ctrl-C (SIGINT to the command's process group, as a terminal sends it) while the
-    pipeline trains: the command ends within 10 s, nothing of it left running, its flow runs
-    reported Crashed (a final state), its MLflow run KILLED, and no traceback."""
-    source = write_digits(tmp_path / "digits", size=8, classes=[0, 1], per_class=10)
-    argv = ["run", str(source), "--epochs", "1000", "--nproc-per-node", "1"]
-    log = tmp_path / "run.log"
-    command = _start(argv, project.project_root, log)
-    with _cleanup(command) as tree:
-        tree += _tree_when(command, _one_training, log)
-        _stop_and_check(command, tree, lambda: os.killpg(command.pid, signal.SIGINT))
-    text = log.read_text(errors="replace")
-    assert "Traceback" not in text and "ConnectError" not in text, text[-3000:]
-    assert "Finished in state Crashed" in text, text[-3000:]
-    statuses = _run_statuses(project)
-    assert [status for _, status in statuses] == ["KILLED"], statuses
-
-
-@pytest.mark.slow
-def test_sigterm_on_imageops_run_ends_it_and_the_same_run_again_resumes_its_training(
+def test_ctrl_c_or_sigterm_ends_imageops_run_within_10_s_and_the_same_run_again_resumes(
     project: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGTERM (a scheduler's stop) after epoch 1's checkpoint: the command ends within 10 s,
-    nothing of it left, its MLflow run KILLED. The same command again continues that run from
-    epoch 2, in the same outputs folder, and finishes the pipeline."""
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) after epoch 1's checkpoint,
+    then SIGTERM (a scheduler's stop) to the same command run again, after epoch 2's: each ends
+    within 10 s, nothing of it left running, its flow runs Crashed (a final state), the MLflow
+    run KILLED, no traceback. Each run of the same command continues that MLflow run in the same
+    outputs folder; the third trains epoch 3 alone and finishes the pipeline."""
     source = write_digits(tmp_path / "digits", size=8, classes=[0, 1], per_class=10)
-    argv = ["run", str(source), "--epochs", "3", "--nproc-per-node", "1"]
-    stopped, resumed = tmp_path / "stopped.trace", tmp_path / "resumed.trace"
-    monkeypatch.setenv(faults.TRACE, str(stopped))
-    monkeypatch.setenv(faults.FAULT, "train.epoch_end:epoch=1:hang")  # the stop lands here
-    log = tmp_path / "run.log"
-    command = _start(argv, project.project_root, log)
+    params = tmp_path / "params.yaml"  # the steps around training that this does not need
+    params.write_text(yaml.safe_dump({"version_data": False, "quantize": False}))
+    argv = ["run", str(source), "--config", str(params), "--epochs", "3", "--nproc-per-node", "1"]
 
-    def after_epoch_1(tree: list[psutil.Process]) -> bool:
-        return stopped.is_file() and bool(faults.reached(stopped, "train.epoch_end"))
+    def stopped_after(epoch: int, stop: Callable[[subprocess.Popen[bytes]], None]) -> str:
+        trace = tmp_path / f"stopped-after-{epoch}.trace"
+        monkeypatch.setenv(faults.TRACE, str(trace))
+        monkeypatch.setenv(faults.FAULT, f"train.epoch_end:epoch={epoch}:hang")
+        log = tmp_path / f"stopped-after-{epoch}.log"
+        command = _start(argv, project.project_root, log)
 
-    with _cleanup(command) as tree:
-        tree += _tree_when(command, after_epoch_1, log)
-        _stop_and_check(command, tree, lambda: os.kill(command.pid, signal.SIGTERM))
-    text = log.read_text(errors="replace")
-    assert "Traceback" not in text, text[-3000:]
-    [(name, status)] = _run_statuses(project)
-    assert status == "KILLED"
+        def after_the_epoch(tree: list[psutil.Process]) -> bool:
+            return trace.is_file() and bool(faults.reached(trace, "train.epoch_end"))
+
+        with _cleanup(command) as tree:
+            tree += _tree_when(command, after_the_epoch, log)
+            _stop_and_check(command, tree, lambda: stop(command))
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text and "ConnectError" not in text, text[-3000:]
+        assert "Finished in state Crashed" in text, text[-3000:]
+        assert [int(e["epoch"]) for e in faults.reached(trace, "train.epoch_end")] == [epoch]
+        [(name, status)] = _run_statuses(project)
+        assert status == "KILLED"
+        return name
+
+    name = stopped_after(1, lambda command: os.killpg(command.pid, signal.SIGINT))
     [outputs] = project.outputs_dir.iterdir()
+    assert stopped_after(2, lambda command: os.kill(command.pid, signal.SIGTERM)) == name
 
     monkeypatch.delenv(faults.FAULT)
-    monkeypatch.setenv(faults.TRACE, str(resumed))
+    monkeypatch.setenv(faults.TRACE, str(tmp_path / "finished.trace"))
     again = imageops(*argv, cwd=project.project_root)
 
     assert again.returncode == 0, again.stdout + again.stderr
     assert _run_statuses(project) == [(name, "FINISHED")]  # the same run, continued
-    epochs = [int(e["epoch"]) for e in faults.reached(resumed, "train.epoch_end")]
-    assert epochs == [2, 3]
+    assert [e["epoch"] for e in faults.reached(tmp_path / "finished.trace", "train.epoch_end")] == [
+        "3"
+    ]
     assert list(project.outputs_dir.iterdir()) == [outputs]
     assert (outputs / "model" / "model.onnx").is_file()
-
-
-def _one_training(tree: list[psutil.Process]) -> bool:
-    workers = _count(tree, "-m tasks.train.worker", without="torch.distributed.run")
-    return _count(tree, "torch.distributed.run") == 1 and workers == 1
 
 
 def _ppid(proc: psutil.Process) -> int | None:

@@ -42,6 +42,7 @@ from tasks.registry.promotion_events import (
     model_resource_id,
 )
 from tasks.shared import servers
+from tasks.shared.database_templates import seed
 from tasks.shared.errors import ImageOpsError
 from tasks.shared.settings import Settings
 
@@ -259,7 +260,10 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
         "PREFECT_API_URL": prefect_api,
         "PREFECT_HOME": str(project_root / ".imageops" / "prefect"),
     }
-    # Everything that needs no other server starts at once, so the start-ups overlap.
+    # Everything that needs no other server starts at once, so the start-ups overlap; the
+    # databases from the migrated templates, as `imageops serve` does.
+    seed("prefect", tmp_path / "prefect-home" / "prefect.db")
+    seed("mlflow", tmp_path / "mlflow.db")
     processes.start(
         "prefect-server",
         [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",

@@ -1,11 +1,10 @@
 """Data versioning: a data folder becomes a DVC-tracked, pushed version identified by its md5.
 
 That md5 is recorded with every training run, so a model traces to the images it learned from.
-Every DVC operation holds a file lock first (two DVC commands in one repository fail), and the
-two states a kill leaves that DVC does not get past itself are repaired here: an init cut short
-and an emptied record. Any machine gets a version back by its md5 from the remote
-(:func:`fetch_version`), so machines share data through the remote only. Details:
-docs/internals.md#data-versioning.
+Every DVC operation holds a file lock first (two DVC commands in one repository fail), and what a
+kill or a failure leaves that DVC does not get past itself is repaired (:mod:`.dvc_repairs`). Any
+machine gets a version back by its md5 from the remote (:func:`fetch_version`), so machines share
+data through the remote only. Details: docs/internals.md#data-versioning.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import yaml
 from models.atomic import atomic_directory, write_bytes, write_text
 from models.errors import disk_full, full_disk_at
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
+from tasks.data.dvc_repairs import git_root, init_cut_short, nothing_half_done, repair_rwlock
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
@@ -58,14 +58,6 @@ def _serialised(settings: Settings) -> AbstractContextManager[None]:
         "another imageops step versioning data in this project",
         "Check for a stuck `imageops` process (it holds the lock) and stop it, then retry.",
     )
-
-
-def _git_root(path: Path) -> Path | None:
-    """The git work tree that contains ``path``, or None (a ``.git`` file marks a worktree)."""
-    for folder in (path, *path.parents):
-        if (folder / ".git").exists():
-            return folder
-    return None
 
 
 def _remote_url(settings: Settings) -> str:
@@ -143,57 +135,15 @@ def _configure_remote(repo: Repo, settings: Settings) -> None:
         conf["core"]["analytics"] = False
 
 
+def _remote_folder(settings: Settings) -> Path | None:
+    """The remote's folder; None for a remote at a URL (S3 and the like)."""
+    url = _remote_url(settings)
+    return None if _URL.match(url) else Path(url)
+
+
 def _scheme(url: str) -> str:
     """``s3``, ``gs``, ... for a URL; ``""`` for a folder."""
     return url.split("://", 1)[0] if _URL.match(url) else ""
-
-
-# What `dvc init` puts in .dvc/ before imageops writes config.local; a cache or anything else
-# means the repository was in use.
-_INIT_FILES = {"config", ".gitignore", "tmp"}
-
-
-def _init_cut_short(dvc_dir: Path) -> bool:
-    """Whether ``dvc_dir`` is what a process killed inside ``dvc init`` leaves.
-
-    ``Repo.init`` makes ``.dvc/``, then an empty ``config``, then (outside git) writes ``no_scm``
-    into it; imageops writes ``config.local`` right after. Cut short, the folder has no config,
-    or outside git an empty one with which DVC refuses to open ("not a git repository"). It then
-    holds nothing of value, so running the init again (``force``) loses nothing.
-    """
-    if not dvc_dir.is_dir() or not {p.name for p in dvc_dir.iterdir()} <= _INIT_FILES:
-        return False
-    config = dvc_dir / "config"
-    if not config.is_file():
-        return True
-    return config.stat().st_size == 0 and _git_root(dvc_dir.parent) is None
-
-
-def _repair_rwlock(repo: Repo) -> None:
-    """Remove DVC's record of held locks when a killed DVC left it unreadable.
-
-    DVC rewrites ``.dvc/tmp/rwlock`` in place (truncate, then write), under its guard
-    ``rwlock.lock``; a process killed between the two leaves it empty, and every later DVC
-    command fails with "JSON structure is corrupted". Holding the same guard, no one is writing
-    it, so a file that does not parse is a dead writer's: its entries are lost either way, and
-    DVC starts a missing record afresh.
-    """
-    from dvc.lock import make_lock
-    from dvc.rwlock import RWLOCK_FILE, RWLOCK_LOCK
-
-    tmp_dir = Path(repo.tmp_dir)
-    record = tmp_dir / RWLOCK_FILE
-    if not record.is_file():
-        return
-    hardlink = bool(repo.config["core"].get("hardlink_lock", False))
-    with make_lock(str(tmp_dir / RWLOCK_LOCK), tmp_dir=str(tmp_dir), hardlink_lock=hardlink):
-        try:
-            json.loads(record.read_bytes())
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
-            step_logger(__name__).warning(
-                "removed %s: a DVC process was killed while writing it", record
-            )
-            record.unlink()
 
 
 def _with_autostage(repo: Repo) -> Repo:
@@ -238,19 +188,19 @@ def _ensure(settings: Settings) -> Repo:
         )
     dvc_dir = root / ".dvc"
     try:
-        if dvc_dir.is_dir() and not _init_cut_short(dvc_dir):
+        if dvc_dir.is_dir() and not init_cut_short(dvc_dir):
             repo = Repo(str(root))
         else:
-            git_root = _git_root(root)
+            work_tree = git_root(root)
             force = dvc_dir.is_dir()  # an init cut short: start it again
-            if git_root is None:
+            if work_tree is None:
                 repo = Repo.init(str(root), no_scm=True, force=force)
                 repo = link_from_cache(repo, "repo")
             else:
                 # In git, DVC stages its own files and writes .gitignore entries for the data.
-                repo = _with_autostage(Repo.init(str(root), subdir=git_root != root, force=force))
+                repo = _with_autostage(Repo.init(str(root), subdir=work_tree != root, force=force))
         try:
-            _repair_rwlock(repo)
+            repair_rwlock(repo)
             _configure_remote(repo, settings)
             if repo.config["cache"].get("type") is None:
                 repo = link_from_cache(repo, "repo")
@@ -338,8 +288,8 @@ def uncommitted(paths: Iterable[Path], settings: Settings | None = None) -> list
     """
     settings = settings or get_settings()
     root = settings.project_root.resolve()
-    git_root = _git_root(root)
-    if git_root is None:
+    work_tree = git_root(root)
+    if work_tree is None:
         return []
     targets = [_inside_project(p, settings) for p in paths]
     files = _dvc_files(root, targets)
@@ -349,15 +299,15 @@ def uncommitted(paths: Iterable[Path], settings: Settings | None = None) -> list
         # --no-optional-locks: a status never takes git's index lock from a commit under way.
         status = ["git", "--no-optional-locks", "status", "--porcelain", "-z", "-uall", "--"]
         done = subprocess.run(
-            [*status, *(str(f.relative_to(git_root)) for f in files)],
-            cwd=git_root, capture_output=True, text=True, timeout=60, check=False,
+            [*status, *(str(f.relative_to(work_tree)) for f in files)],
+            cwd=work_tree, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return []
     if done.returncode != 0:
         return []
     # "XY path" entries, NUL-separated (-z: no quoting); paths relative to the git root.
-    changed = {git_root / entry[3:] for entry in done.stdout.split("\0") if len(entry) > 3}
+    changed = {work_tree / entry[3:] for entry in done.stdout.split("\0") if len(entry) > 3}
     return [f.relative_to(root).as_posix() for f in files if f in changed]
 
 
@@ -376,7 +326,7 @@ def version(path: Path, settings: Settings | None = None) -> str:
     with (
         _serialised(settings),
         linking_add(_ensure(settings), target) as repo,
-        _nothing_half_done(repo, target, settings),
+        nothing_half_done(repo, target, _remote_folder(settings)),
     ):
         try:
             stages = repo.add([str(target)])
@@ -403,80 +353,6 @@ def version(path: Path, settings: Settings | None = None) -> str:
     return md5
 
 
-# The staging file of DVC's local file system (dvc_objects.fs.utils.tmp_fname), beside the object.
-_STAGING = re.compile(r"^\.[A-Za-z0-9_-]{22}\.tmp$")
-
-
-@contextmanager
-def _nothing_half_done(repo: Repo, target: Path, settings: Settings) -> Iterator[None]:
-    """A failed ``dvc add`` or ``dvc push`` leaves nothing that looks whole, and a full disk is
-    named as such.
-
-    Removed: the staging files a failed copy leaves in the cache or a folder remote (DVC's local
-    ``put_file`` does not remove its own: treeverse/dvc-objects#379; a 600-file push onto a full
-    disk left 600), those dated from this operation on, as the project's DVC lock is held; and a
-    ``.dvc`` pointer the failure emptied or cut short (the one before is put back). DVC reports
-    a full remote as "N files failed to upload": the free space says why.
-    """
-    pointer = target.parent / f"{target.name}.dvc"
-    before = pointer.read_bytes() if pointer.is_file() else None
-    stores = {"the DVC cache": Path(repo.cache.local.path)}
-    if not _URL.match(remote := _remote_url(settings)):
-        stores["the DVC remote"] = Path(remote)
-    started = time.time() - 1.0  # file times are coarser than the clock on some file systems
-    try:
-        yield
-    except BaseException as exc:
-        for store in stores.values():
-            _remove_staging_files(store, started)
-        _put_back(pointer, before)
-        if not isinstance(exc, Exception):
-            raise
-        places = {**stores, "the data": target.parent}
-        full = next((f for what, p in places.items() if (f := full_disk_at(what, p))), None)
-        named = full or disk_full(exc)
-        if named is None or named is exc:
-            raise
-        raise named from exc
-
-
-def _remove_staging_files(store: Path, since: float) -> None:
-    objects = store / "files" / "md5"
-    if not objects.is_dir():
-        return
-    for folder in objects.iterdir():
-        for entry in os.scandir(folder) if folder.is_dir() else ():
-            if not _STAGING.match(entry.name):
-                continue
-            with contextlib.suppress(OSError):  # gone already
-                if entry.stat(follow_symlinks=False).st_mtime >= since:
-                    os.unlink(entry.path)
-
-
-def _put_back(pointer: Path, before: bytes | None) -> None:
-    """The ``.dvc`` pointer as it was, when the failure left one that does not parse."""
-    try:
-        yaml.safe_load(pointer.read_bytes())["outs"][0]["md5"]
-        return  # whole: the add went through, only the push did not (DVC's own behaviour)
-    except FileNotFoundError:
-        return
-    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError):
-        pass
-    try:
-        if before is None:
-            pointer.unlink()
-        else:
-            write_bytes(pointer, before)
-    except OSError:  # no room even for that: better no pointer than a broken one
-        pointer.unlink(missing_ok=True)
-        step_logger(__name__).warning(
-            "removed %s, cut short by the failure: `git checkout -- %s` restores the last "
-            "committed one",
-            pointer,
-            pointer.name,
-        )
-
-
 def _open_versions_repo(settings: Settings) -> Repo:
     """The DVC repository of fetched versions under ``home``, created (outside git) if needed.
 
@@ -499,7 +375,7 @@ def _open_versions_repo(settings: Settings) -> Repo:
         repo.close()
         repo = Repo(str(root))
     try:
-        _repair_rwlock(repo)
+        repair_rwlock(repo)
         _configure_remote(repo, settings)
     except BaseException:
         repo.close()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlflow
 from mlflow.tracking import MlflowClient
 
 from models.errors import ImageOpsError
+from tasks.shared.database_templates import mlflow_database
 from tasks.shared.errors import RegistryError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, redact_uri
@@ -54,22 +55,29 @@ def configure_mlflow(settings: Settings) -> str:
         return client.get_experiment_by_name(settings.mlflow_experiment).experiment_id
 
 
-def _store_creation(uri: str) -> AbstractContextManager[None]:
-    """A lock for the first use of a SQLite store, which creates and migrates its tables.
+@contextmanager
+def _store_creation(uri: str) -> Iterator[None]:
+    """A lock for the first use of a SQLite store, which creates and migrates its tables; a new
+    store starts from the migrated template (tasks.shared.database_templates).
 
     Two processes doing that at once on one new file fail (alembic: "expected to match one
     row"); two pipeline runs started together in a new project would. A server migrates alone.
     """
     if not uri.startswith("sqlite:///"):
-        return nullcontext()
+        yield
+        return
     database = Path(uri.removeprefix("sqlite:///"))
-    return taking_turns(
-        database.with_name(f"{database.name}.lock"),
-        LOCK_TIMEOUT_S,
-        RegistryError,
-        "another process creating this MLflow database",
-        "Check for a stuck `imageops` or `mlflow` process using it and stop it, then retry.",
-    )
+    with (
+        taking_turns(
+            database.with_name(f"{database.name}.lock"),
+            LOCK_TIMEOUT_S,
+            RegistryError,
+            "another process creating this MLflow database",
+            "Check for a stuck `imageops` or `mlflow` process using it and stop it, then retry.",
+        ),
+        mlflow_database(database),
+    ):
+        yield
 
 
 @contextmanager
