@@ -616,7 +616,9 @@ def test_a_partial_pipeline_config_keeps_the_demo_values(served: Served) -> None
     }  # fmt: skip
 
 
-def test_ctrl_c_stops_every_process_within_10_s_and_a_restart_works(served: Served) -> None:
+def test_ctrl_c_stops_every_process_within_10_s_and_a_restart_works_until_a_service_dies(
+    served: Served,
+) -> None:
     children = psutil.Process(served.process.pid).children(recursive=True)
     assert len(children) >= 4  # two servers, the receiver, the worker (and their own children)
     pressed = time.monotonic()
@@ -628,7 +630,8 @@ def test_ctrl_c_stops_every_process_within_10_s_and_a_restart_works(served: Serv
     assert took < 10, f"Ctrl-C took {took:.1f} s to stop the stack"
     assert "stopped" in served.log.read_text()
 
-    # At once on the same ports (their connections still in TIME_WAIT), then Ctrl-C again.
+    # At once on the same ports (their connections still in TIME_WAIT). Then one of its
+    # services dies: the stack stops, naming it and the end of its log, and leaves nothing.
     again = servers.start(served.command, served.root / "serve-again.log", served.env,
                           cwd=served.root)  # fmt: skip
     try:
@@ -637,6 +640,16 @@ def test_ctrl_c_stops_every_process_within_10_s_and_a_restart_works(served: Serv
                                    240, interval_s=0.5)  # fmt: skip
         assert ready and again.poll() is None, log.read_text()[-3000:]
         assert servers.healthy(f"{served.api}/health")
+        children = psutil.Process(again.pid).children(recursive=True)
+        (receiver,) = [p for p in children if "app.webhook" in " ".join(p.cmdline())]
+        receiver.kill()
+        assert again.wait(timeout=30) == 2, log.read_text()[-3000:]
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, [p.cmdline() for p in alive]
+        said = log.read_text()
+        assert "error: ImageOpsError: receiver exited with code -9. End of" in said, said[-3000:]
+        assert "receiver.log" in said and "Traceback" not in said, said[-3000:]
     finally:
-        again.send_signal(signal.SIGINT)
-        assert again.wait(timeout=60) == 0
+        if again.poll() is None:
+            again.send_signal(signal.SIGINT)
+            again.wait(timeout=60)
