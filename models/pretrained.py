@@ -103,6 +103,7 @@ def timm_weights_file(spec: ModelSpec) -> Path:
     from huggingface_hub import hf_hub_download
 
     try:
+        _hub_reachable()
         return Path(hf_hub_download(repo, filename, cache_dir=hub_cache()))
     except Exception as exc:  # offline, proxy, no such file: the user's remedy is the same
         where = hub_cache() / f"models--{repo.replace('/', '--')}"
@@ -113,6 +114,19 @@ def timm_weights_file(spec: ModelSpec) -> Path:
             f"{filename}) under {where}, e.g. `hf download {repo} --cache-dir {hub_cache()}` on "
             f"a machine with network access, or {without_pretrained(spec)}",
         ) from exc
+
+
+def _hub_reachable(timeout_s: float = 10.0) -> None:
+    """Raise at once when the hub cannot be reached (a machine without network, a refusing
+    proxy): ``hf_hub_download`` retries a refused connection five times, 23 s of back-off
+    before the same error."""
+    import httpx
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return  # the download looks in the cache only, and says so
+    # Through the proxy of the environment, as the download would go.
+    httpx.head(constants.ENDPOINT, timeout=timeout_s, trust_env=True)
 
 
 def _hub_file(cfg: dict) -> tuple[str, str]:

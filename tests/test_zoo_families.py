@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -171,9 +172,12 @@ def _write_hub_cache(repo: str) -> dict[str, torch.Tensor]:
 def test_timm_weights_load_from_the_hub_cache(offline: Path) -> None:
     spec = spec_for(TIMM_NAME, pretrained=True)
     assert not weights_cached(spec)
+    started = time.monotonic()
     with pytest.raises(PretrainedWeightsMissingError, match="not in the cache") as err:
         build_model(spec, 3, 224)
     assert str(hub_cache()) in err.value.hint
+    # At once: the hub's client retried the refused connection for 23 s before the same error.
+    assert time.monotonic() - started < 10
 
     published = _write_hub_cache(TIMM_NAME)
     assert weights_cached(spec)
