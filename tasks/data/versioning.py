@@ -9,23 +9,18 @@ data through the remote only. Details: docs/internals.md#data-versioning.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
 import re
 import socket
 import subprocess
-import time
-from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
-from models.atomic import atomic_directory, write_bytes, write_text
-from models.errors import disk_full, full_disk_at
+from models.atomic import atomic_directory, write_text
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.data.dvc_repairs import git_root, init_cut_short, nothing_half_done, repair_rwlock
 from tasks.shared import faults
