@@ -49,14 +49,16 @@ if TYPE_CHECKING:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules with slow tests (torchrun, whole flows) first, each module kept together.
 
-    pytest-xdist hands tests out in this order: a minute-long test near the end keeps one worker
-    busy while the others have nothing left, so the long ones go first and the short ones fill
-    in behind them. Every worker sorts alike (the order must match across workers).
+    Under ``make test`` (``--dist loadscope``) this order only breaks ties: pytest-xdist hands out
+    whole modules, those with the most tests first (its ``--loadscope-reorder`` default). Handing
+    them out in this order instead (``--no-loadscope-reorder``) started test_cluster_hosts beside
+    test_cluster and test_team, and in the one full run tried both of its Ray nodes were
+    SIGKILLed mid-job, from outside (not reproduced alone); so the default stays. Without
+    loadscope (``pytest -n 2``) tests go out in this order. Every worker sorts alike.
 
     At the very front, the slow modules whose tests share a module-scoped fixture (a served
-    stack, a PostgreSQL cluster, two hosts), fewest tests first. ``make test`` hands out whole
-    modules (``--dist loadscope``): a split module would start its servers a second time on the
-    other worker (and its later tests would find a stack without the runs its earlier tests made).
+    stack, a PostgreSQL cluster, two hosts), fewest tests first: a split module would start its
+    servers a second time on the other worker.
     """
     heavy = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     shared = {

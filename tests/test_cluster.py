@@ -54,6 +54,9 @@ class Cluster:
 
     def _start(self, port: int, mlflow_port: int, root: Path) -> None:
         env = base_env() | {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
+        # No drain on SIGTERM (up to 30 s, for Ray Serve): the stop at the end takes a moment,
+        # not the 10 s after which it is SIGKILLed.
+        env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
         self.processes.start(
             "ray-head",
             [RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",

@@ -208,7 +208,10 @@ def team(network: Network) -> Iterator[Team]:
                 shutil.copyfile(source, target)
             elif args[:4] == [sys.executable, "-m", "app.cli", "team"]:
                 join_log = logs / "join.log"
-                team.join = _start(network.on_gpu_machine(args), gpu_dir, join_log, env)
+                # Prefect's own setting passes through the join to its worker: it looks for
+                # work every second, not every 10 s.
+                join_env = env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}
+                team.join = _start(network.on_gpu_machine(args), gpu_dir, join_log, join_env)
                 joined = lambda log=join_log: "joined;" in log.read_text()  # noqa: E731
                 team.wait("the GPU machine to join", joined, 120)
             else:
