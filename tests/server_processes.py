@@ -1,7 +1,8 @@
 """Real servers in tests: free ports, a clean environment, processes that always stop.
 
 Shared by the tests that start `prefect server`, `mlflow server`, the receiver or `imageops
-serve` as subprocesses (test_promotion_webhook, test_postgres, test_stack).
+serve` as subprocesses (test_promotion_webhook, test_postgres, test_stack, test_team), and Ray
+clusters (test_cluster, test_cluster_hosts).
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ import pytest
 from tasks.shared import servers
 from tasks.shared.servers import free_port, healthy
 
-__all__ = ["Processes", "base_env", "free_port", "healthy"]
+__all__ = ["PROMPT_WORKER", "RAY_NODE", "Processes", "base_env", "free_port", "healthy"]
 ROOT = Path(__file__).resolve().parents[1]
+# A Prefect worker the tests start looks for work (and for cancellations) every second, not
+# every 10 s: each run a test hands it would otherwise wait up to 10 s to start.
+PROMPT_WORKER = {"PREFECT_WORKER_QUERY_SECONDS": "1"}
+# A Ray node the tests start does not drain on SIGTERM: `ray start --block` drains for up to
+# 30 s (for Ray Serve's replicas), so each stop waited out its 10 s timeout and was SIGKILLed.
+RAY_NODE = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 def base_env() -> dict[str, str]:

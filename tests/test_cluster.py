@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 from projects import imageops
-from server_processes import Processes, base_env, free_port
+from server_processes import RAY_NODE, Processes, base_env, free_port
 from training_runs import PRE
 
 from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
@@ -53,10 +53,8 @@ class Cluster:
             raise
 
     def _start(self, port: int, mlflow_port: int, root: Path) -> None:
-        env = base_env() | {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
-        # No drain on SIGTERM (up to 30 s, for Ray Serve): the stop at the end takes a moment,
-        # not the 10 s after which it is SIGKILLed.
-        env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+        env = base_env() | RAY_NODE
+        env |= {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
         self.processes.start(
             "ray-head",
             [RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",

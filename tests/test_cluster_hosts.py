@@ -25,7 +25,7 @@ import httpx
 import pytest
 from hosts import Host, Hosts, can_make_hosts
 from mlflow import MlflowClient
-from server_processes import base_env, free_port, healthy
+from server_processes import PROMPT_WORKER, RAY_NODE, base_env, free_port, healthy
 
 from models.untrained import resnet, write_untrained
 from tasks.data.transform import init_transformation
@@ -41,9 +41,6 @@ SMALL = {"resize_size": 16, "center_crop_size": 16, "random_horizontal_flip": Fa
 TRAIN = {"epochs": 1, "batch_size": 16, "learning_rate": 0.01, "nproc_per_node": 1,
          "device": "cpu", "precision": "fp32", "nodes": 2}  # fmt: skip
 MODEL = "imageops-classifier"
-# `ray start --block` drains its node for up to 30 s on SIGTERM (for Ray Serve's replicas), so
-# each stop at the end waited out the servers' 10 s timeout; these nodes have nothing to drain.
-NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 class Team:
@@ -123,7 +120,7 @@ class Team:
             [str(Path(PY).with_name("ray")), "start", "--block", "--num-cpus", "1",
              "--disable-usage-stats", "--node-ip-address", host.address,
              "--temp-dir", str(self.ray_tmp[-1]), *args],
-            **NO_DRAIN | env,
+            **RAY_NODE | env,
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -247,8 +244,7 @@ def start_worker(team: Team, name: str) -> subprocess.Popen:
             assert done.returncode == 0, done.stdout + done.stderr
         team.deployed = True
     command = [PY, "-m", "prefect", "worker", "start", "--pool", "local", "--name", name]
-    # It looks for work (and for cancellations) every second, not every 10 s.
-    return team.hosts.start(team.a, name, command, PREFECT_WORKER_QUERY_SECONDS="1")
+    return team.hosts.start(team.a, name, command, **PROMPT_WORKER)
 
 
 def run_train_deployment(team: Team, params: dict) -> str:

@@ -32,6 +32,7 @@ import httpx
 import psutil
 import pytest
 from prefect_runs import prefect_api_at
+from server_processes import PROMPT_WORKER
 
 from tasks.shared import servers
 from tasks.shared.servers import free_port
@@ -159,10 +160,9 @@ def served(
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         # Prefect's own settings pass through the stack: a scheduler that looks every second
-        # (not every minute) and a worker that polls every second (not every 10 s).
+        # (not every minute), and a prompt worker.
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-    }
+    } | PROMPT_WORKER
     log = root / "serve.log"
     command = [sys.executable, "-m", "app.cli", "serve",
                "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from server_processes import base_env
+from server_processes import PROMPT_WORKER, base_env
 
 from app.stack import kept_secret
 from app.team import JOIN_VARIABLES, TeamServer
@@ -208,9 +208,8 @@ def team(network: Network) -> Iterator[Team]:
                 shutil.copyfile(source, target)
             elif args[:4] == [sys.executable, "-m", "app.cli", "team"]:
                 join_log = logs / "join.log"
-                # Prefect's own setting passes through the join to its worker: it looks for
-                # work every second, not every 10 s.
-                join_env = env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}
+                # Prefect's own setting passes through the join to its worker.
+                join_env = env | PROMPT_WORKER
                 team.join = _start(network.on_gpu_machine(args), gpu_dir, join_log, join_env)
                 joined = lambda log=join_log: "joined;" in log.read_text()  # noqa: E731
                 team.wait("the GPU machine to join", joined, 120)
