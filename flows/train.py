@@ -48,10 +48,15 @@ def train_flow(request: TrainRequest) -> TrainResult:
 
 def train_and_report(request: TrainRequest) -> TrainResult:
     """:func:`train_flow` as a sub-flow, its training report shown on the calling run too (the
-    run a person started from a deployment, where they look first)."""
-    state = train_flow(request, return_state=True)
-    trained = state.result()
-    republish(state.state_details.flow_run_id, (TRAINING_REPORT,))
+    run a person started from a deployment, where they look first).
+
+    The result is the call's own return value. Results are not persisted (tasks.shared.step), so
+    a state read back from the API has none: and when a busy database makes Prefect's client
+    propose the final state twice, the second proposal is rejected and the call's state *is* the
+    API's copy (``state.result()`` raised MissingResult after a finished training).
+    """
+    trained = train_flow(request)
+    republish((TRAINING_REPORT,))
     return trained
 
 

@@ -67,12 +67,14 @@ def publish_table(key: str, rows: list[dict[str, object]], description: str) -> 
     return True
 
 
-def republish(flow_run_id: object, keys: tuple[str, ...]) -> int:
-    """Create in this flow run the latest markdown artifact of each of ``keys`` that flow run
-    ``flow_run_id`` (a sub-flow, or its tasks) made; returns how many.
+def republish(keys: tuple[str, ...]) -> int:
+    """Create in this flow run the latest markdown artifact of each of ``keys`` that its sub-flows
+    (or their tasks) made; returns how many.
 
     Prefect shows a run's own artifacts only: a deployment whose work happens in a sub-flow
-    (training) would otherwise show nothing on the run a person started.
+    (training) would otherwise show nothing on the run a person started. The sub-flows are found
+    through the API, not through the state a sub-flow call returns: that state can be the API's
+    copy, which holds no result (see :func:`flows.train.train_and_report`).
     """
     if not in_prefect_run():
         return 0
@@ -82,14 +84,24 @@ def republish(flow_run_id: object, keys: tuple[str, ...]) -> int:
         ArtifactFilter,
         ArtifactFilterFlowRunId,
         ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
     )
     from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.context import FlowRunContext
 
-    query = ArtifactFilter(
-        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
-        key=ArtifactFilterKey(any_=list(keys)),
-    )
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return 0  # in a task run: its flow run is where people look
     with get_client(sync_client=True) as client:
+        parent = FlowRunFilterParentFlowRunId(any_=[context.flow_run.id])
+        sub_flows = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=parent))
+        if not sub_flows:
+            return 0
+        query = ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id for run in sub_flows]),
+            key=ArtifactFilterKey(any_=list(keys)),
+        )
         found = client.read_artifacts(artifact_filter=query, sort=ArtifactSort.CREATED_DESC)
     latest = {}
     for artifact in found:  # newest first: the first of each key is its latest
