@@ -81,3 +81,25 @@ def test_a_flow_still_gets_real_prefect_tasks() -> None:
         "else:\n"
         "    raise AssertionError('an unknown name must raise AttributeError')"
     )
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch, torchvision, then compiling
+def test_torchvision_imports_without_dynamo_which_still_works_after() -> None:
+    """The loader fork server's modules (and score's) import torchvision without TorchDynamo
+    (models.torchvision_import); what torchvision had decorated or imported from it works, and
+    torch.compile gets the real TorchDynamo."""
+    _run(
+        "absent('tasks.train.data tasks.data.transform', 'torch._dynamo')\n"
+        "import torch, torchvision\n"
+        "from torchvision import tv_tensors\n"
+        "from torchvision.ops import roi_align\n"
+        "boxes = torch.tensor([[0, 0, 0, 4, 4.0]])\n"
+        "assert roi_align(torch.rand(1, 3, 8, 8), boxes, (2, 2)).shape == (1, 3, 2, 2)\n"
+        "like = tv_tensors.Image(torch.rand(3, 4, 4))\n"
+        "assert type(tv_tensors.wrap(torch.rand(3, 4, 4), like=like)) is tv_tensors.Image\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "assert torch.compile(lambda t: t * 2 + 1)(torch.ones(2)).tolist() == [3.0, 3.0]\n"
+        "import torch._dynamo.utils as utils\n"
+        "assert type(utils).__name__ == 'module' and utils.is_compile_supported('cpu')\n"
+        "assert torch.compiler.disable.__module__ == 'torch.compiler'"
+    )
