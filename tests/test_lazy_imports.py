@@ -103,3 +103,17 @@ def test_torchvision_imports_without_dynamo_which_still_works_after() -> None:
         "assert type(utils).__name__ == 'module' and utils.is_compile_supported('cpu')\n"
         "assert torch.compiler.disable.__module__ == 'torch.compiler'"
     )
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch, then TorchDynamo
+def test_dynamo_imported_while_the_stand_in_is_in_place_gets_its_real_utils() -> None:
+    """A torchvision that imports TorchDynamo itself (another version) gets the real one: the
+    stand-in hands over every name asked of it."""
+    _run(
+        "import tasks, torch\n"
+        "from models.torchvision_import import _DynamoUtilsStandIn\n"
+        "sys.modules['torch._dynamo.utils'] = _DynamoUtilsStandIn('torch._dynamo.utils')\n"
+        "import torch._dynamo\n"
+        "assert not isinstance(sys.modules['torch._dynamo.utils'], _DynamoUtilsStandIn)\n"
+        "assert torch.compile(lambda t: t - 1)(torch.ones(2)).tolist() == [0.0, 0.0]"
+    )
