@@ -7,6 +7,6 @@ wrapper). The plain function is what tests, DVC stages and torchrun workers call
 beside it (a retryable Prefect task) is what flows call. Submitting them is the flows' job.
 """
 
-from models.torchvision_import import import_torchvision_without_dynamo
-
-import_torchvision_without_dynamo()  # 2 s of CPU less in each process that imports torchvision
+# models' import sets up torchvision's import without TorchDynamo (models.torchvision_import):
+# some steps import torchvision before anything of models.
+import models  # noqa: F401
