@@ -111,15 +111,31 @@ def healthy(url: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def wait_until(ready: Callable[[], T], timeout_s: float, interval_s: float) -> T | None:
+def wait_until(
+    ready: Callable[[], T],
+    timeout_s: float,
+    interval_s: float,
+    max_interval_s: float | None = None,
+) -> T | None:
     """Call ``ready`` every ``interval_s`` until it returns something truthy, and return that;
     None once ``timeout_s`` has passed. It is called at least once; what it raises ends the wait.
+
+    With ``max_interval_s`` the pause grows by half each time up to that: a check that costs a
+    client and a server request (tens of ms of CPU each side) stays prompt for a short wait and
+    does not take a tenth of a core through a training that lasts minutes.
     """
     import tenacity  # here: 60 ms to import, after the temporary API has started
 
+    pause = (
+        tenacity.wait_fixed(interval_s)
+        if max_interval_s is None
+        else tenacity.wait_exponential(
+            multiplier=interval_s, exp_base=1.5, min=interval_s, max=max_interval_s
+        )
+    )
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_delay(timeout_s),
-        wait=tenacity.wait_fixed(interval_s),
+        wait=pause,
         retry=tenacity.retry_if_result(lambda result: not result),
         retry_error_callback=lambda _: None,
     )
