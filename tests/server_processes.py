@@ -95,7 +95,7 @@ class Processes:
                 pytest.fail(f"{', '.join(dead)} exited while waiting for {what}\n{self.report()}")
             return None
 
-        result = servers.wait_until(attempt, timeout_s, interval_s=0.3)
+        result = servers.wait_until(attempt, timeout_s, interval_s=0.3, max_interval_s=2.0)
         if not result:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
         return result

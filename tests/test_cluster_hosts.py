@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -29,7 +29,7 @@ from server_processes import PROMPT_WORKER, RAY_NODE, base_env, free_port, healt
 
 from models.untrained import resnet, write_untrained
 from tasks.data.transform import init_transformation
-from tasks.shared import faults
+from tasks.shared import faults, servers
 from tasks.train.loop import METRICS
 
 pytestmark = [
@@ -164,11 +164,12 @@ def train_command(host: Host, cluster: str, **params: object) -> list[str]:
             "model", "--cluster", cluster, "--transform", "transform", *options]  # fmt: skip
 
 
-def wait_for(what: str, ready: object, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+def wait_for(
+    what: str, ready: Callable[[], object], timeout_s: float, max_interval_s: float = 2.0
+) -> None:
+    """Poll ``ready`` (more slowly as the wait goes on, up to ``max_interval_s``)."""
+    done = servers.wait_until(ready, timeout_s, interval_s=0.25, max_interval_s=max_interval_s)
+    assert done, f"timed out waiting for {what}"
 
 
 def epoch_ended(trace: Path) -> bool:
@@ -202,7 +203,9 @@ def test_a_two_node_job_from_prefect_outlives_its_worker_and_is_scored_on_the_ot
     # export and the registration still to do after the training.
     flow_run = run_train_deployment(team, TRAIN | {"cluster": team.cluster})
     client = MlflowClient(team.mlflow, team.mlflow)
-    wait_for("the cluster job to train", lambda: training_runs(client, "RUNNING"), 300)
+    # Promptly: the worker must die while its flow run still has work to do.
+    training = lambda: training_runs(client, "RUNNING")  # noqa: E731
+    wait_for("the cluster job to train", training, 300, max_interval_s=0.5)
     os.kill(worker.pid, signal.SIGKILL)  # the worker only: its flow run goes on
 
     state = final_state(team, flow_run, 540)
@@ -265,11 +268,13 @@ def final_state(team: Team, flow_run: str, timeout_s: float) -> str:
     final = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
     seen: list[str] = ["?"]
 
-    def ended() -> bool:
-        seen[0] = httpx.get(f"{team.prefect_api}/flow_runs/{flow_run}").json()["state_type"]
-        return seen[0] in final
+    with httpx.Client(base_url=team.prefect_api) as api:  # one client: each costs an SSL setup
 
-    wait_for(f"flow run {flow_run} to end", ended, timeout_s)
+        def ended() -> bool:
+            seen[0] = api.get(f"/flow_runs/{flow_run}").json()["state_type"]
+            return seen[0] in final
+
+        wait_for(f"flow run {flow_run} to end", ended, timeout_s)
     return seen[0]
 
 

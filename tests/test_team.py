@@ -145,7 +145,7 @@ class Team:
                 return ready()
             return None
 
-        result = servers.wait_until(attempt, timeout_s, interval_s=0.5)
+        result = servers.wait_until(attempt, timeout_s, interval_s=0.25, max_interval_s=2.0)
         if not result:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
         return result

@@ -307,7 +307,9 @@ def test_trials_run_as_flow_runs_of_the_trial_deployment(
                 return bool(prefect.read_deployment_by_name("imageops-tune-trial/tune-trial"))
             return False
 
-        assert servers.wait_until(registered, 120, interval_s=0.5), log.read_text()
+        assert servers.wait_until(registered, 120, interval_s=0.25, max_interval_s=2.0), (
+            log.read_text()
+        )
         spec = make_spec(
             study_name="on-the-pool",
             algorithm="random",
