@@ -191,10 +191,11 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         print(procs.report())  # shown by pytest only when the test failed
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """A real S3 server (SeaweedFS) for the session, one per xdist worker, with keys made up
-    here: give each test a bucket of its own (``s3_bucket``)."""
+    """A real S3 server (SeaweedFS) for a module, with keys made up here: give each test a
+    bucket of its own (``s3_bucket``). Not for the session: idle, it still takes about 1% of a
+    core, which a whole run of the suite would pay for nothing."""
     from tasks.shared.object_store import start_seaweedfs
 
     server = start_seaweedfs(
