@@ -32,7 +32,6 @@ from tasks.shared.errors import (
     InvalidModelDirectoryError,
     InvalidParameterError,
     NotLabeledDatasetError,
-    TrainingDivergedError,
     TrainingFailedError,
 )
 from tasks.shared.settings import Settings
@@ -429,29 +428,6 @@ def test_same_seed_gives_the_same_model_even_across_a_crash(
     assert len(steps) == len(set(steps))  # a resumed epoch is not logged twice
 
 
-@pytest.mark.slow
-def test_a_diverging_loss_stops_training_with_advice(
-    project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
-) -> None:
-    with pytest.raises(TrainingDivergedError, match="Lower learning_rate") as err:
-        run_train(
-            project,
-            untrained,
-            digits_split,
-            tmp_path / "model",
-            learning_rate=1e12,
-            print_frequency=1,
-        )
-    assert "training loss became" in str(err.value)
-    assert not (tmp_path / "model").exists()
-    client = MlflowClient(project.tracking_uri)
-    experiment = client.get_experiment_by_name(project.mlflow_experiment)
-    (run,) = client.search_runs([experiment.experiment_id])
-    assert run.info.status == "FAILED"
-    logs = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "logs")}
-    assert "rank_0.log" in logs
-
-
 def test_a_finished_command_returns_its_exit_code_and_its_output_is_kept(tmp_path: Path) -> None:
     code = run_torchrun([sys.executable, "-c", "print('hi')"], {}, tmp_path, timeout_s=None)
     assert code == 0
@@ -480,6 +456,16 @@ def test_a_crash_in_a_worker_quotes_its_log(
     assert "rank 0 failed with UnidentifiedImageError" in message
     assert "Last lines of" in message and "rank_0.log" in message
     assert str(project.runs_dir) in message  # names the folder with every rank's log
+    assert not (tmp_path / "model").exists()
+    # The MLflow run says FAILED and keeps the ranks' logs. (A diverging loss, the other way a
+    # training fails, is the hostile-input case train-nan-loss, through the CLI.)
+    client = MlflowClient(project.tracking_uri)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name(project.mlflow_experiment).experiment_id]
+    )
+    assert run.info.status == "FAILED"
+    logs = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert "rank_0.log" in logs
 
 
 @pytest.mark.skipif(
