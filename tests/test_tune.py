@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -228,9 +229,11 @@ def test_early_stopping_prunes_a_trial_worse_than_the_median(
 
 
 @pytest.mark.slow
-def test_a_stopped_study_continues_where_it_stopped(
+def test_a_study_on_the_pool_stopped_then_continued_here_goes_on_where_it_stopped(
     prefect_api: None, project: Settings, digits_split: tuple[Path, Path]
 ) -> None:
+    """The study's first trial runs as a flow run of the trial deployment on a worker of the
+    work pool; the study, stopped mid-trial, is then continued in this process."""
     parameters = [
         {"name": "learning_rate", "type": "double", "min": 1e-5, "max": 1e-3, "scale": "log"},
         {"name": "batch_size", "type": "discrete", "values": [8, 16]},
@@ -243,7 +246,18 @@ def test_a_stopped_study_continues_where_it_stopped(
         parallel_trial_count=2,
         parameters=parameters,
     )
-    tune(first, digits_split, register_best=False)
+    with trial_worker(project):
+        tune(
+            first,
+            digits_split,
+            register_best=False,
+            trial_deployment="imageops-tune-trial/tune-trial",
+        )
+    with get_client(sync_client=True) as prefect:
+        (flow_run,) = prefect.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["resumed-trial-0"]))
+        )
+    assert flow_run.state_type.value == "COMPLETED"  # the trial's own flow run, on the pool
     before = trials_of(project, "resumed")
     assert [t.state for t in before] == [TrialState.COMPLETE]
 
@@ -282,12 +296,11 @@ def test_a_stopped_study_continues_where_it_stopped(
     assert sorted(run.data.tags["imageops.trial"] for run in nested) == ["0", "2", "3"]
 
 
-@pytest.mark.slow
-def test_trials_run_as_flow_runs_of_the_trial_deployment(
-    prefect_api: None, project: Settings, digits_split: tuple[Path, Path]
-) -> None:
-    # A worker of the work pool, played by `serve` in a process of its own (a flow run process
-    # per trial, as on a pool); it shares this machine's journal file, MLflow and folders.
+@contextlib.contextmanager
+def trial_worker(project: Settings) -> Iterator[None]:
+    """A worker of the work pool, played by `serve` in a process of its own (a flow run process
+    per trial, as on a pool), with the trial deployment registered; it shares this machine's
+    journal file, MLflow and folders."""
     from prefect.settings import PREFECT_API_URL
 
     env = {
@@ -310,27 +323,9 @@ def test_trials_run_as_flow_runs_of_the_trial_deployment(
         assert servers.wait_until(registered, 120, interval_s=0.25, max_interval_s=2.0), (
             log.read_text()
         )
-        spec = make_spec(
-            study_name="on-the-pool",
-            algorithm="random",
-            max_trial_count=1,
-            parameters=[{"name": "learning_rate", "type": "discrete", "values": [1e-4, 1e-3]}],
-        )
-        result = tune(
-            spec,
-            digits_split,
-            register_best=False,
-            trial_deployment="imageops-tune-trial/tune-trial",
-        )
+        yield
     finally:
         servers.stop(worker, timeout_s=30)
-    (trial,) = result.trials
-    assert trial.state == "COMPLETE" and trial.run_id is not None
-    with get_client(sync_client=True) as prefect:
-        (flow_run,) = prefect.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["on-the-pool-trial-0"]))
-        )
-    assert flow_run.state_type.value == "COMPLETED"
 
 
 @pytest.mark.slow
