@@ -73,8 +73,9 @@ class Team:
         )  # fmt: skip
         servers.start(
             "prefect",
+            # No UI, schedules or late-run marking: nothing here looks at them.
             [PY, "-m", "prefect", "server", "start", "--host", gateway,
-             "--port", str(prefect_port)],
+             "--port", str(prefect_port), "--no-ui", "--no-scheduler", "--no-late-runs"],
             base_env() | {"PREFECT_HOME": str(root / "prefect")},
         )  # fmt: skip
         # What every machine of the team sets (the team stack's join file holds the same).
