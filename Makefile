@@ -48,9 +48,10 @@ serve: install
 # One pytest worker per core: the slow tests mostly wait on processes and servers. A test module
 # goes whole to one worker (loadscope): its module-scoped servers and clusters start once, not once
 # per worker (work stealing split test_cluster_hosts and started its two hosts, S3, MLflow,
-# Prefect and Ray twice). 902 to 1,086 s on 2 cores in the last eleven runs (see README).
+# Prefect and Ray twice). The modules go out longest first (tests/module_seconds.txt), the Ray
+# modules as one unit (tests/conftest.py).
 test: install
-	$(BIN)/python -m pytest -n auto --dist loadscope
+	$(BIN)/python -m pytest -n auto --dist loadscope --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check .

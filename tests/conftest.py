@@ -46,38 +46,50 @@ if TYPE_CHECKING:
     from tasks.shared.object_store import S3Server
 
 
+# The modules that start Ray nodes: `make test` runs them one after another on one worker (see
+# pytest_xdist_make_scheduler). Beside each other, in the one full run that tried it, both of
+# test_cluster_hosts' Ray nodes were SIGKILLed mid-job from outside (not reproduced alone).
+RAY_MODULES = frozenset(
+    {"tests/test_cluster.py", "tests/test_cluster_hosts.py", "tests/test_team.py"}
+)
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.txt")
+
+
+def work_unit(nodeid: str) -> str:
+    """What one pytest worker runs whole: the test's module, or all the Ray modules together."""
+    module = nodeid.split("::", 1)[0]
+    return "the Ray modules" if module in RAY_MODULES else module
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with slow tests (torchrun, whole flows) first, each module kept together.
+    """The longest work units first (tests/module_seconds.txt), each unit kept together.
 
-    Under ``make test`` (``--dist loadscope``) this order only breaks ties: pytest-xdist hands out
-    whole modules, those with the most tests first (its ``--loadscope-reorder`` default). Handing
-    them out in this order instead (``--no-loadscope-reorder``) started test_cluster_hosts beside
-    test_cluster and test_team, and in the one full run tried both of its Ray nodes were
-    SIGKILLed mid-job, from outside (not reproduced alone); so the default stays. Without
-    loadscope (``pytest -n 2``) tests go out in this order. Every worker sorts alike.
-
-    At the very front, the slow modules whose tests share a module-scoped fixture (a served
-    stack, a PostgreSQL cluster, two hosts), fewest tests first: a split module would start its
-    servers a second time on the other worker.
+    ``make test`` hands the units out in this order (``--no-loadscope-reorder``): whichever worker
+    is free takes the next, so with the long ones gone first both end within seconds of each
+    other. (pytest-xdist's own order, most tests first, left test_cluster_hosts, 3 tests and three
+    minutes, for the end: one worker ran it alone for half a minute.)
     """
-    heavy = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    shared = {
-        item.module.__name__
-        for item in items
-        if any(
-            definition.scope == "module"
-            for definitions in item._fixtureinfo.name2fixturedefs.values()
-            for definition in definitions
-        )
-    }
-    size = Counter(item.module.__name__ for item in items)
+    seconds: Counter[str] = Counter()
+    for line in MODULE_SECONDS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            figure, module = line.split()
+            seconds[work_unit(module)] += int(figure)
+    items.sort(key=lambda item: (-seconds[work_unit(item.nodeid)], work_unit(item.nodeid)))
 
-    def order(item: pytest.Item) -> tuple[bool, bool, int]:
-        name = item.module.__name__
-        front = name in heavy and name in shared
-        return (name not in heavy, not front, size[name] if front else 0)
 
-    items.sort(key=order)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadscope`` with the Ray modules as one unit: never two of them at once."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            unit = work_unit(nodeid)
+            return unit if unit == "the Ray modules" else super()._split_scope(nodeid)
+
+    return RayModulesTogether(config, log)  # type: ignore[arg-type]
 
 
 # Makes the migrated, empty databases once per machine, in a process of its own (its settings
