@@ -49,7 +49,7 @@ serve: install
 # goes whole to one worker (loadscope): its module-scoped servers and clusters start once, not once
 # per worker (work stealing split test_cluster_hosts and started its two hosts, S3, MLflow,
 # Prefect and Ray twice). The modules go out longest first (tests/module_seconds.txt), the Ray
-# modules as one unit (tests/conftest.py): 790 s on 2 cores on 2026-11-27 (see README).
+# modules as one unit (tests/conftest.py): 790 to 801 s on 2 cores on 2026-11-27 (see README).
 test: install
 	$(BIN)/python -m pytest -n auto --dist loadscope --no-loadscope-reorder
 
