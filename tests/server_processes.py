@@ -21,7 +21,15 @@ import pytest
 from tasks.shared import servers
 from tasks.shared.servers import free_port, healthy
 
-__all__ = ["PROMPT_WORKER", "RAY_NODE", "Processes", "base_env", "free_port", "healthy"]
+__all__ = [
+    "LONG_WAIT",
+    "PROMPT_WORKER",
+    "RAY_NODE",
+    "Processes",
+    "base_env",
+    "free_port",
+    "healthy",
+]
 ROOT = Path(__file__).resolve().parents[1]
 # A Prefect worker the tests start looks for work (and for cancellations) every second, not
 # every 10 s: each run a test hands it would otherwise wait up to 10 s to start.
@@ -29,6 +37,10 @@ PROMPT_WORKER = {"PREFECT_WORKER_QUERY_SECONDS": "1"}
 # A Ray node the tests start does not drain on SIGTERM: `ray start --block` drains for up to
 # 30 s (for Ray Serve's replicas), so each stop waited out its 10 s timeout and was SIGKILLed.
 RAY_NODE = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+# How a test polls through a wait that can last minutes (servers.wait_until's pacing): prompt at
+# first, then every 2 s at most. A check that makes a client and a server request every 0.5 s
+# through a training took 36 CPU-seconds of a run (py-spy), and the servers answered each.
+LONG_WAIT = {"interval_s": 0.25, "max_interval_s": 2.0}
 
 
 def base_env() -> dict[str, str]:
@@ -95,7 +107,7 @@ class Processes:
                 pytest.fail(f"{', '.join(dead)} exited while waiting for {what}\n{self.report()}")
             return None
 
-        result = servers.wait_until(attempt, timeout_s, interval_s=0.3, max_interval_s=2.0)
+        result = servers.wait_until(attempt, timeout_s, **LONG_WAIT)
         if not result:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
         return result

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from hosts import Host, Hosts, can_make_hosts
 from mlflow import MlflowClient
-from server_processes import PROMPT_WORKER, RAY_NODE, base_env, free_port, healthy
+from server_processes import LONG_WAIT, PROMPT_WORKER, RAY_NODE, base_env, free_port, healthy
 
 from models.untrained import resnet, write_untrained
 from tasks.data.transform import init_transformation
@@ -166,11 +166,14 @@ def train_command(host: Host, cluster: str, **params: object) -> list[str]:
 
 
 def wait_for(
-    what: str, ready: Callable[[], object], timeout_s: float, max_interval_s: float = 2.0
+    what: str,
+    ready: Callable[[], object],
+    timeout_s: float,
+    max_interval_s: float = LONG_WAIT["max_interval_s"],
 ) -> None:
     """Poll ``ready`` (more slowly as the wait goes on, up to ``max_interval_s``)."""
-    done = servers.wait_until(ready, timeout_s, interval_s=0.25, max_interval_s=max_interval_s)
-    assert done, f"timed out waiting for {what}"
+    pacing = LONG_WAIT | {"max_interval_s": max_interval_s}
+    assert servers.wait_until(ready, timeout_s, **pacing), f"timed out waiting for {what}"
 
 
 def epoch_ended(trace: Path) -> bool:

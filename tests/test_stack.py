@@ -32,7 +32,7 @@ import httpx
 import psutil
 import pytest
 from prefect_runs import prefect_api_at
-from server_processes import PROMPT_WORKER
+from server_processes import LONG_WAIT, PROMPT_WORKER
 
 from tasks.shared import servers
 from tasks.shared.servers import free_port
@@ -70,7 +70,7 @@ class Served:
             with contextlib.suppress(httpx.HTTPError):
                 return ready()
 
-        result = servers.wait_until(attempt, timeout_s, interval_s=0.25, max_interval_s=2.0)
+        result = servers.wait_until(attempt, timeout_s, **LONG_WAIT)
         if not result:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
         return result

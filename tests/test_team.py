@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from server_processes import PROMPT_WORKER, base_env
+from server_processes import LONG_WAIT, PROMPT_WORKER, base_env
 
 from app.stack import kept_secret
 from app.team import JOIN_VARIABLES, TeamServer
@@ -145,7 +145,7 @@ class Team:
                 return ready()
             return None
 
-        result = servers.wait_until(attempt, timeout_s, interval_s=0.25, max_interval_s=2.0)
+        result = servers.wait_until(attempt, timeout_s, **LONG_WAIT)
         if not result:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.report()}")
         return result

@@ -27,6 +27,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterName,
 )
+from server_processes import LONG_WAIT
 
 from flows.tune import tune_flow
 from models.directory import read_model_info
@@ -320,9 +321,7 @@ def trial_worker(project: Settings) -> Iterator[None]:
                 return bool(prefect.read_deployment_by_name("imageops-tune-trial/tune-trial"))
             return False
 
-        assert servers.wait_until(registered, 120, interval_s=0.25, max_interval_s=2.0), (
-            log.read_text()
-        )
+        assert servers.wait_until(registered, 120, **LONG_WAIT), log.read_text()
         yield
     finally:
         servers.stop(worker, timeout_s=30)
