@@ -52,13 +52,21 @@ if TYPE_CHECKING:
 RAY_MODULES = frozenset(
     {"tests/test_cluster.py", "tests/test_cluster_hosts.py", "tests/test_team.py"}
 )
+RAY_UNIT = "the Ray modules"
 MODULE_SECONDS = Path(__file__).with_name("module_seconds.txt")
 
 
 def work_unit(nodeid: str) -> str:
     """What one pytest worker runs whole: the test's module, or all the Ray modules together."""
     module = nodeid.split("::", 1)[0]
-    return "the Ray modules" if module in RAY_MODULES else module
+    return RAY_UNIT if module in RAY_MODULES else module
+
+
+def module_seconds() -> dict[str, int]:
+    """tests/module_seconds.txt: each module's measured wall seconds."""
+    lines = MODULE_SECONDS.read_text().splitlines()
+    rows = [line.split() for line in lines if line.strip() and not line.startswith("#")]
+    return {module: int(figure) for figure, module in rows}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -70,10 +78,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     minutes, for the end: one worker ran it alone for half a minute.)
     """
     seconds: Counter[str] = Counter()
-    for line in MODULE_SECONDS.read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            figure, module = line.split()
-            seconds[work_unit(module)] += int(figure)
+    for module, figure in module_seconds().items():
+        seconds[work_unit(module)] += figure
     items.sort(key=lambda item: (-seconds[work_unit(item.nodeid)], work_unit(item.nodeid)))
 
 
@@ -87,7 +93,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class RayModulesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             unit = work_unit(nodeid)
-            return unit if unit == "the Ray modules" else super()._split_scope(nodeid)
+            return unit if unit == RAY_UNIT else super()._split_scope(nodeid)
 
     return RayModulesTogether(config, log)  # type: ignore[arg-type]
 

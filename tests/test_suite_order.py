@@ -5,17 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import MODULE_SECONDS, RAY_MODULES, work_unit
+from conftest import RAY_MODULES, module_seconds, work_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_timing_table_and_the_ray_modules_name_test_modules_that_exist() -> None:
-    listed = [
-        line.split()[1]
-        for line in MODULE_SECONDS.read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    listed = list(module_seconds())
     assert listed, "tests/module_seconds.txt lists no module"
     missing = [m for m in [*listed, *RAY_MODULES] if not (ROOT / m).is_file()]
     assert missing == [], f"remake tests/module_seconds.txt (its header says how): {missing}"
