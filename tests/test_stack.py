@@ -408,6 +408,8 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
                     "steps": {"version_data": False, "register_model": False},
                 },
             )  # fmt: skip
+    from playwright.sync_api import expect
+
     ui = served.api.removesuffix("/api")
     with browser_page() as page:
         page.goto(f"{ui}/deployments/deployment/{train.id}/run")
@@ -425,14 +427,26 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
         field("Learning rate").fill("0.03")
         for toggle in ("Version data with DVC", "Register"):
             label = page.get_by_text(f"{toggle} (Optional)", exact=True).first
-            label.locator("xpath=following::*[@role='switch'][1]").click()
-        page.get_by_role("button", name="Submit").click()
-        page.wait_for_url(re.compile(r"tab=Runs|/runs/flow-run/"), timeout=60_000)
+            switch = label.locator("xpath=following::*[@role='switch'][1]")
+            switch.click()
+            expect(switch).to_have_attribute("aria-checked", "false")  # the click took
 
-    def submitted() -> Any:
-        return next((r for r in served.flow_runs(train.id) if r.name == FORM_RUN_NAME), None)
+        def submitted() -> Any:
+            return next((r for r in served.flow_runs(train.id) if r.name == FORM_RUN_NAME), None)
 
-    return served.wait("the run submitted from the form", submitted, timeout_s=60)
+        # The run, not the page's navigation, is what Submit must make. Twice on a busy machine
+        # (one run of the suite under process accounting, one where this ran beside two stacks
+        # starting) a click made none: the page stayed on the form, the server got no run. A
+        # person clicks again, and so does this, once, after a minute without the run.
+        for _ in range(2):
+            page.get_by_role("button", name="Submit").click()
+            run = servers.wait_until(submitted, 60, **LONG_WAIT)
+            if run:
+                return run
+        pytest.fail(
+            f"Submit made no flow run; the page ({page.url}) shows:\n"
+            f"{page.inner_text('body')[:3000]}\n{served.report()}"
+        )
 
 
 def test_browser_the_forms_show_each_field_titled_described_and_one_input(served: Served) -> None:
@@ -623,40 +637,54 @@ def test_a_partial_pipeline_config_keeps_the_demo_values(served: Served) -> None
     }  # fmt: skip
 
 
-def test_ctrl_c_stops_every_process_within_10_s_and_a_restart_works_until_a_service_dies(
+def test_ctrl_c_or_sigterm_stops_every_process_within_10_s_and_a_restart_works_until_a_service_dies(
     served: Served,
 ) -> None:
-    children = psutil.Process(served.process.pid).children(recursive=True)
-    assert len(children) >= 4  # two servers, the receiver, the worker (and their own children)
-    pressed = time.monotonic()
-    served.process.send_signal(signal.SIGINT)
-    assert served.process.wait(timeout=60) == 0, served.report()
-    _, alive = psutil.wait_procs(children, timeout=15)
-    took = time.monotonic() - pressed
-    assert not alive, [p.cmdline() for p in alive]
-    assert took < 10, f"Ctrl-C took {took:.1f} s to stop the stack"
-    assert "stopped" in served.log.read_text()
+    """Ctrl-C stops the stack; started again at once on the same ports (their connections still
+    in TIME_WAIT), SIGTERM (a scheduler's stop) stops it too; started a third time, one of its
+    services dies: the stack stops, naming it and the end of its log. Nothing is left each time."""
 
-    # At once on the same ports (their connections still in TIME_WAIT). Then one of its
-    # services dies: the stack stops, naming it and the end of its log, and leaves nothing.
-    again = servers.start(served.command, served.root / "serve-again.log", served.env,
-                          cwd=served.root)  # fmt: skip
-    try:
-        log = served.root / "serve-again.log"
+    def stopped_within_10_s(process: subprocess.Popen, sig: signal.Signals, log: Path) -> None:
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert len(children) >= 4  # two servers, the receiver, the worker (and their children)
+        pressed = time.monotonic()
+        process.send_signal(sig)
+        assert process.wait(timeout=60) == 0, log.read_text()[-3000:]
+        _, alive = psutil.wait_procs(children, timeout=15)
+        took = time.monotonic() - pressed
+        assert not alive, [p.cmdline() for p in alive]
+        assert took < 10, f"{sig.name} took {took:.1f} s to stop the stack"
+        assert "stopped" in log.read_text()
+
+    def start_again(name: str) -> tuple[subprocess.Popen, Path]:
+        log = served.root / f"{name}.log"
+        again = servers.start(served.command, log, served.env, cwd=served.root)
         ready = servers.wait_until(lambda: again.poll() is not None or "ready" in log.read_text(),
                                    240, interval_s=0.5)  # fmt: skip
         assert ready and again.poll() is None, log.read_text()[-3000:]
         assert servers.healthy(f"{served.api}/health")
-        children = psutil.Process(again.pid).children(recursive=True)
+        return again, log
+
+    stopped_within_10_s(served.process, signal.SIGINT, served.log)
+    started: list[subprocess.Popen] = []
+    try:
+        again, log = start_again("serve-again")
+        started.append(again)
+        stopped_within_10_s(again, signal.SIGTERM, log)
+
+        third, log = start_again("serve-third")
+        started.append(third)
+        children = psutil.Process(third.pid).children(recursive=True)
         (receiver,) = [p for p in children if "app.webhook" in " ".join(p.cmdline())]
         receiver.kill()
-        assert again.wait(timeout=30) == 2, log.read_text()[-3000:]
+        assert third.wait(timeout=30) == 2, log.read_text()[-3000:]
         _, alive = psutil.wait_procs(children, timeout=15)
         assert not alive, [p.cmdline() for p in alive]
         said = log.read_text()
         assert "error: ImageOpsError: receiver exited with code -9. End of" in said, said[-3000:]
         assert "receiver.log" in said and "Traceback" not in said, said[-3000:]
     finally:
-        if again.poll() is None:
-            again.send_signal(signal.SIGINT)
-            again.wait(timeout=60)
+        for process in started:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=60)
