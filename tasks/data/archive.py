@@ -25,8 +25,8 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from models.atomic import name_limit
-from tasks.shared.errors import NoUsableImagesError, UnsafeArchiveError
 from tasks.data.imagedir import SkippedFile, SkipReason
+from tasks.shared.errors import NoUsableImagesError, UnsafeArchiveError
 
 DEFAULT_MAX_MEMBERS = 500_000
 DEFAULT_MAX_BYTES = 20 * 1024**3  # the whole archive, inflated

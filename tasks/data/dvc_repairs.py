@@ -155,5 +155,3 @@ def _put_back(pointer: Path, before: bytes | None) -> None:
             pointer,
             pointer.name,
         )
-
-

@@ -18,7 +18,6 @@ from pathlib import PurePath
 
 from PIL import Image, UnidentifiedImageError
 
-from tasks.shared.file_hash import file_sha256
 from tasks.data.imageformat import (
     IMAGE_EXTENSIONS,
     MAX_ASPECT_RATIO,
@@ -32,6 +31,7 @@ from tasks.data.imageformat import (
     size_over_limit,
     to_rgb,
 )
+from tasks.shared.file_hash import file_sha256
 
 DEFAULT_MAX_PIXELS = MAX_PIXELS
 DEFAULT_MAX_ASPECT_RATIO = MAX_ASPECT_RATIO

@@ -1,9 +1,9 @@
 """What imageops reads as an image, how it becomes RGB, and why a file is left out.
 
-Part of the ImageDirectory contract (:mod:`tasks.data.imagedir` re-exports it), kept apart so convert's
-workers import Pillow only and start fast. The image limits live here, once, for every step that
-decodes a file: pixels, aspect ratio and file size, checked from the header before a pixel is
-decoded. Details: docs/images.md#image-formats-and-limits.
+Part of the ImageDirectory contract (:mod:`tasks.data.imagedir` re-exports it), kept apart so
+convert's workers import Pillow only and start fast. The image limits live here, once, for every
+step that decodes a file: pixels, aspect ratio and file size, checked from the header before a
+pixel is decoded. Details: docs/images.md#image-formats-and-limits.
 """
 
 from __future__ import annotations

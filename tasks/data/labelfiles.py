@@ -22,8 +22,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, PlainValidator, ValidationError
 
-from tasks.shared.errors import InvalidLabelFileError
 from tasks.data.imagedir import SkippedFile, SkipReason, is_utf8, printable_name
+from tasks.shared.errors import InvalidLabelFileError
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -21,7 +21,6 @@ from tasks.data.convert.sources import (
 )
 
 
-
 def __getattr__(name: str) -> object:
     """``convert_task``: made (and Prefect imported) only when a flow asks for it."""
     if name == "convert_task":

@@ -15,8 +15,8 @@ from tasks.data.archive import (
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_RATIO,
 )
-from tasks.shared.errors import InvalidParameterError
 from tasks.data.imagecheck import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_PIXELS
+from tasks.shared.errors import InvalidParameterError
 
 _IMAGE_LIMITS = ("max_pixels", "max_aspect_ratio")
 

@@ -20,8 +20,8 @@ from tasks.data.archive import ARCHIVE_SUFFIXES, archive_kind, extract_archive
 from tasks.data.convert.folders import layout_classes, paths_in, plan_folder, unwrap
 from tasks.data.convert.limits import ConvertLimits
 from tasks.data.convert.plan import ConversionPlan, plan_listing
-from tasks.shared.errors import NoUsableImagesError
 from tasks.data.labelfiles import Row, coco_rows, csv_rows, read_label_file
+from tasks.shared.errors import NoUsableImagesError
 
 
 class InputSource:
