@@ -116,3 +116,24 @@ def test_no_module_is_over_five_hundred_lines() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert not too_long, f"split these modules by job: {too_long}"
+
+
+def test_ruff_checks_every_source_file_of_the_checkout() -> None:
+    """A bare exclude pattern ("data") once kept all of tasks/data/ out of `ruff check`."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff, "ruff is not installed: it is in the lock (make install)"
+    listed = subprocess.run(
+        [ruff, "check", "--show-files", "."], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    checked = {Path(line.strip()).resolve() for line in listed.splitlines() if line.strip()}
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout: no list of the project's source files")
+    skipped = [name for name in tracked if (ROOT / name).resolve() not in checked]
+    assert skipped == [], f"ruff check leaves out: {skipped[:10]}"
