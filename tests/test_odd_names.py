@@ -20,6 +20,7 @@ from hostile_inputs import rename_zip_members
 
 from tasks.data.convert import convert, source_classes
 from tasks.data.imagedir import Manifest, read_manifest
+from tasks.data.split import split
 
 
 def _zip(digits: Path, archive: Path, extra: dict[str, bytes]) -> Path:
@@ -156,3 +157,24 @@ def test_coco_names_that_are_not_text_are_skipped(digits_raw: Path, tmp_path: Pa
     reasons = {path: reason.split(":")[0] for path, reason in _reasons(manifest).items()}
     assert reasons == {"photos/c.png": "BadLabel", "photos/caf\\xe9.png": "BadFileName"}
     assert read_manifest(tmp_path / "out") == manifest.whole()
+
+
+def test_a_class_folder_named_like_a_drive_is_skipped_so_split_reads_the_result(
+    digits_raw: Path, tmp_path: Path
+) -> None:
+    """A class folder `C:` once became manifest paths `C:/x.png`, which split refuses."""
+    source = tmp_path / "src"
+    for label in ("0", "1", "C:"):
+        (source / label).mkdir(parents=True)
+        for png in sorted((digits_raw / ("2" if label == "C:" else label)).glob("*.png"))[:3]:
+            shutil.copy(png, source / label / png.name)
+
+    manifest = convert(source, tmp_path / "out")
+
+    assert manifest.classes == ["0", "1"]
+    reasons = _reasons(manifest)
+    drive = [path for path in reasons if path.startswith("C:/") and path != "C:/"]
+    assert len(drive) == 3
+    assert all(reasons[path].startswith("BadFileName: stored as 'C:/") for path in drive)
+    first, second = split(tmp_path / "out", tmp_path / "a", tmp_path / "b", fraction=0.5)
+    assert len(first.images) + len(second.images) == 6

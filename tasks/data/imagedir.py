@@ -181,7 +181,7 @@ class PathCheck:
         return os.path.commonpath([self._base, real]) == self._base
 
     def __call__(self, name: str) -> None:
-        problem = _bad_shape(name)
+        problem = manifest_path_problem(name)
         if problem is None:
             folder, _, leaf = name.rpartition("/")
             if folder not in self._folders:
@@ -201,8 +201,12 @@ class PathCheck:
             )
 
 
-def _bad_shape(name: str) -> str | None:
-    """What is wrong with the form of the manifest path ``name``; None when it is sound."""
+def manifest_path_problem(name: str) -> str | None:
+    """What is wrong with the form of the manifest path ``name``; None when it is sound.
+
+    Convert asks too, so it never writes a directory its own readers refuse (a class folder
+    named ``C:`` reads as a Windows drive).
+    """
     if "\x00" in name:
         return "a NUL byte in the path"
     if not name:

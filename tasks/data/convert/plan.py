@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from tasks.data.imagedir import SkippedFile
+from tasks.data.imagedir import SkippedFile, manifest_path_problem
+from tasks.data.imageformat import SkipReason, printable_name
 from tasks.data.labelfiles import Listed, Listing
 
 
@@ -33,6 +34,19 @@ class ConversionPlan:
     label_file: bool = False  # classes come from labels, not folders (the wording of reports)
 
     def __post_init__(self) -> None:
+        # A destination the ImageDirectory's readers would refuse (a class folder `C:` reads as
+        # a Windows drive) is skipped here, with its reason, not written for split to refuse.
+        kept = []
+        for item in self.items:
+            problem = manifest_path_problem(item.dest)
+            if problem is None:
+                kept.append(item)
+            else:
+                reason = SkipReason.BAD_FILE_NAME.because(
+                    f"stored as {item.dest!r} it reads as {problem}: rename it"
+                )
+                self.skipped.append(SkippedFile(path=printable_name(item.rel), reason=reason))
+        self.items = kept
         # In the ImageDirectory's order: checked in it, the entries go to the manifest as they
         # come (a folder's plan is in this order already).
         self.items.sort(key=lambda item: item.dest)
