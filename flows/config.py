@@ -24,13 +24,15 @@ from pydantic import (
 
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
-from tasks.data.convert import source_classes
+from tasks.data.convert import find_source, source_classes
 from tasks.data.datasets import NAME_PATTERN, name_problem, source_name
+from tasks.data.split import first_share
 from tasks.data.transform import input_size
 from tasks.shared.errors import InvalidParameterError, InvalidTransformationDirectoryError
 from tasks.shared.forms import form_field
 from tasks.shared.settings import Settings
 from tasks.train.params import TrainParams
+from tasks.train.request import check_sizes
 
 # Azure's Init Image Transformation, sized for the 32x32 digits: every crop (center, and the
 # random ones a person may switch on) is 32, so training and scoring see the same input size.
@@ -229,7 +231,8 @@ class PipelineConfig(BaseModel):
 
         Returns (source, data set folder). Raises NoUsableImagesError for a missing or
         unreadable source, NotLabeledDatasetError for one without classes, InvalidDatasetError
-        for one class, InvalidParameterError for a source that overlaps its data set folder.
+        for one class, InvalidParameterError for a source that overlaps its data set folder or
+        a training batch (or process count) its training split could not fill.
         """
         source = settings.project_root / self.source
         data = settings.data_path / self.dataset_name
@@ -244,7 +247,27 @@ class PipelineConfig(BaseModel):
                 "data/NAME lies apart from the source, or move the raw images out of data/NAME.",
             )
         source_classes(source)
+        self._check_training_set(source)
         return source, data
+
+    def _check_training_set(self, source: Path) -> None:
+        """Refuse a batch the training split cannot fill, before convert, version and split run.
+
+        The split is not made yet; its size is at most split's share (rounded down, as split
+        rounds it) of each class's image files in the source, counted by name (convert only
+        leaves files out), so a request refused here would be refused at the training.
+        """
+        sizes = find_source(source).class_sizes(source)
+        if sizes is None:  # a source that cannot count without converting: train checks it
+            return
+        fraction = self.split.fraction
+        most = sum(first_share(fraction, n) for n in sizes.values())
+        check_sizes(
+            self.train,
+            most,
+            f"at most {most} images: split's {fraction:g} of each class of the "
+            f"{sum(sizes.values())} image files in {self.source}, rounded down",
+        )
 
     @field_validator("transform")
     @classmethod

@@ -16,7 +16,7 @@ from models.directory import ONNX
 from tasks.inference.score import score
 from tasks.registry.model_uri import ORIGIN, cache_path, fetch_registered_model, resolve_model
 from tasks.registry.register import DIRECTORY_ARTIFACTS, register
-from tasks.shared.errors import RegistryError
+from tasks.shared.errors import RegistryError, RegistryUnreachableError
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
 
@@ -75,6 +75,19 @@ def test_a_path_is_returned_as_is_and_bad_uris_are_refused_with_a_hint(
     configure_mlflow(project)  # an empty registry
     with pytest.raises(RegistryError, match=r"no registered model 'nope'.*imageops register"):
         resolve_model("models:/nope@champion", project)
+
+
+def test_a_version_number_no_registry_can_hold_is_no_such_version(project: Settings) -> None:
+    """Past MLflow's INTEGER column the registry fails, not answers: still "no such version",
+    not a RegistryUnreachableError to retry; past int()'s digits, not a ValueError."""
+    configure_mlflow(project)
+    MlflowClient(project.tracking_uri, project.registry_uri).create_registered_model(NAME)
+    huge = "99999999999999999999999"
+    with pytest.raises(RegistryError, match=f"has no version {huge}") as refused:
+        resolve_model(f"models:/{NAME}/{huge}", project)
+    assert not isinstance(refused.value, RegistryUnreachableError)
+    with pytest.raises(RegistryError, match="not a model URI"):
+        resolve_model(f"models:/{NAME}/{'9' * 5000}", project)
 
 
 def test_a_stale_half_or_altered_cache_is_replaced_and_a_corrupt_download_leaves_nothing(

@@ -242,10 +242,10 @@ def test_parameter_defaults_are_the_seeds() -> None:
     [
         ("epochs", 0, "an integer > 0"),
         ("batch_size", -1, "an integer > 0"),
-        ("warmup_epochs", -1, "an integer >= 0"),
+        ("warmup_epochs", -1, "an integer from 0 to 10000"),
         ("learning_rate", 0.0, "a finite number > 0"),
         ("learning_rate", math.nan, "a finite number > 0"),
-        ("momentum", 1.0, "a finite number >= 0 < 1"),
+        ("momentum", 1.0, "a finite number >= 0 and < 1"),
         ("weight_decay", -0.1, "a finite number >= 0"),
         ("patience", 0, "an integer > 0"),
         ("print_frequency", 0, "an integer > 0"),

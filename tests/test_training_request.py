@@ -23,7 +23,7 @@ from models.untrained import ModelChoice, resnet, write_untrained
 from tasks.data.transform import init_transformation
 from tasks.shared.errors import InvalidParameterError
 from tasks.shared.settings import Settings
-from tasks.train.params import TrainParams, TrialHook
+from tasks.train.params import MAX_BATCH_SIZE, MAX_EPOCHS, TrainParams, TrialHook
 from tasks.train.request import TrainRequest
 
 pytest_plugins = ["model_fixtures"]
@@ -61,6 +61,22 @@ def test_every_field_is_in_the_prefect_forms() -> None:
         assert set(TrainParams.model_fields) <= set(definitions["TrainParams"]["properties"])
         assert set(ModelChoice.model_fields) <= set(definitions["ModelChoice"]["properties"])
         assert {train_key, model_key} <= set(schema["properties"])
+
+
+def test_the_forms_show_the_epoch_and_batch_limits() -> None:
+    """The limits a request is checked against are the forms' maximums: a server refuses 10^12
+    epochs before any worker starts."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import pipeline
+    from flows.train import train_model_flow
+
+    for flow in (pipeline, train_model_flow):
+        fields = parameter_schema(flow).model_dump()["definitions"]["TrainParams"]["properties"]
+        assert fields["epochs"]["maximum"] == MAX_EPOCHS
+        assert fields["batch_size"]["maximum"] == MAX_BATCH_SIZE
+        assert f"{MAX_EPOCHS:,}" in fields["epochs"]["description"]
+        assert f"{MAX_BATCH_SIZE:,}" in fields["batch_size"]["description"]
 
 
 def test_params_yaml_and_the_dvc_stages_take_every_field() -> None:
@@ -184,6 +200,14 @@ def test_the_train_flow_gets_the_request_whole_as_its_one_parameter(
     ("given", "error"),
     [
         ({"params": {"epochs": 0}}, "epochs = 0, expected an integer > 0"),
+        (
+            {"params": {"epochs": 10**12}},
+            f"epochs = 1000000000000, expected an integer > 0 and <= {MAX_EPOCHS}",
+        ),
+        (
+            {"params": {"batch_size": 10**9}},
+            f"batch_size = 1000000000, expected an integer > 0 and <= {MAX_BATCH_SIZE}",
+        ),
         ({"params": {"nodes": 2, "cluster": None}}, "nodes = 2 needs a Ray cluster"),
         ({"params": {"nodes": 2, "cluster": "h:6379", "rdzv_timeout_s": 0}}, "rdzv_timeout_s = 0"),
         ({"params": {"cluster": "h:6379", "cluster_timeout_s": -1}}, "cluster_timeout_s = -1"),

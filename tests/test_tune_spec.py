@@ -113,7 +113,7 @@ def test_the_spec_is_the_flow_form_with_a_title_for_every_field() -> None:
         (
             [{"name": "momentum", "type": "double", "min": 0.5, "max": 1}],
             {},
-            "'momentum': max = 1.0 is out of range; momentum takes a finite number >= 0 < 1",
+            "'momentum': max = 1.0 is out of range; momentum takes a finite number >= 0 and < 1",
         ),
         (
             [{"name": "patience", "type": "integer", "min": 0, "max": 3}],
@@ -387,7 +387,7 @@ def test_a_field_added_to_the_training_parameters_is_tunable_within_its_range(
     assert spec.trial_params({"label_smoothing": 0.1}) == Extended(label_smoothing=0.1)
     with pytest.raises(InvalidTuningSpecError) as err:
         spec_with({"name": "label_smoothing", "type": "double", "min": 0.1, "max": 1.0})
-    assert "max = 1.0 is out of range; label_smoothing takes a finite number >= 0 < 1" in str(
+    assert "max = 1.0 is out of range; label_smoothing takes a finite number >= 0 and < 1" in str(
         err.value
     )
 

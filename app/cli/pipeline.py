@@ -18,6 +18,7 @@ from app.cli.root import (
     serve_app,
 )
 from tasks.shared.settings import Settings, get_settings, redact_uri
+from tasks.train.params import MAX_EPOCHS
 
 if TYPE_CHECKING:
     from app.stack import Stack
@@ -151,7 +152,9 @@ def run_pipeline(
             "once; runs on the same one take turns."
         ),
     ] = None,
-    epochs: Annotated[int | None, typer.Option(help="Override the training epochs.")] = None,
+    epochs: Annotated[
+        int | None, typer.Option(help=f"Override the training epochs (1 to {MAX_EPOCHS:,}).")
+    ] = None,
     nproc_per_node: Annotated[
         int | None, typer.Option(help="Override the training processes.")
     ] = None,
@@ -180,10 +183,12 @@ def run_pipeline(
     if dataset is not None:
         updates["dataset"] = dataset
     train_updates = {
-        k: v for k, v in {"epochs": epochs, "nproc_per_node": nproc_per_node}.items() if v
+        k: v
+        for k, v in {"epochs": epochs, "nproc_per_node": nproc_per_node}.items()
+        if v is not None
     }
-    if train_updates:
-        updates["train"] = cfg.train.model_copy(update=train_updates)
+    if train_updates:  # as values, checked below with the rest (model_copy checks nothing)
+        updates["train"] = cfg.train.model_dump() | train_updates
     cfg = PipelineConfig.checked(
         {**cfg.model_dump(), **updates},
         "imageops run",

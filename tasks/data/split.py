@@ -47,8 +47,9 @@ def _check_unchanged(source: Path, entry: ImageEntry) -> None:
         )
 
 
-def _first_share(fraction: float, n: int) -> int:
-    """``floor(fraction * n)``, immune to float noise (0.29 * 100 is 28.999999999999996)."""
+def first_share(fraction: float, n: int) -> int:
+    """``floor(fraction * n)``, immune to float noise (0.29 * 100 is 28.999999999999996): how
+    many of a class's ``n`` images the first output gets."""
     return min(n, math.floor(round(fraction * n, 9)))
 
 
@@ -180,8 +181,8 @@ def _draw(
             np.argsort(np.array([paths[i] for i in members], dtype=object), kind="stable")
         ]
         order = rng.permutation(len(members))
-        cut = _first_share(fraction, len(members))
-        cut_third = cut + min(len(members) - cut, _first_share(third_fraction, len(members)))
+        cut = first_share(fraction, len(members))
+        cut_third = cut + min(len(members) - cut, first_share(third_fraction, len(members)))
         where[members[order[:cut]]] = 0
         where[members[order[cut:cut_third]]] = 2
     return where

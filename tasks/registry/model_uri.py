@@ -37,8 +37,12 @@ ORIGIN = "registry.json"  # what the cached folder was downloaded from
 LOCK_TIMEOUT_S = 600.0  # a download of a large model by another process, not a dead lock
 # models:/<name>@<alias> or models:/<name>/<version>; a name may itself contain '/' or '@'.
 _BY_ALIAS = re.compile(r"^models:/(?P<name>.+)@(?P<alias>[\w\-]+)$")
-_BY_VERSION = re.compile(r"^models:/(?P<name>.+)/(?P<version>\d+)$")
+# Up to 4,000 digits: int() refuses more than 4,300 (a ValueError, not a refusal).
+_BY_VERSION = re.compile(r"^models:/(?P<name>.+)/(?P<version>\d{1,4000})$")
 _NOT_FOUND = {"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"}
+# MLflow numbers versions in a SQL INTEGER column: PostgreSQL's and MySQL's end at 2^31 - 1. A
+# larger number is no version anywhere (SQLite would fail to bind it: not a retryable error).
+MAX_VERSION = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,8 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
     settings = settings or get_settings()
     name, alias, number = parse_model_uri(uri)
     client = _client(settings)
+    if number is not None and number > MAX_VERSION:
+        raise _not_found(client, uri, name, None, number, settings.registry_uri)
     try:
         if alias is not None:
             version = client.get_model_version_by_alias(name, alias)

@@ -93,4 +93,4 @@ def _expected(annotation: Any, metadata: list[Any]) -> str:
         )
         if kind_ in bounds
     ]
-    return " ".join([kind, *words])
+    return " ".join([kind, " and ".join(words)]) if words else kind

@@ -35,6 +35,11 @@ PLACEMENT_FIELDS = frozenset({"cluster", "cluster_timeout_s", "rdzv_timeout_s"})
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Resolved = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+# Sane upper limits, so a typo (10^12 epochs, a batch of 10^9) is refused when the request is
+# made, not after hours or at the first batch: 10,000 epochs is days even on the digits, and no
+# process holds 65,536 images of any input size in one batch. The form shows them as maximums.
+MAX_EPOCHS = 10_000
+MAX_BATCH_SIZE = 65_536
 
 
 class TrainParams(BaseModel):
@@ -43,15 +48,21 @@ class TrainParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     epochs: int = Field(
-        5, gt=0, title="Epochs", description="How many times the whole training set is iterated."
+        5,
+        gt=0,
+        le=MAX_EPOCHS,
+        title="Epochs",
+        description=f"How many times the whole training set is iterated; at most {MAX_EPOCHS:,}.",
     )
     batch_size: int = Field(
         16,
         gt=0,
+        le=MAX_BATCH_SIZE,
         title="Batch size",
         description="Images per batch in each process, as the Azure component means it. The "
         "global batch (what Vertex AI's batch size means) is this x nodes x processes per node: "
-        "for a global batch of 64 on 4 processes, give 16.",
+        "for a global batch of 64 on 4 processes, give 16. At most the training set's images "
+        f"(checked before any step runs) and {MAX_BATCH_SIZE:,}.",
     )
     recipe: Recipe = Field(
         "azure",
@@ -79,6 +90,7 @@ class TrainParams(BaseModel):
     warmup_epochs: int | None = Field(
         None,
         ge=0,
+        le=MAX_EPOCHS,
         title="Warm-up epochs",
         description="Epochs over which the learning rate rises linearly to its full value, "
         "in case the initial rate is too large to start converging. Empty: the recipe's "
@@ -114,6 +126,7 @@ class TrainParams(BaseModel):
     head_only_epochs: int | None = Field(
         None,
         ge=0,
+        le=MAX_EPOCHS,
         title="Head-only epochs",
         description="Transfer learning: for this many first epochs only the new classification "
         "head learns (the backbone's learning rate is 0), then the whole network. Empty: the "

@@ -175,7 +175,7 @@ def check_request(
         },
     )
     params = request.params  # RunConfig fills the fields it leaves empty from its recipe
-    _check_sizes(params, train_manifest)
+    check_sizes(params, len(train_manifest.images))
     on_cluster = device is not None
     device = device or _resolve_device(params)
     from tasks.train.precision import resolve_precision  # imports torch
@@ -253,18 +253,25 @@ def _check_transform(
     return spec
 
 
-def _check_sizes(params: TrainParams, train_manifest: Manifest) -> None:
-    images = len(train_manifest.images)
+def check_sizes(params: TrainParams, images: int, counted: str | None = None) -> None:
+    """Refuse a batch, or a number of processes, that the training set cannot fill.
+
+    ``images`` is the training set's size, or, before convert and split have made it, an upper
+    bound on it (``imageops run``'s check, :meth:`flows.config.PipelineConfig.check_sources`):
+    either way a request refused here would be refused at the training. ``counted`` says how a
+    bound was counted (default: "<images> images").
+    """
+    size = counted or f"{images} images"
     if params.batch_size > images:
         raise InvalidParameterError(
-            f"batch_size = {params.batch_size} is larger than the training set ({images} images).",
+            f"batch_size = {params.batch_size} is larger than the training set ({size}).",
             f"Use a batch size of at most {images}.",
         )
     if images <= params.world_size:
         # Each process needs 2 images or more: BatchNorm cannot train on a batch of one.
         raise InvalidParameterError(
-            f"{params.world_size} processes (nodes x nproc_per_node) need more than {images} "
-            "training images: each process trains on at least 2.",
+            f"{params.world_size} processes (nodes x nproc_per_node) need more training images "
+            f"than the training set has ({size}): each process trains on at least 2.",
             "Use fewer processes, or more training data.",
         )
 

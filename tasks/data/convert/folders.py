@@ -76,16 +76,33 @@ def layout_classes(names: list[str] | None, folder: Path) -> list[str]:
     if names is None:  # a folder is read as it is (only an archive's wrapper is unwrapped)
         entries = [(p.name, p.is_dir() and not p.is_symlink()) for p in folder.iterdir()]
     else:
-        parts = [PurePosixPath(n).parts for n in names if n and not n.endswith("/")]
-        parts = [p for p in parts if p and not any(_is_hidden(x) for x in p)]
-        tops = {p[0] for p in parts}
-        if len(tops) == 1 and all(len(p) > 1 for p in parts):  # one wrapper folder
-            parts = [p[1:] for p in parts]
-        entries = [(p[0], len(p) > 1) for p in parts]
+        entries = [(p[0], len(p) > 1) for p in _member_parts(names)]
     visible = [(name, is_dir) for name, is_dir in entries if not _is_hidden(name)]
     if any(not is_dir and is_image_file(Path(name)) for name, is_dir in visible):
         return []
     return sorted({name for name, is_dir in visible if is_dir})
+
+
+def archive_class_sizes(names: list[str], archive: Path) -> dict[str, int]:
+    """Image files per class among an archive's member names (no member extracted): no more
+    than convert can keep of each class; {} for an unlabeled layout."""
+    classes = layout_classes(names, archive)
+    sizes = dict.fromkeys(classes, 0)
+    for parts in _member_parts(names):
+        if len(parts) > 1 and parts[0] in sizes and is_image_file(PurePosixPath(parts[-1])):
+            sizes[parts[0]] += 1
+    return sizes
+
+
+def _member_parts(names: list[str]) -> list[tuple[str, ...]]:
+    """The path parts of an archive's files as extraction and unwrap() leave them: hidden ones
+    left out, the one wrapper folder a zip of a folder has taken off."""
+    parts = [PurePosixPath(n).parts for n in names if n and not n.endswith("/")]
+    parts = [p for p in parts if p and not any(_is_hidden(x) for x in p)]
+    tops = {p[0] for p in parts}
+    if len(tops) == 1 and all(len(p) > 1 for p in parts):  # one wrapper folder
+        parts = [p[1:] for p in parts]
+    return parts
 
 
 def _is_hidden(name: str) -> bool:

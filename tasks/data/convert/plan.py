@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from tasks.data.imagedir import SkippedFile, manifest_path_problem
+from tasks.data.imagedir import SkippedFile, is_image_file, manifest_path_problem
 from tasks.data.imageformat import SkipReason, printable_name
 from tasks.data.labelfiles import Listed, Listing
 
@@ -50,6 +50,14 @@ class ConversionPlan:
         # In the ImageDirectory's order: checked in it, the entries go to the manifest as they
         # come (a folder's plan is in this order already).
         self.items.sort(key=lambda item: item.dest)
+
+    def class_sizes(self) -> dict[str, int]:
+        """Image files per class, counted by name: no more than convert can keep of each."""
+        sizes = dict.fromkeys(self.classes, 0)
+        for item in self.items:
+            if item.label is not None and is_image_file(PurePosixPath(item.rel)):
+                sizes[item.label] = sizes.get(item.label, 0) + 1
+        return sizes
 
 
 def plan_listing(listing: Listing) -> ConversionPlan:

@@ -17,7 +17,13 @@ from typing import ClassVar
 
 from models.atomic import scratch_folder
 from tasks.data.archive import ARCHIVE_SUFFIXES, archive_kind, extract_archive
-from tasks.data.convert.folders import layout_classes, paths_in, plan_folder, unwrap
+from tasks.data.convert.folders import (
+    archive_class_sizes,
+    layout_classes,
+    paths_in,
+    plan_folder,
+    unwrap,
+)
 from tasks.data.convert.limits import ConvertLimits
 from tasks.data.convert.plan import ConversionPlan, plan_listing
 from tasks.data.labelfiles import Row, coco_rows, csv_rows, read_label_file
@@ -50,6 +56,12 @@ class InputSource:
         """The classes ``path`` names, without decoding any image ([] when unlabeled)."""
         raise NotImplementedError
 
+    def class_sizes(self, path: Path) -> dict[str, int] | None:
+        """Image files per class of ``path``, counted by name without opening any: no more than
+        convert keeps, so a request can be checked against it before convert runs. None: this
+        source cannot count without converting."""
+        return None
+
     def parameters(self, limits: ConvertLimits) -> dict[str, int]:
         """The limits that can change what this source converts to (part of the cache key)."""
         return limits.images()
@@ -69,6 +81,9 @@ class FolderSource(InputSource):
 
     def classes(self, path: Path) -> list[str]:
         return layout_classes(None, path)
+
+    def class_sizes(self, path: Path) -> dict[str, int]:
+        return plan_folder(path, []).class_sizes()
 
 
 class ArchiveSource(InputSource):
@@ -97,6 +112,9 @@ class ArchiveSource(InputSource):
 
     def classes(self, path: Path) -> list[str]:
         return layout_classes(paths_in(path), path)
+
+    def class_sizes(self, path: Path) -> dict[str, int]:
+        return archive_class_sizes(paths_in(path), path)
 
     def parameters(self, limits: ConvertLimits) -> dict[str, int]:
         # A smaller cap could refuse an archive a larger one let through.
@@ -127,6 +145,10 @@ class LabelFileSource(InputSource):
     def classes(self, path: Path) -> list[str]:
         listing = read_label_file(path, self.rows)
         return listing.classes if listing.labeled else []
+
+    def class_sizes(self, path: Path) -> dict[str, int]:
+        listing = read_label_file(path, self.rows)
+        return plan_listing(listing).class_sizes() if listing.labeled else {}
 
 
 class CsvSource(LabelFileSource):
