@@ -139,14 +139,17 @@ class _Tally:
     def add(self, table: pd.DataFrame) -> None:
         if not self.classes:
             self._check(table)
-        # Images that could not be read have no scores: counted apart, not as wrong answers.
+        # Rows without scores are counted apart, not as wrong answers: those with a reason, and
+        # those whose scores are not numbers (tables written before NaN scores became error
+        # rows have empty probabilities, the label of class 0 and no reason).
+        probs = table[self.prob_columns].apply(pd.to_numeric, errors="coerce").to_numpy(np.float64)
+        failed = ~np.isfinite(probs).all(axis=1)
         if ERROR_COLUMN in table.columns:
-            failed = table[ERROR_COLUMN].fillna("").astype(str) != ""
-            self.unscored += int(failed.sum())
-            table = table[~failed]
+            failed |= (table[ERROR_COLUMN].fillna("").astype(str) != "").to_numpy()
+        self.unscored += int(failed.sum())
+        table, probs = table[~failed], probs[~failed]
         truth = table["category"].astype(str).to_numpy()
         predicted = table[LABEL_COLUMN].astype(str).to_numpy()
-        probs = table[self.prob_columns].to_numpy(dtype=np.float64)
         top = np.argsort(-probs, axis=1, kind="stable")[:, : self.top_k]
         index = {c: i for i, c in enumerate(self.classes)}
         true_index = np.array([index.get(t, -1) for t in truth], dtype=np.int64)
