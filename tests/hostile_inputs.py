@@ -932,6 +932,12 @@ def _score_hostile_onnx(kind: str, **env: str) -> Callable[[Inputs], Run]:
     return build
 
 
+def _score_time_limit(io_: Inputs) -> Run:
+    return replace(
+        _score(io_, str(io_.model), io_.val), env={"IMAGEOPS_SCORE_BATCH_TIMEOUT_S": "-1"}
+    )
+
+
 # --- any name the file system allows (issue 18) -------------------------------------------------
 
 # Names a careless table, plot or terminal trips on: line ends, a tab, CSV's quote and comma, a
@@ -1394,6 +1400,8 @@ CASES: list[Case] = [
          "a model.onnx running a Loop of 2^62 iterations, `IMAGEOPS_SCORE_BATCH_TIMEOUT_S=0.3`",
          _score_hostile_onnx("endless-loop", IMAGEOPS_SCORE_BATCH_TIMEOUT_S="0.3"),
          "ScoringFailedError", "ran past the time limit of 0.3 s"),
+    Case("score-bad-time-limit", "score", "`IMAGEOPS_SCORE_BATCH_TIMEOUT_S=-1`",
+         _score_time_limit, "InvalidParameterError", "expected a number of seconds above 0"),
     Case("score-onnx-wrong-shape", "score",
          "a model.onnx returning one row of scores for a whole batch",
          _score_hostile_onnx("wrong-shape"), "ScoringFailedError", "returned scores of shape"),
