@@ -170,7 +170,8 @@ class _Tally:
             raise InvalidParameterError(
                 f"None of the {self.unscored} image(s) of the table was scored (see its "
                 f"`{ERROR_COLUMN}` column).",
-                "Fix or remove the unreadable images and score again.",
+                "Fix or remove the images it names (a model that returned NaN or infinite "
+                "scores: train or export it again) and score again.",
             )
         # A true class the model never learned still counts: as a row of the report, always wrong.
         labels = self.classes + sorted({t for t, _ in self.pairs} - set(self.classes))
@@ -282,7 +283,7 @@ def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | No
         "| metric | " + " | ".join(f"`{name}`" for name in names) + " |",
         "| --- |" + " --- |" * len(names),
         "| images | " + " | ".join(str(int(r["images"])) for r in columns) + " |",
-        "| unreadable images | "
+        "| images not scored (unreadable, NaN scores) | "
         + " | ".join(str(int(r["unscored_images"])) for r in columns)
         + " |",
     ]
