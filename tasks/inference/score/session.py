@@ -179,16 +179,10 @@ def unusable_scores(logits: np.ndarray) -> list[str]:
     A NaN's argmax is class 0 and an infinite score's softmax is NaN: scored as they are, such
     rows would get a label nothing supports, so each becomes an error row saying why.
     """
-    nan = np.isnan(logits).any(axis=1)
-    infinite = np.isinf(logits).any(axis=1)
-    return [
-        f"{NON_FINITE}: the model returned NaN"
-        if n
-        else f"{NON_FINITE}: the model returned an infinite score"
-        if i
-        else ""
-        for n, i in zip(nan.tolist(), infinite.tolist(), strict=True)
-    ]
+    reasons = np.full(len(logits), "", dtype=object)
+    reasons[np.isinf(logits).any(axis=1)] = f"{NON_FINITE}: the model returned an infinite score"
+    reasons[np.isnan(logits).any(axis=1)] = f"{NON_FINITE}: the model returned NaN"
+    return reasons.tolist()
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
