@@ -824,6 +824,120 @@ def _score_odd_names(io_: Inputs) -> Run:
     return _score(io_, str(io_.model), folder)
 
 
+# --- hostile ONNX models (issue 43) -------------------------------------------------------------
+
+HOSTILE_ONNX = ("nan-rows", "two-inputs", "classes-not-json", "huge-allocation", "endless-loop",
+                "wrong-shape")  # fmt: skip
+
+
+def hostile_onnx(model: Path, kind: str) -> Path:
+    """Replace the copied ModelDirectory ``model``'s model.onnx by a tiny graph (onnx.helper) of
+    ``kind``, with model.json's input size and classes: ``nan-rows`` returns NaN for the first
+    image of each batch and +inf for the second (the others get finite scores), ``two-inputs`` takes
+    a second tensor, ``classes-not-json`` stores a class list that is not JSON, ``huge-allocation``
+    asks for 2 PiB at run time, ``endless-loop`` runs a Loop of 2^62 iterations, ``wrong-shape``
+    returns one row for the whole batch. Returns ``model``."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from models.directory import read_model_info
+    from tasks.data.transform import input_size
+    from tasks.inference.export import INPUT_NAME, META_CLASSES, OUTPUT_NAME
+
+    info = read_model_info(model)
+    side, count = input_size(info.transform), len(info.classes)
+    weights = np.random.default_rng(0).standard_normal((3 * side * side, count)) / side
+    consts = {
+        "W": weights.astype(np.float32),
+        "zero": np.int64(0),
+        "one": np.int64(1),
+        "axis0": np.array([0], np.int64),
+        "axis1": np.array([1], np.int64),
+        "half": np.float32(0.5),
+        "onef": np.float32(1.0),
+        "huge": np.array([2**48], np.int64),
+        "M": np.int64(2**62),
+        "true": np.bool_(True),
+    }
+    node = helper.make_node
+    nodes = [node("Flatten", [INPUT_NAME], ["flat"]), node("MatMul", ["flat", "W"], ["mm"])]
+    inputs = [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["N", 3, side, side])]
+    extra = {  # each kind's graph between the scores (mm) and the output
+        "nan-rows": [  # rows r = 0, 1, ... of the batch: log(r - 0.5) + 1 / (r - 1)
+            node("Shape", [INPUT_NAME], ["n1"], end=1),
+            node("Squeeze", ["n1", "axis0"], ["n"]),
+            node("Range", ["zero", "n", "one"], ["r64"]),
+            node("Cast", ["r64"], ["r"], to=1),
+            node("Sub", ["r", "half"], ["r_half"]),
+            node("Log", ["r_half"], ["nan_at_0"]),
+            node("Sub", ["r", "onef"], ["r_one"]),
+            node("Reciprocal", ["r_one"], ["inf_at_1"]),
+            node("Add", ["nan_at_0", "inf_at_1"], ["bad"]),
+            node("Unsqueeze", ["bad", "axis1"], ["column"]),
+            node("Add", ["mm", "column"], [OUTPUT_NAME]),
+        ],
+        "two-inputs": [node("Add", ["mm", "bias"], [OUTPUT_NAME])],
+        "huge-allocation": [  # N x 2^48 floats: more than any address space holds
+            node("Shape", [INPUT_NAME], ["n1"], end=1),
+            node("Mul", ["n1", "huge"], ["size"]),
+            node("ConstantOfShape", ["size"], ["zeros"]),
+            node("ReduceSum", ["zeros"], ["total"], keepdims=0),
+            node("Add", ["mm", "total"], [OUTPUT_NAME]),
+        ],
+        "endless-loop": [
+            node(
+                "Loop",
+                ["M", "true", "onef"],
+                ["looped"],
+                body=helper.make_graph(
+                    [node("Identity", ["go"], ["go_on"]), node("Add", ["v", "onef"], ["v_next"])],
+                    "body",
+                    [
+                        helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                        helper.make_tensor_value_info("go", TensorProto.BOOL, []),
+                        helper.make_tensor_value_info("v", TensorProto.FLOAT, []),
+                    ],
+                    [
+                        helper.make_tensor_value_info("go_on", TensorProto.BOOL, []),
+                        helper.make_tensor_value_info("v_next", TensorProto.FLOAT, []),
+                    ],
+                ),
+            ),
+            node("Add", ["mm", "looped"], [OUTPUT_NAME]),
+        ],
+        "wrong-shape": [node("ReduceMean", ["mm"], [OUTPUT_NAME], axes=[0])],
+    }.get(kind, [node("Identity", ["mm"], [OUTPUT_NAME])])
+    if kind == "two-inputs":
+        inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, ["N", count]))
+    used = {name for n in nodes + extra for name in n.input}
+    graph = helper.make_graph(
+        nodes + extra, kind, inputs,
+        [helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["N", count])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in consts.items() if k in used],
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    classes = "['0', '1', '2'" if kind == "classes-not-json" else json.dumps(info.classes)
+    helper.set_model_props(proto, {META_CLASSES: classes})
+    onnx.checker.check_model(proto, full_check=True)
+    onnx.save(proto, str(model / "model.onnx"))
+    return model
+
+
+def _score_hostile_onnx(kind: str, **env: str) -> Callable[[Inputs], Run]:
+    def build(io_: Inputs) -> Run:
+        run = _score(io_, str(hostile_onnx(_model_copy(io_), kind)), io_.val)
+        return replace(run, env=env)
+
+    return build
+
+
+def _score_time_limit(io_: Inputs) -> Run:
+    return replace(
+        _score(io_, str(io_.model), io_.val), env={"IMAGEOPS_SCORE_BATCH_TIMEOUT_S": "-1"}
+    )
+
+
 # --- any name the file system allows (issue 18) -------------------------------------------------
 
 # Names a careless table, plot or terminal trips on: line ends, a tab, CSV's quote and comma, a
@@ -1272,6 +1386,25 @@ CASES: list[Case] = [
          _score_truncated_onnx, "InvalidModelDirectoryError", "is not a readable ONNX model"),
     Case("score-reordered-classes", "score", "model.json's class list reversed",
          _score_reordered_classes, "InvalidModelDirectoryError", "would get the wrong labels"),
+    Case("score-onnx-two-inputs", "score", "a model.onnx with two graph inputs",
+         _score_hostile_onnx("two-inputs"), "InvalidModelDirectoryError",
+         "scoring feeds one float tensor"),
+    Case("score-onnx-classes-not-json", "score",
+         "a model.onnx whose class list (`imageops.classes` metadata) is not JSON",
+         _score_hostile_onnx("classes-not-json"), "InvalidModelDirectoryError",
+         "is not a JSON list"),
+    Case("score-onnx-huge-allocation", "score", "a model.onnx that allocates 2 PiB at run time",
+         _score_hostile_onnx("huge-allocation"), "ScoringFailedError",
+         "failed to allocate memory"),
+    Case("score-onnx-endless-loop", "score",
+         "a model.onnx running a Loop of 2^62 iterations, `IMAGEOPS_SCORE_BATCH_TIMEOUT_S=0.3`",
+         _score_hostile_onnx("endless-loop", IMAGEOPS_SCORE_BATCH_TIMEOUT_S="0.3"),
+         "ScoringFailedError", "ran past the time limit of 0.3 s"),
+    Case("score-bad-time-limit", "score", "`IMAGEOPS_SCORE_BATCH_TIMEOUT_S=-1`",
+         _score_time_limit, "InvalidParameterError", "expected a number of seconds above 0"),
+    Case("score-onnx-wrong-shape", "score",
+         "a model.onnx returning one row of scores for a whole batch",
+         _score_hostile_onnx("wrong-shape"), "ScoringFailedError", "returned scores of shape"),
     Case("score-bad-images", "score", "a truncated JPEG and an empty PNG among the images",
          _score_bad_images, "ok: wrote"),
     Case("score-odd-names", "score",

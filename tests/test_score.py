@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pandas as pd
 import pytest
 import torch
+from hostile_inputs import hostile_onnx
 from model_helpers import copy_model
 from prefect_runs import task_runs_of
 
@@ -120,6 +121,39 @@ def test_plain_folder_is_scored_unlabeled_and_a_corrupt_image_is_a_reported_row(
     assert (fine[ERR] == "").all()
     np.testing.assert_allclose(fine[PROBS].sum(axis=1), 1.0, atol=1e-9)
     assert any("batch1/broken.png" in r.getMessage() for r in caplog.records)
+
+
+def test_nan_and_infinite_scores_are_error_rows_that_evaluate_leaves_out(
+    exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Issue 43: NaN scores were labeled class 0 with no error, and evaluate of such a table
+    failed. The model returns NaN for the first image of each batch and +inf for the second."""
+    from tasks.inference.evaluate import table_metrics
+
+    model = hostile_onnx(copy_model(exported_model, tmp_path / "model"), "nan-rows")
+    out = score(model, digits_split[1], tmp_path / "scores.csv", batch_size=4, threads=1)
+
+    table = _read_csv(out)
+    place = table["id"] % 4  # the image's row in its batch
+    assert (table.loc[place == 0, ERR] == "NonFiniteScores: the model returned NaN").all()
+    infinite = "NonFiniteScores: the model returned an infinite score"
+    assert (table.loc[place == 1, ERR] == infinite).all()
+    bad = place < 2
+    assert table.loc[bad, PROBS].isna().all().all()
+    assert (table.loc[bad, "Scored Labels"] == "").all()
+    assert (table.loc[~bad, ERR] == "").all()
+    np.testing.assert_allclose(table.loc[~bad, PROBS].sum(axis=1), 1.0, atol=1e-9)
+
+    metrics = table_metrics(out).metrics
+    assert (metrics["images"], metrics["unscored_images"]) == ((~bad).sum(), bad.sum())
+    # A table scored before the fix: the same rows without a reason, labeled "0".
+    old = table.assign(**{ERR: table[ERR].where(~bad, "")})
+    old.loc[bad, "Scored Labels"] = "0"
+    old.to_csv(tmp_path / "old.csv", index=False)
+    again = table_metrics(tmp_path / "old.csv").metrics
+    assert {k: again[k] for k in ("images", "unscored_images", "accuracy")} == {
+        k: metrics[k] for k in ("images", "unscored_images", "accuracy")
+    }
 
 
 def test_failed_scoring_leaves_no_partial_file(exported_model: Path, tmp_path: Path) -> None:

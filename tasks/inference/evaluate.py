@@ -139,14 +139,17 @@ class _Tally:
     def add(self, table: pd.DataFrame) -> None:
         if not self.classes:
             self._check(table)
-        # Images that could not be read have no scores: counted apart, not as wrong answers.
+        # Rows without scores are counted apart, not as wrong answers: those with a reason, and
+        # those whose scores are not numbers (tables written before NaN scores became error
+        # rows have empty probabilities, the label of class 0 and no reason).
+        probs = table[self.prob_columns].apply(pd.to_numeric, errors="coerce").to_numpy(np.float64)
+        failed = ~np.isfinite(probs).all(axis=1)
         if ERROR_COLUMN in table.columns:
-            failed = table[ERROR_COLUMN].fillna("").astype(str) != ""
-            self.unscored += int(failed.sum())
-            table = table[~failed]
+            failed |= (table[ERROR_COLUMN].fillna("").astype(str) != "").to_numpy()
+        self.unscored += int(failed.sum())
+        table, probs = table[~failed], probs[~failed]
         truth = table["category"].astype(str).to_numpy()
         predicted = table[LABEL_COLUMN].astype(str).to_numpy()
-        probs = table[self.prob_columns].to_numpy(dtype=np.float64)
         top = np.argsort(-probs, axis=1, kind="stable")[:, : self.top_k]
         index = {c: i for i, c in enumerate(self.classes)}
         true_index = np.array([index.get(t, -1) for t in truth], dtype=np.int64)
@@ -167,7 +170,8 @@ class _Tally:
             raise InvalidParameterError(
                 f"None of the {self.unscored} image(s) of the table was scored (see its "
                 f"`{ERROR_COLUMN}` column).",
-                "Fix or remove the unreadable images and score again.",
+                "Fix or remove the images it names (a model that returned NaN or infinite "
+                "scores: train or export it again) and score again.",
             )
         # A true class the model never learned still counts: as a row of the report, always wrong.
         labels = self.classes + sorted({t for t, _ in self.pairs} - set(self.classes))
@@ -279,7 +283,7 @@ def _summary_markdown(result: EvaluationResult, scored: Path, compare: Path | No
         "| metric | " + " | ".join(f"`{name}`" for name in names) + " |",
         "| --- |" + " --- |" * len(names),
         "| images | " + " | ".join(str(int(r["images"])) for r in columns) + " |",
-        "| unreadable images | "
+        "| images not scored (unreadable, NaN scores) | "
         + " | ".join(str(int(r["unscored_images"])) for r in columns)
         + " |",
     ]

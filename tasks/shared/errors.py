@@ -35,6 +35,7 @@ __all__ = [
     "QuantizationAccuracyError",
     "RegistryError",
     "RendezvousTimeoutError",
+    "ScoringFailedError",
     "TeamAuthError",
     "TeamJoinFileError",
     "TeamStackError",
@@ -98,6 +99,13 @@ class NoUsableImagesError(ImageOpsError):
 
 class UnsafeArchiveError(ImageOpsError):
     """An archive member would land outside the destination or is not a plain file."""
+
+
+class ScoringFailedError(ImageOpsError):
+    """ONNX Runtime could not score a batch: the model failed at run time (e.g. asked for more
+    memory than there is), returned scores of the wrong shape, or ran past the per-batch time
+    limit (``IMAGEOPS_SCORE_BATCH_TIMEOUT_S``). Not retryable: the same model fails the same way.
+    """
 
 
 class TrainingFailedError(ImageOpsError):

@@ -24,15 +24,23 @@ from models.atomic import atomic_file, check_name_length
 from models.directory import ONNX, ONNX_INT8, read_model_info
 from tasks.data.imagedir import IMAGE_EXTENSIONS, ImageRefused, load_rgb
 from tasks.data.transform import applied_to, transform_for
-from tasks.inference.export import INPUT_NAME, OUTPUT_NAME
 from tasks.inference.score.images import ImageRef, list_slice
 from tasks.inference.score.session import (
+    batch_time_limit,
     check_model,
     default_threads,
     inference_session,
+    run_batch,
     softmax,
+    unusable_scores,
 )
-from tasks.inference.score.table import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX, table_schema
+from tasks.inference.score.table import (
+    ERROR_COLUMN,
+    LABEL_COLUMN,
+    NOT_SCORED_HINT,
+    PROBABILITY_PREFIX,
+    table_schema,
+)
 from tasks.inference.tables import table_format
 from tasks.shared import faults
 from tasks.shared.errors import (
@@ -172,8 +180,10 @@ def score(
 
     ``images``: an ImageDirectory or any folder of images; ``dest``: ``.csv`` or ``.parquet``,
     written atomically and returned; ``quantized``: the INT8 model; ``shard=(i, n)``: only the i-th
-    of n slices. Every image gets a row (an unreadable one its reason in ``Scoring Error``). Raises
-    NoUsableImagesError when no image could be scored. Details: docs/scoring.md#score.
+    of n slices. Every image gets a row (an unreadable one, or one the model returned NaN or
+    infinite scores for, its reason in ``Scoring Error``). Raises NoUsableImagesError when no image
+    could be scored, ScoringFailedError when ONNX Runtime fails or a batch runs past
+    ``IMAGEOPS_SCORE_BATCH_TIMEOUT_S``. Details: docs/scoring.md#score.
     """
     model, images, dest = Path(model), Path(images), Path(dest)
     if batch_size < 1:
@@ -184,6 +194,7 @@ def score(
         )
     table = table_format(dest, "scored table")
     check_name_length(dest, "scored table")
+    time_limit = batch_time_limit()
     info = read_model_info(model)
     onnx_path = model / (ONNX_INT8 if quantized else ONNX)
     if not onnx_path.is_file():
@@ -227,8 +238,16 @@ def score(
                 probs = np.full((len(batch), len(classes)), np.nan)
                 labels = np.full(len(batch), "", dtype=object)
                 if kept:
-                    (logits,) = session.run([OUTPUT_NAME], {INPUT_NAME: np.stack(tensors)})
-                    probs[kept] = softmax(logits)
+                    logits = run_batch(
+                        session, np.stack(tensors), len(classes), time_limit, onnx_path
+                    )
+                    for i, reason in zip(kept, unusable_scores(logits), strict=True):
+                        if reason:
+                            errors[i] = reason
+                            log.warning("Cannot score %s: %s", batch[i].path, reason)
+                    usable = [row for row, i in enumerate(kept) if not errors[i]]
+                    kept = [kept[row] for row in usable]
+                    probs[kept] = softmax(logits[usable])
                     labels[kept] = classes[probs[kept].argmax(axis=1)]
                 data = {
                     "id": np.arange(first + start, first + start + len(batch), dtype=np.int64),
@@ -247,10 +266,12 @@ def score(
             writer.close()
         if not scored and shard is None:
             raise NoUsableImagesError(
-                f"None of the {len(refs)} image(s) in {images} could be read; nothing scored.",
-                "Check the files open in an image viewer (the log names each one).",
+                f"None of the {len(refs)} image(s) in {images} could be scored.",
+                NOT_SCORED_HINT,
             )
-    log.info("Scored %d image(s) into %s (%d could not be read)", scored, dest, failed)
+    log.info(
+        "Scored %d image(s) into %s (%d not scored: see %s)", scored, dest, failed, ERROR_COLUMN
+    )
     if shard is not None:
         faults.point("score.shard_written", shard=shard[0], count=shard[1])
     return dest

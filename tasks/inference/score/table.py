@@ -20,6 +20,11 @@ from tasks.shared.errors import NoUsableImagesError
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
 ERROR_COLUMN = "Scoring Error"  # empty when the image was scored; else why it could not be
+# What to do when no row was scored: each row's reason is in the log.
+NOT_SCORED_HINT = (
+    "The log names each image and why: check the files open in an image viewer; a model that "
+    "returned NaN or infinite scores must be trained or exported again."
+)
 
 
 def table_schema(classes: Sequence[str], labeled: bool) -> pa.Schema:
@@ -50,7 +55,6 @@ def merge_tables(parts: Sequence[Path], dest: Path) -> int:
             rows += len(errors)
         if not scored:
             raise NoUsableImagesError(
-                f"None of the {rows} image(s) could be read; nothing scored.",
-                "Check the files open in an image viewer (the log names each one).",
+                f"None of the {rows} image(s) could be scored.", NOT_SCORED_HINT
             )
     return scored
