@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 
@@ -12,15 +13,18 @@ import onnxruntime as ort
 import pandas as pd
 import pytest
 import torch
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 from model_helpers import copy_model, make_model_dir
+from projects import imageops
 
 from models.atomic import write_json
 from models.directory import ONNX, read_model_info
 from tasks.data.imagedir import load_rgb, read_manifest
 from tasks.data.transform import build_transform
 from tasks.inference.export import sha256_file
-from tasks.registry.register import register
+from tasks.registry.register import INCOMPLETE_TAG, register
+from tasks.shared import faults
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
@@ -32,6 +36,18 @@ def _real_batch(model_dir: Path, images: Path, count: int = 6) -> np.ndarray:
     transform = build_transform(read_model_info(model_dir).transform, "inference")
     entries = read_manifest(images).images[:count]
     return torch.stack([transform(load_rgb(images / e.path)) for e in entries]).numpy()
+
+
+def _trained_in_a_finished_run(
+    client: MlflowClient, experiment_id: str, exported_model: Path, dest: Path
+) -> tuple[Path, str]:
+    """A copy of ``exported_model`` whose model.json names a new FINISHED training run."""
+    run_id = client.create_run(experiment_id, run_name="train").info.run_id
+    client.set_terminated(run_id)
+    model_dir = copy_model(exported_model, dest)
+    info = read_model_info(model_dir).model_copy(update={"mlflow_run_id": run_id})
+    write_json(model_dir / "model.json", info.model_dump(mode="json"))
+    return model_dir, run_id
 
 
 def test_register_twice_makes_versions_with_tags_and_a_loadable_alias(
@@ -99,11 +115,9 @@ def test_register_logs_into_the_training_run_with_the_git_revision(
 
     experiment_id = configure_mlflow(project)
     client = MlflowClient()
-    training_run = client.create_run(experiment_id, run_name="train").info.run_id
-    client.set_terminated(training_run)
-    model_dir = copy_model(exported_model, tmp_path / "trained")
-    info = read_model_info(model_dir).model_copy(update={"mlflow_run_id": training_run})
-    write_json(model_dir / "model.json", info.model_dump(mode="json"))
+    model_dir, training_run = _trained_in_a_finished_run(
+        client, experiment_id, exported_model, tmp_path / "trained"
+    )
 
     registered = register(model_dir, settings=project)
 
@@ -144,3 +158,83 @@ def test_register_refuses_a_reserved_alias_before_logging(
         register(exported_model, settings=project, alias="latest")
     configure_mlflow(project)
     assert MlflowClient().search_registered_models() == []
+
+
+# The boundaries of `imageops register` (tasks.shared.faults), in order, and what each leaves.
+BOUNDARIES = (
+    "register.logged_model_created",  # a PENDING logged model, nothing in it yet
+    "register.model_logged",  # a READY logged model, no version
+    "register.version_created",  # a version tagged incomplete, no description, no alias
+    "register.described",  # the alias not moved
+    "register.alias_moved",  # all done but the last step (the incomplete tag dropped)
+)
+
+
+def _one_version_complete(
+    client: MlflowClient, experiment_id: str, name: str, run_id: str, alias: str
+) -> ModelVersion:
+    """The run's one version, complete, and its one logged model (READY): nothing else left."""
+    (version,) = client.search_model_versions(f"name = '{name}' AND run_id = '{run_id}'")
+    assert INCOMPLETE_TAG not in version.tags
+    assert version.description.startswith("Image classifier")
+    assert client.get_model_version_by_alias(name, alias).version == version.version
+    (logged,) = client.search_logged_models([experiment_id], f"source_run_id = '{run_id}'")
+    assert (f"models:/{logged.model_id}", logged.status) == (version.source, "READY")
+    assert {"MLmodel", "artifacts"} <= {
+        a.path for a in client.list_logged_model_artifacts(logged.model_id)
+    }
+    artifacts = {a.path for a in client.list_artifacts(run_id, "model_directory")}
+    assert artifacts == {"model_directory/model.json", "model_directory/model.safetensors"}
+    return version
+
+
+def test_a_killed_register_run_again_completes_one_version_and_the_run_stays_finished(
+    project: Settings, exported_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43 #7: `imageops register` killed, then the same register again, once per boundary:
+    each attempt stops at the next boundary, the last completes. The training run keeps its
+    FINISHED all along (a killed register left it RUNNING for good), the rerun completes what
+    the killed one made (it added a second version and left a PENDING logged model).
+
+    The first attempt is the command, SIGKILLed; the others are in-process, stopped by a raised
+    fault: between the boundaries register has no cleanup for the training run (no ``finally``,
+    no ``except``), so a raise leaves what a kill leaves, at a fraction of a command's cost."""
+    experiment_id = configure_mlflow(project)
+    client = MlflowClient()
+    name = project.registered_model_name
+    model_dir, run_id = _trained_in_a_finished_run(
+        client, experiment_id, exported_model, tmp_path / "trained"
+    )
+    first, *others = BOUNDARIES
+    monkeypatch.setenv(faults.FAULT, f"{first}:kill")
+    killed = imageops("register", str(model_dir), "--alias", "challenger", cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    (pending,) = client.search_logged_models([experiment_id], f"source_run_id = '{run_id}'")
+    assert pending.status == "PENDING"
+    for point in others:
+        monkeypatch.setenv(faults.FAULT, f"{point}:raise")
+        with pytest.raises(faults.InjectedFault):
+            register(model_dir, settings=project, alias="challenger")
+        assert client.get_run(run_id).info.status == "FINISHED", point
+        assert len(client.search_model_versions(f"run_id = '{run_id}'")) <= 1, point
+        logged = client.search_logged_models([experiment_id], f"source_run_id = '{run_id}'")
+        assert [m.status for m in logged] == ["READY"], point  # the PENDING one is gone
+    monkeypatch.delenv(faults.FAULT)
+
+    registered = register(model_dir, settings=project, alias="challenger")
+
+    assert client.get_run(run_id).info.status == "FINISHED"
+    version = _one_version_complete(client, experiment_id, name, run_id, "challenger")
+    assert (int(version.version), registered.run_id) == (registered.version, run_id)
+
+    # A model no training run recorded gets a run of register's own: the rerun completes the
+    # version in that run and ends it FINISHED, instead of a second run and version.
+    monkeypatch.setenv(faults.FAULT, "register.version_created:raise")
+    with pytest.raises(faults.InjectedFault):
+        register(exported_model, settings=project, alias="challenger")
+    monkeypatch.delenv(faults.FAULT)
+    own = register(exported_model, settings=project, alias="challenger")
+    assert client.get_run(own.run_id).info.status == "FINISHED"
+    _one_version_complete(client, experiment_id, name, own.run_id, "challenger")
+    assert len(client.search_runs([experiment_id])) == 2  # the training run, and this one
