@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +14,8 @@ import pytest
 import yaml
 
 from models.locks import holding
+from tasks.data.imagedir import MANIFEST
+from tasks.data.split import split
 from tasks.data.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, uncommitted, version
 from tasks.shared.errors import VersioningError
 from tasks.shared.settings import Settings
@@ -215,3 +219,55 @@ def test_an_existing_repo_links_from_its_cache_unless_its_user_chose(
     cached = [p for p in (root / ".dvc" / "cache").rglob("*") if p.is_file()]
     assert not any(p.samefile(image) for p in cached)
     assert "type = copy" in (root / ".dvc" / "config").read_text()
+
+
+ROUNDS = 5  # of a split and a version at once
+
+
+def _pushed_disagreement(settings: Settings, md5: str) -> str | None:
+    """How the pushed folder ``md5`` disagrees with the manifest.json pushed in it, or None."""
+    objects = Path(settings.dvc_remote) / "files" / "md5"
+    listing = json.loads((objects / md5[:2] / md5[2:]).read_text())
+    files = {item["relpath"]: item["md5"] for item in listing}
+    manifest = files.pop(MANIFEST)
+    listed = json.loads((objects / manifest[:2] / manifest[2:]).read_text())["images"]
+    paths = {image["path"] for image in listed}
+    if paths == set(files):
+        return None
+    return f"{md5}: {len(files)} files, its manifest lists {len(paths)}"
+
+
+def test_a_version_never_mixes_two_splits_of_its_folder(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    # Split rewrites train while version adds it (issue 43: a pushed version held files of two
+    # splits). Each version starts as a split ends and the next one starts: they overlap every
+    # round, and each version must be one split, whole.
+    images = _data(project, digits_split[0], "images")
+    train, val = images.parent / "train", images.parent / "val"
+    split(images, train, val, fraction=0.5, seed=0)
+    split_done, stop = threading.Event(), threading.Event()
+
+    def resplit() -> int:
+        seed = 0
+        while not stop.is_set():
+            seed += 1
+            split(images, train, val, fraction=0.5, seed=seed)
+            split_done.set()
+        return seed
+
+    md5s = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        splitting = pool.submit(resplit)
+        try:
+            for _ in range(ROUNDS):
+                assert split_done.wait(timeout=60)
+                split_done.clear()
+                md5s.append(version(train, project))
+        finally:
+            stop.set()
+        assert splitting.result() > ROUNDS
+
+    problems = [p for md5 in set(md5s) if (p := _pushed_disagreement(project, md5))]
+    assert problems == []
+    assert len(set(md5s)) > 1  # versions of several splits were taken
