@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -229,6 +230,7 @@ def test_an_existing_repo_links_from_its_cache_unless_its_user_chose(
 
 
 ROUNDS = 6  # of a split and a version at once
+WAITING = "waiting for another imageops step using"  # what a step waiting for a folder logs
 
 
 def _pushed_disagreement(settings: Settings, md5: str) -> str | None:
@@ -281,13 +283,15 @@ def test_a_version_never_mixes_two_splits_of_its_folder(
 
 
 def test_version_waits_for_a_process_holding_the_folder_and_not_after_it_is_killed(
-    project: Settings, digits_split: tuple[Path, Path]
+    project: Settings, digits_split: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     # Steps run as processes of their own (the CLI); a killed holder frees the folder (flock).
+    caplog.set_level(logging.INFO, logger="tasks.shared.project_lock")
     data = _data(project, digits_split[1])
     lock = folder_lock_path(project, data)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    hold = "import sys, time; from filelock import FileLock; FileLock(sys.argv[1]).acquire(); "
+    hold = "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); "
+    hold += "lock.acquire(); "
     holder = subprocess.Popen(
         [sys.executable, "-c", hold + "print('held', flush=True); time.sleep(120)", str(lock)],
         stdout=subprocess.PIPE, text=True,
@@ -296,7 +300,9 @@ def test_version_waits_for_a_process_holding_the_folder_and_not_after_it_is_kill
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(version, data, project)
-            time.sleep(0.5)
+            while WAITING not in caplog.text and not pending.done():
+                time.sleep(0.05)
+            assert WAITING in caplog.text
             assert not pending.done()
             assert not (data.parent / "train.dvc").exists()  # nothing added yet
             holder.kill()
