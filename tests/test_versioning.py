@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,8 +16,11 @@ import pytest
 import yaml
 
 from models.locks import holding
+from tasks.data.datasets import folder_lock_path
+from tasks.data.imagedir import MANIFEST
+from tasks.data.split import split
 from tasks.data.versioning import LOCK_FILE, REMOTE_NAME, ensure_dvc_repo, uncommitted, version
-from tasks.shared.errors import VersioningError
+from tasks.shared.errors import VersioningError, VersionMismatchError
 from tasks.shared.settings import Settings
 
 
@@ -22,6 +29,12 @@ def _data(settings: Settings, source: Path, name: str = "train") -> Path:
     dest = settings.data_path / name
     shutil.copytree(source, dest)
     return dest
+
+
+def _rewrite(data: Path, source: Path) -> None:
+    """``data`` replaced by a copy of another ImageDirectory, as a step writing it would."""
+    shutil.rmtree(data)
+    shutil.copytree(source, data)
 
 
 def _remote_objects(settings: Settings) -> set[str]:
@@ -86,8 +99,7 @@ def test_unchanged_data_keeps_its_md5_and_changed_data_gets_a_new_one(
     assert second == first
     assert _remote_objects(project) == pushed
 
-    victim = next(data.rglob("*.png"))
-    victim.unlink()
+    _rewrite(data, digits_split[0])
     third = version(data, project)
     assert third != first
     assert third in _remote_objects(project)
@@ -169,7 +181,7 @@ def test_uncommitted_names_what_git_lacks_relative_to_a_project_in_a_git_subfold
     subprocess.run(["git", "commit", "-q", "-m", "data"], cwd=outer, check=True)
     assert uncommitted([data], project) == []
 
-    next(data.rglob("*.png")).unlink()  # a new version: only its pointer changes
+    _rewrite(data, digits_split[0])  # a new version: only its pointer changes
     version(data, project)
     assert uncommitted([data], project) == ["data/val.dvc"]
 
@@ -215,3 +227,111 @@ def test_an_existing_repo_links_from_its_cache_unless_its_user_chose(
     cached = [p for p in (root / ".dvc" / "cache").rglob("*") if p.is_file()]
     assert not any(p.samefile(image) for p in cached)
     assert "type = copy" in (root / ".dvc" / "config").read_text()
+
+
+ROUNDS = 6  # of a split and a version at once
+WAITING = "waiting for another imageops step using"  # what a step waiting for a folder logs
+
+
+def _pushed_disagreement(settings: Settings, md5: str) -> str | None:
+    """How the pushed folder ``md5`` disagrees with the manifest.json pushed in it, or None."""
+    objects = Path(settings.dvc_remote) / "files" / "md5"
+    listing = json.loads((objects / md5[:2] / md5[2:]).read_text())
+    files = {item["relpath"]: item["md5"] for item in listing}
+    manifest = files.pop(MANIFEST)
+    listed = json.loads((objects / manifest[:2] / manifest[2:]).read_text())["images"]
+    paths = {image["path"] for image in listed}
+    if paths == set(files):
+        return None
+    return f"{md5}: {len(files)} files, its manifest lists {len(paths)}"
+
+
+def test_a_version_never_mixes_two_splits_of_its_folder(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    # Split rewrites train while version adds it (issue 43: a pushed version held files of two
+    # splits). Each version starts as a split ends and the next one starts: they overlap every
+    # round, and each version must be one split, whole.
+    images = _data(project, digits_split[0], "images")
+    train, val = images.parent / "train", images.parent / "val"
+    split(images, train, val, fraction=0.5, seed=0)
+    split_done, stop = threading.Event(), threading.Event()
+
+    def resplit() -> int:
+        seed = 0
+        while not stop.is_set():
+            seed += 1
+            split(images, train, val, fraction=0.5, seed=seed)
+            split_done.set()
+        return seed
+
+    md5s = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        splitting = pool.submit(resplit)
+        try:
+            for _ in range(ROUNDS):
+                assert split_done.wait(timeout=60)
+                split_done.clear()
+                md5s.append(version(train, project))
+        finally:
+            stop.set()
+        assert splitting.result() > ROUNDS
+
+    problems = [p for md5 in set(md5s) if (p := _pushed_disagreement(project, md5))]
+    assert problems == []
+    assert len(set(md5s)) > 1  # versions of several splits were taken
+
+
+def test_version_waits_for_a_process_holding_the_folder_and_not_after_it_is_killed(
+    project: Settings, digits_split: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Steps run as processes of their own (the CLI); a killed holder frees the folder (flock).
+    caplog.set_level(logging.INFO, logger="tasks.shared.project_lock")
+    data = _data(project, digits_split[1])
+    lock = folder_lock_path(project, data)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    hold = "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); "
+    hold += "lock.acquire(); "
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold + "print('held', flush=True); time.sleep(120)", str(lock)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(version, data, project)
+            while WAITING not in caplog.text and not pending.done():
+                time.sleep(0.05)
+            assert WAITING in caplog.text
+            assert not pending.done()
+            assert not (data.parent / "train.dvc").exists()  # nothing added yet
+            holder.kill()
+            md5 = pending.result(timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert md5 in _remote_objects(project)
+
+
+def test_a_folder_whose_files_differ_from_its_manifest_is_neither_recorded_nor_pushed(
+    project: Settings, digits_split: tuple[Path, Path]
+) -> None:
+    _git_init(project.project_root)
+    data = _data(project, digits_split[0])
+    version(data, project)
+    git = ["git", "-C", str(project.project_root)]
+    recorded = {f: f.read_bytes() for f in (data.parent / "train.dvc", data.parent / ".gitignore")}
+    staged = subprocess.run([*git, "ls-files", "--stage"], capture_output=True, text=True).stdout
+    pushed = _remote_objects(project)
+    # A file the manifest does not list, and a listed image gone: not the folder it describes.
+    images = sorted(data.rglob("*.png"))
+    shutil.copy(images[0], images[0].with_name("stray.png"))
+    images[1].unlink()
+
+    with pytest.raises(VersionMismatchError, match=r"1 listed images missing.*1 files not listed"):
+        version(data, project)
+
+    assert {f: f.read_bytes() for f in recorded} == recorded  # the last version's pointer
+    after = subprocess.run([*git, "ls-files", "--stage"], capture_output=True, text=True).stdout
+    assert after == staged
+    assert _remote_objects(project) == pushed

@@ -4,19 +4,27 @@ Runs on different data sets write different folders (images, train and val), so 
 once. Two runs on the same data set would replace each other's split halfway through training, so
 they take turns on a file lock per data set (``<home>/locks/data-<name>.lock``): the second waits
 for the first to end. The kernel releases the lock whatever way its holder dies.
+
+Within that, each data set folder has a lock of its own (:func:`holding_folders`), taken by every
+step that writes one (convert, split, transform apply, sample digits) and by ``version``: a
+version is one state of the folder, never half of one split and half of the next. Order, to
+never deadlock: the data set's lock, then folders' locks (sorted), then the project's DVC lock.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 from models.locks import is_held
 from tasks.data.archive import ARCHIVE_SUFFIXES
 from tasks.shared.errors import DatasetBusyError
 from tasks.shared.project_lock import taking_turns
-from tasks.shared.settings import Settings
+from tasks.shared.settings import Settings, get_settings
 
 # One path component that every file system and DVC take as it is.
 NAME_RULE = "letters, digits, '.', '_' and '-', not starting with a dot, at most 100 characters"
@@ -26,6 +34,9 @@ _NAME = re.compile(NAME_PATTERN)
 RESERVED = frozenset({"raw", "repro"})
 # Another run on the same data set trains in between; past this, it is stuck, not slow.
 LOCK_TIMEOUT_S = 12 * 3600.0
+# A convert of a large source, or a version pushed to a slow remote, holds a folder this long.
+FOLDER_LOCK_TIMEOUT_S = 6 * 3600.0
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def source_name(source: str | Path) -> str:
@@ -68,3 +79,35 @@ def dataset_lock(
 def dataset_in_use(settings: Settings, name: str) -> bool:
     """True while a run holds data set ``name`` (its outputs may still be written)."""
     return is_held(_lock_path(settings, name))
+
+
+def folder_lock_path(settings: Settings, folder: Path) -> Path:
+    """The lock file of ``folder``: one per real path (``data/x`` and ``./data/../data/x`` share
+    it), under the project's home, readable by the folder's name."""
+    real = Path(folder).resolve()
+    digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:16]
+    return settings.home_dir / "locks" / f"folder-{_UNSAFE.sub('_', real.name)[:40]}-{digest}.lock"
+
+
+@contextmanager
+def holding_folders(
+    *folders: Path, settings: Settings | None = None, timeout_s: float = FOLDER_LOCK_TIMEOUT_S
+) -> Iterator[None]:
+    """Hold the lock of each of ``folders`` (read or written by the block), waiting for other
+    holders; in one order (the lock files' names), so two steps never wait for each other."""
+    settings = settings or get_settings()
+    locks = {folder_lock_path(settings, Path(f)): Path(f) for f in folders}
+    with ExitStack() as stack:
+        for path in sorted(locks):
+            stack.enter_context(
+                taking_turns(
+                    path,
+                    timeout_s,
+                    DatasetBusyError,
+                    f"another imageops step writing or versioning {locks[path]}",
+                    "Check for a stuck `imageops` process (convert, split, transform apply, "
+                    "version or run) and stop it, then retry.",
+                    waiting=f"waiting for another imageops step using {locks[path]}",
+                )
+            )
+        yield

@@ -14,6 +14,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from models.atomic import atomic_directory
+from tasks.data.datasets import holding_folders
 from tasks.shared.errors import InvalidParameterError
 
 
@@ -38,7 +39,7 @@ def write_digits(
     if not wanted or not wanted <= set(range(10)):
         raise InvalidParameterError(f"classes must be digits 0-9, got {sorted(wanted)}.")
     seen: dict[int, int] = {}
-    with atomic_directory(Path(dest)) as tmp:
+    with holding_folders(Path(dest)), atomic_directory(Path(dest)) as tmp:
         for index, (pixels, target) in enumerate(zip(digits.images, digits.target, strict=True)):
             label = int(target)
             if label not in wanted or (per_class is not None and seen.get(label, 0) >= per_class):

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from models.atomic import atomic_directory, check_destination
+from tasks.data.datasets import holding_folders
 from tasks.data.file_links import Placer
 from tasks.data.imagedir import MANIFEST, ImageEntry
 from tasks.data.manifest_stream import ManifestWriter, StreamedManifest, iter_images, read_head
@@ -117,9 +118,18 @@ def split(
             "Lower one of them; the second output gets what is left.",
         )
     source, first, second = Path(source), Path(first), Path(second)
-    head = read_head(source)
     outputs = {"first": first, "second": second} | ({"third": Path(third)} if third else {})
     _check_paths(source, outputs)
+    # The source too: a convert replacing it between the two passes would mix two of its states.
+    with holding_folders(source, *outputs.values()):
+        return _split(source, outputs, fraction, third_fraction, seed)
+
+
+def _split(
+    source: Path, outputs: dict[str, Path], fraction: float, third_fraction: float, seed: int
+) -> tuple[StreamedManifest, ...]:
+    """:func:`split`, its parameters checked and its folders' locks held."""
+    head = read_head(source)
     for out in outputs.values():  # all of them before writing any: no half split
         check_destination(out, replaces=MANIFEST)
     # First pass: the paths and labels only (a string and 8 bytes an image), every image

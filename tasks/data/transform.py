@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from models.atomic import atomic_directory, check_destination, write_json
 from models.transform_spec import MODES, RECIPE_FIELDS, AppliedTransform, Mode, TransformSpec
+from tasks.data.datasets import holding_folders
 from tasks.data.imagedir import (
     MANIFEST,
     ImageEntry,
@@ -362,10 +363,16 @@ def apply_transformation(
     InvalidImageDirectoryError, InvalidParameterError (bad mode, ``dest`` overlapping an input),
     NoUsableImagesError. Details: docs/images.md#transforms.
     """
+    transform, images, dest = Path(transform), Path(images), Path(dest)
+    with holding_folders(images, dest):  # neither replaced, nor versioned half-written, meanwhile
+        return _apply(transform, images, dest, mode, seed)
+
+
+def _apply(transform: Path, images: Path, dest: Path, mode: Mode, seed: int) -> StreamedManifest:
+    """:func:`apply_transformation` with the folders' locks held."""
     import torch
     from torchvision.transforms import v2
 
-    transform, images, dest = Path(transform), Path(images), Path(dest)
     spec = read_transformation(transform)
     pipeline = build_transform(spec, mode, normalize=False)
     head = read_head(images)

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 import yaml
 
 from models.atomic import atomic_directory, write_text
+from tasks.data.datasets import holding_folders
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.data.dvc_repairs import git_root, init_cut_short, nothing_half_done, repair_rwlock
+from tasks.data.version_check import changed_while_added, mismatch, recorded_state
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
@@ -312,17 +314,23 @@ def version(path: Path, settings: Settings | None = None) -> str:
     ``path`` is absolute or relative to the project root, and must be inside it. The md5 is the
     one in the ``.dvc`` file's first output (``<hash>.dir`` for a folder): the same data gives
     the same md5, so versioning unchanged data twice returns the same value and pushes nothing.
-    Raises :class:`VersioningError` for a path outside the project or any DVC failure.
+    The folder's lock is held throughout (steps that write it wait), and an ImageDirectory whose
+    files are not the ones its manifest lists is neither recorded nor pushed
+    (:class:`VersionMismatchError`). Raises :class:`VersioningError` for a path outside the
+    project or any DVC failure.
     """
     from dvc.exceptions import DvcException
 
     settings = settings or get_settings()
     target = _inside_project(path, settings)
+    # The folder's lock before DVC's: the order every step takes them in (no deadlock).
     with (
+        holding_folders(target, settings=settings),
         _serialised(settings),
         linking_add(_ensure(settings), target) as repo,
         nothing_half_done(repo, target, _remote_folder(settings)),
     ):
+        put_back = recorded_state(target)
         try:
             stages = repo.add([str(target)])
             dvc_file = Path(stages[0].path)
@@ -332,6 +340,13 @@ def version(path: Path, settings: Settings | None = None) -> str:
                 f"add {target}",
                 "Check that the folder is readable and not inside .dvc/ or .git/.",
             ) from exc
+        except FileNotFoundError as exc:  # DVC's walk lost a file: another writer
+            put_back()
+            raise changed_while_added(target, exc) from exc
+        md5 = _tracked_md5(dvc_file)
+        if refused := mismatch(repo, target, md5):
+            put_back()  # nothing recorded: the pointer, .gitignore and git's index as they were
+            raise refused
         try:
             repo.push(targets=[str(dvc_file)])
         except DvcException as exc:
@@ -340,7 +355,6 @@ def version(path: Path, settings: Settings | None = None) -> str:
                 f"push {target} to the remote {_remote_url(settings)}",
                 "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
             ) from exc
-    md5 = _tracked_md5(dvc_file)
     logger = step_logger(__name__)
     logger.info("versioned %s as %s (md5 %s)", target, dvc_file.name, md5)
     if pending := uncommitted([target], settings):

@@ -44,6 +44,7 @@ __all__ = [
     "TrainingFailedError",
     "TuningFailedError",
     "UnsafeArchiveError",
+    "VersionMismatchError",
     "VersioningError",
     "disk_full",
     "error_summary",
@@ -156,6 +157,11 @@ class VersioningError(ImageOpsError):
     """DVC could not version a data set."""
 
 
+class VersionMismatchError(VersioningError):
+    """A folder to version whose files are not the ones its manifest.json lists (it changed while
+    it was added, or by hand): nothing was recorded or pushed. The message gives both counts."""
+
+
 class ObjectStoreError(ImageOpsError):
     """The S3 object store did not start, or refused or did not answer a request.
 
@@ -169,7 +175,8 @@ class DataUnavailableError(ImageOpsError):
 
 
 class DatasetBusyError(ImageOpsError):
-    """Another pipeline run has been preparing the same data set for longer than the wait allows."""
+    """Another pipeline run has been preparing the same data set, or another step writing or
+    versioning the same data set folder, for longer than the wait allows."""
 
 
 class InvalidTuningSpecError(InvalidParameterError):

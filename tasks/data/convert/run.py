@@ -11,6 +11,7 @@ from tasks.data.convert import cache, checking, report
 from tasks.data.convert.limits import ConvertLimits, check_apart, check_workers
 from tasks.data.convert.plan import ConversionPlan
 from tasks.data.convert.sources import find_source, label_file_sources
+from tasks.data.datasets import holding_folders
 from tasks.data.imagecheck import CheckJob
 from tasks.data.imagedir import (
     FORMAT_VERSION,
@@ -52,31 +53,35 @@ def convert(
     check_workers(workers)
     check_apart(source, dest)
     check_destination(dest, replaces=MANIFEST)
-    # A killed run's leftovers beside dest: removed even when the cache check below writes nothing.
-    remove_leftovers(dest)
-    remove_leftovers(dest, "extract")
-    reader = find_source(source)
-    head = {
-        "converter": _CONVERTER_VERSION,
-        "format_version": FORMAT_VERSION,
-        "kind": reader.name,
-        "parameters": reader.parameters(limits),
-        # A file read whole anyway (an archive, a label file): its own bytes are part of the key.
-        "input_sha256": cache.sha256_file(source)[1] if reader.whole_file else None,
-    }
-    previous = cache.previous(dest, source)
-    if reader.self_contained:  # the key is known before planning: an unchanged source is not read
-        key = cache.fingerprint(head)
-        if previous is not None and previous.fingerprint == key:
-            return cache.unchanged(dest, previous)
+    with holding_folders(dest):  # version and other writers of dest wait
+        # A killed run's leftovers beside dest: removed even when the cache check below writes
+        # nothing.
+        remove_leftovers(dest)
+        remove_leftovers(dest, "extract")
+        reader = find_source(source)
+        head = {
+            "converter": _CONVERTER_VERSION,
+            "format_version": FORMAT_VERSION,
+            "kind": reader.name,
+            "parameters": reader.parameters(limits),
+            # A file read whole anyway (an archive, a label file): its own bytes are part of the
+            # key.
+            "input_sha256": cache.sha256_file(source)[1] if reader.whole_file else None,
+        }
+        previous = cache.previous(dest, source)
+        # Self-contained: the key is known before planning, so an unchanged source is not read.
+        if reader.self_contained:
+            key = cache.fingerprint(head)
+            if previous is not None and previous.fingerprint == key:
+                return cache.unchanged(dest, previous)
+            with reader.plan(source, dest, limits) as plan:
+                return _convert_plan(plan, dest, source, limits, workers, key)
         with reader.plan(source, dest, limits) as plan:
-            return _convert_plan(plan, dest, source, limits, workers, key)
-    with reader.plan(source, dest, limits) as plan:
-        if previous is not None and previous.fingerprint == cache.fingerprint(
-            head, plan, cache.hash_all(plan.items, limits.max_pixels)
-        ):
-            return cache.unchanged(dest, previous)
-        return _convert_plan(plan, dest, source, limits, workers, head)
+            if previous is not None and previous.fingerprint == cache.fingerprint(
+                head, plan, cache.hash_all(plan.items, limits.max_pixels)
+            ):
+                return cache.unchanged(dest, previous)
+            return _convert_plan(plan, dest, source, limits, workers, head)
 
 
 def source_classes(source: Path) -> list[str]:
