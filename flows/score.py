@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,7 +33,7 @@ from tasks.inference.score import (
     score_task,
 )
 from tasks.inference.score.report import score_markdown
-from tasks.registry.model_uri import fetch_registered_model_task, is_registry_uri
+from tasks.registry.model_uri import fetch_registered_model_task, is_registry_uri, leased
 from tasks.registry.promotion_events import CHAMPION, alias_trigger
 from tasks.shared.artifacts import publish_markdown
 from tasks.shared.errors import ImageOpsError, error_text
@@ -122,7 +123,7 @@ def score_flow(
     """Score ``images`` with ``model``; relative paths are under the project root."""
     settings = get_settings()
     model = model or f"models:/{settings.registered_model_name}@{CHAMPION}"
-    version = None
+    version, cached = None, None
     if is_registry_uri(model):
         cached = fetch_registered_model_task(model)
         model_dir, version = cached.path, cached.version
@@ -136,17 +137,20 @@ def score_flow(
         out = settings.home_dir / SCORES_DIR / f"{label}-{stamp}.csv"
     else:
         out = settings.project_root / dest
-    # One score task, or parallel ones over shards for a large input, merged in order.
-    scored = score_in_flow(
-        ShardedScoring(
-            model_dir,
-            settings.project_root / images,
-            out,
-            shard_images=shard_images,
-            batch_size=batch_size,
-            threads=threads,
+    # One score task, or parallel ones over shards for a large input, merged in order; a cache
+    # folder leased meanwhile, so `imageops gc` leaves it (the same folder, fetched again if a gc
+    # took it since the fetch).
+    with leased(cached, settings) if cached else nullcontext():
+        scored = score_in_flow(
+            ShardedScoring(
+                model_dir,
+                settings.project_root / images,
+                out,
+                shard_images=shard_images,
+                batch_size=batch_size,
+                threads=threads,
+            )
         )
-    )
     print(f"Scored {images} with {model} ({model_dir}) into {scored}")
     if in_prefect_run():
         url = None

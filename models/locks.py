@@ -5,11 +5,17 @@ So a killed run never blocks the next, and a lock still held tells a live user f
 Two forms: :func:`holding` / :func:`acquire` on a lock file (DVC, promotion, a run being trained,
 a model download, Prefect's database), and :func:`lock_fd` on a descriptor the caller already has
 open (a temporary file or folder being written, a scoring's checkpoint folder), where the lock is
-what marks that path as in use. In ``models/``, the bottom layer, so every layer can use it.
+what marks that path as in use. :func:`sharing` is the shared form of a lock file: any number of
+readers hold it at once, and it keeps out whoever wants it alone (:func:`acquire` on the same
+path), as a scoring keeps ``imageops gc`` off the registry-cache entry it reads. In ``models/``, the
+bottom layer, so every layer can use it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,3 +88,30 @@ def is_held(path: Path) -> bool:
         return True
     lock.release()
     return False
+
+
+SHARING_POLL_S = 0.05
+
+
+@contextmanager
+def sharing(path: Path, timeout_s: float, refusal: ImageOpsError) -> Iterator[None]:
+    """Hold the lock file ``path`` shared for the block: beside other sharers, never beside an
+    exclusive holder (:func:`acquire`: the same kernel ``flock``, so a kill frees it too).
+
+    Waits up to ``timeout_s`` while someone holds it exclusively, then raises ``refusal``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise refusal from None
+                time.sleep(SHARING_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # frees the lock

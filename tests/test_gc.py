@@ -1,6 +1,7 @@
 """Retention and ``imageops gc``: what a finished run gives back, what gc reclaims, and what it
-never touches (a registered version's files, an aliased version's cache entry, a job being
-trained, a committed .dvc file's cache entries), on a real MLflow (SQLite), DVC and git."""
+never touches (a registered version's files, an aliased version's cache entry, a cache entry a
+scoring reads, a job being trained, a running promotion, the cache entries of a .dvc file committed
+on any branch or tag), on a real MLflow (SQLite), DVC and git."""
 
 from __future__ import annotations
 
@@ -19,15 +20,24 @@ from typer.testing import CliRunner
 from app.cli import app
 from app.cli.housekeeping import list_reclaimable
 from models.atomic import temp_name
+from models.locks import holding
 from tasks.data.datasets import dataset_lock
 from tasks.data.imagedir import MANIFEST
-from tasks.data.versioning import version
+from tasks.data.versioning import ensure_dvc_repo, version
 from tasks.inference.export import sha256_file
-from tasks.registry.model_uri import cache_path, fetch_registered_model
+from tasks.inference.score import score
+from tasks.registry.model_uri import (
+    cache_path,
+    fetch_registered_model,
+    lease_path,
+    leased,
+    model_in_use,
+)
+from tasks.registry.promote import DECISION_FILE, PROMOTIONS_DIR, promotion_lock
 from tasks.registry.register import register
 from tasks.shared import faults
-from tasks.shared.errors import TrainingFailedError
-from tasks.shared.reclaim import TRASH
+from tasks.shared.errors import RegistryError, TrainingFailedError
+from tasks.shared.reclaim import TRASH, trash
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
 from tasks.train.request import CONFIG, TrainRequest, check_request
@@ -206,6 +216,30 @@ def test_gc_keeps_a_job_that_starts_while_it_removes(project: Settings) -> None:
     assert item.remove() is True and not run_dir.exists()
 
 
+def test_gc_reclaims_a_killed_promotions_folder_never_a_running_one_or_a_decision(
+    project: Settings,
+) -> None:
+    root = project.home_dir / PROMOTIONS_DIR
+    killed = root / "20250101-120000-000000-v3"  # v3 scored, then killed before its decision
+    (killed / ".imageops-shards").mkdir(parents=True)
+    (killed / "v3.csv").write_bytes(b"s" * 3000)
+    decided = root / "20250101-130000-000000-v4"  # the record of a decision
+    decided.mkdir()
+    (decided / DECISION_FILE).write_text("{}")
+    running = RegistryError("a promotion runs")
+    # A promotion holds its lock from its folder's creation to its decision: while one runs,
+    # a folder without a decision may be its own.
+    with holding(promotion_lock(project), 0, running):
+        assert _paths(project) == []
+    (item,) = list_reclaimable(project, 7.0)
+    assert (item.kind, item.path, item.size) == ("partial promotion", killed, 3000)
+    with holding(promotion_lock(project), 0, running):  # one started after the listing
+        assert item.remove() is False
+    assert killed.is_dir()
+    assert "removed 1 of 1" in _gc("--yes")
+    assert sorted(root.iterdir()) == [decided]
+
+
 @pytest.mark.slow
 def test_gc_keeps_registered_versions_and_aliased_cache_entries(
     project: Settings, exported_model: Path
@@ -231,8 +265,49 @@ def test_gc_keeps_registered_versions_and_aliased_cache_entries(
     assert _paths(project) == [v1]
 
 
+@pytest.mark.slow
+def test_gc_keeps_a_cache_entry_a_scoring_reads_until_it_ends(
+    project: Settings,
+    exported_model: Path,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    register(exported_model, settings=project)  # v1, no alias: its cache entry may go
+    # Held as `imageops score models:/...` holds it, from the fetch to the scored table.
+    with model_in_use(f"models:/{NAME}/1", project) as model_dir:
+        assert _paths(project) == [model_dir]  # listed: once the scoring ends it may go
+        shown = _gc("--yes")
+        assert f"kept {model_dir}: in use now" in shown.replace("\n", "")
+        assert "removed 0 of 1" in shown
+        assert score(model_dir, digits_split[1], tmp_path / "scored.csv").is_file()
+    assert "removed 1 of 1" in _gc("--yes") and not model_dir.exists()
+
+    # A gc between a flow's fetch and its lease: the lease fetches the same version again.
+    cached = fetch_registered_model(f"models:/{NAME}/1", project)
+    trash(cached.path)
+    with leased(cached, project) as again:
+        assert again == cached and (again.path / "model.onnx").is_file()
+    # While gc holds the entry alone a reader waits (here 0.2 s), then says who holds it.
+    monkeypatch.setattr("tasks.registry.model_uri.LOCK_TIMEOUT_S", 0.2)
+    with (
+        holding(lease_path(cached.path), 0, RegistryError("gc")),
+        pytest.raises(RegistryError, match="imageops gc"),
+        leased(cached, project),
+    ):
+        pass
+
+
 def _git(*args: str, cwd: Path) -> None:
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def git_author(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Who the tests' git commits are by (the machine may have no git identity)."""
+    for var in ("GIT_AUTHOR", "GIT_COMMITTER"):
+        monkeypatch.setenv(f"{var}_NAME", "imageops tests")
+        monkeypatch.setenv(f"{var}_EMAIL", "tests@example.org")
 
 
 def _cache_file(settings: Settings, md5: str) -> Path:
@@ -241,11 +316,8 @@ def _cache_file(settings: Settings, md5: str) -> Path:
 
 @pytest.mark.slow
 def test_gc_keeps_dvc_cache_a_committed_or_workspace_dvc_file_refers_to(
-    project: Settings, digits_split: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    project: Settings, digits_split: tuple[Path, Path], git_author: None
 ) -> None:
-    for var in ("GIT_AUTHOR", "GIT_COMMITTER"):
-        monkeypatch.setenv(f"{var}_NAME", "imageops tests")
-        monkeypatch.setenv(f"{var}_EMAIL", "tests@example.org")
     root = project.project_root
     _git("init", "-q", cwd=root)
     (root / ".gitignore").write_text(".imageops/\n")
@@ -287,3 +359,43 @@ def test_gc_keeps_dvc_cache_a_committed_or_workspace_dvc_file_refers_to(
     # The version no .dvc file refers to any more is what gc may reclaim now.
     (item,) = list_reclaimable(project, 7.0)
     assert "2 objects" in item.reason
+
+
+@pytest.mark.slow
+def test_gc_keeps_dvc_cache_a_dvc_file_on_another_branch_or_a_tag_refers_to(
+    project: Settings, git_author: None
+) -> None:
+    from dvc.repo import Repo
+
+    root = project.project_root
+    _git("init", "-q", "-b", "main", cwd=root)
+    (root / ".gitignore").write_text(".imageops/\n")
+    ensure_dvc_repo(project).close()
+    _git("add", "-A", cwd=root)
+    _git("commit", "-q", "-m", "start", cwd=root)
+    # data/kv4 versioned and committed on two branches off main, never on main itself; then
+    # one branch is tagged and deleted: the tag alone names its version.
+    data = root / "data" / "kv4"
+    md5 = {}
+    for ref in ("branch", "tagged"):
+        _git("checkout", "-q", "-b", ref, "main", cwd=root)
+        shutil.rmtree(data, ignore_errors=True)
+        data.mkdir(parents=True)
+        (data / "image.png").write_bytes(f"data/kv4 on {ref}".encode())
+        md5[ref] = version(data, project)
+        _git("add", "-A", cwd=root)
+        _git("commit", "-q", "-m", f"data/kv4 on {ref}", cwd=root)
+    _git("tag", "kv4-v1", "tagged", cwd=root)
+    _git("checkout", "-q", "main", cwd=root)
+    _git("branch", "-q", "-D", "tagged", cwd=root)
+    shutil.rmtree(data)
+
+    assert _paths(project) == []
+    assert "nothing to reclaim" in _gc("--yes")
+    # The branch's and the tag's versions check out whole from the cache alone (no pull).
+    for ref, made_on in (("branch", "branch"), ("kv4-v1", "tagged")):
+        assert _cache_file(project, md5[made_on]).is_file()
+        _git("checkout", "-q", ref, cwd=root)
+        with Repo(str(root)) as repo:
+            repo.checkout(force=True)
+        assert (data / "image.png").read_bytes() == f"data/kv4 on {made_on}".encode()

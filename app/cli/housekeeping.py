@@ -2,7 +2,8 @@
 
 Each stage says what of its own may go and checks again under its owner's lock as it removes it
 (:mod:`tasks.train.retention`, :mod:`tasks.registry.cache_retention`,
-:mod:`tasks.data.cache_retention`); this command gathers the lists and shows them.
+:mod:`tasks.registry.promotion_retention`, :mod:`tasks.data.cache_retention`); this command gathers
+the lists and shows them.
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ def list_reclaimable(settings: Settings, older_than_days: float) -> list[Reclaim
     from tasks.data.cache_retention import unused_dvc_cache
     from tasks.registry.cache_retention import unaliased_cache_entries
     from tasks.registry.model_uri import CACHE_DIR
+    from tasks.registry.promote import PROMOTIONS_DIR
+    from tasks.registry.promotion_retention import partial_promotions
     from tasks.train.retention import finished_run_folders, old_outputs
 
     cache = settings.home_dir / CACHE_DIR
-    folders = [settings.outputs_dir, settings.runs_dir, cache]
+    folders = [settings.outputs_dir, settings.runs_dir, settings.home_dir / PROMOTIONS_DIR, cache]
     folders += sorted(p for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else []
     return [
         *(item for folder in folders for item in left_trash(folder)),
         *old_outputs(settings, older_than_days * DAY_S),
         *finished_run_folders(settings),
         *unaliased_cache_entries(settings),
+        *partial_promotions(settings),
         *unused_dvc_cache(settings),
     ]
 
@@ -71,8 +75,10 @@ def collect_garbage(
     """List the disk space training runs leave behind; remove it with --yes.
 
     Old outputs folders, run folders of FINISHED runs, registry-cache entries of versions without
-    an alias, DVC cache entries no .dvc file (work tree, git HEAD) or DVC experiment refers to.
-    Never what a registered version, an alias, a job being trained or a committed .dvc file uses.
+    an alias, folders of promotions killed before their decision, DVC cache entries no .dvc file
+    (work tree, git HEAD, local branches and tags) or DVC experiment refers to. Never what a
+    registered version, an alias, a job being trained, a scoring or promotion running, or a
+    committed .dvc file uses.
     """
     settings = get_settings()
     items = list_reclaimable(settings, older_than)

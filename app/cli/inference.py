@@ -90,17 +90,18 @@ def score(
 ) -> None:
     """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
     from tasks.inference.score import score_in_shards
-    from tasks.registry.model_uri import resolve_model
+    from tasks.registry.model_uri import model_in_use
 
-    written = score_in_shards(
-        resolve_model(model),
-        images,
-        dest,
-        shard_images=shard_images,
-        batch_size=batch_size,
-        threads=threads,
-        quantized=quantized,
-    )
+    with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
+        written = score_in_shards(
+            model_dir,
+            images,
+            dest,
+            shard_images=shard_images,
+            batch_size=batch_size,
+            threads=threads,
+            quantized=quantized,
+        )
     out.print(f"wrote {written}")
 
 

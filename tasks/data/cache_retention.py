@@ -1,5 +1,8 @@
 """Which DVC cache entries may go: those no ``.dvc`` file or ``dvc.lock`` refers to, in the work
-tree, in git's HEAD, or in a DVC experiment.
+tree, in git's HEAD, at the tip of any local branch or tag, or in a DVC experiment.
+
+A version committed on another branch (or only tagged) is one ``git checkout`` away: removing its
+objects would leave that checkout without data whenever the remote does not have them.
 
 Listed the way ``dvc gc`` decides (DVC's own ``used_objs`` over the same revisions), and removed by
 ``dvc gc`` itself (``Repo.gc``), which recomputes what is used under its lock, so a version
@@ -24,7 +27,8 @@ DVC_CACHE = "DVC cache"
 
 
 def _kept_revisions(repo: Repo) -> dict[str, Any]:
-    """Beyond the work tree: git's HEAD and every experiment, when there is a commit."""
+    """Beyond the work tree, when there is a commit: git's HEAD (detached too), every local
+    branch and tag, and every experiment (``dvc gc -w --rev HEAD -a -T --all-experiments``)."""
     from dvc.scm import NoSCM
 
     if isinstance(repo.scm, NoSCM):
@@ -33,16 +37,15 @@ def _kept_revisions(repo: Repo) -> dict[str, Any]:
         repo.scm.get_rev()
     except Exception:  # a git repository without a commit yet: only the work tree
         return {}
-    return {"rev": "HEAD", "all_experiments": True}
+    return {"rev": "HEAD", "all_branches": True, "all_tags": True, "all_experiments": True}
 
 
 def _unused_objects(repo: Repo, kept: dict[str, Any]) -> list[Path]:
     """The cache files ``Repo.gc`` with the same arguments would remove (its own loop)."""
     revs = [kept["rev"]] if "rev" in kept else None
+    refs = {key: value for key, value in kept.items() if key != "rev"}
     used: set[Any] = set()
-    for objects in repo.used_objs(
-        revs=revs, all_experiments=kept.get("all_experiments", False)
-    ).values():
+    for objects in repo.used_objs(revs=revs, **refs).values():
         used.update(objects)
     paths: list[Path] = []
     seen = []
@@ -76,15 +79,16 @@ def unused_dvc_cache(settings: Settings) -> list[Reclaimable]:
             kind=DVC_CACHE,
             path=cache,
             size=sum(disk_size(p) for p in paths),
-            reason=f"{len(paths)} objects no .dvc file of the work tree, HEAD or an "
-            "experiment refers to",
+            reason=f"{len(paths)} objects no .dvc file of the work tree, HEAD, a local branch "
+            "or tag, or an experiment refers to",
             remove=lambda: collect_dvc_garbage(settings),
         )
     ]
 
 
 def collect_dvc_garbage(settings: Settings) -> bool:
-    """``dvc gc`` keeping the work tree, HEAD and every experiment; raises VersioningError."""
+    """``dvc gc`` keeping the work tree, HEAD, every local branch and tag, and every experiment;
+    raises VersioningError."""
     from dvc.exceptions import DvcException
 
     with _serialised(settings), _ensure(settings) as repo:

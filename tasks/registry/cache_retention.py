@@ -3,11 +3,14 @@
 The cache (:mod:`tasks.registry.model_uri`) keeps one folder per version ever scored by URI. A
 version an alias names is what scoring asks for next (``models:/<name>@champion``), so it stays;
 any other entry is downloaded again if a URI names it. Entries of a model this registry does not
-know are kept (they may come from another registry). Details: docs/training.md#disk-space.
+know are kept (they may come from another registry), and so is an entry someone reads now (a
+scoring or a promotion holds its lease, :func:`tasks.registry.model_uri.model_in_use`).
+Details: docs/training.md#disk-space.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from mlflow.entities.model_registry import RegisteredModel
 from mlflow.exceptions import MlflowException
 
 from models.locks import acquire
-from tasks.registry.model_uri import CACHE_DIR, cache_path
+from tasks.registry.model_uri import CACHE_DIR, cache_path, download_lock, lease_path
 from tasks.shared.errors import RegistryError, RegistryUnreachableError
 from tasks.shared.reclaim import Reclaimable, trash
 from tasks.shared.settings import Settings, redact_uri
@@ -76,19 +79,18 @@ def unaliased_cache_entries(settings: Settings) -> list[Reclaimable]:
 
 
 def _remove_entry(client: MlflowClient, name: str, entry: Path) -> bool:
-    """Remove a cached version under its download lock, if still no alias points at it."""
-    lock_path = entry.with_name(entry.name + ".lock")
-    try:
-        lock = acquire(lock_path, 0, RegistryError(f"{entry} is being downloaded."))
-    except RegistryError:
-        return False
-    try:
+    """Remove a cached version holding its download lock and its lease alone, if still no alias
+    points at it; False (kept) while it is downloaded or read, or once an alias names it."""
+    with ExitStack() as alone:
+        try:
+            for lock in (download_lock(entry), lease_path(entry)):
+                alone.callback(acquire(lock, 0, RegistryError(f"{lock} is held.")).release)
+        except RegistryError:  # being downloaded, or read by a scoring or a promotion
+            return False
         try:
             if int(entry.name) in _aliased(client, name):  # promoted since it was listed
                 return False
         except MlflowException:  # the registry does not answer now: keep it
             return False
         trash(entry)
-    finally:
-        lock.release()
     return True

@@ -3,8 +3,10 @@
 ``models:/<name>@<alias>`` and ``models:/<name>/<version>`` resolve to one version, downloaded
 (``model.json`` and ``model.onnx``) into a per-version cache laid out as a ModelDirectory. An alias
 is resolved at each call, so a promotion is picked up; a cached folder is reused only while the
-registry still names the same run; downloads are atomic and locked. MLflow is imported only for a
-URI: scoring a ModelDirectory path does not pay for it.
+registry still names the same run; downloads are atomic and locked. Whoever reads a cached folder
+(a scoring, a promotion) holds its lease (:func:`model_in_use`), and ``imageops gc`` leaves a
+leased folder alone. MLflow is imported only for a URI: scoring a ModelDirectory path does not pay
+for it.
 Details: docs/promotion.md#scoring-a-registered-model-models-uris.
 """
 
@@ -14,13 +16,15 @@ import hashlib
 import json
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from models.atomic import atomic_directory, write_json
 from models.directory import ONNX
-from models.locks import holding
+from models.locks import holding, sharing
 from models.untrained import MODEL_JSON
 from tasks.inference.export import sha256_file
 from tasks.shared.errors import RegistryError, RegistryUnreachableError
@@ -91,6 +95,16 @@ def _folder_name(name: str) -> str:
 def cache_path(settings: Settings, name: str, version: int) -> Path:
     """The folder a registry model version is (or will be) cached in."""
     return settings.home_dir / CACHE_DIR / _folder_name(name) / str(version)
+
+
+def download_lock(entry: Path) -> Path:
+    """The lock file held while ``entry`` (a cached version's folder) is downloaded or removed."""
+    return entry.with_name(entry.name + ".lock")
+
+
+def lease_path(entry: Path) -> Path:
+    """The lock file whoever reads ``entry`` holds shared (:func:`model_in_use`), and gc alone."""
+    return entry.with_name(entry.name + ".lease")
 
 
 def _client(settings: Settings) -> MlflowClient:
@@ -278,7 +292,7 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
         path=cache_path(settings, name, int(version.version)),
     )
     log = step_logger(__name__)
-    lock = cached.path.with_name(cached.path.name + ".lock")
+    lock = download_lock(cached.path)
     busy = RegistryError(
         f"Waited {LOCK_TIMEOUT_S:.0f} s for {lock}: another process has been downloading "
         f"{uri} into the cache all that time.",
@@ -302,6 +316,39 @@ def resolve_model(model: str | Path, settings: Settings | None = None) -> Path:
     if not is_registry_uri(model):
         return Path(model)
     return fetch_registered_model(str(model), settings).path
+
+
+@contextmanager
+def leased(cached: CachedModel, settings: Settings | None = None) -> Iterator[CachedModel]:
+    """Hold the lease of a fetched version's cache folder for the block: ``imageops gc`` keeps a
+    leased folder, however long the reader scores with it.
+
+    Taken after the fetch, so a gc may have removed the folder in between: it is then fetched
+    again (the same version, not what an alias names now) under the lease.
+    """
+    lease = lease_path(cached.path)
+    busy = RegistryError(
+        f"Waited {LOCK_TIMEOUT_S:.0f} s for {lease}: `imageops gc` has been removing "
+        f"{cached.path} all that time.",
+        "Check for a stuck `imageops gc` process and stop it, then run again.",
+    )
+    with sharing(lease, LOCK_TIMEOUT_S, busy):
+        if not (cached.path / ORIGIN).is_file():
+            again = fetch_registered_model(
+                f"{MODELS_SCHEME}{cached.name}/{cached.version}", settings
+            )
+            cached = replace(again, uri=cached.uri, alias=cached.alias)
+        yield cached
+
+
+@contextmanager
+def model_in_use(model: str | Path, settings: Settings | None = None) -> Iterator[Path]:
+    """:func:`resolve_model` for the block, a URI's cache folder leased (:func:`leased`)."""
+    if not is_registry_uri(model):
+        yield Path(model)
+        return
+    with leased(fetch_registered_model(str(model), settings), settings) as cached:
+        yield cached.path
 
 
 __getattr__ = tasks_on_first_use(

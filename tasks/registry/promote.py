@@ -11,7 +11,7 @@ batch scoring. Details: docs/promotion.md#promotion.
 from __future__ import annotations
 
 import json
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,6 +44,10 @@ LOCK_TIMEOUT_S = 1800.0  # other promotions scoring a large holdout first
 # ignored (and replaced), never reused.
 SCORES_TAG = TAG_PREFIX + "scores."
 SCORES_FORMAT = 1
+# Each decision's work folder, <home>/promotions/<time>-v<challenger>: complete once it holds
+# DECISION_FILE; one without it and without a promotion running is one a kill cut short.
+PROMOTIONS_DIR = "promotions"
+DECISION_FILE = "promotion.json"
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,12 @@ def _champion(client: MlflowClient, name: str) -> int | None:
     return None if version is None else int(version)
 
 
-def _version_dir(name: str, version: int, settings: Settings) -> Path:
-    """The registered version's ModelDirectory (fetched into the registry cache once)."""
-    from tasks.registry.model_uri import resolve_model
+def _version_dir(name: str, version: int, settings: Settings, using: ExitStack) -> Path:
+    """The registered version's ModelDirectory (fetched into the registry cache once), leased
+    until ``using`` closes: ``imageops gc`` leaves it while the promotion scores with it."""
+    from tasks.registry.model_uri import model_in_use
 
-    return resolve_model(f"models:/{name}/{version}", settings)
+    return using.enter_context(model_in_use(f"models:/{name}/{version}", settings))
 
 
 @dataclass(frozen=True)
@@ -233,15 +238,21 @@ def promote(
     name = settings.registered_model_name
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     challenger = _version(client, name, candidate)
-    with _one_decision_at_a_time(settings):
-        return _decide(client, settings, held, name, challenger, metric, margin)
+    with _one_decision_at_a_time(settings), ExitStack() as using:
+        return _decide(client, settings, held, challenger, metric, margin, using)
+
+
+def promotion_lock(settings: Settings) -> Path:
+    """The lock file a promotion holds from its first step to its decision (and gc to remove
+    what a killed one left)."""
+    return settings.home_dir / "locks" / "promote.lock"
 
 
 def _one_decision_at_a_time(settings: Settings) -> AbstractContextManager[None]:
     """Two runs promoting at once would both find no champion (or both beat the old one) and
     the last to write would win: each decision starts from the champion the previous one left."""
     return taking_turns(
-        settings.home_dir / "locks" / "promote.lock",
+        promotion_lock(settings),
         LOCK_TIMEOUT_S,
         RegistryError,
         "another promotion in this project",
@@ -253,23 +264,25 @@ def _decide(
     client: MlflowClient,
     settings: Settings,
     held: _Holdout,
-    name: str,
     challenger: int,
     metric: str,
     margin: float,
+    using: ExitStack,
 ) -> Promotion:
-    """Score, compare and move the alias: the part of :func:`promote` that runs alone."""
+    """Score, compare and move the alias: the part of :func:`promote` that runs alone; the
+    versions' cache folders are leased until ``using`` closes."""
     log = step_logger(__name__)
+    name = settings.registered_model_name
     champion = _champion(client, name)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
-    work = settings.home_dir / "promotions" / f"{stamp}-v{challenger}"
+    work = settings.home_dir / PROMOTIONS_DIR / f"{stamp}-v{challenger}"
     work.mkdir(parents=True, exist_ok=True)
 
-    challenger_dir = _version_dir(name, challenger, settings)
+    challenger_dir = _version_dir(name, challenger, settings, using)
     challenger_score, challenger_reused = _score_version(
         client, name, challenger, challenger_dir, held, work / f"v{challenger}.csv", metric
     )
-    champion_dir = _version_dir(name, champion, settings) if champion else None
+    champion_dir = _version_dir(name, champion, settings, using) if champion else None
     champion_score, champion_reused = None, False
     if champion is None:
         promoted, reason = True, "first model: there was no champion"
@@ -314,7 +327,7 @@ def _decide(
         champion_score_reused=champion_reused,
     )
     _record(client, decision, stamp)
-    write_json(work / "promotion.json", asdict(decision))
+    write_json(work / DECISION_FILE, asdict(decision))
     if promoted:
         mark_pending(client, name, challenger)  # the webhook receiver may reconcile first
         client.set_registered_model_alias(name, CHAMPION, str(challenger))

@@ -93,9 +93,12 @@ def finished_run_folders(settings: Settings) -> list[Reclaimable]:
     A run MLflow does not know (another tracking server's) and every unfinished run is kept: an
     unfinished one resumes from its folder.
     """
+    folders = list(_run_folders(settings))
+    if not folders:  # then no MLflow store to open (or, on a new project, to create)
+        return []
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     found = []
-    for run_dir in _run_folders(settings):
+    for run_dir in folders:
         if in_training(run_dir):
             continue
         try:
