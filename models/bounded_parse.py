@@ -138,7 +138,8 @@ def read_yaml(
     if len(text) > MAX_YAML_BYTES:
         raise error(
             f"{path} is over {MAX_YAML_BYTES:,} bytes, the most imageops reads of a YAML file.",
-            f"Check that {Path(path).name} is the file you meant. {_ALIAS_HINT}",
+            f"Check that {Path(path).name} is the file you meant: the YAML files imageops reads "
+            "(params.yaml, tuning.yaml) are a few KB.",
         )
     try:
         return parse_yaml(text, loader)

@@ -1117,7 +1117,11 @@ def _run_deep_yaml(io_: Inputs) -> Run:
 
 
 def _run_long_value(io_: Inputs) -> Run:
-    return _run_config(io_, f"bomb: {'x' * 500_000}\n")
+    return _run_config(io_, f"bomb: {'x' * 200_000}\n")
+
+
+def _run_big_file(io_: Inputs) -> Run:
+    return _run_config(io_, "source: data/raw/digits\n" + "# a comment\n" * 100_000)
 
 
 def _transform_deep_json(io_: Inputs) -> Run:
@@ -1414,8 +1418,10 @@ CASES: list[Case] = [
     Case("run-deep-yaml", "run", "run --config a params.yaml nested 2,000 lists deep",
          _run_deep_yaml, "InvalidParameterError", "lists and mappings nest more than 64 deep"),
     Case("run-long-value", "run",
-         "run --config a params.yaml whose unknown key holds a 500,000-character string",
-         _run_long_value, "InvalidParameterError", "(got 'xxxxxxxxxxxxxxxxxxxx"),
+         "run --config a params.yaml whose unknown key holds a 200,000-character string",
+         _run_long_value, "InvalidParameterError", "xxxxxxxxxx...xxxxxxxxxx"),
+    Case("run-big-file", "run", "run --config a 1.2 MB params.yaml (comments)", _run_big_file,
+         "InvalidParameterError", "is over 262,144 bytes, the most imageops reads of a YAML file"),
     Case("cli-unknown-command", "cli", "imageops frobnicate", _cli_unknown_command,
          "UsageError", "No such command"),
     Case("cli-bad-number", "cli", "train --epochs many", _cli_bad_number,

@@ -7,9 +7,9 @@ subprocess, and so does the same command on a small normal input (the baseline).
 the largest resident set of the command and of every descendant it waited for
 (``RUSAGE_CHILDREN``, see :func:`peak_memory`), so convert's spawned checking workers, joined
 when its pool shuts down, count too: :func:`test_the_measurement_counts_spawned_workers` checks
-that. Each case must stay within its step's margin (``MEMORY_MARGIN_MB``) of its step's baseline. A tuning.yaml bomb is
-measured in this process (tracemalloc): ``imageops tune`` imports Optuna and Prefect, seconds a
-subprocess would spend before the file is read.
+that. Each case must stay within its step's margin (``MEMORY_MARGIN_MB``) of its step's
+baseline. A tuning.yaml bomb is measured in this process (tracemalloc): ``imageops tune`` imports
+Optuna and Prefect, seconds a subprocess would spend before the file is read.
 """
 
 from __future__ import annotations
