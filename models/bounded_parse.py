@@ -6,8 +6,9 @@ small graph of shared objects that expands to billions of values as soon as anyt
 ``imageops run`` to 8 GB. :class:`BoundedLoader` counts what every node expands to while the
 document is composed, before any object exists, and refuses past ``MAX_VALUES`` (and past
 ``MAX_DEPTH`` levels, which would end in a RecursionError). JSON has no aliases: its cost is its
-size and its nesting (one recursion per level), both refused past a limit here. And whatever a
-message echoes goes through :func:`shown`: never longer than ``SHOWN_CHARS``, whatever the value.
+size, which its reader caps (the webhook's 64 KiB), and its nesting, one recursion per level,
+refused here past ``MAX_DEPTH``. And whatever a message echoes goes through :func:`shown`: never
+longer than ``SHOWN_CHARS``, whatever the value.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ MAX_VALUES = 10_000  # nodes after alias expansion: keys, values, lists and mapp
 MAX_DEPTH = 64
 SHOWN_CHARS = 80  # the most of a value an error message shows
 
-_ALIAS_HINT = (
-    "Write the values out instead of repeating them with anchors and aliases (&name, *name), "
-    "and remove keys imageops does not know: a file imageops reads holds a few hundred values."
+_BUDGET_HINT = (
+    "Write the values out plainly (no anchors and aliases, &name and *name, repeating them; no "
+    "lists nested in lists) and remove keys imageops does not know: a file imageops reads holds "
+    "a few hundred values."
 )
 
 
 class DocumentBudgetError(yaml.MarkedYAMLError):
-    """A YAML document that expands past MAX_VALUES or nests past MAX_DEPTH (a YAMLError, so
-    callers that read a document as "YAML or not" treat it as not)."""
+    """A YAML document that expands past MAX_VALUES, nests past MAX_DEPTH or contains itself (a
+    YAMLError, so callers that read a document as "YAML or not" treat it as not)."""
 
 
 class JsonNestingError(ValueError):
@@ -118,8 +120,18 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 
 def parse_yaml(text: str | bytes, loader: type[BoundedLoader] = BoundedLoader) -> Any:
-    """The YAML document ``text`` within the budget; raises a yaml.YAMLError otherwise."""
-    return yaml.load(text, Loader=loader)
+    """The YAML document ``text`` within the budget; raises a yaml.YAMLError otherwise.
+
+    ``yaml.load``'s own body, with the loader checked at run time: a SafeLoader subclass only
+    (tests/test_security.py cannot see which class a parameter holds).
+    """
+    if not issubclass(loader, BoundedLoader):
+        raise TypeError(f"{loader.__name__} is not a BoundedLoader")
+    reader = loader(text)
+    try:
+        return reader.get_single_data()
+    finally:
+        reader.dispose()
 
 
 def read_yaml(
@@ -145,7 +157,7 @@ def read_yaml(
         return parse_yaml(text, loader)
     except DocumentBudgetError as exc:
         line = exc.problem_mark.line + 1 if exc.problem_mark else 0
-        raise error(f"{path}, line {line}: {exc.problem}.", _ALIAS_HINT) from exc
+        raise error(f"{path}, line {line}: {exc.problem}.", _BUDGET_HINT) from exc
     except yaml.YAMLError as exc:
         raise error(f"Cannot read {path}: {exc}.", hint) from exc
 
