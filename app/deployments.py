@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-import yaml
-
+from models.bounded_parse import read_yaml
 from tasks.shared.errors import ImageOpsError, error_text
 
 DEPLOYMENTS_FILE = Path(__file__).resolve().parents[1] / "deployments" / "prefect.yaml"
@@ -46,10 +45,7 @@ class _PullSteps:
 
 def load_spec(path: Path = DEPLOYMENTS_FILE) -> dict[str, Any]:
     """The parsed prefect.yaml; a broken file is an error naming the file."""
-    try:
-        spec = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ImageOpsError(f"Cannot read the deployments file {path}: {exc}.") from exc
+    spec = read_yaml(path, ImageOpsError, "Start from the repository's deployments/prefect.yaml.")
     if not isinstance(spec, dict) or not isinstance(spec.get("deployments"), list):
         raise ImageOpsError(
             f"{path} has no `deployments:` list.",

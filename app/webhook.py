@@ -13,7 +13,6 @@ import asyncio
 import base64
 import hashlib
 import hmac
-import json
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ from uuid import UUID
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from models.bounded_parse import parse_json
 from tasks.shared.errors import ImageOpsError, RegistryError, error_text
 from tasks.shared.settings import Settings, get_settings, redact_uri
 
@@ -154,7 +154,7 @@ def create_app(
         if delivery_id in seen:
             return JSONResponse({"status": "duplicate", "delivery_id": delivery_id})
         try:
-            message: Any = json.loads(body)
+            message: Any = parse_json(body)
             kind = (message["entity"], message["action"])
             data = message["data"]
         except (ValueError, KeyError, TypeError):

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -22,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from models.bounded_parse import read_yaml, shown
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
 from tasks.data.convert import find_source, source_classes
@@ -282,13 +282,9 @@ class PipelineConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: Path) -> PipelineConfig:
         """Read a ``params.yaml``-shaped file; unknown keys and bad values are refused."""
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise InvalidParameterError(f"Cannot read {path}: {exc}.") from exc
-        return cls.checked(
-            data, str(path), "Fix the value in the file; `imageops run --help` lists every option."
-        )
+        hint = "Fix the value in the file; `imageops run --help` lists every option."
+        data = read_yaml(path, InvalidParameterError, hint) or {}
+        return cls.checked(data, str(path), hint)
 
     @classmethod
     def checked(cls, data: dict, origin: str, hint: str) -> PipelineConfig:
@@ -299,5 +295,6 @@ class PipelineConfig(BaseModel):
             first = exc.errors()[0]
             field = ".".join(str(p) for p in first["loc"])
             # A whole-model check (no field) would echo every value: name none.
-            where, got = (f"{field}: ", f" (got {first.get('input')!r})") if field else ("", "")
+            where = f"{field}: " if field else ""
+            got = f" (got {shown(first.get('input'))})" if field else ""
             raise InvalidParameterError(f"{origin}: {where}{first['msg']}{got}.", hint) from exc

@@ -617,7 +617,7 @@ def test_coco_nesting_is_capped_but_brackets_in_names_and_polygons_pass(
 ) -> None:
     """The depth check counts structure only: brackets (and escaped quotes) inside strings do
     not count, and COCO's own deepest field (segmentation polygons) is well inside the cap."""
-    from tasks.data.labelfiles import MAX_JSON_DEPTH
+    from models.bounded_parse import MAX_DEPTH
 
     odd = photos / "day1" / 'img[[[{"0.png'  # brackets and a quote in a real file name
     shutil.copy(photos / "day1" / "img0.png", odd)
@@ -625,12 +625,12 @@ def test_coco_nesting_is_capped_but_brackets_in_names_and_polygons_pass(
     polygon = {"id": 10, "image_id": 1, "category_id": 1, "segmentation": [[1.0, 2.0, 3.0]]}
     coco = photos / "annotations.json"
     document = _coco(images, [polygon], [{"id": 1, "name": "cat"}])
-    document["info"] = json.loads("[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1))
+    document["info"] = json.loads("[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1))
     coco.write_text(json.dumps(document))
     assert [e.source_path for e in convert(coco, tmp_path / "out").images] == [f"day1/{odd.name}"]
 
     document["info"] = [document["info"]]  # one level more than the cap
     coco.write_text(json.dumps(document))
-    with pytest.raises(InvalidLabelFileError, match=f"nested {MAX_JSON_DEPTH + 1} deep"):
+    with pytest.raises(InvalidLabelFileError, match=f"nested {MAX_DEPTH + 1} deep"):
         convert(coco, tmp_path / "again")
     assert not (tmp_path / "again").exists()

@@ -93,7 +93,7 @@ def test_a_broken_deployments_file_or_entry_is_a_clear_error(tmp_path: Path) -> 
 
     broken = tmp_path / "prefect.yaml"
     broken.write_text("deployments: [unclosed")
-    with pytest.raises(ImageOpsError, match="Cannot read the deployments file"):
+    with pytest.raises(ImageOpsError, match=r"Cannot read .*prefect\.yaml"):
         load_spec(broken)
     broken.write_text("name: x\n")
     with pytest.raises(ImageOpsError, match="no `deployments:` list"):

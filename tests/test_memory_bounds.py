@@ -1,12 +1,15 @@
-"""Memory is bounded by the work, not by the input: peak memory of convert and score (issue 18).
+"""Memory is bounded by the work, not by the input: peak memory of convert, score and the config
+files (issues 18 and 43).
 
 Every case of the hostile corpus marked ``memory`` (tests/hostile_inputs.py: a 3 GiB file, zip
-and tar bombs, 1xN PNG strips) runs as a user runs it, ``imageops ...`` in a subprocess, and so
-does the same command on a small normal input (the baseline). Peak memory is the largest
-resident set of the command and of every descendant it waited for (``RUSAGE_CHILDREN``, see
-:func:`peak_memory`), so convert's spawned checking workers, joined when its pool shuts down,
-count too: :func:`test_the_measurement_counts_spawned_workers` checks that. Each case must stay
-within ``MARGIN`` of its step's baseline.
+and tar bombs, 1xN PNG strips, a YAML alias bomb) runs as a user runs it, ``imageops ...`` in a
+subprocess, and so does the same command on a small normal input (the baseline). Peak memory is
+the largest resident set of the command and of every descendant it waited for
+(``RUSAGE_CHILDREN``, see :func:`peak_memory`), so convert's spawned checking workers, joined
+when its pool shuts down, count too: :func:`test_the_measurement_counts_spawned_workers` checks
+that. Each case must stay within its step's margin (``MEMORY_MARGIN_MB``) of its step's
+baseline. A tuning.yaml bomb is measured in this process (tracemalloc): ``imageops tune`` imports
+Optuna and Prefect, seconds a subprocess would spend before the file is read.
 """
 
 from __future__ import annotations
@@ -15,12 +18,23 @@ import os
 import signal
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from hostile_inputs import CASES, Case, Inputs, Run, _convert, _digits, _score
+from hostile_inputs import (
+    CASES,
+    MEMORY_MARGIN_MB,
+    Case,
+    Inputs,
+    Run,
+    _convert,
+    _digits,
+    _score,
+    alias_bomb,
+)
 from projects import use_project
 
 from tasks.inference.score import ERROR_COLUMN
@@ -29,8 +43,7 @@ from tasks.shared.settings import Settings
 pytest_plugins = ["model_fixtures"]
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="resource is POSIX only")
 
-MARGIN = 300_000_000  # bytes: 300 MB
-MiB = 1024**2
+MB, MiB = 1000**2, 1024**2
 MEMORY_CASES = [c for c in CASES if c.memory]
 # Every other convert case of the corpus too (half a second each), and the score case of odd
 # images: the bound holds for them. The other score cases (names, a pickle beside the model, a
@@ -100,23 +113,26 @@ def baselines(
     digits_split: tuple[Path, Path],
     exported_model: Path,
 ) -> dict[str, int]:
-    """Peak memory of convert and of score on a few good digits: what the command costs anyway."""
+    """Peak memory of convert and of score on a few good digits, and of run on a small
+    params.yaml with the bomb's mistake (an unknown key): what the command costs anyway."""
     peaks = {}
-    for step in ("convert", "score"):
+    for step in ("convert", "score", "run"):
         root = tmp_path_factory.mktemp(f"baseline-{step}")
         inputs = Inputs(root, digits_raw, *digits_split, exported_model)
         inputs.out.mkdir()
         if step == "convert":
             run = _convert(inputs, _digits(inputs, inputs.src))
-        else:
+        elif step == "score":
             run = _score(inputs, str(exported_model), _digits(inputs, inputs.src, per_class=2))
+        else:
+            run = next(c for c in CASES if c.id == "run-unknown-key").build(inputs)
         code, peaks[step], output = _imageops(run, root)
-        assert code == 0, output
+        assert code == (2 if step == "run" else 0), output
     return peaks
 
 
 def test_the_corpus_has_memory_cases_for_convert_and_score() -> None:
-    assert {c.step for c in MEMORY_CASES} == {"convert", "score"}
+    assert {c.step for c in MEMORY_CASES} == {"convert", "score", "run"}
     assert len(MEMORY_CASES) >= 6
 
 
@@ -165,7 +181,7 @@ def test_peak_memory_stays_near_a_small_input(
     baseline = baselines[case.step]
     measured = f"{case.id}: peak {peak / MiB:,.0f} MiB, baseline {baseline / MiB:,.0f} MiB"
     print(measured)  # shown with pytest -rP
-    assert peak <= baseline + MARGIN, measured
+    assert peak <= baseline + MEMORY_MARGIN_MB[case.step] * MB, measured
     if case.step == "score":  # each oversized image is an error row; every other one is scored
         table = pd.read_csv(run.dest, keep_default_na=False)
         errors = dict(zip(table["path"], table[ERROR_COLUMN], strict=True))
@@ -198,4 +214,27 @@ def test_every_other_convert_and_score_case_stays_near_a_small_input(
     assert code == (0 if case.expect.startswith("ok:") else 2), output
     measured = f"{case.id}: peak {peak / MiB:,.0f} MiB, baseline {baselines[case.step] / MiB:,.0f}"
     print(measured)  # shown with pytest -rP
-    assert peak <= baselines[case.step] + MARGIN, measured
+    assert peak <= baselines[case.step] + MEMORY_MARGIN_MB[case.step] * MB, measured
+
+
+def test_a_tuning_yaml_alias_bomb_costs_what_a_small_spec_does(tmp_path: Path) -> None:
+    """tuning.yaml read as ``imageops tune`` reads it: the alias bomb is refused, and reading it
+    allocates within 100 MB of reading a small spec with the same mistake (an unknown key)."""
+    from tasks.shared.errors import InvalidTuningSpecError
+    from tasks.tune.spec import TuningSpec
+
+    def peak_of(text: str) -> tuple[int, str]:
+        spec = tmp_path / "tuning.yaml"
+        spec.write_text(f"study_name: bomb\nmetric: val/top1\n{text}")
+        tracemalloc.start()
+        try:
+            with pytest.raises(InvalidTuningSpecError) as refused:
+                TuningSpec.from_yaml(spec)
+            return tracemalloc.get_traced_memory()[1], refused.value.message
+        finally:
+            tracemalloc.stop()
+
+    (small, unknown), (bomb, expands) = peak_of("bomb: [lol]\n"), peak_of(alias_bomb())
+    print(f"tuning.yaml: peak {bomb / MiB:,.1f} MiB, small spec {small / MiB:,.1f} MiB")
+    assert "bomb" in unknown and "more than 10,000 values" in expands, (unknown, expands)
+    assert bomb <= small + MEMORY_MARGIN_MB["tune"] * MB

@@ -33,7 +33,7 @@ from prefect_runs import prefect_api_at
 from server_processes import Processes, base_env, free_port, healthy
 
 from app import webhook
-from app.webhook import PATH, create_app
+from app.webhook import MAX_BODY_BYTES, PATH, create_app
 from tasks.data.imagedir import read_manifest
 from tasks.registry.promotion_events import (
     ALIAS_CREATED_EVENT,
@@ -53,9 +53,10 @@ SECRET = "test-secret-" + "x" * 20
 NAME = "imageops-classifier"
 
 
-def _signed(body: dict[str, Any], secret: str = SECRET, age_s: int = 0) -> tuple[bytes, dict]:
-    """A delivery as MLflow sends it: its JSON, headers and signature (MLflow's own function)."""
-    payload = json.dumps(body)
+def _signed(body: dict[str, Any] | str, secret: str = SECRET, age_s: int = 0) -> tuple[bytes, dict]:
+    """A delivery as MLflow sends it: its JSON (``body``, or as it is when a str), headers and
+    signature (MLflow's own function)."""
+    payload = body if isinstance(body, str) else json.dumps(body)
     delivery_id, timestamp = str(uuid.uuid4()), str(int(time.time()) - age_s)
     return payload.encode(), {
         "Content-Type": "application/json",
@@ -126,6 +127,18 @@ def test_unsigned_wrongly_signed_and_stale_deliveries_are_refused() -> None:
     assert client.post(PATH, content=garbage, headers=garbage_headers).status_code == 400
 
     assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_a_signed_body_nested_too_deep_is_refused_not_a_server_error() -> None:
+    """30,000 levels in 60 KB, under the 64 KiB cap: json.loads would recurse into a
+    RecursionError (a 500 and a traceback in the log); it is a 400 like any bad payload."""
+    depth = 30_000
+    nested = '{"entity": "model_version_alias", "action": "created", "data": '
+    body, headers = _signed(nested + "[" * depth + "]" * depth + "}")
+    assert len(body) <= MAX_BODY_BYTES
+    refused = TestClient(create_app(SECRET)).post(PATH, content=body, headers=headers)
+    assert refused.status_code == 400, refused.text
+    assert "not an MLflow webhook payload" in refused.json()["detail"]
 
 
 def test_the_receiver_needs_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:

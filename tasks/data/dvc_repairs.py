@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from models.atomic import write_bytes
+from models.bounded_parse import parse_yaml
 from models.errors import disk_full, full_disk_at
 from tasks.shared.step import step_logger
 
@@ -136,7 +137,7 @@ def _remove_staging_files(store: Path, since: float) -> None:
 def _put_back(pointer: Path, before: bytes | None) -> None:
     """The ``.dvc`` pointer as it was, when the failure left one that does not parse."""
     try:
-        yaml.safe_load(pointer.read_bytes())["outs"][0]["md5"]
+        parse_yaml(pointer.read_bytes())["outs"][0]["md5"]
         return  # whole: the add went through, only the push did not (DVC's own behaviour)
     except FileNotFoundError:
         return

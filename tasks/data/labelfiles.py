@@ -16,12 +16,12 @@ import os
 import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, PlainValidator, ValidationError
 
+from models.bounded_parse import MAX_DEPTH, json_depth
 from tasks.data.imagedir import SkippedFile, SkipReason, is_utf8, printable_name
 from tasks.shared.errors import InvalidLabelFileError
 
@@ -30,12 +30,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # A label file is read whole: refuse one larger than this before reading it. 1M COCO entries
 # with annotations take about 120 MB.
 MAX_LABEL_FILE_BYTES = 1024**3
-# COCO classification needs 3 levels (object > list > object), segmentation polygons 5; a file
-# nested deeper is not a label file, and the JSON decoder would recurse once per level.
-MAX_JSON_DEPTH = 64
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _CSV_HINT = (
     "The first line must be the header `path,label`; each further line a path relative to the "
     "CSV's folder and a label (empty for none). Quote a field that holds a comma."
@@ -178,23 +172,13 @@ def _csv_columns(path: Path, header: list[str], line: int) -> tuple[int, int]:
 # --- COCO ---------------------------------------------------------------------------------------
 
 
-def _json_depth(text: str) -> int:
-    """How deep the arrays and objects of the JSON ``text`` nest, without parsing it.
-
-    Strings are dropped first (a bracket inside one does not count); then a running sum over
-    the brackets. Linear, no recursion, about as fast as ``json.loads`` itself.
-    """
-    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode()
-    return max(accumulate(_BRACKET_STEP[c] for c in brackets), default=0)
-
-
 def coco_rows(path: Path, text: str) -> tuple[list[Row], list[str]]:
     """The rows of a COCO classification JSON, and its categories' names."""
-    depth = _json_depth(text)
-    if depth > MAX_JSON_DEPTH:
+    depth = json_depth(text)
+    if depth > MAX_DEPTH:
         raise InvalidLabelFileError(
             f"{path}: arrays and objects nested {depth:,} deep; a COCO file needs 3 levels and "
-            f"imageops reads up to {MAX_JSON_DEPTH}.",
+            f"imageops reads up to {MAX_DEPTH}.",
             _COCO_HINT,
         )
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from models.atomic import atomic_directory, check_destination, write_json
+from models.bounded_parse import parse_json, shown
 from models.transform_spec import MODES, RECIPE_FIELDS, AppliedTransform, Mode, TransformSpec
 from tasks.data.datasets import holding_folders
 from tasks.data.imagedir import (
@@ -87,8 +87,8 @@ def read_transformation(path: Path) -> TransformSpec:
             f"{path} is not a transformation directory: {TRANSFORM_JSON} is missing.", _HINT
         )
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = parse_json(file.read_bytes())
+    except (OSError, ValueError) as exc:  # not UTF-8, not JSON, nested too deep
         raise InvalidTransformationDirectoryError(
             f"{file} is not readable JSON: {exc}.", _HINT
         ) from exc
@@ -99,7 +99,8 @@ def read_transformation(path: Path) -> TransformSpec:
     version = data.get("format_version")
     if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
         raise InvalidTransformationDirectoryError(
-            f"{file} has format version {version!r}; this imageops reads up to {FORMAT_VERSION}.",
+            f"{file} has format version {shown(version)}; this imageops reads up to "
+            f"{FORMAT_VERSION}.",
             "Write it again with `imageops transform init` of this imageops, or upgrade imageops.",
         )
     try:

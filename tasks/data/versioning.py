@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from models.atomic import atomic_directory, write_text
+from models.bounded_parse import parse_yaml
 from tasks.data.datasets import holding_folders
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.data.dvc_repairs import git_root, init_cut_short, nothing_half_done, repair_rwlock
@@ -252,7 +253,7 @@ def _inside_project(path: Path, settings: Settings) -> Path:
 
 def _tracked_md5(dvc_file: Path) -> str:
     try:
-        md5 = yaml.safe_load(dvc_file.read_text())["outs"][0]["md5"]
+        md5 = parse_yaml(dvc_file.read_bytes())["outs"][0]["md5"]
     except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError) as exc:
         raise VersioningError(
             f"{dvc_file} has no md5 for its output ({type(exc).__name__}: {exc}).",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from models.atomic import atomic_directory, write_json
+from models.bounded_parse import parse_json, shown
 from models.directory import ONNX
 from models.locks import holding, sharing
 from models.untrained import MODEL_JSON
@@ -243,11 +244,17 @@ def _check_classes(folder: Path, mlmodel: Model, cached: CachedModel) -> None:
     classes = (mlmodel.metadata or {}).get("classes")
     if classes is None:
         return
-    logged = json.loads((folder / MODEL_JSON).read_text()).get("classes")
+    where = f"{cached.uri} (version {cached.version}): model.json in run {cached.run_id}"
+    try:
+        logged = parse_json((folder / MODEL_JSON).read_bytes()).get("classes")
+    except (OSError, ValueError, AttributeError) as exc:  # unreadable, not JSON, not an object
+        raise RegistryError(
+            f"{where} is not a model.json imageops wrote ({shown(exc)}).",
+            "Register the model again from the folder `imageops train` wrote.",
+        ) from exc
     if logged != classes:
         raise RegistryError(
-            f"{cached.uri} (version {cached.version}): model.json in run {cached.run_id} lists "
-            f"classes {logged}, the registered ONNX model {classes}.",
+            f"{where} lists classes {shown(logged)}, the registered ONNX model {shown(classes)}.",
             "A later registration into the same run replaced model.json: register the model "
             "again so the version and its model.json agree.",
         )

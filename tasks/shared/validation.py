@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 import annotated_types
 from pydantic import BaseModel, ValidationError
 
+from models.bounded_parse import shown
 from tasks.shared.errors import InvalidParameterError
 
 M = TypeVar("M", bound=BaseModel)
@@ -53,12 +54,12 @@ def _describe_one(cls: type[BaseModel], err: Any) -> str:
     value = err.get("input")
     field = cls.model_fields.get(name)
     if field is None:  # extra="forbid"
-        return f"unknown parameter {name!r} (= {value!r})"
+        return f"unknown parameter {shown(name)} (= {shown(value)})"
     default = field.get_default(call_default_factory=True)
     if len(err["loc"]) > 1 or err["type"] == "model_type":  # an item of a list, a nested model
         where = "".join(f"[{part}]" for part in err["loc"][1:])
-        return f"{name}{where} = {value!r}: {err['msg'].lower()}"  # the list's default: noise
-    return f"{name} = {value!r}, expected {expected(field)} (default {default!r})"
+        return f"{name}{where} = {shown(value)}: {err['msg'].lower()}"  # the list's default: noise
+    return f"{name} = {shown(value)}, expected {expected(field)} (default {default!r})"
 
 
 def expected(field: Any) -> str:

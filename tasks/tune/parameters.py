@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from models.bounded_parse import shown
 from tasks.shared.errors import InvalidTuningSpecError
 from tasks.tune.tunable import TUNABLE
 
@@ -64,7 +65,7 @@ class _Parameter(BaseModel):
         """A range has min and max and no values; a list has values and no min or max."""
         if not isinstance(data, Mapping):
             return data
-        where, kind = f"Parameter {data.get('name')!r}", data.get("type")
+        where, kind = f"Parameter {shown(data.get('name'))}", data.get("type")
         has_range = data.get("min") is not None and data.get("max") is not None
         if cls.RANGED and (not has_range or data.get("values") is not None):
             raise refused(
@@ -94,8 +95,8 @@ class _Parameter(BaseModel):
     def _check_scale(self, numbers: list[float]) -> None:
         if self.scale != "linear" and min(numbers) <= 0:
             raise refused(
-                f"Parameter {self.name!r} has a {self.scale} scale, which needs values > 0; its "
-                f"minimum is {min(numbers):g}.",
+                f"Parameter {shown(self.name)} has a {self.scale} scale, which needs values > 0; "
+                f"its minimum is {min(numbers):g}.",
                 "Raise min above 0, or use scale linear.",
             )
 
@@ -110,7 +111,7 @@ class _Range(_Parameter):
 
     @model_validator(mode="after")
     def _ordered(self) -> _Range:
-        where = f"Parameter {self.name!r}"
+        where = f"Parameter {shown(self.name)}"
         if self.type == "integer" and not (self.min.is_integer() and self.max.is_integer()):
             raise refused(
                 f"{where} is an integer range: min = {self.min:g} and max = {self.max:g} must "
@@ -139,7 +140,7 @@ class DoubleParameter(_Range):
 
     def grid_values(self) -> list[Value]:
         raise InvalidTuningSpecError(
-            f"Parameter {self.name!r} is a double: it has no grid.",
+            f"Parameter {shown(self.name)} is a double: it has no grid.",
             "Use algorithm bayesian or random, or make it discrete (a list of values).",
         )
 
@@ -166,7 +167,7 @@ class _Listed(_Parameter):
     def _distinct(self) -> _Listed:
         if len({(type(v), v) for v in self.values}) != len(self.values):
             raise refused(
-                f"Parameter {self.name!r} lists a value twice: {self.values}.",
+                f"Parameter {shown(self.name)} lists a value twice: {shown(self.values)}.",
                 "List each value once.",
             )
         return self
@@ -184,7 +185,7 @@ class CategoricalParameter(_Listed):
     def _no_scale(cls, data: Any) -> Any:
         if isinstance(data, Mapping) and data.get("scale", "linear") != "linear":
             raise refused(
-                f"Parameter {data.get('name')!r} is categorical: its values have no scale.",
+                f"Parameter {shown(data.get('name'))} is categorical: its values have no scale.",
                 "Leave scale out, or make it discrete (increasing numbers) to give one.",
             )
         return {k: v for k, v in data.items() if k != "scale"} if isinstance(data, dict) else data
@@ -203,8 +204,8 @@ class DiscreteParameter(_Listed):
         numbers = [float(v) for v in self.values]
         if any(b <= a for a, b in itertools.pairwise(numbers)):
             raise refused(
-                f"Parameter {self.name!r} is discrete: its values must increase; got "
-                f"{self.values}.",
+                f"Parameter {shown(self.name)} is discrete: its values must increase; got "
+                f"{shown(self.values)}.",
                 "Sort the values and drop duplicates.",
             )
         self._check_scale(numbers)
@@ -228,7 +229,7 @@ def default_parameters() -> list[ParameterSpec]:
 
 def check_parent(param: ParameterSpec, seen: Mapping[str, ParameterSpec]) -> None:
     """A child's parent is declared before it, has values, and takes its parent_values."""
-    where = f"Parameter {param.name!r}"
+    where = f"Parameter {shown(param.name)}"
     if param.parent is None:
         if param.parent_values is not None:
             raise InvalidTuningSpecError(
@@ -243,13 +244,13 @@ def check_parent(param: ParameterSpec, seen: Mapping[str, ParameterSpec]) -> Non
     parent = seen.get(param.parent)
     if parent is None:
         raise InvalidTuningSpecError(
-            f"{where} names the parent {param.parent!r}, which is not a parameter declared "
+            f"{where} names the parent {shown(param.parent)}, which is not a parameter declared "
             "before it.",
             "Declare the parent in parameters, above its children.",
         )
     if parent.type == "double":
         raise InvalidTuningSpecError(
-            f"{where} names the double parameter {param.parent!r} as its parent: a double has "
+            f"{where} names the double parameter {shown(param.parent)} as its parent: a double has "
             "no values to switch a child on.",
             f"Make {param.parent} integer, categorical or discrete.",
         )
@@ -264,6 +265,6 @@ def check_parent(param: ParameterSpec, seen: Mapping[str, ParameterSpec]) -> Non
     wrong = [v for v in param.parent_values if v not in allowed]
     if wrong:
         raise InvalidTuningSpecError(
-            f"{where}: parent_values {wrong} are not values of {param.parent!r}.",
+            f"{where}: parent_values {shown(wrong)} are not values of {shown(param.parent)}.",
             f"{param.parent} takes: {allowed[:20]}{' ...' if len(allowed) > 20 else ''}.",
         )

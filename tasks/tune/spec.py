@@ -16,10 +16,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import to_jsonable_python
 
+from models.bounded_parse import BoundedLoader, read_yaml
 from models.untrained import ModelChoice
 from tasks.shared.errors import InvalidTuningSpecError
 from tasks.shared.validation import describe
@@ -147,14 +147,11 @@ class TuningSpec(BaseModel):
     @classmethod
     def from_yaml(cls, path: Path) -> TuningSpec:
         """Read a tuning.yaml-shaped file (1e-4 reads as a number); checked in full."""
-        try:
-            data = yaml.load(Path(path).read_text(), Loader=_Loader) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise InvalidTuningSpecError(
-                f"Cannot read {path}: {exc}.",
-                "Check the path, and that the file is plain YAML in the shape of tuning.yaml "
-                "(no !!python tags).",
-            ) from exc
+        hint = (
+            "Check the path, and that the file is plain YAML in the shape of tuning.yaml "
+            "(no !!python tags)."
+        )
+        data = read_yaml(path, InvalidTuningSpecError, hint, _Loader) or {}
         if not isinstance(data, dict):
             raise InvalidTuningSpecError(
                 f"{path} is not a mapping of spec fields.",
@@ -270,7 +267,7 @@ def identity_digest(identity: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(BoundedLoader):
     """YAML 1.2 floats: PyYAML alone reads ``1e-4`` (no dot) as a string."""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from models.bounded_parse import shown
 from tasks.shared.errors import InvalidTuningSpecError
 from tasks.train.loop import EPOCH_METRICS
 from tasks.tune.parameters import ParameterSpec, check_parent
@@ -28,13 +29,13 @@ def check_spec(spec: TuningSpec) -> None:
     """Refuse what cannot make a study. Raises InvalidTuningSpecError saying why."""
     if spec.study_name is not None and not STUDY_NAME.match(spec.study_name):
         raise InvalidTuningSpecError(
-            f"study_name = {spec.study_name!r} is not a usable study name.",
+            f"study_name = {shown(spec.study_name)} is not a usable study name.",
             "Use letters, digits, '_', '.' and '-' (up to 128, starting with a letter or "
             "digit): it names the study's journal file and folder.",
         )
     if spec.metric not in METRICS:
         raise InvalidTuningSpecError(
-            f"metric = {spec.metric!r} is not a metric the training run reports.",
+            f"metric = {shown(spec.metric)} is not a metric the training run reports.",
             f"Use one of: {', '.join(METRICS)}.",
         )
     check_model_name(spec.model, "model")
@@ -48,7 +49,7 @@ def check_spec(spec: TuningSpec) -> None:
     for param in spec.parameters:
         if param.name in seen:
             raise InvalidTuningSpecError(
-                f"Parameter {param.name!r} is tuned twice.",
+                f"Parameter {shown(param.name)} is tuned twice.",
                 "Name each training parameter once; use a categorical or discrete parent "
                 "for values that depend on another parameter.",
             )
@@ -69,7 +70,7 @@ def _check_model_options(spec: TuningSpec) -> None:
         if getattr(spec, option) and (param is None or param.parent is not None):
             check_family(option, spec.architectures(None), family, f"{option} = true", tuned=False)
         if param is not None and True in (param.values or []):
-            where = f"Parameter {option!r} (true among its values)"
+            where = f"Parameter {shown(option)} (true among its values)"
             check_family(option, spec.architectures(param), family, where, tuned=True)
 
 
@@ -78,7 +79,7 @@ def _check_grid(spec: TuningSpec) -> None:
     doubles = [p.name for p in spec.parameters if p.type == "double"]
     if doubles:
         raise InvalidTuningSpecError(
-            f"A grid search cannot enumerate the double parameter {doubles[0]!r}: it has "
+            f"A grid search cannot enumerate the double parameter {shown(doubles[0])}: it has "
             "infinitely many values.",
             f"Make {doubles[0]} discrete (type: discrete, values: [...]), or use "
             "algorithm random or bayesian.",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic.fields import FieldInfo
 
+from models.bounded_parse import shown
 from models.untrained import FAMILIES, Family, ModelChoice
 from tasks.shared.errors import InvalidParameterError, InvalidTuningSpecError
 from tasks.shared.validation import expected
@@ -61,7 +62,7 @@ def train_with(train: TrainParams, values: Mapping[str, Value]) -> TrainParams:
 def check_model_name(name: object, where: str) -> None:
     if not isinstance(name, str) or not any(f.has(name) for f in FAMILIES.values()):
         raise InvalidTuningSpecError(
-            f"{where}: {name!r} is not an architecture of the zoo.",
+            f"{where}: {shown(name)} is not an architecture of the zoo.",
             "Choose torchvision networks by name (`imageops model list`) or timm/<name>.",
         )
 
@@ -96,7 +97,7 @@ def check_parameter(param: ParameterSpec) -> None:
     Its shape (bounds or values, scale, order) is the parameter type's own check.
     """
     name, kind = param.name, param.type
-    where = f"Parameter {name!r}"
+    where = f"Parameter {shown(name)}"
     if name in FIXED:
         raise InvalidTuningSpecError(
             f"{where} cannot vary between trials: {FIXED[name]}.",
@@ -127,7 +128,7 @@ def check_parameter(param: ParameterSpec) -> None:
         words = [v for v in param.values or [] if isinstance(v, str | bool)]
         if words:
             raise InvalidTuningSpecError(
-                f"{where} takes numbers; got {words}.",
+                f"{where} takes numbers; got {shown(words)}.",
                 "Write numbers without quotes (1e-4 and 0.0001 both read as numbers).",
             )
         candidates = [("value", v) for v in param.values or []]
@@ -139,7 +140,7 @@ def check_parameter(param: ParameterSpec) -> None:
 
 def _check_choices(param: ParameterSpec, field_kind: str) -> None:
     """A bool, Literal or other non-numeric parameter: categorical, each value one it takes."""
-    name, where = param.name, f"Parameter {param.name!r}"
+    name, where = param.name, f"Parameter {shown(param.name)}"
     if param.type != "categorical":
         raise InvalidTuningSpecError(
             f"{where} takes {_allowed(name)}: it must be categorical.",
@@ -150,7 +151,7 @@ def _check_choices(param: ParameterSpec, field_kind: str) -> None:
             check_model_name(value, where)
         elif field_kind == "bool" and not isinstance(value, bool):
             raise InvalidTuningSpecError(
-                f"{where} is true or false; got {value!r}.",
+                f"{where} is true or false; got {shown(value)}.",
                 "values: [true, false], without quotes.",
             )
         elif name in TrainParams.model_fields:
@@ -163,7 +164,7 @@ def _check_in_range(name: str, label: str, value: Value) -> None:
         TrainParams.checked(**{name: value})
     except InvalidParameterError as exc:
         raise InvalidTuningSpecError(
-            f"Parameter {name!r}: {label} = {value!r} is out of range; {name} takes "
+            f"Parameter {shown(name)}: {label} = {shown(value)} is out of range; {name} takes "
             f"{_allowed(name)}.",
             exc.hint,
         ) from exc
