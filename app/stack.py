@@ -3,7 +3,7 @@
 Four processes, each in its own process group with its log under ``<home>/stack/logs``: Prefect
 server, MLflow server (the project's own store, webhooks on), the promotion receiver, and a worker
 on the ``local`` pool, whose deployments are registered in between. Servers bind to 127.0.0.1; the
-webhook secrets are kept under ``<home>/stack`` for restarts.
+webhook secrets are kept under ``<home>/stack`` for restarts; ``<home>`` is owner-only (0700).
 Details: docs/stack.md#the-stack-imageops-serve.
 """
 
@@ -28,6 +28,7 @@ from tasks.shared import servers
 from tasks.shared.database_templates import seed
 from tasks.shared.errors import ImageOpsError
 from tasks.shared.log_tail import tail
+from tasks.shared.private_folders import private_folder
 from tasks.shared.settings import Settings
 
 POOL = "local"
@@ -91,11 +92,14 @@ class Services:
         env: dict[str, str],
         *,
         user: str | None = None,
+        private: bool = False,
         stopper: Callable[[subprocess.Popen], None] | None = None,
     ) -> _Service:
         service = _Service(name, args, env, log=self.dir / "logs" / f"{name}.log")
         # In a group of its own: Ctrl-C reaches us, and we stop them in order.
-        service.process = servers.start(args, service.log, env, cwd=self.cwd, user=user)
+        service.process = servers.start(
+            args, service.log, env, cwd=self.cwd, user=user, private=private
+        )
         if stopper is not None:
             service.stopper = lambda: stopper(service.process)
         self.services.append(service)
@@ -217,7 +221,9 @@ class Stack(Services):
                 "Stop the other server (another `imageops serve`?) or choose other ports "
                 "(--prefect-port, --mlflow-port, --receiver-port).",
             )
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only before any server starts: nothing they keep below is open to other users.
+        private_folder(self.settings.home_dir)
+        private_folder(self.dir)
         secret = (
             self.settings.webhook_secret.get_secret_value()
             if self.settings.webhook_secret
@@ -272,6 +278,7 @@ class Stack(Services):
             | base
             | quiet
             | {"PREFECT_HOME": str(self.dir / "prefect")},
+            private=True,
         )
         key = kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
         self._launch(
@@ -287,6 +294,7 @@ class Stack(Services):
                 "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": key,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             },
+            private=True,
         )  # fmt: skip
         self._launch(
             "receiver",

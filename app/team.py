@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import pwd
 import secrets
 import shlex
 import signal
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.stack import Ports, Stack, _Service, _tool, kept_secret, stop_leader_first
-from app.team_postgres import TeamPostgres, _write_private
+from app.team_postgres import TeamPostgres, _write_private, postgres_user
 from app.work_pools import POOLS
 from tasks.shared import servers
 from tasks.shared.errors import (
@@ -34,12 +35,14 @@ from tasks.shared.errors import (
     TeamUnreachableError,
 )
 from tasks.shared.log_tail import tail
+from tasks.shared.private_folders import private_folder, private_tree
 from tasks.shared.settings import Settings
 
 if TYPE_CHECKING:
     from tasks.shared.object_store import S3Server
 
 TEAM_DIR = "team"  # <home>/team on the server machine
+POSTGRES_DIR = "postgres"  # <home>/team/postgres: PostgreSQL's data folder
 JOIN_DIR = "team-join"  # <home>/team-join on a GPU machine
 JOIN_FILE = "team.env"
 BUCKET = "imageops"
@@ -50,6 +53,7 @@ RAY_STOP_TIMEOUT_S = 40.0  # `ray start --block` drains its node for up to 30 s 
 POSTGRES_STOP_TIMEOUT_S = 20.0
 CHECK_TIMEOUT_S = 10.0
 RAY_TEMP_DIR_MAX = 40  # + Ray's session and socket names stays within a unix socket's 107 bytes
+RAY_TEMP_NAME = "temp"  # Ray's --temp-dir, in an owner-only folder (Ray makes it 0777)
 _QUIET = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -91,23 +95,23 @@ class TeamPorts:
 
 
 def ray_temp_dir(folder: Path) -> Path:
-    """Where a Ray node keeps its session: ``folder``, or a short folder it links to.
+    """Where a Ray node keeps its sessions: ``temp`` in ``folder`` or in the folder it links to.
 
-    Ray puts unix sockets under it (``session_<time>_<pid>/sockets/plasma_store``), whose paths
-    may not exceed 107 bytes: a deep project folder gets one under the system's temp folder,
-    named after ``folder``, and ``folder`` becomes a link to it.
+    Ray makes that folder and its sessions 0777 (sockets, logs, runtime resources): the folder
+    it is in is owner-only (0700), so no other user reaches them. Ray puts unix sockets under it
+    (``session_<time>_<pid>/sockets/plasma_store``), whose paths may not exceed 107 bytes: a
+    deep project folder gets a short one under the system's temp folder, named after ``folder``
+    (refused when another user made it first), and ``folder`` becomes a link to it.
     """
-    if len(str(folder)) <= RAY_TEMP_DIR_MAX:
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
+    if len(str(folder / RAY_TEMP_NAME)) <= RAY_TEMP_DIR_MAX:
+        return private_folder(folder) / RAY_TEMP_NAME
     digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
-    short = Path(tempfile.gettempdir()) / f"imageops-ray-{digest}"
-    short.mkdir(mode=0o700, exist_ok=True)
+    short = private_folder(Path(tempfile.gettempdir()) / f"imageops-ray-{digest}")
     if folder.is_symlink() or not folder.exists():
         folder.unlink(missing_ok=True)
         folder.parent.mkdir(parents=True, exist_ok=True)
         folder.symlink_to(short, target_is_directory=True)
-    return short
+    return short / RAY_TEMP_NAME
 
 
 def _url_host(host: str) -> str:
@@ -229,7 +233,7 @@ class TeamServer(Stack):
                 "Stop the other server (another `imageops team server`?) or choose other ports "
                 "(--postgres-port, --s3-port, --mlflow-port, --prefect-port, --ray-port).",
             )
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._private_state()
         deadline = time.monotonic() + timeout_s
         try:
             postgres = self._start_postgres()
@@ -255,6 +259,18 @@ class TeamServer(Stack):
             self.stop()
             raise
 
+    def _private_state(self) -> None:
+        """The project's and the team's folders owner-only before any server starts, and the
+        servers' own folders in them; as root, PostgreSQL's account (it refuses root) may pass
+        through both to its data folder, and reaches nothing else."""
+        user = postgres_user()
+        group = pwd.getpwnam(user).pw_gid if user is not None else None
+        home = self.settings.home_dir
+        private_tree(home, passage=self.dir / POSTGRES_DIR, group=group)
+        private_folder(self.dir, group=group)
+        for name in ("logs", "s3", "prefect"):
+            private_folder(self.dir / name)
+
     def _server_environment(self) -> dict[str, str]:
         """This environment without client settings that would point a server elsewhere."""
         clients = ("PREFECT_API_", "MLFLOW_TRACKING_", "MLFLOW_REGISTRY_", "RAY_ADDRESS")
@@ -263,7 +279,7 @@ class TeamServer(Stack):
     def _start_postgres(self) -> TeamPostgres:
         """Start PostgreSQL (made on the first start); set up once it answers."""
         self.postgres = TeamPostgres(
-            self.dir / "postgres", host=self.host, port=self.team_ports.postgres,
+            self.dir / POSTGRES_DIR, host=self.host, port=self.team_ports.postgres,
             superuser_password=self.secret("postgres-password"),
             role_password=self.secret("postgres-imageops-password"),
             log=self.dir / "logs" / "postgres.log",
@@ -318,6 +334,7 @@ class TeamServer(Stack):
                 "MLFLOW_FLASK_SERVER_SECRET_KEY": self.secret("mlflow-flask-secret-key"),
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             },
+            private=True,
         )  # fmt: skip
 
     def _start_prefect(self) -> None:
@@ -337,6 +354,7 @@ class TeamServer(Stack):
                 ),
                 "PREFECT_SERVER_API_AUTH_STRING": self.prefect_auth_string(),
             },
+            private=True,
         )  # fmt: skip
 
     def _start_ray(self) -> None:
@@ -350,6 +368,7 @@ class TeamServer(Stack):
                 "RAY_AUTH_MODE": "token",
                 "RAY_AUTH_TOKEN": self.secret("ray-auth-token", lambda: secrets.token_hex(32)),
             },
+            private=True,
             stopper=lambda p: stop_leader_first(p, signal.SIGTERM, RAY_STOP_TIMEOUT_S),
         )  # fmt: skip
 

@@ -37,6 +37,7 @@ from tasks.shared.errors import (
     TeamUnreachableError,
 )
 from tasks.shared.log_tail import tail
+from tasks.shared.private_folders import private_folder
 from tasks.shared.settings import Settings
 
 
@@ -209,6 +210,9 @@ class TeamMember(Services):
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Check every server, then start the Ray node and the Prefect worker."""
         check_servers(self.values, self.pool)
+        # Owner-only before Ray starts: it makes its sessions 0777 (app.team.ray_temp_dir).
+        private_folder(self.settings.home_dir)
+        private_folder(self.dir)
         env = self.environment()
         try:
             args = [_tool("ray"), "start", "--address", self.ray_address,

@@ -31,6 +31,7 @@ from uuid import UUID
 import httpx
 import psutil
 import pytest
+from file_modes import open_to_others
 from prefect_runs import prefect_api_at
 from server_processes import LONG_WAIT, PROMPT_WORKER
 
@@ -635,6 +636,15 @@ def test_a_partial_pipeline_config_keeps_the_demo_values(served: Served) -> None
         "name": "resnet18", "pretrained": False,
         "memory_efficient": False, "zero_init_residual": False,
     }  # fmt: skip
+
+
+def test_the_stacks_state_is_open_to_no_other_user(served: Served) -> None:
+    """Databases, artifacts, the DVC remote, logs and secrets, after the other tests used the
+    stack: nothing another local user may read or write (issue 43, finding 5)."""
+    home = served.root / ".imageops"
+    assert {"mlflow.db", "stack"} <= {p.name for p in home.iterdir()}
+    assert (home / "stack" / "prefect" / "prefect.db").is_file()
+    assert open_to_others(home) == []
 
 
 def test_ctrl_c_or_sigterm_stops_every_process_within_10_s_and_a_restart_works_until_a_service_dies(

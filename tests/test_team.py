@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -32,6 +33,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from file_modes import open_to_others
 from server_processes import LONG_WAIT, PROMPT_WORKER, base_env
 
 from app.stack import kept_secret
@@ -376,6 +378,25 @@ def test_secrets_are_owner_only_and_kept_for_the_next_start(team: Team) -> None:
     again = TeamServer(settings, host=team.network.server_ip, say=lambda _: None)
     assert again.join_variables() == read_join_file(home / "team.env")
     assert team.values == read_join_file(home / "team.env")
+
+
+@pytest.mark.slow
+def test_the_teams_state_is_open_to_no_other_user(team: Team) -> None:
+    """PostgreSQL's data, the S3 volumes, both Ray nodes' sessions (0777 sockets: Ray's own
+    mode), logs and secrets: nothing another local user may read or write (issue 43, finding 5).
+    As root, PostgreSQL's account passes through the two folders above its data, and only it."""
+    server, gpu = team.server_dir / ".imageops", team.gpu_dir / ".imageops"
+    assert open_to_others(server) == []
+    assert open_to_others(gpu) == []
+    assert list((server / "team" / "s3").glob("*.dat"))
+    sessions = [*server.glob("team/ray/temp/session_*"), *gpu.glob("team-join/ray/temp/session_*")]
+    assert len(sessions) >= 2 and all(s.stat().st_mode & 0o777 == 0o777 for s in sessions)
+    if os.geteuid() == 0:
+        postgres = pwd.getpwnam("postgres")
+        for folder in (server, server / "team"):
+            assert folder.stat().st_mode & 0o777 == 0o710, folder
+            assert folder.stat().st_gid == postgres.pw_gid, folder
+        assert (server / "team" / "postgres").stat().st_uid == postgres.pw_uid
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ data through the remote only. Details: docs/internals.md#data-versioning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import socket
@@ -106,6 +107,10 @@ def _configure_remote(repo: Repo, settings: Settings) -> None:
     Analytics are switched off in the same place, in addition to ``DVC_NO_ANALYTICS``.
     """
     url = _remote_url(settings)
+    folder = _remote_folder(settings)
+    if folder is not None and not folder.exists():  # DVC would make it readable by all
+        with contextlib.suppress(OSError):  # unreachable: the push says so, with its hint
+            folder.mkdir(mode=0o700, parents=True)
     # An s3:// remote on another server than AWS (SeaweedFS, MinIO) needs its endpoint; the
     # keys stay in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, which DVC's S3 client reads.
     endpoint = settings.s3_endpoint_url if url.startswith("s3://") else None

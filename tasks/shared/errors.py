@@ -36,6 +36,7 @@ __all__ = [
     "RegistryError",
     "RendezvousTimeoutError",
     "ScoringFailedError",
+    "StateFolderError",
     "TeamAuthError",
     "TeamJoinFileError",
     "TeamStackError",
@@ -191,6 +192,11 @@ class InvalidTuningSpecError(InvalidParameterError):
 class TuningFailedError(ImageOpsError):
     """A tuning study stopped: more trials failed than ``max_failed_trial_count`` allows, or no
     trial completed. The message gives the count and the last trial's error."""
+
+
+class StateFolderError(ImageOpsError):
+    """A folder that is to hold a stack's state (databases, volumes, Ray sessions) is another
+    user's, or not a folder: the servers would keep their state where others can reach it."""
 
 
 class TeamStackError(ImageOpsError):

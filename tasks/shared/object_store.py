@@ -27,6 +27,7 @@ from models.atomic import write_bytes
 from tasks.shared import servers
 from tasks.shared.errors import ObjectStoreError
 from tasks.shared.log_tail import tail
+from tasks.shared.private_folders import private_folder
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -249,15 +250,15 @@ def start_seaweedfs(
 ) -> S3Server:
     """Start SeaweedFS with S3 on ``host:port`` (a free port if None) and wait until it answers.
 
-    Data (volumes, the filer's metadata, the identities file, mode 0600) live in ``data_dir``, so
+    Data (volumes, the filer's metadata, the identities file) live in ``data_dir`` (mode 0700), so
     a restart on the same folder serves the same buckets (it returns once every stored volume is
     served again, not only the listing). The process dies with ours (start it
     from a thread that outlives it). Its output goes to ``log`` (``data_dir/seaweedfs.log``).
     Raises :class:`ObjectStoreError` with the log's last lines when it exits or does not answer
     within ``start_timeout_s``.
     """
-    data_dir = Path(data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    # Owner-only (SeaweedFS writes its volumes 0644): the data are readable only through S3.
+    data_dir = private_folder(Path(data_dir).resolve())
     log = Path(log) if log is not None else data_dir / LOG_FILE
     identities = write_bytes(
         data_dir / IDENTITIES_FILE, _identities(access_key, secret_key), mode=0o600
@@ -271,7 +272,7 @@ def start_seaweedfs(
     stored = len(list(data_dir.glob("*.dat")))
     master = f"http://{INTERNAL_HOST}:{ports[0]}"
     started = time.monotonic()
-    process = servers.start(command, log, dict(os.environ), cwd=data_dir)
+    process = servers.start(command, log, dict(os.environ), cwd=data_dir, private=True)
     url_host = f"[{host}]" if ":" in host else host
     server = S3Server(
         endpoint_url=f"http://{url_host}:{s3_port}",

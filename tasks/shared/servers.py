@@ -69,9 +69,12 @@ def start(
     cwd: Path | None = None,
     *,
     user: str | None = None,
+    private: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``args`` in its own process group, its output appended to ``log``.
 
+    ``private``: what it creates is its owner's alone (umask 077), for servers that keep state
+    (databases, artifacts, volumes), whatever mode they ask for.
     ``user``: run it as that account (from root), for servers that refuse root (PostgreSQL).
     util-linux's ``setpriv`` switches to it and asks for the parent-death signal after the
     switch (a switch clears it); this Python and its wrapper may be private to root.
@@ -94,6 +97,7 @@ def start(
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            umask=0o077 if private else -1,
         )
 
 

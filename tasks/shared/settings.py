@@ -181,7 +181,9 @@ class Settings(BaseSettings):
 
     def apply(self) -> Settings:
         """Export :meth:`environment` into this process (before Prefect or MLflow is imported)."""
-        self.home_dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only when new: databases, the DVC remote and artifacts are no one else's business
+        # (`imageops serve` and `team` also tighten an older one, before their servers start).
+        self.home_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Settings are the one place that says where things live: they override any stray
         # MLFLOW_* or PREFECT_HOME left in the shell, so two runs never write to different stores.
         os.environ.update(self.environment())

@@ -33,7 +33,7 @@ def configure_mlflow(settings: Settings) -> str:
     run. With an ``mlflow server`` the server decides (its artifact store, proxied), so every
     machine that logs reaches the same artifacts.
     """
-    settings.home_dir.mkdir(parents=True, exist_ok=True)
+    settings.home_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # as Settings.apply
     mlflow.set_tracking_uri(settings.tracking_uri)
     mlflow.set_registry_uri(settings.registry_uri)
     with _store_creation(settings.tracking_uri):
