@@ -182,3 +182,21 @@ def test_a_version_logged_with_the_onnx_flavor_still_resolves(
     assert cached.run_id == run.info.run_id
     assert (cached.path / ONNX).read_bytes() == (exported_model / ONNX).read_bytes()
     assert (cached.path / "model.json").read_bytes() == (exported_model / "model.json").read_bytes()
+
+
+def test_a_champion_moved_by_hand_without_a_webhook_is_recorded_when_next_resolved(
+    project: Settings, exported_model: Path
+) -> None:
+    """Embedded mode has no MLflow server, so no webhook tells imageops of a move by hand."""
+    register(exported_model, settings=project, alias="champion")
+    register(exported_model, settings=project)
+    configure_mlflow(project)
+    client = MlflowClient()
+    client.set_registered_model_alias(NAME, "champion", "2")  # as `mlflow ui` on SQLite would
+
+    assert fetch_registered_model(f"models:/{NAME}@champion", project).version == 2
+
+    tags = {v: client.get_model_version(NAME, str(v)).tags["champion"] for v in (1, 2)}
+    assert tags[2].startswith("yes, since ")
+    assert tags[2].endswith("(by hand in the MLflow registry; the time imageops first saw it)")
+    assert tags[1].startswith("no: was @champion from ") and tags[1].endswith("; then v2")

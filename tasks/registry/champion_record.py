@@ -24,6 +24,9 @@ CHAMPION_ALIAS = "champion"
 BY_PROMOTE = "imageops promote"
 BY_REGISTER = "imageops register --alias champion"
 BY_HAND = "by hand in the MLflow registry"
+# A move by hand that no webhook reported (embedded mode: SQLite, no MLflow server), recorded when
+# imageops next resolves the alias: "since" is then when it was seen, not when it was made.
+BY_HAND_SEEN = "by hand in the MLflow registry; the time imageops first saw it"
 
 
 def now_text() -> str:
@@ -31,12 +34,17 @@ def now_text() -> str:
 
 
 def reconcile(
-    client: MlflowClient, name: str, alias: str = "champion", moved_to: int | None = None
+    client: MlflowClient,
+    name: str,
+    alias: str = "champion",
+    moved_to: int | None = None,
+    by_hand: str = BY_HAND,
 ) -> int | None:
     """Bring the ``champion`` tags of ``name``'s versions in line with where ``alias`` points
     now; returns that version (None: no version holds it). ``moved_to``: the version an alias
     event named; if the alias has moved on since (two moves in quick succession) and it has no
-    record yet, it gets one saying it held the alias briefly."""
+    record yet, it gets one saying it held the alias briefly. ``by_hand``: how a move no imageops
+    step marked as its own is described."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -48,7 +56,7 @@ def reconcile(
         number, tags = int(version.version), version.tags or {}
         record = tags.get(CHAMPION_TAG, "")
         if number == current and not record.startswith("yes"):
-            by = tags.get(PENDING_TAG) or BY_HAND
+            by = tags.get(PENDING_TAG) or by_hand
             client.set_model_version_tag(
                 name, str(number), CHAMPION_TAG, f"yes, since {stamp} ({by})"
             )
@@ -57,7 +65,7 @@ def reconcile(
             then = f"; then v{current}" if current is not None else ""
             _set(client, name, number, f"no: was @{alias} from {since} to {stamp} ({by}{then}")
         elif number == moved_to and number != current and not record:
-            by = tags.get(PENDING_TAG) or BY_HAND
+            by = tags.get(PENDING_TAG) or by_hand
             _set(
                 client,
                 name,

@@ -28,6 +28,7 @@ from models.directory import ONNX
 from models.locks import holding, sharing
 from models.untrained import MODEL_JSON
 from tasks.inference.export import sha256_file
+from tasks.registry.champion_record import BY_HAND_SEEN, CHAMPION_ALIAS, CHAMPION_TAG, reconcile
 from tasks.shared.errors import RegistryError, RegistryUnreachableError
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import step, step_logger, tasks_on_first_use
@@ -260,6 +261,20 @@ def _check_classes(folder: Path, mlmodel: Model, cached: CachedModel) -> None:
         )
 
 
+def _record_unreported_move(client: MlflowClient, name: str) -> None:
+    """Record a move of ``@champion`` that no webhook reported (embedded mode has no MLflow
+    server to send one), so the tags stop naming the old champion. Best effort: the alias is the
+    truth, and a registry this caller may only read keeps its tags until a promotion."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        reconcile(client, name, CHAMPION_ALIAS, by_hand=BY_HAND_SEEN)
+    except MlflowException as exc:
+        step_logger(__name__).warning(
+            "Could not record the hand-made move of %s@%s: %s", name, CHAMPION_ALIAS, exc.message
+        )
+
+
 def fetch_registered_model(uri: str, settings: Settings | None = None) -> CachedModel:
     """Resolve ``uri`` to one model version and make sure it is in the local cache.
 
@@ -289,6 +304,8 @@ def fetch_registered_model(uri: str, settings: Settings | None = None) -> Cached
             "Check that the server runs and is reachable, and IMAGEOPS_MLFLOW_TRACKING_URI / "
             "IMAGEOPS_MLFLOW_REGISTRY_URI.",
         ) from None
+    if alias == CHAMPION_ALIAS and not (version.tags or {}).get(CHAMPION_TAG, "").startswith("yes"):
+        _record_unreported_move(client, name)
     cached = CachedModel(
         uri=uri,
         name=name,
