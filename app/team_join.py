@@ -14,6 +14,7 @@ import re
 import shlex
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -204,7 +205,8 @@ class TeamMember(Services):
             registered_model_name=self.settings.registered_model_name,
             mlflow_experiment=self.settings.mlflow_experiment,
         )
-        return dict(os.environ) | v | settings.environment() | {"RAY_USAGE_STATS_ENABLED": "0"}
+        # The join file's last: its Prefect auth string, not a local stack's (Settings).
+        return dict(os.environ) | settings.environment() | v | {"RAY_USAGE_STATS_ENABLED": "0"}
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Check every server, then start the Ray node and the Prefect worker."""
@@ -225,8 +227,8 @@ class TeamMember(Services):
             self._wait_ray(ray.log, timeout_s)
             self._launch(
                 "prefect-worker",
-                [_tool("prefect"), "worker", "start", "--pool", self.pool,
-                 "--type", POOLS[self.pool], "--name", self.worker_name],
+                [sys.executable, "-m", "app.checked_worker", "--pool", self.pool,
+                 "--name", self.worker_name],
                 env,
             )  # fmt: skip
         except BaseException:
