@@ -12,16 +12,24 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 from app.checked_worker import Registered, check_flow_run
 from tasks.shared.errors import UnregisteredCodeError, error_text
 
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
 
-def _checked(flow_run: object) -> Registered:
+
+def _checked(flow_run: FlowRun) -> Registered:
     """The registered deployment of ``flow_run`` as the API describes it now (else a refusal)."""
     from prefect.client.orchestration import get_client
 
+    if not flow_run.work_pool_name:
+        raise UnregisteredCodeError(
+            f"The imageops worker refused flow run {flow_run.name!r}: it names no work pool."
+        )
     with get_client(sync_client=True) as client:
         deployment = (
             client.read_deployment(flow_run.deployment_id) if flow_run.deployment_id else None

@@ -3,7 +3,8 @@
 The join file (``<home>/team/team.env`` of the server machine, mode 0600) holds every variable a
 worker machine needs. Before starting anything, every server is asked whether it answers and takes
 the file's credentials, so an error names the server and its address. Then a Ray worker node and a
-Prefect worker run with those variables until Ctrl-C or SIGTERM.
+Prefect worker that runs only what the project registered (``app.checked_worker``) run with those
+variables until Ctrl-C or SIGTERM.
 Details: docs/stack.md#the-team-stack-imageops-team.
 """
 
