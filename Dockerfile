@@ -73,5 +73,7 @@ USER imageops
 ENV IMAGEOPS_PROJECT_ROOT=/opt/imageops \
     IMAGEOPS_WORK_POOL=local
 
-# Set PREFECT_API_URL (docker run -e / the pod's env) to the Prefect server the worker polls.
-CMD ["sh", "-c", "exec prefect worker start --pool \"$IMAGEOPS_WORK_POOL\""]
+# Set PREFECT_API_URL (docker run -e / the pod's env) to the Prefect server the worker polls, and
+# PREFECT_API_AUTH_STRING to its login. The worker runs only what the project registered
+# (docs/stack.md#what-a-worker-runs), not `prefect worker start`'s anything-the-API-says.
+CMD ["sh", "-c", "exec python -m app.checked_worker --pool \"$IMAGEOPS_WORK_POOL\""]

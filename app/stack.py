@@ -1,9 +1,10 @@
 """``imageops serve``: the whole stack on one machine, up with one command, down with Ctrl-C.
 
 Four processes, each in its own process group with its log under ``<home>/stack/logs``: Prefect
-server, MLflow server (the project's own store, webhooks on), the promotion receiver, and a worker
-on the ``local`` pool, whose deployments are registered in between. Servers bind to 127.0.0.1; the
-webhook secrets are kept under ``<home>/stack`` for restarts; ``<home>`` is owner-only (0700).
+server (behind its auth string), MLflow server (the project's own store, webhooks on), the promotion
+receiver, and a checked worker on the ``local`` pool (``app.checked_worker``), whose deployments are
+registered in between. Servers bind to 127.0.0.1; the webhook secrets and the Prefect auth string
+are kept under ``<home>/stack`` for restarts; ``<home>`` is owner-only (0700).
 Details: docs/stack.md#the-stack-imageops-serve.
 """
 
@@ -32,6 +33,7 @@ from tasks.shared.private_folders import private_folder
 from tasks.shared.settings import Settings
 
 POOL = "local"
+PREFECT_USER = "imageops"  # the user part of the Prefect auth string
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 7.0  # then SIGKILL: a stop of the whole stack ends within 10 s
 
@@ -175,6 +177,13 @@ class Stack(Services):
 
     # --- environment -----------------------------------------------------------------------
 
+    def prefect_auth_string(self) -> str:
+        """The Prefect API's login (``user:password``), kept owner-only for restarts and for
+        imageops' own commands (``Settings.prefect_auth_file``)."""
+        return kept_secret(
+            self.settings.prefect_auth_file, lambda: f"{PREFECT_USER}:{secrets.token_urlsafe(32)}"
+        )
+
     def client_environment(self) -> dict[str, str]:
         """What a process needs to use this stack (the worker's flow runs get the same).
 
@@ -196,6 +205,7 @@ class Stack(Services):
             "IMAGEOPS_REGISTERED_MODEL_NAME": self.settings.registered_model_name,
             "IMAGEOPS_MLFLOW_EXPERIMENT": self.settings.mlflow_experiment,
             "PREFECT_API_URL": self.prefect_api,
+            "PREFECT_API_AUTH_STRING": self.prefect_auth_string(),
             "PREFECT_HOME": str(self.dir / "prefect-client"),
         }
         if self.settings.tuning_storage:
@@ -238,7 +248,7 @@ class Stack(Services):
             if self.worker:
                 self._launch(
                     "worker",
-                    [_tool("prefect"), "worker", "start", "--pool", POOL, "--type", "process",
+                    [sys.executable, "-m", "app.checked_worker", "--pool", POOL,
                      "--name", f"imageops-{POOL}-worker"],
                     self.client_environment(),
                 )  # fmt: skip
@@ -277,7 +287,11 @@ class Stack(Services):
             {"PREFECT_UI_API_URL": self.prefect_api}
             | base
             | quiet
-            | {"PREFECT_HOME": str(self.dir / "prefect")},
+            | {
+                "PREFECT_HOME": str(self.dir / "prefect"),
+                # No request without it but /api/health and /api/ready (the UI asks for it).
+                "PREFECT_SERVER_API_AUTH_STRING": self.prefect_auth_string(),
+            },
             private=True,
         )
         key = kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
@@ -322,9 +336,12 @@ class Stack(Services):
 
     def prefect_client_settings(self) -> dict:
         """Prefect client settings (for ``temporary_settings``) that reach this stack's API."""
-        from prefect.settings import PREFECT_API_URL
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
 
-        return {PREFECT_API_URL: self.prefect_api}
+        return {
+            PREFECT_API_URL: self.prefect_api,
+            PREFECT_API_AUTH_STRING: self.prefect_auth_string(),
+        }
 
     def _create_pool(self, pool: str = POOL) -> None:
         from prefect.client.orchestration import get_client

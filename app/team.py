@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.stack import Ports, Stack, _Service, _tool, kept_secret, stop_leader_first
+from app.stack import (
+    PREFECT_USER,
+    Ports,
+    Stack,
+    _Service,
+    _tool,
+    kept_secret,
+    stop_leader_first,
+)
 from app.team_postgres import TeamPostgres, _write_private, postgres_user
 from app.work_pools import POOLS
 from tasks.shared import servers
@@ -47,7 +55,6 @@ JOIN_DIR = "team-join"  # <home>/team-join on a GPU machine
 JOIN_FILE = "team.env"
 BUCKET = "imageops"
 MLFLOW_ADMIN = "admin"
-PREFECT_USER = "imageops"  # the user part of the Prefect auth string
 START_TIMEOUT_S = 300.0  # a busy 2-core machine took 140 s to bring all five up
 RAY_STOP_TIMEOUT_S = 40.0  # `ray start --block` drains its node for up to 30 s on SIGTERM
 POSTGRES_STOP_TIMEOUT_S = 20.0
@@ -175,13 +182,6 @@ class TeamServer(Stack):
             self.secret("s3-access-key", lambda: secrets.token_hex(10).upper()),
             self.secret("s3-secret-key", lambda: secrets.token_urlsafe(30)),
         )
-
-    def prefect_client_settings(self) -> dict:
-        from prefect.settings import PREFECT_API_AUTH_STRING
-
-        return super().prefect_client_settings() | {
-            PREFECT_API_AUTH_STRING: self.prefect_auth_string()
-        }
 
     def join_variables(self) -> dict[str, str]:
         """Every variable a GPU machine needs: what ``team.env`` holds (JOIN_VARIABLES)."""

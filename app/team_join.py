@@ -3,7 +3,8 @@
 The join file (``<home>/team/team.env`` of the server machine, mode 0600) holds every variable a
 worker machine needs. Before starting anything, every server is asked whether it answers and takes
 the file's credentials, so an error names the server and its address. Then a Ray worker node and a
-Prefect worker run with those variables until Ctrl-C or SIGTERM.
+Prefect worker that runs only what the project registered (``app.checked_worker``) run with those
+variables until Ctrl-C or SIGTERM.
 Details: docs/stack.md#the-team-stack-imageops-team.
 """
 
@@ -14,6 +15,7 @@ import re
 import shlex
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,7 +207,8 @@ class TeamMember(Services):
             registered_model_name=self.settings.registered_model_name,
             mlflow_experiment=self.settings.mlflow_experiment,
         )
-        return dict(os.environ) | v | settings.environment() | {"RAY_USAGE_STATS_ENABLED": "0"}
+        # The join file's last: its Prefect auth string, not a local stack's (Settings).
+        return dict(os.environ) | settings.environment() | v | {"RAY_USAGE_STATS_ENABLED": "0"}
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Check every server, then start the Ray node and the Prefect worker."""
@@ -229,8 +232,8 @@ class TeamMember(Services):
             self._wait_ray(ray.log, timeout_s)
             self._launch(
                 "prefect-worker",
-                [_tool("prefect"), "worker", "start", "--pool", self.pool,
-                 "--type", POOLS[self.pool], "--name", self.worker_name],
+                [sys.executable, "-m", "app.checked_worker", "--pool", self.pool,
+                 "--name", self.worker_name],
                 env,
             )  # fmt: skip
         except BaseException:

@@ -35,7 +35,7 @@ def task_runs_of(flow_run_id: object, want: int, timeout_s: float = 60.0) -> lis
 
 
 @contextmanager
-def prefect_api_at(api: str) -> Iterator[None]:
+def prefect_api_at(api: str, auth: str | None = None) -> Iterator[None]:
     """Prefect in this process pointed at ``api``, its event and log workers rebound to it.
 
     Both workers are process-wide and read PREFECT_API_URL once, when they start: without a
@@ -43,10 +43,13 @@ def prefect_api_at(api: str) -> Iterator[None]:
     it, and every test after it sends them to this one once it has stopped, a minute's timeout
     an event (seen in CI: task runs missing, then a session teardown that never ended).
     """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     drain_prefect_workers()
-    with temporary_settings(updates={PREFECT_API_URL: api}):
+    updates: dict[Any, str] = {PREFECT_API_URL: api}
+    if auth:  # the login of an API behind an auth string (`imageops serve`'s, a team's)
+        updates[PREFECT_API_AUTH_STRING] = auth
+    with temporary_settings(updates=updates):
         try:
             yield
         finally:

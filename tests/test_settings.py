@@ -55,3 +55,20 @@ def test_an_s3_endpoint_reaches_every_s3_client_and_the_keys_stay_out(
     assert "not-a-setting" not in env.values()
     local = Settings(project_root=tmp_path, s3_endpoint_url=None, checkpoint_url=None)
     assert "AWS_ENDPOINT_URL" not in local.environment() and local.checkpoint_url is None
+
+
+def test_imageops_commands_send_the_local_stacks_auth_string_only_to_a_loopback_api(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`imageops serve` keeps its Prefect auth string in <home>/stack (issue 43); the project's
+    own commands send it to that API, never to another machine's, and a shell's own wins."""
+    monkeypatch.delenv("PREFECT_API_AUTH_STRING", raising=False)
+    local = Settings(project_root=tmp_path, prefect_api_url="http://127.0.0.1:4200/api")
+    assert "PREFECT_API_AUTH_STRING" not in local.environment()  # no stack served yet
+    local.prefect_auth_file.parent.mkdir(parents=True)
+    local.prefect_auth_file.write_text("imageops:kept\n")
+    assert local.environment()["PREFECT_API_AUTH_STRING"] == "imageops:kept"
+    remote = Settings(project_root=tmp_path, prefect_api_url="http://10.0.0.5:4200/api")
+    assert "PREFECT_API_AUTH_STRING" not in remote.environment()
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "imageops:exported")
+    assert "PREFECT_API_AUTH_STRING" not in local.environment()  # the exported one is used

@@ -35,6 +35,7 @@ from file_modes import open_to_others
 from prefect_runs import prefect_api_at
 from server_processes import LONG_WAIT, PROMPT_WORKER
 
+from app.work_pools import base_job_template
 from tasks.shared import servers
 from tasks.shared.servers import free_port
 
@@ -55,6 +56,11 @@ class Served:
     mlflow: str
     env: dict[str, str]  # `imageops serve` as it was started: its environment and command
     command: list[str]
+
+    @property
+    def auth(self) -> str:
+        """The Prefect API's auth string, as `imageops serve` keeps it (what it prints to use)."""
+        return (self.root / ".imageops" / "stack" / "prefect-auth-string").read_text().strip()
 
     def report(self) -> str:
         logs = [self.log, *sorted((self.root / ".imageops" / "stack" / "logs").glob("*.log"))]
@@ -82,7 +88,7 @@ class Served:
         from prefect.client.orchestration import get_client
 
         with (
-            prefect_api_at(self.api),
+            prefect_api_at(self.api, self.auth),
             get_client(sync_client=True) as client,
         ):
             yield client
@@ -92,6 +98,7 @@ class Served:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "IMAGEOPS_"))}
         env |= {
             "PREFECT_API_URL": self.api,
+            "PREFECT_API_AUTH_STRING": self.auth,
             "PREFECT_HOME": str(self.root / ".prefect-cli"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "COLUMNS": "200",  # wide enough that tables print whole names
@@ -219,6 +226,78 @@ def test_what_serve_prints_works_with_the_prefect_and_mlflow_commands(served: Se
     assert done.returncode == 0, done.stderr
     assert set(FULL_NAME.findall(done.stdout)) == deployments_of_the_file(), done.stdout
     assert "Default" in done.stdout  # MLflow's experiments, from this stack's server
+
+
+def test_the_api_takes_no_request_without_the_auth_string(served: Served) -> None:
+    """Issue 43: any local user PATCHed the pool's template with a command, unauthenticated (204).
+
+    Now every request but the health checks needs the auth string, which `imageops serve` keeps
+    owner-only (and the worker, the receiver and the registration use)."""
+    kept = served.root / ".imageops" / "stack" / "prefect-auth-string"
+    assert kept.stat().st_mode & 0o777 == 0o600
+    hostile = base_job_template("local")
+    hostile["job_configuration"]["command"] = "id"
+    attempts = [
+        ("GET", "/work_pools/local", None),
+        ("PATCH", "/work_pools/local", {"base_job_template": hostile}),
+        ("POST", "/deployments/", {"name": "x", "flow_id": str(UUID(int=0))}),
+        ("POST", "/flow_runs/filter", {}),
+    ]
+    with httpx.Client(base_url=served.api, timeout=30) as api:
+        for method, path, body in attempts:
+            for auth in (None, ("imageops", "wrong")):
+                answer = api.request(method, path, json=body, auth=auth)
+                assert answer.status_code == 401, (method, path, auth, answer.status_code)
+        assert api.get("/health").status_code == 200
+        user, _, password = served.auth.partition(":")
+        pool = api.get("/work_pools/local", auth=(user, password)).raise_for_status().json()
+    assert pool["base_job_template"] == base_job_template("local")  # the PATCH changed nothing
+
+
+def test_the_worker_runs_nothing_the_project_did_not_register(served: Served) -> None:
+    """Issue 43's routes, taken with the auth string (a credential holder may still call the
+    API): a command in the pool's template, a `run_shell_script` pull step in a registered
+    deployment, a new deployment whose entrypoint is a file of the caller's. The worker refuses
+    each run before anything of it starts: Crashed, saying what differs; no marker is written."""
+    from prefect.client.schemas.actions import DeploymentUpdate, WorkPoolUpdate
+
+    marker = served.root / "pwned"
+    script = served.root / "hostile_flow.py"
+    script.write_text(
+        f"from pathlib import Path\nfrom prefect import flow\nPath({str(marker)!r} + '.entry')"
+        ".touch()\n\n@flow\ndef hostile() -> None:\n    pass\n"
+    )
+    hostile_template = base_job_template("local")
+    hostile_template["job_configuration"]["command"] = f"touch {marker}.template"
+    shell = {"prefect.deployments.steps.run_shell_script": {"script": f"touch {marker}.pull"}}
+    promote = served.deployment("imageops-promote/promote")
+    created = None
+    with served.client() as client:  # Prefect's client: it retries a busy server's 503
+        try:
+            client.update_work_pool("local", WorkPoolUpdate(base_job_template=hostile_template))
+            client.update_deployment(promote.id, DeploymentUpdate(pull_steps=[shell]))
+            created = client.create_deployment(
+                flow_id=promote.flow_id, name="hostile-entry", entrypoint=f"{script}:hostile",
+                pull_steps=promote.pull_steps, work_pool_name="local",
+            )  # fmt: skip
+            runs = [client.create_flow_run_from_deployment(d).id for d in (promote.id, created)]
+            ended = served.wait(
+                "the worker to take the runs", served.finished(runs, ok=False), timeout_s=120
+            )
+        finally:
+            client.update_work_pool(
+                "local", WorkPoolUpdate(base_job_template=base_job_template("local"))
+            )
+            client.update_deployment(promote.id, DeploymentUpdate(pull_steps=promote.pull_steps))
+            if created is not None:
+                client.delete_deployment(created)
+    said = {run.id: run.state.message for run in ended}
+    for run in ended:
+        assert run.state_type.value == "CRASHED", (run.name, run.state_type, run.state.message)
+        assert "refused" in said[run.id] and "job_configuration.command added" in said[run.id]
+    assert "its pull steps are" in said[runs[0]] and "run_shell_script" in said[runs[0]]
+    assert "hostile_flow.py:hostile" in said[runs[1]], said[runs[1]]
+    assert not list(served.root.glob("pwned*")), "a caller's code ran on the worker"
 
 
 def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> None:
@@ -356,8 +435,9 @@ SCREENSHOTS = os.environ.get("IMAGEOPS_SCREENSHOTS")
 
 
 @contextmanager
-def browser_page() -> Iterator[Any]:
-    """A page of Debian's Chromium, driven by Playwright (the browser is not downloaded)."""
+def browser_page(prefect_auth: str | None = None) -> Iterator[Any]:
+    """A page of Debian's Chromium, driven by Playwright (the browser is not downloaded), logged
+    in to the Prefect UI with ``prefect_auth`` (where its login page keeps the auth string)."""
     if CHROMIUM is None:
         pytest.skip("Chromium is not installed: `apt-get install chromium` (.ci/run does)")
     from playwright.sync_api import sync_playwright
@@ -365,7 +445,12 @@ def browser_page() -> Iterator[Any]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1600})
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            if prefect_auth:
+                page.add_init_script(
+                    f"localStorage.setItem('prefect-password', btoa({json.dumps(prefect_auth)}))"
+                )
+            yield page
         finally:
             browser.close()
 
@@ -412,7 +497,7 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
     from playwright.sync_api import expect
 
     ui = served.api.removesuffix("/api")
-    with browser_page() as page:
+    with browser_page(served.auth) as page:
         page.goto(f"{ui}/deployments/deployment/{train.id}/run")
         page.get_by_text("Run Name", exact=True).wait_for(timeout=60_000)
         page.locator("input").first.fill(FORM_RUN_NAME)
@@ -454,7 +539,7 @@ def test_browser_the_forms_show_each_field_titled_described_and_one_input(served
     ui = served.api.removesuffix("/api")
     for name in ("imageops-train-model/train", "imageops-pipeline/pipeline"):
         deployment = served.deployment(name)
-        with browser_page() as page:
+        with browser_page(served.auth) as page:
             page.goto(f"{ui}/deployments/deployment/{deployment.id}/run")
             page.get_by_text("Parameters", exact=True).wait_for(timeout=60_000)
             page.get_by_text(" (Optional)").first.wait_for(timeout=60_000)
@@ -507,7 +592,7 @@ def test_browser_the_training_report_fits_its_panel(served: Served) -> None:
         query = ArtifactFilter(key=ArtifactFilterKey(any_=["training-report"]))
         (report, *_) = client.read_artifacts(artifact_filter=query)
     ui = served.api.removesuffix("/api")
-    with browser_page() as page:
+    with browser_page(served.auth) as page:
         page.goto(f"{ui}/artifacts/artifact/{report.id}")
         page.get_by_text("train loss", exact=True).first.wait_for(timeout=60_000)
         overflowing = page.evaluate(

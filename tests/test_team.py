@@ -39,6 +39,7 @@ from server_processes import LONG_WAIT, PROMPT_WORKER, base_env
 from app.stack import kept_secret
 from app.team import JOIN_VARIABLES, TeamServer
 from app.team_join import check_servers, read_join_file
+from app.work_pools import base_job_template
 from tasks.shared import servers
 from tasks.shared.errors import TeamAuthError, TeamJoinFileError, TeamUnreachableError
 from tasks.shared.settings import Settings
@@ -434,8 +435,42 @@ def test_no_job_variable_runs_a_callers_command(team: Team) -> None:
             ),
             120,
         )
-    assert final["type"] == "CRASHED"  # the engine finds no flow to run: nothing else ran
+    assert final["type"] == "CRASHED"  # the GPU machine's worker refuses a run without deployment
+    assert "has no deployment" in final["message"]
     assert not marker.exists() and not Path(f"{marker}.env").exists()
+
+
+@pytest.mark.slow
+def test_the_auth_string_does_not_change_what_the_gpu_machines_worker_runs(team: Team) -> None:
+    """Issue 43: the join file's auth string PATCHed a command into the pool's template, and the
+    GPU machine's worker ran it. Now that worker refuses the run, naming the change."""
+    marker = Path(tempfile.gettempdir()) / f"imageops-pwned-{uuid.uuid4().hex}"
+    hostile = base_job_template("local")
+    hostile["job_configuration"]["command"] = f"touch {marker}"
+    with team.prefect() as client:
+        promote = client.get("/deployments/name/imageops-promote/promote").json()
+        try:
+            client.patch(
+                "/work_pools/local", json={"base_job_template": hostile}
+            ).raise_for_status()
+            run = client.post(f"/deployments/{promote['id']}/create_flow_run", json={})
+            run_id = run.raise_for_status().json()["id"]
+            final = team.wait(
+                "the worker to take the run",
+                lambda: (
+                    (s := client.get(f"/flow_runs/{run_id}").json()["state"])["type"]
+                    in ("COMPLETED", "FAILED", "CRASHED")
+                    and s
+                ),
+                120,
+            )
+        finally:
+            client.patch(
+                "/work_pools/local", json={"base_job_template": base_job_template("local")}
+            ).raise_for_status()
+    assert final["type"] == "CRASHED", final
+    assert "job_configuration.command added" in final["message"], final["message"]
+    assert not marker.exists()
 
 
 @pytest.mark.slow

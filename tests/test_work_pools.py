@@ -283,3 +283,91 @@ def test_bad_job_variables_are_refused_by_the_pool_schema(
 def test_unknown_pool_is_refused() -> None:
     with pytest.raises(ValueError, match="gpu-docker"):
         base_job_template("gpu")
+
+
+# --- the checked worker (app/checked_worker.py): what the API says against the checkout ----------
+
+
+def _flow_run_of(pool: str, template: dict[str, Any], **deployment: Any) -> tuple[Any, ...]:
+    """A flow run of the `train` deployment as registered, with ``deployment`` changed."""
+    from prefect.client.schemas.objects import WorkPool
+    from prefect.client.schemas.responses import DeploymentResponse
+
+    from app.checked_worker import registered_deployments
+
+    train = registered_deployments()["train"]
+    registered = {"name": "train", "entrypoint": train.entrypoint, "pull_steps": train.pull_steps,
+                  "job_variables": {}, "enforce_parameter_schema": True}  # fmt: skip
+    return (
+        FlowRun(flow_id=uuid4(), name="a-run", job_variables={}),
+        WorkPool(name=pool, type=POOLS[pool], base_job_template=template),
+        DeploymentResponse(id=uuid4(), flow_id=uuid4(), **registered | deployment),
+    )
+
+
+SHELL_STEP = {"prefect.deployments.steps.run_shell_script": {"script": "id"}}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"entrypoint": "/tmp/x.py:f"}, "its entrypoint is '/tmp/x.py:f'"),
+        ({"pull_steps": [SHELL_STEP]}, "its pull steps are [{'prefect.deployments.steps.run_shell"),
+        ({"job_variables": {"name": "x"}}, "its job variables are {'name': 'x'}"),
+        ({"enforce_parameter_schema": False}, "its parameters are not checked"),
+        ({"name": "other"}, "deployment 'other' (entrypoint 'flows.train.train_model_flow'"),
+    ],
+    ids=["entrypoint", "pull-steps", "job-variables", "parameter-schema", "unknown-name"],
+)
+def test_the_worker_refuses_a_deployment_the_project_did_not_register(
+    change: dict[str, Any], named: str
+) -> None:
+    from app.checked_worker import check_flow_run
+    from tasks.shared.errors import UnregisteredCodeError
+
+    flow_run, pool, deployment = _flow_run_of("local", base_job_template("local"))
+    assert check_flow_run(flow_run, pool, deployment).entrypoint == deployment.entrypoint
+    flow_run, pool, deployment = _flow_run_of("local", base_job_template("local"), **change)
+    with pytest.raises(UnregisteredCodeError, match="refused flow run 'a-run'") as refused:
+        check_flow_run(flow_run, pool, deployment)
+    assert named in str(refused.value)
+
+
+def test_the_worker_refuses_a_run_without_deployment_or_with_variables_not_offered() -> None:
+    from app.checked_worker import check_flow_run
+    from tasks.shared.errors import UnregisteredCodeError
+
+    flow_run, pool, deployment = _flow_run_of("local", base_job_template("local"))
+    with pytest.raises(UnregisteredCodeError, match="has no deployment"):
+        check_flow_run(flow_run, pool, None)
+    hostile = flow_run.model_copy(update={"job_variables": HOSTILE})
+    with pytest.raises(UnregisteredCodeError, match=r"job variables \['cluster_config', 'command'"):
+        check_flow_run(hostile, pool, deployment)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_each_pools_worker_refuses_a_changed_template_before_configuring(pool: str) -> None:
+    """Each pool's worker (``checked_worker_class``): a template changed through the API (here
+    every variable of HOSTILE it lacks, given a default, and a fixed command) is refused before
+    the run is configured, naming each change; the client is never contacted."""
+    from app.checked_worker import checked_worker_class
+    from tasks.shared.errors import UnregisteredCodeError
+
+    template = base_job_template(pool)
+    template["job_configuration"]["command"] = "id"
+    properties = template["variables"]["properties"]
+    for name, value in HOSTILE.items():
+        properties.setdefault(name, {"default": value})
+    flow_run, work_pool, deployment = _flow_run_of(pool, template)
+    worker = checked_worker_class(pool)
+    with pytest.raises(UnregisteredCodeError) as refused:
+        asyncio.run(
+            worker.job_configuration.resolve_for_flow_run(
+                flow_run, client=PrefectClient(api="http://127.0.0.1:9/api"), work_pool=work_pool,
+                worker_name="w", deployment=deployment,
+            )
+        )  # fmt: skip
+    said = str(refused.value)
+    assert f"the base job template of work pool {pool!r} differs" in said
+    assert "job_configuration.command added ('id')" in said
+    assert "variables.properties.privileged" in said or pool != "gpu-docker"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -31,7 +32,7 @@ def serve_stack(
         str,
         typer.Option(
             help="Interface the servers listen on. 127.0.0.1: this machine only; 0.0.0.0: "
-            "every interface (put it behind a firewall or proxy: the servers have no login)."
+            "every interface (put it behind a firewall or proxy: only Prefect has a login)."
         ),
     ] = "127.0.0.1",
     prefect_port: Annotated[int, typer.Option(help="Prefect server and UI port.")] = 4200,
@@ -60,7 +61,9 @@ def serve_stack(
     err.print("starting the Prefect server, the MLflow server and the promotion receiver ...")
     stack.start()
     try:
-        out.print(f"[bold]Prefect UI[/]  {stack.prefect_url}")
+        auth_file = stack.settings.prefect_auth_file
+        login = f"(login: the auth string in {auth_file})"
+        out.print(f"[bold]Prefect UI[/]  {stack.prefect_url}  {login}", soft_wrap=True)
         out.print(f"[bold]MLflow UI[/]   {_experiment_page(stack)}")
         out.print(f"[bold]Receiver[/]    {stack.receiver_url}")
         out.print(f"[bold]Worker[/]      {'pool `local`' if worker else 'none'}")
@@ -73,6 +76,11 @@ def serve_stack(
         out.print(
             f"  export IMAGEOPS_PREFECT_API_URL={stack.prefect_api} "
             f"IMAGEOPS_MLFLOW_TRACKING_URI={stack.mlflow_url}",
+            soft_wrap=True,
+        )
+        # The file, not the secret: what serve prints may end up in a log others read.
+        out.print(
+            f'  export PREFECT_API_AUTH_STRING="$(cat {shlex.quote(str(auth_file))})"',
             soft_wrap=True,
         )
         out.print("[bold]ready[/]; Ctrl-C stops everything")

@@ -44,6 +44,7 @@ __all__ = [
     "TrainingDivergedError",
     "TrainingFailedError",
     "TuningFailedError",
+    "UnregisteredCodeError",
     "UnsafeArchiveError",
     "VersionMismatchError",
     "VersioningError",
@@ -213,3 +214,8 @@ class TeamUnreachableError(TeamStackError):
 
 class TeamAuthError(TeamStackError):
     """A server of the team stack refused the join file's credentials (which server, where)."""
+
+
+class UnregisteredCodeError(ImageOpsError):
+    """A worker refused a flow run whose pool template, deployment (entrypoint, pull steps, job
+    variables) or job variables differ from what the project registered: nothing of it ran."""

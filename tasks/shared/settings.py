@@ -10,11 +10,13 @@ and ``IMAGEOPS_CHECKPOINT_URL`` at an S3 bucket (``IMAGEOPS_S3_ENDPOINT_URL`` at
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 from functools import cached_property
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -150,6 +152,12 @@ class Settings(BaseSettings):
         return (self.home_dir / "mlartifacts").as_uri()
 
     @cached_property
+    def prefect_auth_file(self) -> Path:
+        """The auth string of `imageops serve`'s Prefect API (mode 0600), which imageops' own
+        commands send to that API (:meth:`environment`)."""
+        return self.home_dir / "stack" / "prefect-auth-string"
+
+    @cached_property
     def dvc_remote(self) -> str:
         return self.dvc_remote_url or str(self.home_dir / "dvc-remote")
 
@@ -166,6 +174,12 @@ class Settings(BaseSettings):
         env["TORCH_HOME"] = str(self.torch_home)
         if self.prefect_api_url:
             env["PREFECT_API_URL"] = self.prefect_api_url
+            # `imageops serve`'s API takes only its auth string: this project's commands send it
+            # there (a loopback URL) unless the shell gives one; never to another machine.
+            local = urlsplit(self.prefect_api_url).hostname in ("127.0.0.1", "localhost", "::1")
+            if local and "PREFECT_API_AUTH_STRING" not in os.environ:
+                with contextlib.suppress(OSError):
+                    env["PREFECT_API_AUTH_STRING"] = self.prefect_auth_file.read_text().strip()
         if self.s3_endpoint_url:  # boto3, DVC's s3fs and MLflow's artifact client read these
             env["AWS_ENDPOINT_URL"] = self.s3_endpoint_url
             env["MLFLOW_S3_ENDPOINT_URL"] = self.s3_endpoint_url
