@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import reprlib
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from pydantic import PrivateAttr
 
 from app.deployments import DEPLOYMENTS_FILE, load_spec
 from app.work_pools import POOLS, base_job_template, template_path
+from models.bounded_parse import shown
 from tasks.shared.errors import UnregisteredCodeError
 
 if TYPE_CHECKING:
@@ -36,15 +36,6 @@ if TYPE_CHECKING:
     from prefect.client.schemas.responses import DeploymentResponse
     from prefect.flows import Flow
     from prefect.workers.base import BaseWorker
-
-
-def _short(value: object) -> str:
-    """``repr`` of a caller's value, bounded: a message never carries an unbounded value."""
-    shortened = reprlib.Repr()
-    shortened.maxstring = shortened.maxother = 80
-    shortened.maxlist = shortened.maxdict = 4
-    shortened.maxlevel = 3
-    return shortened.repr(value)
 
 
 @dataclass(frozen=True)
@@ -81,13 +72,13 @@ def _differences(shipped: Any, found: Any, where: str = "") -> list[str]:
         for key in sorted(set(shipped) | set(found), key=str):
             at = f"{where}.{key}" if where else str(key)
             if key not in shipped:
-                paths.append(f"{at} added ({_short(found[key])})")
+                paths.append(f"{at} added ({shown(found[key])})")
             elif key not in found:
                 paths.append(f"{at} removed")
             else:
                 paths += _differences(shipped[key], found[key], at)
         return paths
-    return [] if shipped == found else [f"{where or 'the whole'} changed to {_short(found)}"]
+    return [] if shipped == found else [f"{where or 'the whole'} changed to {shown(found)}"]
 
 
 def template_changes(pool: str, template: dict[str, Any]) -> list[str]:
@@ -113,20 +104,20 @@ def deployment_changes(
     entry = registered.get(deployment.name)
     if entry is None:
         return None, [
-            f"deployment {_short(deployment.name)} (entrypoint {_short(deployment.entrypoint)}, "
-            f"pull steps {_short(deployment.pull_steps)}) is not one of deployments/prefect.yaml "
+            f"deployment {shown(deployment.name)} (entrypoint {shown(deployment.entrypoint)}, "
+            f"pull steps {shown(deployment.pull_steps)}) is not one of deployments/prefect.yaml "
             f"({', '.join(registered)})"
         ]
     named = f"deployment {deployment.name!r}:"
     changes = []
     if deployment.entrypoint != entry.entrypoint:
         changes.append(
-            f"{named} its entrypoint is {_short(deployment.entrypoint)}, not {entry.entrypoint!r}"
+            f"{named} its entrypoint is {shown(deployment.entrypoint)}, not {entry.entrypoint!r}"
         )
     if (deployment.pull_steps or []) != entry.pull_steps:
-        changes.append(f"{named} its pull steps are {_short(deployment.pull_steps)}")
+        changes.append(f"{named} its pull steps are {shown(deployment.pull_steps)}")
     if (deployment.job_variables or {}) != entry.job_variables:
-        changes.append(f"{named} its job variables are {_short(deployment.job_variables)}")
+        changes.append(f"{named} its job variables are {shown(deployment.job_variables)}")
     if deployment.enforce_parameter_schema != entry.enforce_parameter_schema:
         changes.append(f"{named} its parameters are not checked against its schema")
     return entry, changes
@@ -136,7 +127,7 @@ def flow_run_changes(flow_run: FlowRun, pool: str) -> list[str]:
     """Job variables of the flow run that the checkout's template of ``pool`` does not offer."""
     offered = set(base_job_template(pool)["variables"]["properties"]) if pool in POOLS else set()
     extra = sorted(set(flow_run.job_variables or {}) - offered)
-    return [f"the flow run's job variables {_short(extra)} are not offered"] if extra else []
+    return [f"the flow run's job variables {shown(extra)} are not offered"] if extra else []
 
 
 def check_flow_run(
