@@ -6,6 +6,7 @@ TCP connection to the head's port comes first, then ``ray.init`` in a thread the
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -43,6 +44,7 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
         except BaseException as exc:  # handed to the caller's thread
             failure.append(exc)
 
+    logging.getLogger("ray._private.worker").addFilter(_no_sigterm_handler_notice)
     thread = threading.Thread(target=init, daemon=True, name="ray-connect")
     thread.start()
     thread.join(max(1.0, deadline - time.monotonic()))
@@ -53,6 +55,16 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
 
 
 _connected: str | None = None
+
+
+def _no_sigterm_handler_notice(record: logging.LogRecord) -> bool:
+    """Drop Ray's "SIGTERM handler is not set because current thread is not the main thread."
+
+    ``ray.init`` outside the main thread (here, to have a deadline) skips the handler that would
+    exit the driver on SIGTERM, and says so on every job; this process has its own (the CLI's
+    stop_signals, a flow run's Prefect bridge), so nothing is missing.
+    """
+    return not record.getMessage().startswith("SIGTERM handler is not set")
 
 
 def _wait_for_port(address: str, deadline: float) -> None:
