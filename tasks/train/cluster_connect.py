@@ -7,6 +7,7 @@ TCP connection to the head's port comes first, then ``ray.init`` in a thread the
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -21,6 +22,12 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
     Ray itself retries an address where nothing listens for ever: a plain TCP connect to the
     head's port tells first whether anything is there.
     """
+    # Read when Ray is imported. Ray's log deduplication keys a line by its words without digits
+    # and holds back a line that another process printed first, for 5 s, then prints it late as
+    # "[repeated 2x across cluster]": after a restart the new gang's rank 0 (another process)
+    # printed "epoch 2/2 ..." seconds late, and the old gang's lines seemed printed again. Each
+    # node's torchrun output reaches the driver once (only rank 0 prints): nothing to fold.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
     global _connected
