@@ -23,10 +23,10 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
     head's port tells first whether anything is there.
     """
     # Read when Ray is imported. Ray's log deduplication keys a line by its words without digits
-    # and holds back a line that another process printed first, for 5 s, then prints it late as
-    # "[repeated 2x across cluster]": after a restart the new gang's rank 0 (another process)
-    # printed "epoch 2/2 ..." seconds late, and the old gang's lines seemed printed again. Each
-    # node's torchrun output reaches the driver once (only rank 0 prints): nothing to fold.
+    # and holds back one that another process printed in the last 5 s, to print it later, out of
+    # order (a 2-node job showed a node's line below lines 27 s newer: old lines printed again),
+    # or folded into "[repeated 2x across cluster]" (rank 0's "epoch 2/3" after a restart lost).
+    # Each node's torchrun output reaches the driver once: nothing to fold.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
