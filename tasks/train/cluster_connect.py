@@ -25,7 +25,7 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
     # Read when Ray is imported. Ray's log deduplication keys a line by its words without digits
     # and holds back one that another process printed in the last 5 s, to print it later, out of
     # order (a 2-node job showed a node's line below lines 27 s newer: old lines printed again),
-    # or folded into "[repeated 2x across cluster]" (rank 0's "epoch 2/3" after a restart lost).
+    # or folded into "[repeated 2x across cluster]" (the line itself never shown).
     # Each node's torchrun output reaches the driver once: nothing to fold.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
