@@ -211,6 +211,9 @@ def _check_http_servers(values: dict[str, str], pool: str, timeout_s: float) -> 
     try:
         client.head_bucket(Bucket=BUCKET)
     except ClientError as exc:
+        # A server that is starting answers 503 or "no such bucket" for a moment: not a refusal.
+        if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (401, 403):
+            raise _unreachable("S3 server", endpoint, exc) from exc
         raise TeamAuthError(
             f"The S3 server at {endpoint} refused the join file's AWS_ACCESS_KEY_ID / "
             f"AWS_SECRET_ACCESS_KEY for bucket {BUCKET!r}: {exc}.",
