@@ -130,6 +130,7 @@ class Services:
         """
         assert service.process is not None and service.process.poll() is not None
         if keep_group:
+            self.left_behind = [g for g in self.left_behind if servers.group_alive(g)]
             self.left_behind.append(service.process.pid)
         else:
             servers.stop_together([], STOP_TIMEOUT_S, groups=[service.process.pid])

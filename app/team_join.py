@@ -397,8 +397,9 @@ class TeamMember(Services):
             self._wait_ray(START_TIMEOUT_S)
         except TeamAuthError:
             raise
-        except TeamStackError as exc:  # exited or did not join: the next round tries again
-            self.say(exc.message)
+        except TeamStackError:  # exited or did not join: the next round tries again
+            lines = self.output(service).strip().splitlines()
+            self.say(f"{service.name} did not join: {lines[-1] if lines else '(no output)'}")
             assert service.process is not None
             servers.stop(service.process)
             return

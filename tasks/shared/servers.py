@@ -166,7 +166,7 @@ def stop_together(
         with contextlib.suppress(ProcessLookupError):  # ended, and its group with it
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-    groups = [group for group in groups if _members(group)]
+    groups = [group for group in groups if group_alive(group)]
     for group in groups:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGTERM)
@@ -178,15 +178,15 @@ def stop_together(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    while any(_members(group) for group in groups) and time.monotonic() < deadline:
+    while any(group_alive(group) for group in groups) and time.monotonic() < deadline:
         time.sleep(0.1)
     for group in groups:
-        if _members(group):
+        if group_alive(group):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
 
 
-def _members(group: int) -> bool:
+def group_alive(group: int) -> bool:
     """Whether process group ``group``, whose leader was reaped, still has a live process.
 
     A process whose pid is ``group`` is a new one (Linux reuses a pid only once no group has
