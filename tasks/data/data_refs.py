@@ -160,7 +160,7 @@ def resolve_data(value: str | Path, what: str, settings: Settings | None = None)
         return resolve_ref(ref, settings)
     name = _name_in_data(found, settings)
     if name is not None:
-        md5 = _tagged(name, LATEST, settings)
+        md5 = latest_version(text, settings)
         if md5 is not None:
             step_logger(__name__).info(
                 "%s %s is not on this machine: using %s@%s = %s from the DVC remote %s",
@@ -182,6 +182,15 @@ def resolve_data(value: str | Path, what: str, settings: Settings | None = None)
         "in the project's checkout with IMAGEOPS_PROJECT_ROOT set to it (imageops team join "
         "does both), or give the path from the project root.",
     )
+
+
+def latest_version(path: str | Path, settings: Settings | None = None) -> str | None:
+    """The md5 of the ``latest`` version of the data set at ``path`` (a path under ``data/``,
+    from the project root) in the DVC remote; None when it has none or is not under data/."""
+    settings = settings or get_settings()
+    path = Path(path).expanduser()
+    name = _name_in_data(path if path.is_absolute() else settings.project_root / path, settings)
+    return None if name is None else _tagged(name, LATEST, settings)
 
 
 def _name_in_data(path: Path, settings: Settings) -> str | None:
