@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.data.datasets import ARCHIVE_SUFFIXES
-from tasks.data.version_tags import LATEST, check_tag, dataset_name, is_md5
+from tasks.data.version_tags import LATEST, check_tag, dataset_name, is_md5, read_tag
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import step_logger
@@ -108,9 +108,23 @@ def _fetch(name: str, md5: str, settings: Settings) -> Path:
 
 
 def _tagged(name: str, tag: str, settings: Settings) -> str | None:
-    from tasks.data.versioning import read_tag_record
+    """The md5 ``tag`` of data set ``name`` points at in the DVC remote; None if none."""
+    from dvc.exceptions import DvcException
 
-    return read_tag_record(name, tag, settings)
+    from tasks.data.versioning import versions_repo
+
+    with versions_repo(settings) as repo:
+        try:
+            return read_tag(repo, name, tag)
+        except (DvcException, OSError) as exc:
+            raise DataUnavailableError(
+                redact_uri(
+                    f"The tag {tag!r} of the data set {name!r} could not be read from the DVC "
+                    f"remote {_remote(settings)}: {type(exc).__name__}: {exc}"
+                ),
+                "Check that this host reaches the remote (IMAGEOPS_DVC_REMOTE_URL, "
+                "IMAGEOPS_S3_ENDPOINT_URL) with valid AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.",
+            ) from exc
 
 
 def resolve_ref(ref: DataRef, settings: Settings | None = None) -> ResolvedData:

@@ -14,7 +14,7 @@ import logging
 import re
 import socket
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +27,7 @@ from tasks.data.datasets import holding_folders
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.data.dvc_repairs import git_root, init_cut_short, nothing_half_done, repair_rwlock
 from tasks.data.version_check import changed_while_added, mismatch, recorded_state
-from tasks.data.version_tags import LATEST, check_tag, dataset_name, read_tag, write_tags
+from tasks.data.version_tags import LATEST, check_tag, dataset_name, write_tags
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
@@ -420,22 +420,12 @@ def remote_description(settings: Settings) -> str:
     return remote
 
 
-def read_tag_record(name: str, tag: str, settings: Settings | None = None) -> str | None:
-    """The md5 that ``tag`` of data set ``name`` points at in the DVC remote; None if none.
-
-    Read through this machine's own DVC repository of fetched versions, so a machine with no
-    copy of the project's data (and no DVC repository in its checkout) reads it too. Raises
-    DataUnavailableError when the remote cannot be read.
-    """
-    from dvc.exceptions import DvcException
-
-    settings = settings or get_settings()
+@contextlib.contextmanager
+def versions_repo(settings: Settings) -> Iterator[Repo]:
+    """This machine's DVC repository of fetched versions (its remote: the settings'), held: what
+    reads the remote's records (:mod:`.version_tags`) where the project has no DVC repository."""
     with _serialised(settings), _open_versions_repo(settings) as repo:
-        try:
-            return read_tag(repo, name, tag)
-        except (DvcException, OSError) as exc:
-            why = _ANSI.sub("", f"{type(exc).__name__}: {exc}")
-            raise _unavailable(f"{name}@{tag}", settings, why) from exc
+        yield repo
 
 
 def _unavailable(md5: str, settings: Settings, why: str) -> DataUnavailableError:
@@ -458,9 +448,8 @@ def fetch_version(md5: str, settings: Settings | None = None, file_name: str | N
     (``home/data-versions``, a DVC repository of imageops' own), checked out as
     ``home/data-versions/<hash>``. Once there, a call returns it without asking the remote.
     The folder appears whole or not at all (checked out beside it, then renamed), and the DVC
-    lock makes two calls at once take turns. A versioned file (an archive: an md5 without
-    ``.dir``) needs ``file_name``: it is checked out as ``<hash>/<file_name>``, which is
-    returned. Raises :class:`DataUnavailableError` when the remote does not have the version or
+    lock makes two calls at once take turns. A file's version (an archive's: no ``.dir``) is
+    checked out as ``<hash>/<file_name>``, which is returned. Raises :class:`DataUnavailableError` when the remote does not have the version or
     cannot be reached.
     """
     from dvc.exceptions import CheckoutError, DvcException
