@@ -124,7 +124,7 @@ def train_model_flow(
         form_field(
             title="Validation data",
             description="Labeled ImageDirectory scored after every epoch (the best epoch wins): "
-            "a path or a data set version (digits/val@latest), as the training data.",
+            "a path or a data set version as NAME@VERSION (digits/val@latest).",
             min_length=1,
         ),
     ] = "data/digits/val",
