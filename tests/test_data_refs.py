@@ -17,7 +17,6 @@ from projects import use_project
 from training_runs import FAST, PRE
 from typer.testing import CliRunner
 
-from tasks.data.data_refs import resolve_data
 from tasks.data.imagedir import read_manifest
 from tasks.data.versioning import version
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError
@@ -56,6 +55,7 @@ def test_a_machine_without_the_data_trains_and_scores_from_versions_under_prefec
 ) -> None:
     from flows.score import score_flow
     from flows.train import train_model_flow
+    from tasks.data.data_refs import resolve_data
 
     _, md5 = first
     second = machine(tmp_path / "b", tmp_path / "remote", monkeypatch)
@@ -98,6 +98,8 @@ def test_a_missing_path_under_data_is_its_latest_version_said_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from tasks.data.data_refs import resolve_data
+
     _, md5 = first
     machine(tmp_path / "b", tmp_path / "remote", monkeypatch)
     with caplog.at_level(logging.INFO, logger="tasks.data.data_refs"):
@@ -117,6 +119,8 @@ def test_a_missing_path_under_data_is_its_latest_version_said_in_one_line(
 def test_a_missing_version_or_tag_is_one_error_naming_it_and_the_remote(
     first: tuple[Settings, dict[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tasks.data.data_refs import resolve_data
+
     machine(tmp_path / "b", tmp_path / "remote", monkeypatch)
     remote = str(tmp_path / "remote")
     missing = "0123456789abcdef0123456789abcdef"
@@ -138,7 +142,7 @@ def test_imageops_version_prints_the_reference_and_records_its_tags_in_the_remot
     project: Settings, digits_split: tuple[Path, Path]
 ) -> None:
     from app.cli import app
-    from tasks.data.data_refs import latest_version
+    from tasks.data.data_refs import latest_version, resolve_data
 
     shutil.copytree(digits_split[0], project.data_path / "digits" / "train")
     done = CliRunner().invoke(app, ["version", "data/digits/train", "--tag", "v1"])
