@@ -99,11 +99,10 @@ def score(
     from tasks.inference.score import score_in_shards
     from tasks.registry.model_uri import model_in_use
 
-    folder = _data_argument(images, "images to score").path
     with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
         written = score_in_shards(
             model_dir,
-            folder,
+            _data_argument(images, "images to score").path,  # the model first: it may fail
             dest,
             shard_images=shard_images,
             batch_size=batch_size,
