@@ -221,21 +221,21 @@ class PipelineConfig(BaseModel):
         a training batch (or process count) its training split could not fill, and
         DataUnavailableError for a version the remote lacks.
         """
-        resolved = resolve_data(self.source, "source", settings)
-        source = resolved.path
+        given = settings.project_root / self.source  # a version fetched lies outside the project
         data = settings.data_path / self.dataset_name
-        if source.resolve().is_relative_to(data.resolve()) or data.resolve().is_relative_to(
-            source.resolve()
+        if given.resolve().is_relative_to(data.resolve()) or data.resolve().is_relative_to(
+            given.resolve()
         ):
             raise InvalidParameterError(
-                f"The source {source.resolve()} and the data set folder {data.resolve()} "
+                f"The source {given.resolve()} and the data set folder {data.resolve()} "
                 f"overlap: preparing data set {self.dataset_name!r} would write into its own "
                 "source.",
                 "Name the data set with --dataset NAME (dataset: in params.yaml) so its folder "
                 "data/NAME lies apart from the source, or move the raw images out of data/NAME.",
             )
-        source_classes(source)
-        self._check_training_set(source)
+        resolved = resolve_data(self.source, "source", settings)
+        source_classes(resolved.path)
+        self._check_training_set(resolved.path)
         return resolved, data
 
     def _check_training_set(self, source: Path) -> None:

@@ -160,11 +160,13 @@ def train(
     cluster, one node's processes per machine (the data sets are versioned with DVC first: every
     node gets them from the remote).
     """
+    from models.untrained import read_untrained
     from tasks.train import launch
     from tasks.train.request import TrainRequest
     from tasks.train.torchrun import trainings_stop_with_the_command
 
     base = _config(config).train.model_dump() if config is not None else {}
+    read_untrained(model)  # Azure's order: the model is refused before the data is looked for
     train = _data_argument(train_data, "training data")
     val = _data_argument(val_data, "validation data")
     request = TrainRequest.checked(
