@@ -449,8 +449,8 @@ def fetch_version(md5: str, settings: Settings | None = None, file_name: str | N
     ``home/data-versions/<hash>``. Once there, a call returns it without asking the remote.
     The folder appears whole or not at all (checked out beside it, then renamed), and the DVC
     lock makes two calls at once take turns. A file's version (an archive's: no ``.dir``) is
-    checked out as ``<hash>/<file_name>``, which is returned. Raises :class:`DataUnavailableError` when the remote does not have the version or
-    cannot be reached.
+    checked out as ``<hash>/<file_name>``, which is returned. Raises DataUnavailableError when
+    the remote does not have the version or cannot be reached.
     """
     from dvc.exceptions import CheckoutError, DvcException
 
