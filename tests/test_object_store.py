@@ -145,10 +145,13 @@ def test_an_s3_dvc_remote_gets_its_endpoint_and_the_pushed_version(
     done = imageops("version", "data/train", cwd=settings.project_root)  # as a user runs it
 
     assert done.returncode == 0, done.stdout + done.stderr
-    md5 = done.stdout.split()[0]
-    keys = _keys(s3_server, s3_bucket, "dvc/")
-    assert f"dvc/files/md5/{md5[:2]}/{md5[2:]}" in keys
-    assert len(keys) == 1 + sum(1 for p in data.rglob("*") if p.is_file())
+    name, _, md5 = done.stdout.split()[0].partition("@")  # the reference: train@<md5>
+    assert name == "train"
+    objects = _keys(s3_server, s3_bucket, "dvc/files/")
+    assert f"dvc/files/md5/{md5[:2]}/{md5[2:]}" in objects
+    assert len(objects) == 1 + sum(1 for p in data.rglob("*") if p.is_file())
+    # Its tag, in the remote beside the data: any machine sharing the bucket reads train@latest.
+    assert _keys(s3_server, s3_bucket, "dvc/imageops/") == ["dvc/imageops/tags/train/latest"]
     with ensure_dvc_repo(settings) as repo:
         remote = repo.config["remote"][REMOTE_NAME]
     assert remote["url"] == f"s3://{s3_bucket}/dvc"
