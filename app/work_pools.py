@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefect.client.schemas.actions import WorkPoolCreate
+if TYPE_CHECKING:  # Prefect's client takes 1.5 s to import: `imageops team join` asks Ray first
+    from prefect.client.schemas.actions import WorkPoolCreate
 
 # pool name -> Prefect worker type (the `--type` of `prefect work-pool create`)
 POOLS: dict[str, str] = {
@@ -78,6 +79,8 @@ def work_pool_create(name: str, description: str | None = None) -> WorkPoolCreat
 
     The same pool ``prefect work-pool create NAME --type TYPE --base-job-template FILE`` creates.
     """
+    from prefect.client.schemas.actions import WorkPoolCreate
+
     return WorkPoolCreate(
         name=name,
         type=POOLS[name],

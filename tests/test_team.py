@@ -642,7 +642,7 @@ def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> No
     ], refused.stderr
     assert "joined" not in refused.stdout and "Traceback" not in refused.stderr
     assert ray_log.stat().st_size == size  # no Ray node was started
-    # The command's imports (Prefect's client: 3 s of CPU) and `ray status` (2.4 s on a quiet
+    # The command's imports (1 s: Prefect's client is not among them) and `ray status` (2.4 s on a quiet
     # machine, beside them) are all of it: 25 to 38 s on 2 cores under a load of 8 to 11.
     print(f"refused in {took:.1f} s")
     assert took < 60
