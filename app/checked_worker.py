@@ -26,7 +26,7 @@ from prefect.workers.process import ProcessJobConfiguration, ProcessWorker, Proc
 from pydantic import PrivateAttr
 
 from app.deployments import DEPLOYMENTS_FILE, load_spec
-from app.flow_heartbeats import heartbeat_environment
+from app.lost_flow_runs import heartbeat_environment
 from app.work_pools import POOLS, base_job_template, template_path
 from models.bounded_parse import shown
 from tasks.shared.errors import UnregisteredCodeError

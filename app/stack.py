@@ -245,7 +245,7 @@ class Stack(Services):
             self._wait(timeout_s)
             self.say("servers up; creating the work pool and registering the deployments")
             self._create_pool()
-            self._create_zombie_automation()
+            self._create_automations()
             self._register(secret)
             if self.worker:
                 self._launch(
@@ -372,18 +372,18 @@ class Stack(Services):
                     json={"concurrency_limit": 1},
                 )  # fmt: skip
 
-    def _create_zombie_automation(self) -> None:
-        """Flow runs whose process died unseen end Crashed (app.flow_heartbeats)."""
+    def _create_automations(self) -> None:
+        """Flow runs gone with no worker to see it end Crashed or Cancelled (app.lost_flow_runs)."""
         from prefect.client.orchestration import get_client
         from prefect.settings import temporary_settings
 
-        from app.flow_heartbeats import ensure_zombie_automation
+        from app.lost_flow_runs import ensure_automations
 
         with (
             temporary_settings(updates=self.prefect_client_settings()),
             get_client(sync_client=True) as client,
         ):
-            ensure_zombie_automation(client)
+            ensure_automations(client)
 
     def mlflow_login(self) -> dict[str, str]:
         """The variables that log MLflow's client in to this stack's server (none here)."""

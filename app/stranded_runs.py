@@ -2,7 +2,7 @@
 
 A training ends its MLflow run itself, however it stops, unless its process is killed outright
 (SIGKILL, a machine lost): the flow run then ends Crashed (its worker sees the process die, or the
-server's zombie automation misses its heartbeats, see :mod:`app.flow_heartbeats`) and the MLflow
+server's zombie automation misses its heartbeats, see :mod:`app.lost_flow_runs`) and the MLflow
 run would stay RUNNING for ever. Each training run started by a flow run carries that flow run's
 id (``tasks.train.mlflow_run.FLOW_RUN_TAG``); the stacks that own a Prefect server (``imageops
 serve``, ``imageops team server``) call :func:`end_stranded_runs` every RECONCILE_EVERY_S:

@@ -257,7 +257,7 @@ class TeamServer(Stack):
             self.say("servers up; creating the work pools and registering the deployments")
             for pool in POOLS:
                 self._create_pool(pool)
-            self._create_zombie_automation()
+            self._create_automations()
             self._register_deployments()
             _write_private(self.join_file, self._join_file_text())
             for old in self.secrets_dir.glob("*.old"):  # rotated: the new ones are in use

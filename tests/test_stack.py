@@ -504,13 +504,18 @@ def test_a_flow_run_whose_worker_died_is_cancelled_by_prefect_flow_run_cancel(
 
 
 def test_the_stack_ends_the_mlflow_runs_its_ended_flow_runs_left_running(served: Served) -> None:
-    """A flow run ended Crashed (its process SIGKILLed: the worker, or the zombie automation the
-    stack creates, says so) or Cancelled with its MLflow run still RUNNING: `imageops serve`
-    ends that run FAILED or KILLED; a run whose flow run goes on, or is unknown, stays RUNNING."""
+    """A flow run ended Crashed (its process SIGKILLed: the worker, or the automation the stack
+    creates, says so) or Cancelled with its MLflow run still RUNNING: `imageops serve` ends that
+    run FAILED or KILLED; a run whose flow run goes on, or is unknown, stays RUNNING."""
     from mlflow.tracking import MlflowClient
     from prefect.states import Cancelled, Crashed, Pending
 
-    from app.flow_heartbeats import AUTOMATION_NAME, ZOMBIE_AFTER_S
+    from app.lost_flow_runs import (
+        CANCEL_AUTOMATION,
+        ZOMBIE_AFTER_S,
+        ZOMBIE_AUTOMATION,
+        ensure_automations,
+    )
     from app.stranded_runs import RECONCILE_EVERY_S
     from tasks.train.mlflow_run import FLOW_RUN_TAG
 
@@ -518,8 +523,12 @@ def test_the_stack_ends_the_mlflow_runs_its_ended_flow_runs_left_running(served:
     experiment = mlflow.create_experiment(f"stranded-{time.time_ns()}")
     runs = {}
     with served.client() as client:
-        (automation,) = client.read_automations_by_name(AUTOMATION_NAME)
-        assert automation.trigger.within.total_seconds() == ZOMBIE_AFTER_S
+        (zombie,) = client.read_automations_by_name(ZOMBIE_AUTOMATION)
+        assert zombie.trigger.within.total_seconds() == ZOMBIE_AFTER_S
+        (cancel,) = client.read_automations_by_name(CANCEL_AUTOMATION)
+        ensure_automations(client)  # a restart keeps them (they remember the runs they watch)
+        assert [a.id for a in client.read_automations_by_name(ZOMBIE_AUTOMATION)] == [zombie.id]
+        assert [a.id for a in client.read_automations_by_name(CANCEL_AUTOMATION)] == [cancel.id]
         deployment = served.deployment("imageops-score/score")
         for end in ("crashed", "cancelled", "going-on"):
             flow_run = client.create_flow_run_from_deployment(deployment.id, state=Pending())
