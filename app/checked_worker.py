@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", choices=list(POOLS), required=True)
     parser.add_argument("--name", help="the worker's name (default: imageops-POOL-HOSTNAME)")
     args = parser.parse_args(argv)
-    for name, value in heartbeat_environment().items():  # its flow runs' environment
-        os.environ.setdefault(name, value)
+    # Its flow runs' heartbeats, at the pace the server's automation expects (app.lost_flow_runs)
+    os.environ.update(heartbeat_environment())
     worker_class = checked_worker_class(args.pool)
     setup_signal_handlers_worker(os.getpid(), f"the imageops {args.pool} worker", print)
     worker = worker_class(
