@@ -108,6 +108,11 @@ def ensure_automations(client: Any) -> None:
 
 
 def _does(dumped: dict[str, Any]) -> dict[str, Any]:
-    """What an automation does (the server gives its trigger an id of its own)."""
-    trigger = {k: v for k, v in (dumped.get("trigger") or {}).items() if k != "id"}
+    """What an automation does (the server gives its trigger an id of its own; its sets of event
+    names come back in the order one process's hashing gave them)."""
+    trigger = {
+        k: sorted(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else v
+        for k, v in (dumped.get("trigger") or {}).items()
+        if k != "id"
+    }
     return {"enabled": dumped.get("enabled"), "trigger": trigger, "actions": dumped.get("actions")}
