@@ -6,6 +6,8 @@ TCP connection to the head's port comes first, then ``ray.init`` in a thread the
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 import time
@@ -20,6 +22,12 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
     Ray itself retries an address where nothing listens for ever: a plain TCP connect to the
     head's port tells first whether anything is there.
     """
+    # Read when Ray is imported. Ray's log deduplication keys a line by its words without digits
+    # and holds back one that another process printed in the last 5 s, to print it later, out of
+    # order (a 2-node job showed a node's line below lines 27 s newer: old lines printed again),
+    # or folded into "[repeated 2x across cluster]" (the line itself never shown).
+    # Each node's torchrun output reaches the driver once: nothing to fold.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
     global _connected
@@ -43,6 +51,7 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
         except BaseException as exc:  # handed to the caller's thread
             failure.append(exc)
 
+    logging.getLogger("ray._private.worker").addFilter(_no_sigterm_handler_notice)
     thread = threading.Thread(target=init, daemon=True, name="ray-connect")
     thread.start()
     thread.join(max(1.0, deadline - time.monotonic()))
@@ -85,6 +94,16 @@ def _leave() -> None:
     leaving.join(DISCONNECT_TIMEOUT_S)
 
 
+def _no_sigterm_handler_notice(record: logging.LogRecord) -> bool:
+    """Drop Ray's "SIGTERM handler is not set because current thread is not the main thread."
+
+    ``ray.init`` outside the main thread (here, to have a deadline) skips the handler that would
+    exit the driver on SIGTERM, and says so on every job; this process has its own (the CLI's
+    stop_signals, a flow run's Prefect bridge), so nothing is missing.
+    """
+    return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
 def _wait_for_port(address: str, deadline: float) -> None:
     """Until ``deadline``, try a TCP connection to ``host:port`` (other address forms pass)."""
     host, _, port = address.rpartition(":")
@@ -107,6 +126,6 @@ def _unreachable(address: str, why: str, timeout_s: int | None) -> ClusterUnavai
         + (f" (waited {timeout_s} s)." if timeout_s else "."),
         "Check the address (host:port of the cluster's head, 6379 by default: `ray status "
         "--address HOST:6379` on a node tells), that this machine is one of the cluster's nodes "
-        "(imageops team join) or use ray://host:10001; wait longer with cluster_timeout_s "
+        "(imageops team join); wait longer with cluster_timeout_s "
         "(--cluster-timeout-s).",
     )
