@@ -62,6 +62,36 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
 
 
 _connected: str | None = None
+# How long leaving a cluster may take: a driver whose own node died may find Ray's shutdown slow.
+DISCONNECT_TIMEOUT_S = 30.0
+REJOIN_PAUSE_S = 5.0
+
+
+def reconnect(address: str, timeout_s: int, log: Any) -> None:
+    """Leave the cluster and join it again within ``timeout_s``: after this machine's Ray node
+    died, a driver must join through the node that takes its place to own actors again (Ray
+    waits 60 s for a node on this machine: tried again until ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _leave()
+        try:
+            connect(address, max(1, int(deadline - time.monotonic())), log)
+            return
+        except ClusterUnavailableError:
+            if time.monotonic() + REJOIN_PAUSE_S >= deadline:
+                raise
+        time.sleep(REJOIN_PAUSE_S)
+
+
+def _leave() -> None:
+    """``ray.shutdown``, waited for DISCONNECT_TIMEOUT_S at most."""
+    import ray
+
+    global _connected
+    _connected = None
+    leaving = threading.Thread(target=ray.shutdown, daemon=True, name="ray-disconnect")
+    leaving.start()
+    leaving.join(DISCONNECT_TIMEOUT_S)
 
 
 def _no_sigterm_handler_notice(record: logging.LogRecord) -> bool:
