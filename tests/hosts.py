@@ -24,6 +24,7 @@ from pathlib import Path
 from server_processes import ROOT, Processes, base_env
 
 from tasks.shared import servers
+from tasks.shared.parent_death import dying_with_this_process
 
 # The project's code, copied for each host (the virtual environment's packages are the
 # machine's software, like /usr: shared read-only; the project's own code is not).
@@ -165,16 +166,19 @@ class Hosts:
         """Start ``host``'s init: a new PID namespace with its own /proc, and its hostname."""
         up = host.root / "booted"
         up.unlink(missing_ok=True)
-        # --kill-child: the host's init, and with it every process of the host, dies with
-        # unshare (SIGKILLed at the end of a test run that was itself killed).
+        # unshare dies with this process, and --kill-child takes the host's init with it, and
+        # so every process of the host: nothing is left of a test run that was itself killed.
         init = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--pid", "--fork",
-             "--mount-proc", "--kill-child", sys.executable, "-c", INIT, host.name, str(up)],
+            dying_with_this_process(
+                ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--pid", "--fork",
+                 "--mount-proc", "--kill-child", sys.executable, "-c", INIT, host.name, str(up)]
+            ),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
         if not servers.wait_until(up.exists, BOOT_TIMEOUT_S, interval_s=0.05):
             raise TimeoutError(f"{host.name} did not boot within {BOOT_TIMEOUT_S:.0f} s")
+        # The wrapper and `ip` exec'd into unshare, whose one child is the init.
         children = Path(f"/proc/{init.pid}/task/{init.pid}/children").read_text().split()
         (host.init,) = (int(pid) for pid in children)
 

@@ -61,21 +61,23 @@ class TeamStack:
         self.wait_for_log(self.log, "ready;", START_TIMEOUT_S)
         self.values = read_join_file(self.folder / ".imageops" / "team" / "team.env")
 
-    def join(self, host: Host, **env: str) -> subprocess.Popen:
-        """`imageops team join --env ~/team.env` on ``host`` (``env`` added to its environment),
-        until it says joined."""
-        join_file = host.home / "team.env"
-        if not join_file.exists():  # the README's `scp` and `chmod 600`
-            shutil.copyfile(self.folder / ".imageops" / "team" / "team.env", join_file)
-            join_file.chmod(0o600)
-        name = f"join-{len(self.join_logs) + 1}"
-        command = [PY, "-m", "app.cli", "team", "join", "--env", str(join_file)]
-        # Prefect's own setting passes through the join to its worker.
-        proc = self.hosts.start(host, name, command, **PROMPT_WORKER | RAY_NODE | env)
-        log = self.hosts.processes.logs / f"{host.name}-{name}.log"
-        self.joins[host.name], self.join_logs[host.name] = proc, log
-        self.wait_for_log(log, "joined;", JOIN_TIMEOUT_S, proc)
-        return proc
+    def join(self, *hosts: Host, **env: str) -> None:
+        """`imageops team join --env ~/team.env` on each of ``hosts`` at once (``env`` added to
+        its environment), until each says joined."""
+        for host in hosts:
+            join_file = host.home / "team.env"
+            if not join_file.exists():  # the README's `scp` and `chmod 600`
+                shutil.copyfile(self.folder / ".imageops" / "team" / "team.env", join_file)
+                join_file.chmod(0o600)
+            name = f"join-{len(self.join_logs) + 1}"
+            command = [PY, "-m", "app.cli", "team", "join", "--env", str(join_file)]
+            # Prefect's own setting passes through the join to its worker.
+            proc = self.hosts.start(host, name, command, **PROMPT_WORKER | RAY_NODE | env)
+            self.joins[host.name] = proc
+            self.join_logs[host.name] = self.hosts.processes.logs / f"{host.name}-{name}.log"
+        for host in hosts:
+            log, proc = self.join_logs[host.name], self.joins[host.name]
+            self.wait_for_log(log, "joined;", JOIN_TIMEOUT_S, proc)
 
     def leave(self, host: Host) -> None:
         """Ctrl-C to ``host``'s `team join`, as a person leaves the team; waits for its end."""

@@ -78,11 +78,12 @@ class Team:
 
     def rejoin(self) -> None:
         """Each host in the team again (after an earlier test's failure took one out)."""
-        for host in self.hosts.hosts:
-            if not self.joined(host):
-                self.hosts.power_off(host)  # whatever that join left, as a reboot does
-                self.stack.join(host)
-        self.wait_for_nodes(2)
+        left = [host for host in self.hosts.hosts if not self.joined(host)]
+        if left:
+            for host in left:
+                self.hosts.power_off(host)  # whatever its join left, as a reboot does
+            self.stack.join(*left)
+            self.wait_for_nodes(2)
 
     def wait_for_nodes(self, count: int) -> None:
         """Until the Ray cluster counts ``count`` live nodes with CPUs (the head has none)."""
@@ -114,7 +115,7 @@ def team(
             for host in hosts.hosts:  # each machine has its own checkout of the project's data
                 for split in digits_split:
                     shutil.copytree(split, host.project / "data" / "digits" / split.name)
-                stack.join(host)
+            stack.join(*hosts.hosts)
             with stack.logged_in():
                 yield Team(hosts, stack)
         except BaseException:
