@@ -7,7 +7,6 @@ horizontal flip, since a mirrored digit is not the same digit).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,6 +24,7 @@ from models.bounded_parse import read_yaml, shown
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
 from tasks.data.convert import find_source, source_classes
+from tasks.data.data_refs import REF_SYNTAX, ResolvedData, ref_dataset_name, resolve_data
 from tasks.data.datasets import NAME_PATTERN, name_problem, source_name
 from tasks.data.split import first_share
 from tasks.data.transform import input_size
@@ -60,24 +60,6 @@ TRAIN_FIELD = form_field(
     description="Train PyTorch Model's parameters and the recipe; empty fields take the "
     "recipe's values.",
 )
-
-
-def in_project(path: str, what: str, settings: Settings) -> Path:
-    """``path`` under the project root, refused (naming the root) when nothing is there.
-
-    A worker started outside the project's checkout runs its flow runs elsewhere: say so, rather
-    than that the data does not exist.
-    """
-    found = settings.project_root / path
-    if not found.exists():
-        root = os.environ.get("IMAGEOPS_PROJECT_ROOT") or "unset: the working folder"
-        raise InvalidParameterError(
-            f"The {what} {path} does not exist under the project root {settings.project_root} "
-            f"(IMAGEOPS_PROJECT_ROOT: {root}).",
-            "Start the Prefect worker in the project's checkout with IMAGEOPS_PROJECT_ROOT set "
-            "to it (imageops team join does both), or give the path from the project root.",
-        )
-    return found
 
 
 def fills_from(default: BaseModel) -> BeforeValidator:
@@ -144,7 +126,9 @@ class PipelineConfig(BaseModel):
         default="data/raw/digits",
         title="Raw images",
         description="Folder (class sub-folders = labels) or .zip/.tar archive, relative to the "
-        "project root.",
+        f"project root, or a version of one as {REF_SYNTAX}, e.g. raw/digits@latest, fetched "
+        "from the DVC remote. A path under data/ that this machine lacks is its latest version "
+        "(each run with versioning on records the source's).",
     )
     dataset: str = Field(
         default="",
@@ -224,17 +208,21 @@ class PipelineConfig(BaseModel):
     @property
     def dataset_name(self) -> str:
         """The data set this run prepares: ``dataset``, else the source's name."""
-        return self.dataset or source_name(self.source)
+        return self.dataset or source_name(ref_dataset_name(self.source))
 
-    def check_sources(self, settings: Settings) -> tuple[Path, Path]:
+    def check_sources(self, settings: Settings) -> tuple[ResolvedData, Path]:
         """Refuse, before any step writes anything, a run whose source cannot make a classifier.
 
-        Returns (source, data set folder). Raises NoUsableImagesError for a missing or
-        unreadable source, NotLabeledDatasetError for one without classes, InvalidDatasetError
-        for one class, InvalidParameterError for a source that overlaps its data set folder or
-        a training batch (or process count) its training split could not fill.
+        Returns (source, data set folder), the source resolved on this machine
+        (:func:`tasks.data.data_refs.resolve_data`: a reference or a missing path under data/
+        is fetched from the DVC remote). Raises NoUsableImagesError for an unreadable source,
+        NotLabeledDatasetError for one without classes, InvalidDatasetError for one class,
+        InvalidParameterError for a missing source, one that overlaps its data set folder or
+        a training batch (or process count) its training split could not fill, and
+        DataUnavailableError for a version the remote lacks.
         """
-        source = settings.project_root / self.source
+        resolved = resolve_data(self.source, "source", settings)
+        source = resolved.path
         data = settings.data_path / self.dataset_name
         if source.resolve().is_relative_to(data.resolve()) or data.resolve().is_relative_to(
             source.resolve()
@@ -248,7 +236,7 @@ class PipelineConfig(BaseModel):
             )
         source_classes(source)
         self._check_training_set(source)
-        return source, data
+        return resolved, data
 
     def _check_training_set(self, source: Path) -> None:
         """Refuse a batch the training split cannot fill, before convert, version and split run.

@@ -7,6 +7,7 @@ own; this flow says which, in what order, with what.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -19,8 +20,10 @@ from flows.config import PipelineConfig
 from flows.score import score_in_flow
 from flows.train import train_and_report
 from tasks.data.convert import convert_task
+from tasks.data.data_refs import ResolvedData
 from tasks.data.datasets import dataset_lock
 from tasks.data.split import split_task
+from tasks.data.version_tags import dataset_name
 from tasks.data.versioning import version_task
 from tasks.inference.evaluate import evaluate_task
 from tasks.inference.export import export_task
@@ -52,6 +55,7 @@ class PipelineResult(BaseModel):
     champion_version: str | None = None  # the champion after this run's promotion decision
     promotion_reason: str = ""  # why: the metric of both models, the gain, the margin
     data_version: dict[str, str]
+    data_refs: dict[str, str] = {}  # part -> name@md5: the same data again, from any machine
     metrics: dict[str, float]
 
 
@@ -87,16 +91,17 @@ def pipeline(
             settings, f"{stamp}-{name}-{_run_id()}", config.model_dump_json()
         ) as outputs,
     ):
-        convert_task(source, data / "images")
+        convert_task(source.path, data / "images")
         split_task(
             data / "images", data / "train", data / "val",
             fraction=config.split.fraction, seed=config.split.seed,
         )  # fmt: skip
-        data_version: dict[str, str] = {}
+        versions: dict[str, ResolvedData] = {}
         if config.version_data:
-            for part in ("images", "train", "val"):
-                data_version[part] = version_task(data / part)
-            name_flow_run(f"{run_name}-data-{data_version['images'][:8]}")
+            versions = versioned_data(source, data, settings)
+            name_flow_run(f"{run_name}-data-{versions['images'].md5[:8]}")  # type: ignore[index]
+        data_version = {part: str(d.md5) for part, d in versions.items()}
+        data_refs = {part: str(d.ref) for part, d in versions.items()}
 
         request = TrainRequest(
             model=outputs / "untrained", train_data=data / "train", val_data=data / "val",
@@ -111,7 +116,9 @@ def pipeline(
             quantize_task(
                 trained.model_dir, data / "train", data / "val", max_top1_drop=config.max_top1_drop
             )
-        registered = register_task(trained.model_dir, data_version=data_version, alias=CHALLENGER)
+        registered = register_task(
+            trained.model_dir, data_version=data_version, alias=CHALLENGER, data_refs=data_refs
+        )
         promotion = promote_task(
             data / "val", candidate=registered.version,
             metric=config.promotion.metric, margin=config.promotion.margin,
@@ -139,6 +146,7 @@ def pipeline(
         champion_version=_champion_after(promotion),
         promotion_reason=promotion.reason,
         data_version=data_version,
+        data_refs=data_refs,
         metrics=dict(evaluation.metrics),
     )
     publish_markdown(
@@ -147,6 +155,26 @@ def pipeline(
         f"{result.registered_model} v{result.registered_version}: metrics and links",
     )
     return result
+
+
+def versioned_data(source: ResolvedData, data: Path, settings: Settings) -> dict[str, ResolvedData]:
+    """The run's data sets, each a version in the DVC remote (dvc add + push; ``latest`` moves).
+
+    The source comes first when it is a data set of the project (under data/): its ``latest``
+    is what a run on a machine without it starts from (the nightly deployment's default
+    data/raw/digits). A source fetched by version is recorded as it is, not versioned again; one
+    outside data/ is the user's folder, not a data set, and is not versioned. Then the prepared
+    images, train and val.
+    """
+    versions = {}
+    if source.md5 is not None:
+        versions["source"] = source
+    elif source.name is not None:
+        versions["source"] = replace(source, md5=version_task(source.path))
+    for part in ("images", "train", "val"):
+        folder = data / part
+        versions[part] = ResolvedData(folder, dataset_name(folder, settings), version_task(folder))
+    return versions
 
 
 def _champion_after(promotion: Promotion) -> str | None:
@@ -180,7 +208,10 @@ def summary_markdown(result: PipelineResult, settings: Settings) -> str:
         return f"[{text}]({url})" if url else f"{text} (in {ui})"
 
     rows = [{"metric": k, "value": format_metric(k, v)} for k, v in sorted(result.metrics.items())]
-    data = [{"data set": k, "DVC md5": v} for k, v in result.data_version.items()]
+    data = [
+        {"data set": k, "DVC md5": v, "reference": result.data_refs.get(k, "")}
+        for k, v in result.data_version.items()
+    ]
     champion = f"v{result.champion_version}" if result.champion_version else "none"
     return "\n\n".join(
         part

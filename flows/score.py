@@ -23,6 +23,7 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.futures import wait
 from pydantic import BaseModel
 
+from tasks.data.data_refs import REF_SYNTAX, resolve_data
 from tasks.inference.score import (
     SHARD_IMAGES,
     ShardedScoring,
@@ -93,7 +94,13 @@ def score_flow(
         ),
     ] = None,
     images: Annotated[
-        str, form_field(title="Images", description="ImageDirectory or image folder to score.")
+        str,
+        form_field(
+            title="Images",
+            description="ImageDirectory or image folder to score: a path from the project root, "
+            f"or a data set version as {REF_SYNTAX}, e.g. digits/val@latest (fetched from the "
+            "DVC remote).",
+        ),
     ] = "data/digits/val",
     dest: Annotated[
         str | None,
@@ -131,6 +138,7 @@ def score_flow(
     else:
         model_dir = settings.project_root / model
         label = model_dir.name
+    folder = resolve_data(images, "images to score", settings).path
     name_flow_run(f"score-{label}-{Path(images).name}")
     if dest is None:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -144,7 +152,7 @@ def score_flow(
         scored = score_in_flow(
             ShardedScoring(
                 model_dir,
-                settings.project_root / images,
+                folder,
                 out,
                 shard_images=shard_images,
                 batch_size=batch_size,

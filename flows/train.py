@@ -7,6 +7,7 @@ restarted and cancelled by the cluster, not by Prefect.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -24,8 +25,8 @@ from flows.config import (
     DemoModel,
     DemoTrainParams,
     DemoTransform,
-    in_project,
 )
+from tasks.data.data_refs import REF_SYNTAX, ResolvedData, resolve_data
 from tasks.data.versioning import version_task
 from tasks.inference.export import export_task
 from tasks.registry.promote import CHALLENGER
@@ -60,6 +61,21 @@ def train_and_report(request: TrainRequest) -> TrainResult:
     return trained
 
 
+def versioned(data: dict[str, ResolvedData], version: bool) -> dict[str, ResolvedData]:
+    """``data`` with each local data set versioned (dvc add + push) when ``version`` is on.
+
+    A data set fetched by version is that version already: it is recorded, not versioned again.
+    """
+    if not version:
+        return data
+    return {part: d if d.md5 else replace(d, md5=version_task(d.path)) for part, d in data.items()}
+
+
+def data_refs(data: dict[str, ResolvedData]) -> dict[str, str]:
+    """``part -> name@md5`` of the data sets that have both: what fetches them again anywhere."""
+    return {part: d.ref for part, d in data.items() if d.ref}
+
+
 class TrainedModel(BaseModel):
     """What a run of the train deployment produced."""
 
@@ -67,6 +83,7 @@ class TrainedModel(BaseModel):
     mlflow_run_id: str
     metrics: dict[str, float]
     data_version: dict[str, str]
+    data_refs: dict[str, str] = {}  # part -> name@md5: the same data, from any machine
     registered_version: str | None  # None when not registered
 
 
@@ -95,7 +112,10 @@ def train_model_flow(
         str,
         form_field(
             title="Training data",
-            description="Labeled ImageDirectory, relative to the project root.",
+            description="Labeled ImageDirectory: a path from the project root, or a data set "
+            f"version as {REF_SYNTAX}, e.g. digits/train@latest, fetched from the DVC remote by "
+            "whichever machine runs it. A path under data/ that this machine lacks is its "
+            "data set's latest version.",
             min_length=1,
         ),
     ] = "data/digits/train",
@@ -103,7 +123,8 @@ def train_model_flow(
         str,
         form_field(
             title="Validation data",
-            description="Labeled ImageDirectory scored after every epoch (the best epoch wins).",
+            description="Labeled ImageDirectory scored after every epoch (the best epoch wins): "
+            "a path or a data set version (digits/val@latest), as the training data.",
             min_length=1,
         ),
     ] = "data/digits/val",
@@ -128,13 +149,15 @@ def train_model_flow(
 ) -> TrainedModel:
     """Train one model from the UI or a schedule: build, train (DDP), export, register."""
     settings = get_settings()
-    train_path = in_project(train_data, "training data", settings)
-    val_path = in_project(val_data, "validation data", settings)
+    data = {
+        "train": resolve_data(train_data, "training data", settings),
+        "val": resolve_data(val_data, "validation data", settings),
+    }
+    train_path, val_path = data["train"].path, data["val"].path
     name_flow_run(f"train-{model.name}")
-    data_version: dict[str, str] = {}
-    if steps.version_data:
-        data_version = {name: version_task(path) for name, path in
-                        (("train", train_path), ("val", val_path))}  # fmt: skip
+    data = versioned(data, steps.version_data)
+    data_version = {part: d.md5 for part, d in data.items() if d.md5}
+    if "train" in data_version:
         name_flow_run(f"train-{model.name}-data-{data_version['train'][:8]}")
     fresh = datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
     asked = {
@@ -153,13 +176,15 @@ def train_model_flow(
         if steps.register_model:
             export_task(trained.model_dir, sample=val_path)
             registered = register_task(
-                trained.model_dir, data_version=data_version, alias=CHALLENGER
-            )
+                trained.model_dir, data_version=data_version, alias=CHALLENGER,
+                data_refs=data_refs(data),
+            )  # fmt: skip
             version = str(registered.version)
     return TrainedModel(
         model_dir=trained.model_dir,
         mlflow_run_id=trained.run_id,
         metrics=trained.metrics,
         data_version=data_version,
+        data_refs=data_refs(data),
         registered_version=version,
     )

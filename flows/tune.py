@@ -19,6 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import DEMO_TRANSFORM
 from models.transform_spec import TransformSpec
+from tasks.data.data_refs import REF_SYNTAX, resolve_data
 from tasks.data.transform import applied_to, data_transform
 from tasks.inference.export import export_task
 from tasks.registry.promote import CHALLENGER
@@ -86,11 +87,20 @@ def tune_flow(
         ),
     ] = None,
     train_data: Annotated[
-        str, form_field(title="Training data", description="Labeled ImageDirectory.")
+        str,
+        form_field(
+            title="Training data",
+            description="Labeled ImageDirectory: a path from the project root, or a data set "
+            f"version as {REF_SYNTAX}, e.g. digits/train@latest (fetched from the DVC remote).",
+        ),
     ] = "data/digits/train",
     val_data: Annotated[
         str,
-        form_field(title="Validation data", description="Labeled ImageDirectory the metric is on."),
+        form_field(
+            title="Validation data",
+            description="Labeled ImageDirectory the metric is on: a path or a data set version "
+            "(digits/val@latest).",
+        ),
     ] = "data/digits/val",
     transform: Annotated[
         TransformSpec | None,
@@ -105,7 +115,8 @@ def tune_flow(
         form_field(
             title="Data versions",
             description='DVC md5s of the data sets, e.g. {"train": "..."}, recorded on each '
-            "trial's run and the registered model; empty: none recorded.",
+            "trial's run and the registered model; empty: those of the data sets named by "
+            "version, else none recorded.",
         ),
     ] = None,
     register_best: Annotated[
@@ -128,13 +139,18 @@ def tune_flow(
     way). Details: docs/tuning.md#tune_flow.
     """
     settings = get_settings()
-    root = settings.project_root
     spec = (spec or TuningSpec()).check()
     if trial_deployment is None:  # the trials train here, sharing this machine's GPUs
         check_study_gpus(spec, local_gpus())
+    data = {
+        "train": resolve_data(train_data, "training data", settings),
+        "val": resolve_data(val_data, "validation data", settings),
+    }
+    train, val = data["train"].path, data["val"].path
+    if data_version is None:
+        data_version = {part: d.md5 for part, d in data.items() if d.md5} or None
     study = open_study(
-        spec, root / train_data, root / val_data,
-        transform=study_transform(transform, root / train_data, root / val_data),
+        spec, train, val, transform=study_transform(transform, train, val),
         settings=settings, data_version=data_version,
     )  # fmt: skip
     name_flow_run(f"tune-{study.job.study_name}")
@@ -158,8 +174,11 @@ def tune_flow(
     if register_best and best is not None and best.model_dir is not None:
         version = study.registered_version(best)
         if version is None:
-            export_task(best.model_dir, sample=root / val_data)
-            registered = register_task(best.model_dir, data_version=data_version, alias=CHALLENGER)
+            export_task(best.model_dir, sample=val)
+            registered = register_task(
+                best.model_dir, data_version=data_version, alias=CHALLENGER,
+                data_refs={part: d.ref for part, d in data.items() if d.ref},
+            )  # fmt: skip
             version = study.record_registration(best, registered.version)
         result = result.model_copy(update={"registered_version": version})
     return result

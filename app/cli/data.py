@@ -114,11 +114,30 @@ def split(
 @app.command()
 def version(
     path: Annotated[Path, typer.Argument(help="Folder inside the project to track with DVC.")],
+    tag: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Also record this tag of the version in the DVC remote (repeatable), e.g. v1: "
+            "any machine sharing the remote then names it NAME@v1."
+        ),
+    ] = None,
 ) -> None:
-    """Version a data set with DVC (dvc add + push to the configured remote); prints its md5."""
-    from tasks.data.versioning import version as run
+    """Version a data set with DVC (dvc add + push to the configured remote); print its reference.
 
-    out.print(run(path))
+    The reference is NAME@md5 (NAME: the path under data/), which any machine sharing the DVC
+    remote passes as its data (`imageops train`, the deployments' forms). The version also
+    becomes NAME@latest there, and NAME@TAG for each --tag.
+    """
+    from tasks.data.data_refs import reference
+    from tasks.data.version_tags import dataset_name
+    from tasks.data.versioning import version as run
+    from tasks.shared.settings import get_settings
+
+    settings = get_settings()
+    md5 = run(path, settings, tags=tag or ())
+    # Markup off: a data set's name is the user's ("[raw]/x" is no style).
+    ref = reference(dataset_name(settings.project_root / path, settings), md5)
+    out.print(ref, markup=False, soft_wrap=True)
     _print_commit_hint([path], f"Version {path}")
 
 

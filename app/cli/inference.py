@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from app.cli.root import (
+    _data_argument,
     app,
     out,
 )
@@ -69,7 +70,13 @@ def score(
             "models:/<name>/<version> (downloaded into the local cache)."
         ),
     ],
-    images: Annotated[Path, typer.Argument(help="ImageDirectory or any folder of images.")],
+    images: Annotated[
+        str,
+        typer.Argument(
+            help="ImageDirectory or any folder of images, or a data set version as NAME@VERSION "
+            "(digits/val@latest: fetched from the DVC remote)."
+        ),
+    ],
     dest: Annotated[Path, typer.Argument(help="Scored table to write (.csv or .parquet).")],
     batch_size: Annotated[int, typer.Option(help="Images per ONNX Runtime call.")] = 64,
     threads: Annotated[
@@ -92,10 +99,11 @@ def score(
     from tasks.inference.score import score_in_shards
     from tasks.registry.model_uri import model_in_use
 
+    folder = _data_argument(images, "images to score").path
     with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
         written = score_in_shards(
             model_dir,
-            images,
+            folder,
             dest,
             shard_images=shard_images,
             batch_size=batch_size,

@@ -144,9 +144,11 @@ def serve_webhook(
 @app.command("run")
 def run_pipeline(
     source: Annotated[
-        Path | None,
+        str | None,
         typer.Argument(
-            help="Raw images (folder or archive). Default: data/raw/digits (the digits)."
+            help="Raw images (folder or archive), or a version of them as NAME@VERSION "
+            "(raw/digits@latest: fetched from the DVC remote). Default: data/raw/digits (the "
+            "digits; its latest version in the DVC remote when this machine lacks it)."
         ),
     ] = None,
     config: Annotated[
@@ -169,25 +171,33 @@ def run_pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow and print where to look."""
     settings = get_settings()
-    if source is not None and not source.exists():  # before anything starts: seconds saved
-        from tasks.shared.errors import NoUsableImagesError
+    from tasks.data.data_refs import latest_version, parse_ref
+
+    ref = None if source is None or Path(source).exists() else parse_ref(source, settings)
+    if source is not None and not Path(source).exists() and ref is None:
+        from tasks.shared.errors import NoUsableImagesError  # before anything starts
 
         raise NoUsableImagesError(
             f"{source} does not exist.",
-            "Pass a folder of images (one sub-folder per class), an archive of one, or a CSV / "
-            "COCO label file; with no SOURCE, imageops run uses the digits sample.",
+            "Pass a folder of images (one sub-folder per class), an archive of one, a CSV / "
+            "COCO label file, or a version of one as NAME@VERSION (raw/digits@latest); with no "
+            "SOURCE, imageops run uses the digits sample.",
         )
     from flows.config import PipelineConfig
 
     cfg = PipelineConfig.from_yaml(config) if config else PipelineConfig()
-    if source is None and not (settings.project_root / cfg.source).exists():
+    if (
+        source is None
+        and not (settings.project_root / cfg.source).exists()
+        and latest_version(cfg.source, settings) is None
+    ):
         from tasks.data.sample import write_digits
 
         out.print(f"{cfg.source} is missing: writing the digits sample there first")
         write_digits(settings.project_root / cfg.source)
     updates: dict = {}
     if source is not None:
-        updates["source"] = str(source.resolve())
+        updates["source"] = str(ref) if ref is not None else str(Path(source).resolve())
     if dataset is not None:
         updates["dataset"] = dataset
     train_updates = {
@@ -213,9 +223,10 @@ def run_pipeline(
     with trainings_stop_with_the_command():  # Ctrl-C or SIGTERM stops its training too
         result = pipeline(cfg)
     _print_summary(settings, result)
-    if result.data_version:
-        data = settings.data_path / result.dataset
-        parts = [data / part for part in result.data_version]
+    # The versioned folders of this project (a source fetched by version is not one).
+    parts = [settings.data_path / ref.rpartition("@")[0] for ref in result.data_refs.values()]
+    parts = [part for part in parts if part.exists()]
+    if parts:
         _print_commit_hint(parts, f"Data set {result.dataset}")
 
 
@@ -237,9 +248,9 @@ def _print_summary(settings: Settings, result) -> None:
         champion = f"v{result.champion_version} stays" if result.champion_version else "none"
     out.print(escape(f"  champion                 {champion}: {result.promotion_reason}"))
     out.print(f"  MLflow run               {result.mlflow_run_id}")
-    versions = Table("data set", "DVC md5", title="data versions", title_justify="left")
+    versions = Table("data set", "NAME@md5", title="data versions", title_justify="left")
     for name, md5 in result.data_version.items():
-        versions.add_row(name, md5)
+        versions.add_row(name, result.data_refs.get(name, md5))
     if result.data_version:
         out.print(versions)
     mlflow_bin = Path(sys.executable).parent / "mlflow"

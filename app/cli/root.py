@@ -24,6 +24,7 @@ from tasks.shared.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from flows.config import PipelineConfig
+    from tasks.data.data_refs import ResolvedData
 
 
 app = typer.Typer(
@@ -130,6 +131,19 @@ def _start_prefect_api(settings: Settings) -> Callable[[], object]:
 
     api = start_temporary_api(settings.home_dir / "prefect" / "temporary-api.log")
     return api.wait if api else lambda: None
+
+
+def _data_argument(data: str, what: str) -> ResolvedData:
+    """A data argument as a folder here: a path from the working folder, or a data set version
+    (NAME@VERSION, :mod:`tasks.data.data_refs`).
+
+    The command line's paths are the shell's (from where the user stands); the resolver takes
+    a relative path from the project root, so it gets an existing one absolute.
+    """
+    from tasks.data.data_refs import resolve_data
+
+    given = Path(data).expanduser()
+    return resolve_data(given.resolve() if given.exists() else data, what)
 
 
 def _print_commit_hint(versioned: list[Path], message: str) -> None:

@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from app.cli.root import (
     _config,
+    _data_argument,
     _given,
     _option,
     _options_from,
@@ -124,8 +125,16 @@ def model_list(
 @_options_from(TrainParams)
 def train(
     model: Annotated[Path, typer.Argument(help="UntrainedModelDirectory (imageops model ...).")],
-    train_data: Annotated[Path, typer.Argument(help="Labeled training ImageDirectory.")],
-    val_data: Annotated[Path, typer.Argument(help="Labeled validation ImageDirectory.")],
+    train_data: Annotated[
+        str,
+        typer.Argument(
+            help="Labeled training ImageDirectory, or a data set version as NAME@VERSION "
+            "(digits/train@latest, digits/train@<md5>: fetched from the DVC remote)."
+        ),
+    ],
+    val_data: Annotated[
+        str, typer.Argument(help="Labeled validation ImageDirectory, or a version of one.")
+    ],
     dest: Annotated[Path, typer.Argument(help="ModelDirectory to write (the best epoch).")],
     config: Annotated[
         Path | None,
@@ -156,11 +165,14 @@ def train(
     from tasks.train.torchrun import trainings_stop_with_the_command
 
     base = _config(config).train.model_dump() if config is not None else {}
+    train = _data_argument(train_data, "training data")
+    val = _data_argument(val_data, "validation data")
     request = TrainRequest.checked(
-        model=model, train_data=train_data, val_data=val_data, out=dest, transform=transform,
+        model=model, train_data=train.path, val_data=val.path, out=dest, transform=transform,
         params={**base, **_given(options)},
+        data_version={k: d.md5 for k, d in (("train", train), ("val", val)) if d.md5},
     )  # fmt: skip
-    out.print(_transform_note(transform, train_data, val_data))
+    out.print(_transform_note(transform, train.path, val.path))
     with trainings_stop_with_the_command():  # SIGTERM too: the MLflow run ends KILLED
         result = launch.train(request)
     out.print(f"model: {result.model_dir}  MLflow run: {result.run_id}  metrics: {result.metrics}")
@@ -214,13 +226,20 @@ _SPEC_OPTIONS = (
 @_with_options(*_SPEC_OPTIONS)
 def tune(
     spec: Annotated[Path, typer.Argument(help="Tuning spec (YAML, the shape of tuning.yaml).")],
-    train_data: Annotated[Path, typer.Option(help="Labeled training ImageDirectory.")] = Path(
-        "data/digits/train"
-    ),
+    train_data: Annotated[
+        str,
+        typer.Option(
+            help="Labeled training ImageDirectory, or a data set version as NAME@VERSION "
+            "(digits/train@latest: fetched from the DVC remote)."
+        ),
+    ] = "data/digits/train",
     val_data: Annotated[
-        Path,
-        typer.Option(help="Labeled validation ImageDirectory (the metric is measured on it)."),
-    ] = Path("data/digits/val"),
+        str,
+        typer.Option(
+            help="Labeled validation ImageDirectory (the metric is measured on it), or a "
+            "version of one."
+        ),
+    ] = "data/digits/val",
     transform: Annotated[
         Path | None,
         typer.Option(
@@ -250,7 +269,9 @@ def tune(
 
     study_spec = tune_spec_file(spec, **replaced)
     given = read_transformation(transform) if transform is not None else None
-    chosen = study_transform(given, train_data, val_data)
+    train = _data_argument(train_data, "training data")
+    val = _data_argument(val_data, "validation data")
+    chosen = study_transform(given, train.path, val.path)
     side = input_size(chosen)
     source = transform or ("the data's" if chosen != DEMO_TRANSFORM else "the demo's")
     out.print(escape(f"transform: {source} (the network sees {side}x{side} images)"))
@@ -258,8 +279,8 @@ def tune(
     with trainings_stop_with_the_command():  # Ctrl-C or SIGTERM stops the running trials too
         result = tune_flow(
             study_spec,
-            str(train_data.resolve()),
-            str(val_data.resolve()),
+            train.ref or str(train.path),
+            val.ref or str(val.path),
             transform=chosen,
             register_best=register,
             trial_deployment=trial_deployment,

@@ -38,6 +38,7 @@ from tasks.shared.errors import (
     InvalidImageDirectoryError,
     NotLabeledDatasetError,
 )
+from tasks.shared.settings import get_settings
 
 MANIFEST = "manifest.json"
 # A name the manifest reports (a skipped file, the source) rather than opens: one that is not
@@ -117,6 +118,24 @@ class Manifest(ManifestHead):
 
     def head(self) -> ManifestHead:
         return ManifestHead.model_validate(self.model_dump(exclude={"images"}))
+
+
+def recorded_source(source: Path) -> str:
+    """How a manifest names the folder or file it was made from (its ``source``).
+
+    From the project root when it is in the project (``data/raw/digits``), and as
+    ``$IMAGEOPS_HOME/...`` when it is in imageops' home (a data version fetched from the DVC
+    remote), so the same data prepared in two checkouts on two machines is the same bytes, and
+    so the same DVC version; absolute elsewhere.
+    """
+    settings = get_settings()
+    path = Path(source).resolve()
+    root, home = settings.project_root.resolve(), settings.home_dir.resolve()
+    if path.is_relative_to(home) and not home.is_relative_to(path):
+        return f"$IMAGEOPS_HOME/{path.relative_to(home).as_posix()}"
+    if path.is_relative_to(root):
+        return path.relative_to(root).as_posix()
+    return str(path)
 
 
 def missing_manifest(root: Path) -> InvalidImageDirectoryError:

@@ -24,7 +24,7 @@ import numpy as np
 from models.atomic import atomic_directory, check_destination
 from tasks.data.datasets import holding_folders
 from tasks.data.file_links import Placer
-from tasks.data.imagedir import MANIFEST, ImageEntry
+from tasks.data.imagedir import MANIFEST, ImageEntry, recorded_source
 from tasks.data.manifest_stream import ManifestWriter, StreamedManifest, iter_images, read_head
 from tasks.shared.errors import InvalidImageDirectoryError, InvalidParameterError
 from tasks.shared.file_hash import file_sha256
@@ -146,7 +146,7 @@ def _split(
     # keeps the source's order; its counts and duplicates are the writer's.
     subset = head.model_copy(
         update={
-            "source": str(source.resolve()),
+            "source": recorded_source(source),
             "skipped": [],
             # The fingerprint describes a conversion; a split is not one (and is cheap to redo).
             "fingerprint": None,

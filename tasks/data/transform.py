@@ -28,6 +28,7 @@ from tasks.data.imagedir import (
     SkippedFile,
     SkipReason,
     load_rgb,
+    recorded_source,
 )
 from tasks.data.manifest_stream import ManifestWriter, StreamedManifest, iter_images, read_head
 from tasks.shared.errors import (
@@ -430,7 +431,7 @@ def _apply(transform: Path, images: Path, dest: Path, mode: Mode, seed: int) -> 
             )
         result = head.model_copy(
             update={
-                "source": str(images.resolve()),
+                "source": recorded_source(images),
                 "skipped": skipped,
                 "fingerprint": None,
                 "transform": AppliedTransform(spec=spec, mode=mode, seed=seed),

@@ -14,7 +14,7 @@ import logging
 import re
 import socket
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +27,7 @@ from tasks.data.datasets import holding_folders
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
 from tasks.data.dvc_repairs import git_root, init_cut_short, nothing_half_done, repair_rwlock
 from tasks.data.version_check import changed_while_added, mismatch, recorded_state
+from tasks.data.version_tags import LATEST, check_tag, dataset_name, write_tags
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, VersioningError
 from tasks.shared.project_lock import taking_turns
@@ -41,6 +42,7 @@ REMOTE_NAME = "local"
 # imageops' own (outside git), each checked out from its cache as a folder named by the md5.
 VERSIONS_DIR = "data-versions"
 _DIR_MD5 = re.compile(r"^([0-9a-f]{32})\.dir$")
+_FILE_MD5 = re.compile(r"^([0-9a-f]{32})$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # DVC colours its messages' links
 LOCK_FILE = "dvc.lock"
 # A push of a large data set to a slow remote can take long; past this, something is stuck.
@@ -314,7 +316,7 @@ def uncommitted(paths: Iterable[Path], settings: Settings | None = None) -> list
     return [f.relative_to(root).as_posix() for f in files if f in changed]
 
 
-def version(path: Path, settings: Settings | None = None) -> str:
+def version(path: Path, settings: Settings | None = None, tags: Sequence[str] = ()) -> str:
     """``dvc add`` the folder (or file) ``path`` and ``dvc push`` it; return its md5.
 
     ``path`` is absolute or relative to the project root, and must be inside it. The md5 is the
@@ -322,12 +324,15 @@ def version(path: Path, settings: Settings | None = None) -> str:
     the same md5, so versioning unchanged data twice returns the same value and pushes nothing.
     The folder's lock is held throughout (steps that write it wait), and an ImageDirectory whose
     files are not the ones its manifest lists is neither recorded nor pushed
-    (:class:`VersionMismatchError`). Raises :class:`VersioningError` for a path outside the
+    (:class:`VersionMismatchError`). Once pushed, the version becomes the data set's ``latest``
+    in the remote, and so do ``tags`` (:mod:`.version_tags`): any machine sharing the remote
+    can name it ``<name>@latest``. Raises :class:`VersioningError` for a path outside the
     project or any DVC failure.
     """
     from dvc.exceptions import DvcException
 
     settings = settings or get_settings()
+    tags = [LATEST, *(check_tag(t) for t in tags if t != LATEST)]
     target = _inside_project(path, settings)
     # The folder's lock before DVC's: the order every step takes them in (no deadlock).
     with (
@@ -360,6 +365,15 @@ def version(path: Path, settings: Settings | None = None) -> str:
                 exc,
                 f"push {target} to the remote {_remote_url(settings)}",
                 "Check the remote (IMAGEOPS_DVC_REMOTE_URL), then version again.",
+            ) from exc
+        name = dataset_name(target, settings)
+        try:
+            write_tags(repo, name, md5, tags)
+        except (DvcException, OSError) as exc:
+            raise _dvc_error(
+                exc,
+                f"record the tags {', '.join(tags)} of {name} in {_remote_url(settings)}",
+                "Check that the remote (IMAGEOPS_DVC_REMOTE_URL) is writable, then version again.",
             ) from exc
     logger = step_logger(__name__)
     logger.info("versioned %s as %s (md5 %s)", target, dvc_file.name, md5)
@@ -398,10 +412,24 @@ def _open_versions_repo(settings: Settings) -> Repo:
     return repo
 
 
-def _unavailable(md5: str, settings: Settings, why: str) -> DataUnavailableError:
+def remote_description(settings: Settings) -> str:
+    """The DVC remote as a message names it: its URL, and its endpoint for S3 (not redacted)."""
     remote = _remote_url(settings)
     if remote.startswith("s3://") and settings.s3_endpoint_url:
         remote += f" (at {settings.s3_endpoint_url})"
+    return remote
+
+
+@contextlib.contextmanager
+def versions_repo(settings: Settings) -> Iterator[Repo]:
+    """This machine's DVC repository of fetched versions (its remote: the settings'), held: what
+    reads the remote's records (:mod:`.version_tags`) where the project has no DVC repository."""
+    with _serialised(settings), _open_versions_repo(settings) as repo:
+        yield repo
+
+
+def _unavailable(md5: str, settings: Settings, why: str) -> DataUnavailableError:
+    remote = remote_description(settings)
     return DataUnavailableError(
         redact_uri(
             f"The data set version {md5} could not be fetched from the DVC remote {remote} "
@@ -413,38 +441,41 @@ def _unavailable(md5: str, settings: Settings, why: str) -> DataUnavailableError
     )
 
 
-def fetch_version(md5: str, settings: Settings | None = None) -> Path:
+def fetch_version(md5: str, settings: Settings | None = None, file_name: str | None = None) -> Path:
     """The folder whose DVC md5 is ``md5`` (what :func:`version` returned), on this machine.
 
     A training node that has no copy of the data gets it from the DVC remote into its own cache
     (``home/data-versions``, a DVC repository of imageops' own), checked out as
     ``home/data-versions/<hash>``. Once there, a call returns it without asking the remote.
     The folder appears whole or not at all (checked out beside it, then renamed), and the DVC
-    lock makes two calls at once take turns. Raises :class:`DataUnavailableError` when the
-    remote does not have the version or cannot be reached.
+    lock makes two calls at once take turns. A file's version (an archive's: no ``.dir``) is
+    checked out as ``<hash>/<file_name>``, which is returned. Raises :class:`DataUnavailableError` when the remote does not have the version or
+    cannot be reached.
     """
     from dvc.exceptions import CheckoutError, DvcException
 
     settings = settings or get_settings()
-    match = _DIR_MD5.match(md5)
-    if match is None:
+    match = (_DIR_MD5 if file_name is None else _FILE_MD5).match(md5)
+    if match is None or (file_name is not None and Path(file_name).name != file_name):
         raise InvalidParameterError(
             f"{md5!r} is not a data set version: a version is the md5 of a folder, 32 hex "
-            "digits and `.dir`, as `imageops version` prints it.",
+            "digits and `.dir` (or of a file, 32 hex digits), as `imageops version` prints it.",
             "Pass the data version recorded with the training run (its `data_version`).",
         )
     dest = settings.home_dir / VERSIONS_DIR / match.group(1)
-    if dest.is_dir():
-        return dest  # only a complete checkout is ever renamed to this name
+    found = dest if file_name is None else dest / file_name
+    if found.exists():
+        return found  # only a complete checkout is ever renamed to this name
     with _serialised(settings), _open_versions_repo(settings) as repo:
-        if dest.is_dir():  # fetched by another call while this one waited for the lock
-            return dest
+        if found.exists():  # fetched by another call while this one waited for the lock
+            return found
         for leftover in dest.parent.glob(".*.tmp.dvc"):  # a killed fetch's; we hold the lock
             leftover.unlink()
         with atomic_directory(dest) as tmp:
+            out = tmp.name if file_name is None else f"{tmp.name}/{file_name}"
             dvc_file = write_text(
                 tmp.with_name(f"{tmp.name}.dvc"),
-                yaml.safe_dump({"outs": [{"md5": md5, "path": tmp.name, "hash": "md5"}]}),
+                yaml.safe_dump({"outs": [{"md5": md5, "path": out, "hash": "md5"}]}),
             )
             try:
                 repo.fetch(targets=[str(dvc_file)])
@@ -458,8 +489,8 @@ def fetch_version(md5: str, settings: Settings | None = None) -> Path:
                 raise _unavailable(md5, settings, why) from exc
             finally:
                 dvc_file.unlink(missing_ok=True)
-    step_logger(__name__).info("fetched data version %s into %s", md5, dest)
-    return dest
+    step_logger(__name__).info("fetched data version %s into %s", md5, found)
+    return found
 
 
 __getattr__ = tasks_on_first_use(

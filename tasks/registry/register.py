@@ -59,6 +59,7 @@ IMAGE_COLUMN = "image"  # the pyfunc's input column (models/image_pyfunc.py)
 # Naming them skips MLflow's requirement inference, which loads the model in a subprocess.
 PYFUNC_REQUIREMENTS = ("onnxruntime", "numpy", "pandas", "pillow")
 MAX_TAG_VALUE = 5000  # a readable tag; a long class list is in the MLmodel metadata anyway
+DATA_REF_TAG = "data_ref."  # + the data set's part (train, val, ...): its reference, name@md5
 MAX_DESCRIBED_CLASSES = 2000  # characters of class names in a version's description
 # MLflow's alias rule: word characters and dashes; "latest" and "v<number>" are reserved.
 _ALIAS = re.compile(r"^[\w\-]{1,255}$")
@@ -151,7 +152,11 @@ def check_alias(alias: str) -> None:
 
 
 def _version_tags(
-    info: ModelInfo, data_version: dict[str, str], revision: str, onnx_sha: str
+    info: ModelInfo,
+    data_version: dict[str, str],
+    revision: str,
+    onnx_sha: str,
+    data_refs: dict[str, str],
 ) -> dict[str, str]:
     tags = {
         "architecture": info.architecture.arch,
@@ -163,6 +168,8 @@ def _version_tags(
     if len(classes) <= MAX_TAG_VALUE:
         tags["classes"] = classes
     tags |= {f"data_md5.{name}": str(md5) for name, md5 in data_version.items()}
+    # name@md5: what `--train-data` / `train_data=` takes on any machine sharing the DVC remote.
+    tags |= {f"{DATA_REF_TAG}{name}": ref for name, ref in data_refs.items()}
     # What a person compares in the version list; every parameter and metric is in the
     # training run the version links to (and in model.json), not repeated here as 40 tags.
     if "recipe" in info.train_params:
@@ -178,11 +185,14 @@ def register(
     settings: Settings | None = None,
     data_version: dict[str, str] | None = None,
     alias: str | None = None,
+    data_refs: dict[str, str] | None = None,
 ) -> RegisteredModel:
     """Log ``model_dir``'s ONNX model to MLflow and register it as a new version.
 
     The model goes into its training run (``model.json``'s ``mlflow_run_id``), or a new run when
-    it has none. ``data_version`` (name -> md5) defaults to the one in ``model.json``. ``alias``,
+    it has none. ``data_version`` (name -> md5) defaults to the one in ``model.json``; ``data_refs``
+    (name -> ``<data set>@<md5>``, :mod:`tasks.data.data_refs`) become ``data_ref.<name>`` tags, so
+    the same data can be trained on again from any machine. ``alias``,
     when given, is moved to the new version. A version that a killed register of the same model
     (same run, same tags) left incomplete is completed instead of adding another. Raises
     RegistryError when ``model.onnx`` is missing or was exported from other weights (run the
@@ -209,7 +219,11 @@ def register(
         )
     data_version = dict(info.data_version if data_version is None else data_version)
     tags = _version_tags(
-        info, data_version, git_revision(settings.project_root), sha256_file(onnx_path)
+        info,
+        data_version,
+        git_revision(settings.project_root),
+        sha256_file(onnx_path),
+        dict(data_refs or {}),
     )
     name = settings.registered_model_name
     key = registration_key(info.mlflow_run_id, name, tags)

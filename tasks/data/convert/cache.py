@@ -22,7 +22,7 @@ from typing import Any
 from tasks.data.convert.checking import available_cores, ordered_map
 from tasks.data.convert.plan import ConversionPlan, PlannedFile
 from tasks.data.imagecheck import file_fingerprint
-from tasks.data.imagedir import MANIFEST
+from tasks.data.imagedir import MANIFEST, recorded_source
 from tasks.data.manifest_stream import StreamedManifest, iter_images, read_head
 from tasks.shared.errors import ImageOpsError
 from tasks.shared.file_hash import file_sha256
@@ -116,7 +116,7 @@ def previous(dest: Path, source: Path) -> StreamedManifest | None:
         return None
     try:
         head = read_head(dest)
-        if head.fingerprint is None or head.source != str(source.resolve()):
+        if head.fingerprint is None or head.source != recorded_source(source):
             return None
         count = _intact(dest)
     except (ImageOpsError, OSError):

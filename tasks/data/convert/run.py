@@ -21,6 +21,7 @@ from tasks.data.imagedir import (
     SkippedFile,
     SkipReason,
     printable_name,
+    recorded_source,
 )
 from tasks.data.manifest_stream import ManifestWriter, StreamedManifest
 from tasks.shared.errors import InvalidDatasetError, NotLabeledDatasetError, NoUsableImagesError
@@ -184,7 +185,7 @@ def _convert_plan(
             head = ManifestHead(
                 labeled=plan.labeled,
                 classes=classes,
-                source=str(source.resolve()),
+                source=recorded_source(source),
                 skipped=sorted(skipped, key=lambda s: s.path),
                 fingerprint=key if made is None else made.hexdigest(),
             )
