@@ -26,6 +26,7 @@ from prefect.workers.process import ProcessJobConfiguration, ProcessWorker, Proc
 from pydantic import PrivateAttr
 
 from app.deployments import DEPLOYMENTS_FILE, load_spec
+from app.flow_heartbeats import heartbeat_environment
 from app.work_pools import POOLS, base_job_template, template_path
 from models.bounded_parse import shown
 from tasks.shared.errors import UnregisteredCodeError
@@ -284,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", choices=list(POOLS), required=True)
     parser.add_argument("--name", help="the worker's name (default: imageops-POOL-HOSTNAME)")
     args = parser.parse_args(argv)
+    for name, value in heartbeat_environment().items():  # its flow runs' environment
+        os.environ.setdefault(name, value)
     worker_class = checked_worker_class(args.pool)
     setup_signal_handlers_worker(os.getpid(), f"the imageops {args.pool} worker", print)
     worker = worker_class(

@@ -16,8 +16,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,6 +245,7 @@ class Stack(Services):
             self._wait(timeout_s)
             self.say("servers up; creating the work pool and registering the deployments")
             self._create_pool()
+            self._create_zombie_automation()
             self._register(secret)
             if self.worker:
                 self._launch(
@@ -369,6 +371,49 @@ class Stack(Services):
                     "PATCH", "/work_queues/{id}", path_params={"id": queue.id},
                     json={"concurrency_limit": 1},
                 )  # fmt: skip
+
+    def _create_zombie_automation(self) -> None:
+        """Flow runs whose process died unseen end Crashed (app.flow_heartbeats)."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import temporary_settings
+
+        from app.flow_heartbeats import ensure_zombie_automation
+
+        with (
+            temporary_settings(updates=self.prefect_client_settings()),
+            get_client(sync_client=True) as client,
+        ):
+            ensure_zombie_automation(client)
+
+    def mlflow_login(self) -> dict[str, str]:
+        """The variables that log MLflow's client in to this stack's server (none here)."""
+        return {}
+
+    @contextlib.contextmanager
+    def _clients(self) -> Iterator[tuple[object, object]]:
+        """An MLflow client and a sync Prefect client of this stack's servers."""
+        from mlflow import MlflowClient
+        from prefect.client.orchestration import get_client
+        from prefect.settings import temporary_settings
+
+        with (
+            temporary_settings(updates=self.prefect_client_settings()),
+            get_client(sync_client=True) as prefect,
+        ):
+            yield MlflowClient(self.mlflow_url, self.mlflow_url), prefect
+
+    def serve_forever(self, poll_s: float = 1.0) -> None:
+        """Block until Ctrl-C (or SIGTERM), or until a service dies; meanwhile end the MLflow
+        runs their flow runs left RUNNING (app.stranded_runs)."""
+        from app.stranded_runs import keep_ending_stranded_runs
+
+        os.environ.update(self.mlflow_login())  # MLflow's client reads its login from there
+        stop = threading.Event()
+        keep_ending_stranded_runs(self._clients, self.say, stop)
+        try:
+            super().serve_forever(poll_s)
+        finally:
+            stop.set()
 
     def _register(self, secret: str) -> None:
         from app.webhook import register_webhook

@@ -177,6 +177,12 @@ class TeamServer(Stack):
             "prefect-auth-string", lambda: f"{PREFECT_USER}:{secrets.token_urlsafe(32)}"
         )
 
+    def mlflow_login(self) -> dict[str, str]:
+        return {
+            "MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN,
+            "MLFLOW_TRACKING_PASSWORD": self.secret("mlflow-admin-password"),
+        }
+
     def s3_keys(self) -> tuple[str, str]:
         return (
             self.secret("s3-access-key", lambda: secrets.token_hex(10).upper()),
@@ -251,6 +257,7 @@ class TeamServer(Stack):
             self.say("servers up; creating the work pools and registering the deployments")
             for pool in POOLS:
                 self._create_pool(pool)
+            self._create_zombie_automation()
             self._register_deployments()
             _write_private(self.join_file, self._join_file_text())
             for old in self.secrets_dir.glob("*.old"):  # rotated: the new ones are in use

@@ -8,23 +8,28 @@ would. Two machines that share nothing: tests/test_cluster_hosts.py.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 from projects import imageops
-from server_processes import RAY_NODE, Processes, base_env, free_port
+from server_processes import LONG_WAIT, RAY_NODE, Processes, base_env, free_port
 from training_runs import PRE
 
+from tasks.shared import servers
 from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
 from tasks.shared.servers import healthy
 from tasks.shared.settings import Settings
+from tasks.train import gang_health
 from tasks.train.launch import train
 from tasks.train.loop import METRICS
 from tasks.train.request import TrainRequest
@@ -205,3 +210,56 @@ def test_a_wrong_cluster_address_is_one_error_within_the_wait(
     assert result.stderr.count("error: ClusterUnavailableError") == 1, result.stderr
     assert f"Could not reach the Ray cluster at {nowhere}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_node_agent_that_stops_answering_ends_the_job_within_its_deadline(
+    cluster: Cluster, on_cluster: Settings, untrained: Path, data: tuple[Path, Path],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The node's agent frozen mid-training (SIGSTOP: alive to Ray, deaf to calls): the driver's
+    ping goes unanswered and the job ends, naming the node, instead of waiting for ever."""
+    monkeypatch.setattr(gang_health, "ANSWER_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(gang_health, "HEALTH_EVERY_S", 0.5)
+    job = request(untrained, data, tmp_path / "model", epochs=200, cluster=cluster.address)
+    job = job.model_copy(update={"max_restarts": 0})
+    failures: list[BaseException] = []
+
+    def driver() -> None:
+        try:
+            train(job, on_cluster)
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    agent = servers.wait_until(lambda: _agent_of_torchrun(cluster.node_home), 120, **LONG_WAIT)
+    assert agent, "no torchrun of this cluster's node started"
+    agent.suspend()
+    try:
+        started = time.monotonic()
+        thread.join(60)
+        assert not thread.is_alive(), "the driver still waits on a node that does not answer"
+        assert time.monotonic() - started < 45
+    finally:
+        with contextlib.suppress(psutil.Error):
+            agent.kill()
+    (error,) = failures
+    assert isinstance(error, ClusterUnavailableError), repr(error)
+    assert "did not answer for 3 s" in str(error)
+    run = MlflowClient(on_cluster.tracking_uri).search_runs(
+        [MlflowClient(on_cluster.tracking_uri).get_experiment_by_name(
+            on_cluster.mlflow_experiment).experiment_id]
+    )[0]  # fmt: skip
+    assert run.info.status == "FAILED"
+
+
+def _agent_of_torchrun(node_home: Path) -> psutil.Process | None:
+    """The Ray actor process whose torchrun trains a run of the node at ``node_home``."""
+    for process in psutil.process_iter(["cmdline"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if "torch.distributed.run" in command and str(node_home) in command:
+            with contextlib.suppress(psutil.Error):
+                for parent in process.parents():
+                    if parent.name().startswith("ray::") or "ray::" in " ".join(parent.cmdline()):
+                        return parent
+    return None

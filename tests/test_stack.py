@@ -427,6 +427,125 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     assert client.get_model_version_by_alias(MODEL, "challenger").version == version.version
 
 
+def test_a_flow_run_whose_worker_died_is_cancelled_by_prefect_flow_run_cancel(
+    served: Served, digits_split: tuple[Path, Path]
+) -> None:
+    """A training flow run whose worker was SIGKILLed (its process goes on, another worker would
+    never touch it): `prefect flow-run cancel` ends it Cancelled within 30 s, its MLflow run
+    (tagged with the flow run) KILLED, and no training process of it is left."""
+    from mlflow.tracking import MlflowClient
+    from prefect.states import Pending
+
+    from tasks.train.mlflow_run import FLOW_RUN_TAG
+
+    train_dir, val_dir = digits_split
+    with served.client() as client:  # Pending: the stack's worker leaves it to ours
+        flow_run = client.create_flow_run_from_deployment(
+            served.deployment("imageops-train-model/train").id,
+            parameters={
+                "train_data": str(train_dir), "val_data": str(val_dir),
+                "params": {"epochs": 500, "batch_size": 32, "nproc_per_node": 1},
+                "transform": {"resize_size": 16, "center_crop_size": 16},
+                "steps": {"version_data": False, "register_model": False},
+            },
+            state=Pending(),
+        )  # fmt: skip
+    env = served.env | {
+        "PREFECT_API_URL": served.api, "PREFECT_API_AUTH_STRING": served.auth,
+        "IMAGEOPS_PREFECT_API_URL": served.api, "IMAGEOPS_MLFLOW_TRACKING_URI": served.mlflow,
+        "PREFECT_HOME": str(served.root / ".prefect-orphan"),
+        "PREFECT__FLOW_RUN_ID": str(flow_run.id),
+    }  # fmt: skip
+    # A stand-in for the worker: the parent of the flow run's process, SIGKILLed under it.
+    log = served.root / ".imageops" / "stack" / "logs" / "orphan-flow-run.log"  # in its report
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); "
+         "time.sleep(900)", sys.executable, "-m", "app.flow_run_entry"],
+        env=env, cwd=served.root, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    mlflow = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
+    try:
+        (entry,) = served.wait("the flow run's process", psutil.Process(worker.pid).children, 30)
+
+        def training() -> Any:
+            experiment = mlflow.get_experiment_by_name("imageops")
+            query = f"tags.`{FLOW_RUN_TAG}` = '{flow_run.id}' and attributes.status = 'RUNNING'"
+            return experiment and mlflow.search_runs([experiment.experiment_id], query)
+
+        (run,) = served.wait("the flow run's MLflow run", training, 240)
+        worker.kill()
+        worker.wait()
+        served.prefect("flow-run", "cancel", str(flow_run.id))
+        cancelled = time.monotonic()
+
+        def ended() -> Any:
+            with served.client() as client:
+                state = client.read_flow_run(flow_run.id).state
+            return state.is_final() and state
+
+        state = served.wait("the cancelled flow run to end", ended, 60)
+        assert state.type.value == "CANCELLED", state
+        assert time.monotonic() - cancelled < 30
+        entry.wait(timeout=30)  # gone (not our child any more: its exit code is not ours to read)
+        assert mlflow.get_run(run.info.run_id).info.status == "KILLED"
+        left = [
+            p.info["cmdline"]
+            for p in psutil.process_iter(["cmdline"])
+            if run.info.run_id in " ".join(p.info["cmdline"] or [])
+        ]
+        assert not left, left
+    finally:
+        worker.kill()
+        for process in psutil.process_iter(["environ"]):
+            with contextlib.suppress(psutil.Error):
+                if (process.info["environ"] or {}).get("PREFECT__FLOW_RUN_ID") == str(flow_run.id):
+                    process.kill()
+
+
+def test_the_stack_ends_the_mlflow_runs_its_ended_flow_runs_left_running(served: Served) -> None:
+    """A flow run ended Crashed (its process SIGKILLed: the worker, or the zombie automation the
+    stack creates, says so) or Cancelled with its MLflow run still RUNNING: `imageops serve`
+    ends that run FAILED or KILLED; a run whose flow run goes on, or is unknown, stays RUNNING."""
+    from mlflow.tracking import MlflowClient
+    from prefect.states import Cancelled, Crashed, Pending
+
+    from app.flow_heartbeats import AUTOMATION_NAME, ZOMBIE_AFTER_S
+    from app.stranded_runs import RECONCILE_EVERY_S
+    from tasks.train.mlflow_run import FLOW_RUN_TAG
+
+    mlflow = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
+    experiment = mlflow.create_experiment(f"stranded-{time.time_ns()}")
+    runs = {}
+    with served.client() as client:
+        (automation,) = client.read_automations_by_name(AUTOMATION_NAME)
+        assert automation.trigger.within.total_seconds() == ZOMBIE_AFTER_S
+        deployment = served.deployment("imageops-score/score")
+        for end in ("crashed", "cancelled", "going-on"):
+            flow_run = client.create_flow_run_from_deployment(deployment.id, state=Pending())
+            if end == "crashed":
+                client.set_flow_run_state(flow_run.id, Crashed(), force=True)
+            elif end == "cancelled":
+                client.set_flow_run_state(flow_run.id, Cancelled(), force=True)
+            tags = {FLOW_RUN_TAG: str(flow_run.id)}
+            runs[end] = mlflow.create_run(experiment, tags=tags).info.run_id
+    runs["unknown"] = mlflow.create_run(
+        experiment, tags={FLOW_RUN_TAG: str(UUID(int=7))}
+    ).info.run_id
+    started = time.monotonic()
+
+    def status(end: str) -> str:
+        return mlflow.get_run(runs[end]).info.status
+
+    ended = lambda: "RUNNING" not in (status("cancelled"), status("crashed"))  # noqa: E731
+    served.wait("the stranded runs to end", ended, 60)
+    assert status("crashed") == "FAILED" and status("cancelled") == "KILLED"
+    assert time.monotonic() - started < RECONCILE_EVERY_S + 15
+    assert status("going-on") == "RUNNING" and status("unknown") == "RUNNING"
+    crashed = mlflow.get_run(runs["crashed"])
+    assert "ended CRASHED" in crashed.data.tags["imageops.ended_by"]
+    assert f"MLflow run {runs['crashed']} ended FAILED" in served.log.read_text()
+
+
 # --- in a real browser: Playwright driving Debian's Chromium (apt-get install chromium) --------
 
 CHROMIUM = shutil.which("chromium")

@@ -4,8 +4,10 @@ The driver (this process, wherever the flow or the CLI runs) connects to the clu
 placement group of N bundles with ``STRICT_SPREAD`` (no two nodes on one machine), starts one
 :class:`~tasks.train.cluster_node.NodeAgent` in each, and runs the same torchrun worker on every
 node against one MLflow run. The cluster places the gang, the driver restarts it whole from the
-last checkpoint in the checkpoint store when a node is lost, and cancels it whole (an interrupt,
-or the driver's death: Ray ends the actors of a dead driver, torchrun dies with its actor).
+last checkpoint in the checkpoint store when a node is lost (dead, or not answering: see
+:mod:`tasks.train.gang_health`; when it is the driver's own, it joins the cluster again first),
+and cancels it whole (an interrupt, or the driver's death: Ray ends the actors of a dead driver,
+torchrun dies with its actor). Every wait has a deadline.
 Why a placement group and not Ray Train: docs/training.md#cluster-jobs.
 """
 
@@ -29,8 +31,9 @@ from tasks.shared.errors import ClusterUnavailableError, ImageOpsError, InvalidP
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.shared.tracking import configure_mlflow
-from tasks.train.cluster_connect import connect
+from tasks.train.cluster_connect import connect, reconnect
 from tasks.train.cluster_node import NodeAgent, NodeInfo, NodeJob, NodeOutcome
+from tasks.train.gang_health import DriverNodeLost, GangWatch, NodeLost, wait_refs
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import Request, TrainRequest, check_request
@@ -46,6 +49,11 @@ POLL_S = 0.5
 # How long a node's failure waits for the cluster to say whether another node died (Ray's
 # health checks take about 15 s to declare a silent node dead).
 LOSS_GRACE_S = 45.0
+# Once placed, how long the node agents may take to start (a process, its imports) at least.
+AGENT_START_S = 120.0
+# How long the nodes may take to get the data versions and the model ready (a large data set from
+# the DVC remote): they answer their pings meanwhile, this bounds a fetch that never ends.
+PREPARE_TIMEOUT_S = 3600.0
 
 
 def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Path, dict]:
@@ -123,14 +131,6 @@ def _versioned_in_background(
             versions.cancel()  # not started yet: never starts; under way: DVC finishes it
 
 
-class NodeLost(Exception):
-    """A node of the gang died (or its machine went away); ``training``: after training began."""
-
-    def __init__(self, what: str, training: bool) -> None:
-        super().__init__(what)
-        self.training = training
-
-
 # Gangs that lose a node before training starts (a machine dying as it is placed) are placed
 # again, this many times at most; a loss during training counts against max_restarts.
 PLACEMENTS = 3
@@ -146,6 +146,12 @@ def _run_gang(pending: _PendingJob, run: _Run, settings: Settings, log: Any) -> 
             with _Gang(request, settings, log) as gang:
                 return gang.run(pending, run)
         except NodeLost as lost:
+            if isinstance(lost, DriverNodeLost):
+                log.warning(
+                    "%s; joining the cluster at %s again (waiting up to %d s)",
+                    lost, params.cluster, params.cluster_timeout_s,
+                )  # fmt: skip
+                reconnect(str(params.cluster), params.cluster_timeout_s, log)
             if lost.training:
                 restarts -= 1
             else:
@@ -238,6 +244,7 @@ class _Gang:
         self.group: PlacementGroup | None = None
         self.agents: list[ActorHandle] = []
         self.nodes: list[NodeInfo] = []
+        self.health = GangWatch()
 
     def __enter__(self) -> _Gang:
         import ray
@@ -265,7 +272,16 @@ class _Gang:
             for rank in range(params.nodes)
         ]
         self.nodes = self._get(
-            [a.where.remote() for a in self.agents], "find the nodes", training=False
+            [a.where.remote() for a in self.agents],
+            "start",
+            training=False,
+            within=max(float(params.cluster_timeout_s), AGENT_START_S),
+        )
+        self.health.watch(
+            [
+                (a, f"{n.address}, {n.hostname}")
+                for a, n in zip(self.agents, self.nodes, strict=True)
+            ]
         )
         self.log.info("nodes: %s", ", ".join(f"{n.address} ({n.hostname})" for n in self.nodes))
         return self
@@ -277,9 +293,10 @@ class _Gang:
         assert self.group is not None
         deadline, placed = time.monotonic() + params.cluster_timeout_s, self.group.ready()
         while time.monotonic() < deadline:  # short waits: a cancellation lands within POLL_S
-            ready, _ = _wait([placed], timeout=POLL_S)
+            ready, _ = wait_refs([placed], timeout=POLL_S)
             if ready:
                 return
+            self.health.check(training=False)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         fit = [
             n["NodeManagerAddress"]
@@ -299,7 +316,7 @@ class _Gang:
         """Every node gets the data (node 0 decides the precision), then all train."""
         job, checked = pending.get()
         calls = [a.prepare.remote(job, rank) for rank, a in enumerate(self.agents)]
-        precision = str(self._get(calls, "prepare the nodes", training=False)[0])
+        precision = str(self._get(calls, "prepare", training=False, within=PREPARE_TIMEOUT_S)[0])
         config = run.config(checked, precision)
         params = self.request.params
         self.log.info(
@@ -339,7 +356,7 @@ class _Gang:
             ]
             if dead:
                 return dead[0]
-            done, _ = _wait(calls, num_returns=len(calls), timeout=1.0)
+            done, _ = wait_refs(calls, num_returns=len(calls), timeout=1.0)
             for ref in done:
                 try:
                     ray.get(ref)
@@ -349,16 +366,21 @@ class _Gang:
                     continue
         return None
 
-    def _get(self, calls: list[Any], what: str, *, training: bool) -> list[Any]:
+    def _get(
+        self, calls: list[Any], what: str, *, training: bool, within: float | None = None
+    ) -> list[Any]:
         """The calls' values; the first failure raised as the node's own error.
 
-        Raises NodeLost when a node's actor or machine died (``training``: while training).
+        Raises NodeLost when a node's actor or machine died or stopped answering, or the driver's
+        own node died (``training``: while training); ClusterUnavailableError when the calls
+        take longer than ``within`` seconds.
         """
         import ray
 
         pending = list(calls)
+        deadline = None if within is None else time.monotonic() + within
         while pending:  # short waits: an interrupt or a cancellation lands within POLL_S
-            done, pending = _wait(pending, num_returns=1, timeout=POLL_S)
+            done, pending = wait_refs(pending, num_returns=1, timeout=POLL_S)
             for ref in done:
                 try:
                     ray.get(ref)
@@ -372,6 +394,16 @@ class _Gang:
                         f"A node of the cluster job failed to {what}: {cause!r}.",
                         "The node's lines above (prefixed with its address) say why.",
                     ) from None
+            if pending and deadline is not None and time.monotonic() > deadline:
+                raise ClusterUnavailableError(
+                    f"{len(pending)} of the {len(calls)} nodes of the job on the cluster at "
+                    f"{self.request.params.cluster} did not {what} within {within:.0f} s.",
+                    "The nodes' lines above (prefixed with their address) and `ray status` on "
+                    "the cluster say why; start the job again: it resumes from its last "
+                    "checkpoint.",
+                )
+            if pending:
+                self.health.check(training)
         return ray.get(calls)
 
     def __exit__(self, *exc: object) -> None:
@@ -384,24 +416,6 @@ class _Gang:
         if self.group is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.group)
-
-
-def _wait(refs: list[Any], **options: Any) -> tuple[list[Any], list[Any]]:
-    """``ray.wait``, letting an interrupt through as itself.
-
-    A signal's exception raised while Ray's wait runs (Ctrl-C, or the TerminationSignal of a
-    cancelled flow run) comes out of it as a SystemError caused by that exception: a stop must
-    stay a stop, never turn into a failure that Prefect retries.
-    """
-    import ray
-
-    try:
-        return ray.wait(refs, **options)
-    except SystemError as error:
-        stop = error.__cause__ or error.__context__
-        if isinstance(stop, BaseException) and not isinstance(stop, Exception):
-            raise stop from None
-        raise
 
 
 def _host(address: str) -> str:

@@ -53,6 +53,21 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
 
 
 _connected: str | None = None
+# How long leaving a cluster may take: a driver whose own node died may find Ray's shutdown slow.
+DISCONNECT_TIMEOUT_S = 30.0
+
+
+def reconnect(address: str, timeout_s: int, log: Any) -> None:
+    """Leave the cluster and join it again: after this machine's Ray node died, a driver must
+    join through the node that took its place to own actors again."""
+    import ray
+
+    global _connected
+    _connected = None
+    leaving = threading.Thread(target=ray.shutdown, daemon=True, name="ray-disconnect")
+    leaving.start()
+    leaving.join(DISCONNECT_TIMEOUT_S)
+    connect(address, timeout_s, log)
 
 
 def _wait_for_port(address: str, deadline: float) -> None:

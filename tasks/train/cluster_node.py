@@ -95,6 +95,10 @@ class NodeAgent:
         self.node_rank = -1
         self.paths: dict[str, Path] = {}
 
+    def ping(self) -> bool:
+        """Answer the driver: this agent is alive and not stuck (tasks.train.gang_health)."""
+        return True
+
     def where(self) -> NodeInfo:
         import ray
 

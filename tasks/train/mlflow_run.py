@@ -8,6 +8,7 @@ talk with MLflow, and its retries, is in one place. Details: docs/training.md#th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,10 @@ from tasks.train.tracker import log_missing, transient
 LOG_ARTIFACTS = "logs"
 # Tag of a training run: the request it trains (RunConfig.job_key), to find it again on a retry.
 RESUME_KEY_TAG = "imageops.resume_key"
+# Tag of a training run started by a Prefect flow run (a deployment's, through a worker): that
+# flow run's id, so that a run whose flow run ended without ending it is ended the same way
+# (app.stranded_runs).
+FLOW_RUN_TAG = "imageops.prefect_flow_run_id"
 UNFINISHED = ("RUNNING", "FAILED", "KILLED")
 # Once training has ended, how long the launcher keeps trying to write the run's last records
 # while MLflow does not answer, and how long it pauses between tries (see complete_run).
@@ -88,12 +93,15 @@ def resume_or_create_run(
 ) -> str:
     """The unfinished run of this request to continue, else a new run (parameters logged)."""
     key = request.config.job_key()
+    flow_run = _flow_run_tag()
     resumable = _resumable_run(client, experiment_id, key, settings)
     if resumable is not None:
         step_logger(__name__).info(
             "continuing unfinished MLflow run %s of the same request from its checkpoint",
             resumable,
         )
+        for name, value in flow_run.items():  # this flow run trains it now
+            client.set_tag(resumable, name, value)
         return resumable
     config = request.decided()
     tags = _tags(request.spec, config.params, config.device, config.data_version)
@@ -102,11 +110,22 @@ def resume_or_create_run(
     run_id = client.create_run(
         experiment_id,
         run_name=run_name or _default_run_name(request.spec, config.params),
-        tags={**tags, RESUME_KEY_TAG: key},
+        tags={**tags, RESUME_KEY_TAG: key, **flow_run},
     ).info.run_id
     # Once, here: a run that fails in its workers still shows what it was asked to do.
     _log_params(client, run_id, config, request.train_manifest, request.val_manifest)
     return run_id
+
+
+def _flow_run_tag() -> dict[str, str]:
+    """The tag naming the Prefect flow run this process runs, when a worker started it.
+
+    The worker's process for a flow run has its id in ``PREFECT__FLOW_RUN_ID``: the top flow
+    run of the process, whose state the worker (or the server's zombie automation) ends when the
+    process dies. A command line run has none: its flow runs live on a temporary server.
+    """
+    flow_run = os.environ.get("PREFECT__FLOW_RUN_ID")
+    return {FLOW_RUN_TAG: flow_run} if flow_run else {}
 
 
 def _resumable_run(
