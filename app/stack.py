@@ -29,7 +29,7 @@ from app.webhook import PATH as RECEIVER_PATH
 from tasks.shared import servers
 from tasks.shared.database_templates import seed
 from tasks.shared.errors import ImageOpsError
-from tasks.shared.log_tail import tail
+from tasks.shared.log_tail import read_from, tail
 from tasks.shared.private_folders import private_folder
 from tasks.shared.settings import Settings
 
@@ -55,6 +55,10 @@ class _Service:
     log: Path | None = None
     # How to stop it, when not by SIGTERM to its group (Ray drains first; SeaweedFS is slow).
     stopper: Callable[[], None] | None = None
+    user: str | None = None
+    private: bool = False
+    offset: int = 0  # the log's size before this start: its lines begin there
+    started_at: float = 0.0  # time.monotonic() of this start
 
 
 def kept_secret(path: Path, make: Callable[[], str]) -> str:
@@ -87,6 +91,8 @@ class Services:
     def __init__(self, directory: Path, cwd: Path) -> None:
         self.dir, self.cwd = directory, cwd
         self.services: list[_Service] = []
+        # Process groups of restarted services, whose other processes ran on (``restart``).
+        self.left_behind: list[int] = []
 
     def _launch(
         self,
@@ -98,23 +104,50 @@ class Services:
         private: bool = False,
         stopper: Callable[[subprocess.Popen], None] | None = None,
     ) -> _Service:
-        service = _Service(name, args, env, log=self.dir / "logs" / f"{name}.log")
-        # In a group of its own: Ctrl-C reaches us, and we stop them in order.
-        service.process = servers.start(
-            args, service.log, env, cwd=self.cwd, user=user, private=private
-        )
+        log = self.dir / "logs" / f"{name}.log"
+        service = _Service(name, args, env, log=log, user=user, private=private)
+        self._start(service)
         if stopper is not None:
             service.stopper = lambda: stopper(service.process)
         self.services.append(service)
         return service
 
+    def _start(self, service: _Service) -> None:
+        assert service.log is not None
+        service.offset = service.log.stat().st_size if service.log.is_file() else 0
+        service.started_at = time.monotonic()
+        # In a group of its own: Ctrl-C reaches us, and we stop them in order.
+        service.process = servers.start(
+            service.args, service.log, service.env, cwd=self.cwd, user=service.user,
+            private=service.private,
+        )  # fmt: skip
+
+    def restart(self, service: _Service, *, keep_group: bool) -> None:
+        """Start an exited service again, its log appended to (``output`` reads the new lines).
+
+        ``keep_group``: what is left of its process group runs on (a Prefect worker's flow
+        runs, which outlive it), and is stopped with the rest by ``stop``; else it is stopped
+        first (a Ray node's leftovers would hold its ports).
+        """
+        assert service.process is not None and service.process.poll() is not None
+        if keep_group:
+            self.left_behind.append(service.process.pid)
+        else:
+            servers.stop_together([], STOP_TIMEOUT_S, groups=[service.process.pid])
+        self._start(service)
+
+    def output(self, service: _Service) -> str:
+        """What the service wrote since its last start: never an earlier start's lines."""
+        return read_from(service.log, service.offset) if service.log is not None else ""
+
     def check_alive(self) -> None:
-        """Raise, with the end of its log, if a service has exited."""
+        """Raise, with the end of what it wrote, if a service has exited."""
         for service in self.services:
             if service.process is not None and service.process.poll() is not None:
+                lines = tail(service.log, offset=service.offset) or "(empty)"
                 raise ImageOpsError(
                     f"{service.name} exited with code {service.process.returncode}. "
-                    f"End of {service.log}:\n{tail(service.log) or '(empty)'}",
+                    f"End of {service.log}:\n{lines}",
                     f"Fix what its log says, then run `{self.command}` again.",
                 )
 
@@ -135,8 +168,9 @@ class Services:
                 service.stopper()
             elif service.process is not None:
                 together.append(service.process)
-        servers.stop_together(together, STOP_TIMEOUT_S)
+        servers.stop_together(together, STOP_TIMEOUT_S, groups=self.left_behind)
         self.services.clear()
+        self.left_behind.clear()
 
 
 def stop_leader_first(process: subprocess.Popen, sig: signal.Signals, timeout_s: float) -> None:

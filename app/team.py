@@ -435,7 +435,8 @@ class TeamServer(Stack):
         lines = [
             "# imageops team join file: every variable a GPU machine needs (see the README,",
             "# 'A team on several machines'). It holds passwords: keep it mode 0600.",
-            "# Use: imageops team join --env team.env   (or: set -a; . ./team.env; set +a)",
+            "# On a GPU machine it goes to ~/.config/imageops/team.env, outside the checkout:",
+            "# imageops team join   (in a shell: set -a; . ~/.config/imageops/team.env; set +a)",
         ]
         lines += [f"{k}={shlex.quote(v)}" for k, v in self.join_variables().items()]
         return "\n".join(lines) + "\n"

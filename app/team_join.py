@@ -1,10 +1,12 @@
 """``imageops team join``: a GPU machine joins the team with the server machine's join file.
 
-The join file (``<home>/team/team.env`` of the server machine, mode 0600) holds every variable a
-worker machine needs. Before starting anything, every server is asked whether it answers and takes
-the file's credentials, so an error names the server and its address. Then a Ray worker node and a
-Prefect worker that runs only what the project registered (``app.checked_worker``) run with those
-variables until Ctrl-C or SIGTERM.
+The join file (``<home>/team/team.env`` of the server machine, mode 0600; on the GPU machine
+``~/.config/imageops/team.env`` by default, outside any checkout) holds every variable a worker
+machine needs. Before starting anything, every server is asked whether it answers and takes the
+file's credentials (the Ray head's token too), so an error names the server and its address. Then
+a Ray worker node and a Prefect worker that runs only what the project registered
+(``app.checked_worker``) run with those variables until Ctrl-C or SIGTERM; one that exits is
+started again, with back-off, once the servers answer.
 Details: docs/stack.md#the-team-stack-imageops-team.
 """
 
@@ -15,15 +17,18 @@ import re
 import shlex
 import signal
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.stack import Services, _tool, stop_leader_first
+from app.stack import Services, _Service, _tool, stop_leader_first
 from app.team import (
     BUCKET,
     CHECK_TIMEOUT_S,
     JOIN_DIR,
+    JOIN_FILE,
     JOIN_VARIABLES,
     RAY_STOP_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -42,12 +47,24 @@ from tasks.shared.log_tail import tail
 from tasks.shared.private_folders import private_folder
 from tasks.shared.settings import Settings
 
+RAY_CHECK_TIMEOUT_S = 60.0  # `ray status`: 2.5 s here, more on a busy machine
+BACKOFF_MAX_S = 30.0  # a service that keeps exiting is started again at most this far apart
+HEALTHY_S = 60.0  # one that ran this long before it exited starts its back-off anew
+WAIT_S = 5.0  # how often a server that does not answer is asked again
+
+
+def default_join_file() -> Path:
+    """Where the join file goes: the user's configuration folder, outside every checkout (it
+    holds the team's passwords; in a checkout, `git add -A` would commit them)."""
+    config = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(config) / "imageops" / JOIN_FILE
+
 
 def read_join_file(path: Path) -> dict[str, str]:
     """The join file's variables; refused when missing, unreadable, open to others or short."""
     copy = (
-        "Copy it from the server machine (`scp SERVER:PROJECT/.imageops/team/team.env .`) and "
-        f"`chmod 600 {path}`."
+        f"Copy it from the server machine (`mkdir -p {path.parent} && scp "
+        f"SERVER:PROJECT/.imageops/team/team.env {path}`) and `chmod 600 {path}`."
     )
     if not path.is_file():
         raise TeamJoinFileError(f"The join file {path} does not exist.", copy)
@@ -95,20 +112,62 @@ def _split_address(address: str) -> tuple[str, int]:
 
 
 def check_servers(values: dict[str, str], pool: str, timeout_s: float = CHECK_TIMEOUT_S) -> None:
-    """Every server of the join file answers and takes its credentials, else one clear error."""
+    """Every server of the join file answers and takes its credentials, else one clear error.
+
+    The Ray head's token is asked with `ray status` (Ray's own client, seconds to import), in a
+    process started first and waited for last.
+    """
+    ray = values["IMAGEOPS_RAY_ADDRESS"]
+    status = subprocess.Popen(
+        [_tool("ray"), "status", "--address", ray],
+        env=dict(os.environ) | values | {"RAY_USAGE_STATS_ENABLED": "0"},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _check_http_servers(values, pool, timeout_s)
+        if not _tcp_open(*_split_address(ray), timeout_s=timeout_s):
+            raise _unreachable("Ray head", ray, "no connection")
+        try:
+            output, _ = status.communicate(timeout=RAY_CHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise _unreachable(
+                "Ray head", ray, f"`ray status` had no answer within {RAY_CHECK_TIMEOUT_S:.0f} s"
+            ) from None
+    finally:
+        if status.poll() is None:
+            status.kill()
+        status.wait()
+    if status.returncode == 0:
+        return
+    if "InvalidAuthToken" in output:
+        raise TeamAuthError(f"The Ray head at {ray} refused the join file's RAY_AUTH_TOKEN.", AGAIN)
+    lines = output.strip().splitlines()
+    last = lines[-1] if lines else f"`ray status` exited with code {status.returncode}"
+    if "Version mismatch" in output:
+        raise TeamStackError(
+            f"The Ray head at {ray} runs another version of Ray: {last}",
+            "Install the project's lock on every machine (`make install`).",
+        )
+    raise _unreachable("Ray head", ray, last)
+
+
+AGAIN = "Copy the join file again from the server machine (it changes when secrets rotate)."
+
+
+def _unreachable(what: str, where: str, exc: object) -> TeamUnreachableError:
+    return TeamUnreachableError(
+        f"The {what} at {where} does not answer: {exc}.",
+        f"Check that `imageops team server` runs on the server machine and that this "
+        f"machine reaches {where} (route, firewall).",
+    )
+
+
+def _check_http_servers(values: dict[str, str], pool: str, timeout_s: float) -> None:
+    """Prefect, MLflow and S3 answer and take the join file's credentials."""
     import httpx
     from botocore.exceptions import BotoCoreError, ClientError
 
     from tasks.shared.object_store import s3_client
-
-    again = "Copy the join file again from the server machine (it changes when secrets rotate)."
-
-    def unreachable(what: str, where: str, exc: object) -> TeamUnreachableError:
-        return TeamUnreachableError(
-            f"The {what} at {where} does not answer: {exc}.",
-            f"Check that `imageops team server` runs on the server machine and that this "
-            f"machine reaches {where} (route, firewall).",
-        )
 
     api = values["PREFECT_API_URL"]
     user, _, password = values["PREFECT_API_AUTH_STRING"].partition(":")
@@ -116,11 +175,11 @@ def check_servers(values: dict[str, str], pool: str, timeout_s: float = CHECK_TI
         httpx.get(f"{api}/health", timeout=timeout_s).raise_for_status()
         answer = httpx.get(f"{api}/work_pools/{pool}", auth=(user, password), timeout=timeout_s)
     except httpx.HTTPError as exc:
-        raise unreachable("Prefect server", api, exc) from exc
+        raise _unreachable("Prefect server", api, exc) from exc
     if answer.status_code == 401:
         raise TeamAuthError(
             f"The Prefect server at {api} refused the join file's PREFECT_API_AUTH_STRING (401).",
-            again,
+            AGAIN,
         )
     if answer.status_code == 404:
         raise TeamStackError(
@@ -136,12 +195,12 @@ def check_servers(values: dict[str, str], pool: str, timeout_s: float = CHECK_TI
             params={"max_results": 1}, auth=login, timeout=timeout_s,
         )  # fmt: skip
     except httpx.HTTPError as exc:
-        raise unreachable("MLflow server", mlflow, exc) from exc
+        raise _unreachable("MLflow server", mlflow, exc) from exc
     if answer.status_code in (401, 403):
         raise TeamAuthError(
             f"The MLflow server at {mlflow} refused the join file's MLFLOW_TRACKING_USERNAME / "
             f"MLFLOW_TRACKING_PASSWORD ({answer.status_code}).",
-            again,
+            AGAIN,
         )
 
     endpoint = values["IMAGEOPS_S3_ENDPOINT_URL"]
@@ -152,28 +211,30 @@ def check_servers(values: dict[str, str], pool: str, timeout_s: float = CHECK_TI
     try:
         client.head_bucket(Bucket=BUCKET)
     except ClientError as exc:
+        # A server that is starting answers 503 or "no such bucket" for a moment: not a refusal.
+        if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (401, 403):
+            raise _unreachable("S3 server", endpoint, exc) from exc
         raise TeamAuthError(
             f"The S3 server at {endpoint} refused the join file's AWS_ACCESS_KEY_ID / "
             f"AWS_SECRET_ACCESS_KEY for bucket {BUCKET!r}: {exc}.",
-            again,
+            AGAIN,
         ) from exc
     except BotoCoreError as exc:
-        raise unreachable("S3 server", endpoint, exc) from exc
-
-    ray = values["IMAGEOPS_RAY_ADDRESS"]
-    if not _tcp_open(*_split_address(ray), timeout_s=timeout_s):
-        raise unreachable("Ray head", ray, "no connection")
+        raise _unreachable("S3 server", endpoint, exc) from exc
 
 
 class TeamMember(Services):
-    """A GPU machine in the team: a Ray worker node and a Prefect worker, until Ctrl-C."""
+    """A GPU machine in the team: a Ray worker node and a Prefect worker, until Ctrl-C.
+
+    ``serve_forever`` starts either again when it exits (``supervise``), the other one running on.
+    """
 
     command = "imageops team join"
 
     def __init__(
         self,
         settings: Settings,
-        join_file: Path,
+        join_file: Path | None = None,
         *,
         node_ip: str | None = None,
         pool: str = "local",
@@ -186,9 +247,12 @@ class TeamMember(Services):
             raise TeamStackError(
                 f"Unknown work pool {pool!r}.", f"Use one of {', '.join(POOLS)} (--pool)."
             )
-        self.settings, self.join_file, self.pool = settings, join_file, pool
+        self.join_file = join_file or default_join_file()
+        self.settings, self.pool = settings, pool
         self.num_cpus, self.num_gpus, self.say = num_cpus, num_gpus, say
-        self.values = read_join_file(join_file)
+        self.values = read_join_file(self.join_file)
+        self.attempts: dict[str, int] = {}  # restarts in a row, per service
+        self.ray: _Service | None = None  # the Ray node, once started
         self.ray_address = self.values["IMAGEOPS_RAY_ADDRESS"]
         self.node_ip = node_ip or address_towards(*_split_address(self.ray_address))
         self.worker_name = f"{socket.gethostname()}-{self.node_ip}"
@@ -225,11 +289,11 @@ class TeamMember(Services):
                 args += ["--num-cpus", str(self.num_cpus)]
             if self.num_gpus is not None:
                 args += ["--num-gpus", str(self.num_gpus)]
-            ray = self._launch(
+            self.ray = self._launch(
                 "ray-worker", args, env,
                 stopper=lambda p: stop_leader_first(p, signal.SIGTERM, RAY_STOP_TIMEOUT_S),
             )  # fmt: skip
-            self._wait_ray(ray.log, timeout_s)
+            self._wait_ray(timeout_s)
             self._launch(
                 "prefect-worker",
                 [sys.executable, "-m", "app.checked_worker", "--pool", self.pool,
@@ -240,23 +304,102 @@ class TeamMember(Services):
             self.stop()
             raise
 
-    def _wait_ray(self, log: Path | None, timeout_s: float) -> None:
-        assert log is not None
+    def _wait_ray(self, timeout_s: float) -> None:
+        """Until this start of the Ray node has joined: its own lines decide, not an earlier
+        start's (the log is appended to)."""
+        ray = self.ray
+        assert ray is not None and ray.process is not None
 
         def started() -> bool:
-            text = log.read_text(errors="replace") if log.is_file() else ""
-            if "InvalidAuthToken" in text or "AuthenticationError" in text:
+            text = self.output(ray)
+            if "InvalidAuthToken" in text:
                 raise TeamAuthError(
                     f"The Ray head at {self.ray_address} refused the join file's RAY_AUTH_TOKEN.",
-                    "Copy the join file again from the server machine.",
+                    AGAIN,
                 )
-            self.check_alive()
+            if ray.process.poll() is not None:
+                raise TeamStackError(
+                    f"The Ray node exited with code {ray.process.returncode} before it joined. "
+                    f"End of {ray.log}:\n{tail(ray.log, offset=ray.offset) or '(empty)'}",
+                    f"Fix what its log says, then run `{self.command}` again.",
+                )
             return "Ray runtime started" in text
 
         if not servers.wait_until(started, timeout_s, interval_s=0.5):
             raise TeamUnreachableError(
                 f"This machine's Ray node ({self.node_ip}) did not join the Ray head at "
-                f"{self.ray_address} within {timeout_s:.0f} s. End of {log}:\n{tail(log)}",
+                f"{self.ray_address} within {timeout_s:.0f} s. End of {ray.log}:\n"
+                f"{tail(ray.log, offset=ray.offset)}",
                 "Check that the head reaches this machine at --node-ip (Ray connects both "
                 "ways) and that no firewall is in between.",
             )
+
+    # --- supervision -----------------------------------------------------------------------
+
+    def serve_forever(self, poll_s: float = 1.0) -> None:
+        """Until Ctrl-C (or SIGTERM): a service that exits is started again (``supervise``)."""
+        with servers.stop_signals():
+            while True:
+                self.supervise()
+                time.sleep(poll_s)
+
+    def supervise(self) -> None:
+        """Start again what has exited, after a back-off and once the servers answer.
+
+        The back-off doubles per exit in a row (1, 2, 4 ... 30 s) and starts anew after a run of
+        ``HEALTHY_S``. A Prefect worker's leftovers (flow runs it started: a training's driver)
+        run on, and so does the Ray node, which that driver may use; a dead Ray node's leftovers
+        are stopped first. A server that does not answer (a restart of the server machine) is
+        waited for; one that refuses the join file's credentials ends the join (TeamAuthError).
+        """
+        dead = [s for s in self.services if s.process is not None and s.process.poll() is not None]
+        if not dead:
+            return
+        pauses = []
+        for service in dead:
+            assert service.process is not None
+            healthy = time.monotonic() - service.started_at >= HEALTHY_S
+            attempt = 1 if healthy else self.attempts.get(service.name, 0) + 1
+            self.attempts[service.name] = attempt
+            pause = min(2.0 ** (attempt - 1), BACKOFF_MAX_S)
+            self.say(
+                f"{service.name} exited with code {service.process.returncode}; restarting in "
+                f"{pause:.0f} s (attempt {attempt})"
+            )
+            pauses.append(pause)
+        time.sleep(max(pauses))
+        self._wait_for_servers()
+        for service in dead:  # in start order: the Ray node before the worker
+            self._restart(service)
+
+    def _wait_for_servers(self) -> None:
+        said = ""
+        while True:
+            try:
+                check_servers(self.values, self.pool)
+            except TeamUnreachableError as exc:
+                if exc.message != said:
+                    self.say(f"waiting: {exc.message} Asking again every {WAIT_S:.0f} s.")
+                    said = exc.message
+                time.sleep(WAIT_S)
+            else:
+                if said:
+                    self.say("the servers answer again")
+                return
+
+    def _restart(self, service: _Service) -> None:
+        if service is not self.ray:
+            self.restart(service, keep_group=True)
+            self.say(f"{service.name} restarted")
+            return
+        self.restart(service, keep_group=False)
+        try:
+            self._wait_ray(START_TIMEOUT_S)
+        except TeamAuthError:
+            raise
+        except TeamStackError as exc:  # exited or did not join: the next round tries again
+            self.say(exc.message)
+            assert service.process is not None
+            servers.stop(service.process)
+            return
+        self.say(f"{service.name} restarted: this machine's Ray node is back in the cluster")

@@ -36,16 +36,18 @@ import pytest
 from file_modes import open_to_others
 from server_processes import LONG_WAIT, PROMPT_WORKER, base_env
 
-from app.stack import kept_secret
+from app.stack import Services, kept_secret
 from app.team import JOIN_VARIABLES, TeamServer
-from app.team_join import check_servers, read_join_file
+from app.team_join import check_servers, default_join_file, read_join_file
 from app.work_pools import base_job_template
 from tasks.shared import servers
 from tasks.shared.errors import TeamAuthError, TeamJoinFileError, TeamUnreachableError
+from tasks.shared.log_tail import read_from
 from tasks.shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+ACTIVATE = ". .venv/bin/activate"  # the README's line that puts `imageops` on PATH
 SUBNET = "10.231.9"  # this test's own addresses: .1 the server machine, .2 the GPU machine
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 90.0
@@ -74,8 +76,57 @@ def readme_join_variables() -> list[str]:
 
 def test_readme_lists_every_variable_of_the_join_file() -> None:
     assert readme_join_variables() == list(JOIN_VARIABLES)
-    assert readme_commands("On the server machine") == ["imageops team server --host SERVER"]
-    assert readme_commands("On each GPU machine")[-1] == "imageops team join --env team.env"
+    assert readme_commands("On the server machine") == [
+        ACTIVATE,
+        "imageops team server --host SERVER",
+    ]
+    assert readme_commands("On each GPU machine")[-2:] == [ACTIVATE, "imageops team join"]
+
+
+def run_readme_line(
+    line: str, server_ip: str, server_dir: Path, cwd: Path, env: dict[str, str]
+) -> None:
+    """A README line that is not ``imageops``, as a shell runs it (``~`` is ``env``'s HOME).
+
+    ``scp`` is the one step a test cannot take as written: it copies. The environment's
+    activation is this test's own Python, which runs ``imageops`` (``_as_run``).
+    """
+    if line == ACTIVATE:
+        return
+    line = line.replace("SERVER:", "").replace("PROJECT", str(server_dir))
+    line = re.sub(r"^scp ", "cp ", line).replace("SERVER", server_ip)
+    subprocess.run(["bash", "-c", line], cwd=cwd, env=env, check=True, timeout=30)
+
+
+def test_following_the_readme_leaves_the_join_file_out_of_git(tmp_path: Path) -> None:
+    """Issue 44, finding 4: the README copied the join file, with every password of the team,
+    into the checkout, where `git add -A` staged it. Its place now is ~/.config/imageops, and a
+    `team.env` in a checkout (where an old README put it) is ignored."""
+    checkout, home, server_dir = tmp_path / "checkout", tmp_path / "home", tmp_path / "server"
+    for folder in (checkout, home, server_dir / ".imageops" / "team"):
+        folder.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    shutil.copyfile(ROOT / ".gitignore", checkout / ".gitignore")
+    secret = "".join(f"{k}=secret\n" for k in JOIN_VARIABLES)
+    (server_dir / ".imageops" / "team" / "team.env").write_text(secret)
+    env = _environment() | {"HOME": str(home)}
+    env.pop("XDG_CONFIG_HOME", None)
+    for line in readme_commands("On each GPU machine"):
+        if not line.startswith("imageops "):
+            run_readme_line(line, "127.0.0.1", server_dir, checkout, env)
+    joined = home / ".config" / "imageops" / "team.env"
+    assert joined.read_text() == secret and joined.stat().st_mode & 0o777 == 0o600
+    (checkout / "team.env").write_text(secret)  # where the README said to put it before
+    subprocess.run(["git", "add", "-A"], cwd=checkout, check=True, env=env)
+    staged = subprocess.run(
+        ["git", "diff", "--cached", "--name-only"], cwd=checkout, check=True, env=env,
+        capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    assert staged == [".gitignore"]
+    with pytest.MonkeyPatch.context() as patch:  # the command's default: that same file
+        patch.setenv("HOME", str(home))
+        patch.delenv("XDG_CONFIG_HOME", raising=False)
+        assert default_join_file() == joined
 
 
 # --- two machines ---------------------------------------------------------------------------
@@ -127,13 +178,18 @@ class Team:
     gpu_dir: Path
     server: subprocess.Popen
     logs: Path
+    gpu_env: dict[str, str] = field(default_factory=dict)  # the GPU machine's shell
     join: subprocess.Popen | None = None
     values: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def join_logs(self) -> Path:
+        return self.gpu_dir / ".imageops" / "team-join" / "logs"
 
     def report(self) -> str:
         logs = [self.logs / "server.log", self.logs / "join.log"]
         logs += sorted((self.server_dir / ".imageops" / "team" / "logs").glob("*.log"))
-        logs += sorted((self.gpu_dir / ".imageops" / "team-join" / "logs").glob("*.log"))
+        logs += sorted(self.join_logs.glob("*.log"))
         return "\n".join(
             f"----- {p} -----\n{p.read_text(errors='replace')[-2500:]}" for p in logs if p.is_file()
         )
@@ -169,11 +225,11 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _as_run(line: str, network: Network, server_dir: Path) -> list[str]:
-    """A README line, placeholders filled in, with ``imageops`` as this checkout's CLI."""
-    line = line.replace("SERVER", network.server_ip).replace("PROJECT", str(server_dir))
-    words = shlex.split(line)
-    return [sys.executable, "-m", "app.cli", *words[1:]] if words[0] == "imageops" else words
+def _as_run(line: str, network: Network) -> list[str]:
+    """A README ``imageops`` line, ``SERVER`` filled in, run by this checkout's CLI."""
+    words = shlex.split(line.replace("SERVER", network.server_ip))
+    assert words[0] == "imageops", line
+    return [sys.executable, "-m", "app.cli", *words[1:]]
 
 
 def _start(args: list[str], cwd: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -192,12 +248,16 @@ def team(network: Network) -> Iterator[Team]:
     root = Path(tempfile.mkdtemp(prefix="imageops-team-"))
     root.chmod(0o755)
     server_dir, gpu_dir, logs = root / "server-machine", root / "gpu-machine", root / "logs"
-    for folder in (server_dir, gpu_dir, logs):
+    gpu_home = root / "gpu-home"  # the GPU machine's user's home: the join file goes there
+    for folder in (server_dir, gpu_dir, logs, gpu_home):
         folder.mkdir(mode=0o755)
     env = _environment()
-    (server_line,) = readme_commands("On the server machine")
-    server = _start(_as_run(server_line, network, server_dir), server_dir, logs / "server.log", env)
-    team = Team(network, server_dir, gpu_dir, server, logs)
+    (server_line,) = [line for line in readme_commands("On the server machine") if line != ACTIVATE]
+    server = _start(_as_run(server_line, network), server_dir, logs / "server.log", env)
+    # Prefect's own setting passes through the join to its worker.
+    gpu_env = env | PROMPT_WORKER | {"HOME": str(gpu_home), "COLUMNS": "200"}
+    gpu_env.pop("XDG_CONFIG_HOME", None)
+    team = Team(network, server_dir, gpu_dir, server, logs, gpu_env)
     try:
         team.wait(
             "the team server to be ready",
@@ -205,20 +265,15 @@ def team(network: Network) -> Iterator[Team]:
             START_TIMEOUT_S,
         )
         for line in readme_commands("On each GPU machine"):
-            args = _as_run(line, network, server_dir)
-            if args[0] == "scp":  # the one step a test cannot take as written: it copies
-                source, target = args[1].partition(":")[2], gpu_dir / args[2]
-                shutil.copyfile(source, target)
-            elif args[:4] == [sys.executable, "-m", "app.cli", "team"]:
+            if line.startswith("imageops "):
                 join_log = logs / "join.log"
-                # Prefect's own setting passes through the join to its worker.
-                join_env = env | PROMPT_WORKER
-                team.join = _start(network.on_gpu_machine(args), gpu_dir, join_log, join_env)
+                args = network.on_gpu_machine(_as_run(line, network))
+                team.join = _start(args, gpu_dir, join_log, gpu_env)
                 joined = lambda log=join_log: "joined;" in log.read_text()  # noqa: E731
                 team.wait("the GPU machine to join", joined, 120)
             else:
-                subprocess.run(args, cwd=gpu_dir, check=True, timeout=30)
-        team.values = read_join_file(gpu_dir / "team.env")
+                run_readme_line(line, network.server_ip, server_dir, gpu_dir, gpu_env)
+        team.values = read_join_file(gpu_home / ".config" / "imageops" / "team.env")
         yield team
     finally:
         for proc, sig in ((team.join, signal.SIGINT), (server, signal.SIGTERM)):
@@ -534,6 +589,134 @@ def test_a_kept_secret_is_made_once_and_owner_only(tmp_path: Path) -> None:
     path.chmod(0o644)
     assert kept_secret(path, lambda: "another") == first
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+# --- supervision (issue 44) -------------------------------------------------------------------
+
+
+def _child(team: Team, marker: str) -> psutil.Process:
+    """The one live process under ``team join`` with ``marker`` in its command line or name."""
+    assert team.join is not None
+    found = []
+    for process in psutil.Process(team.join.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            named = marker in " ".join(process.cmdline()) or process.name() == marker
+            if named and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _join_says(team: Team, offset: int, what: str, timeout_s: float = 120) -> str:
+    """What ``team join`` printed since ``offset``, once it has said ``what``."""
+    log = team.logs / "join.log"
+    said = lambda: what in (text := read_from(log, offset)) and text  # noqa: E731
+    return team.wait(f"team join to say {what!r}", said, timeout_s)
+
+
+@pytest.mark.slow
+def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> None:
+    """Issue 44, finding 3: the Ray token was judged from the whole ray-worker.log, so an
+    earlier join's "Ray runtime started" printed `joined` for a wrong token, which failed 25 s
+    later with a traceback. Now the head is asked first: one TeamAuthError line, in seconds,
+    and nothing started."""
+    ray_log = team.join_logs / "ray-worker.log"
+    assert "Ray runtime started" in ray_log.read_text()  # the running join's start
+    size = ray_log.stat().st_size
+    wrong = team.gpu_dir / "wrong.env"
+    wrong.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in team.values.items()))
+    wrong.write_text(wrong.read_text().replace(team.values["RAY_AUTH_TOKEN"], "0" * 64))
+    wrong.chmod(0o600)
+    args = [sys.executable, "-m", "app.cli", "team", "join", "--env", str(wrong)]
+    t0 = time.monotonic()
+    refused = subprocess.run(
+        team.network.on_gpu_machine(args), cwd=team.gpu_dir, env=team.gpu_env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    head = team.values["IMAGEOPS_RAY_ADDRESS"]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: TeamAuthError: The Ray head at {head} refused the join file's RAY_AUTH_TOKEN."
+    ], refused.stderr
+    assert "joined" not in refused.stdout and "Traceback" not in refused.stderr
+    assert ray_log.stat().st_size == size  # no Ray node was started
+    print(f"refused in {took:.1f} s")
+    assert took < 15  # 3 to 4 s here, whatever the load: Ray's `ray status` is most of it
+    check_servers(team.values, "local")  # the right file right after: every server takes it
+
+
+@pytest.mark.slow
+def test_a_killed_prefect_worker_is_restarted_and_the_ray_node_stays(team: Team) -> None:
+    """Issue 44, findings 1 and 6: a SIGKILLed worker ended `team join`, and took the Ray node
+    (a training's driver's) with it."""
+    worker, raylet = _child(team, "app.checked_worker"), _child(team, "raylet")
+    offset = (team.logs / "join.log").stat().st_size
+    worker_log = team.join_logs / "prefect-worker.log"
+    worker_offset = worker_log.stat().st_size
+    worker.kill()
+    said = _join_says(team, offset, "prefect-worker restarted")
+    assert "prefect-worker exited with code -9; restarting in 1 s (attempt 1)" in said, said
+    assert "ray-worker" not in said
+    assert raylet.is_running() and _child(team, "raylet").pid == raylet.pid
+    assert _child(team, "app.checked_worker").pid != worker.pid
+    team.wait(
+        "the new worker to start",
+        lambda: re.search(r"Worker .* started", read_from(worker_log, worker_offset)),
+        120,
+    )
+
+
+@pytest.mark.slow
+def test_a_dead_ray_node_is_restarted_and_rejoins(team: Team) -> None:
+    """Issue 44, findings 3 and 6: a lost Ray node ended `team join`, and a start read the
+    whole ray-worker.log: a bad token's lines there refused every later start. Here the log
+    holds such a line, the raylet is SIGKILLed, and the node comes back from its own lines."""
+    ray_log = team.join_logs / "ray-worker.log"
+    with ray_log.open("a") as log:  # what a start with a wrong token left
+        log.write("gcs_client.cc:210: Unauthenticated: RPC error: InvalidAuthToken\n")
+    worker, raylet = _child(team, "app.checked_worker"), _child(team, "raylet")
+    offset = (team.logs / "join.log").stat().st_size
+    raylet.kill()
+    said = _join_says(team, offset, "ray-worker restarted")
+    assert re.search(r"ray-worker exited with code \S+; restarting in 1 s \(attempt 1\)", said)
+    assert "prefect-worker" not in said and worker.is_running()
+    assert _child(team, "raylet").pid != raylet.pid
+    env = _environment() | team.values
+    ray = Path(sys.executable).with_name("ray")
+
+    def two_nodes() -> bool:  # the head and this machine's new node; the dead one is gone
+        status = subprocess.run(
+            [ray, "status", "--address", team.values["IMAGEOPS_RAY_ADDRESS"]],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        active = status.stdout.partition("Pending:")[0]
+        return len(re.findall(r"^ 1 node_", active, re.M)) == 2
+
+    team.wait("the Ray node to rejoin", two_nodes, 120)
+
+
+def test_a_restarted_service_leaves_its_group_running_until_the_stop(tmp_path: Path) -> None:
+    """A Prefect worker's flow runs are in its process group: restarting the worker leaves
+    them running (a training's driver among them); stopping the join stops them."""
+    services = Services(tmp_path, tmp_path)
+    child = tmp_path / "child"
+    service = services._launch(
+        "worker", ["sh", "-c", f"sleep 300 & echo $! > {child}; exec sleep 300"], base_env()
+    )
+    assert servers.wait_until(lambda: child.is_file() and child.read_text().strip(), 30, 0.1)
+    flow_run = psutil.Process(int(child.read_text()))
+    assert service.process is not None
+    service.process.kill()
+    service.process.wait()
+    services.restart(service, keep_group=True)
+    assert flow_run.is_running() and flow_run.status() != psutil.STATUS_ZOMBIE
+    assert service.process.poll() is None
+    services.stop()
+    gone, _ = psutil.wait_procs([flow_run], timeout=5)
+    assert gone or flow_run.status() == psutil.STATUS_ZOMBIE
+    assert service.process.poll() is not None
 
 
 # --- stopping -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ team_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(team_app, name="team")
+JOIN_PLACE = "~/.config/imageops"  # where the join file goes on a GPU machine (default_join_file)
 
 
 @team_app.command("server")
@@ -58,9 +59,11 @@ def team_server(
             out.print(f"[bold]Logs[/]        {stack.dir / 'logs'}")
             out.print(f"[bold]Secrets[/]     {stack.secrets_dir} (mode 0600)")
             out.print(f"[bold]Join file[/]   {stack.join_file} (mode 0600)")
+            joined = f"{JOIN_PLACE}/team.env"  # outside the checkout: git never sees it
             out.print("On each GPU machine, from its project checkout:")
-            out.print(escape(f"  scp {host}:{stack.join_file} team.env && chmod 600 team.env"))
-            out.print("  imageops team join --env team.env")
+            out.print(escape(f"  mkdir -p {JOIN_PLACE} && scp {host}:{stack.join_file} {joined}"))
+            out.print(escape(f"  chmod 600 {joined}"))
+            out.print("  . .venv/bin/activate && imageops team join")
             out.print("[bold]ready[/]; Ctrl-C stops everything")
             stack.serve_forever()
         except KeyboardInterrupt:
@@ -73,12 +76,15 @@ def team_server(
 @team_app.command("join")
 def team_join(
     env: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--env",
-            help="The join file copied from the server machine (<home>/team/team.env), mode 0600.",
+            help="The join file copied from the server machine (<home>/team/team.env), mode "
+            f"0600; default: {JOIN_PLACE}/team.env ($XDG_CONFIG_HOME/imageops when set), "
+            "outside the checkout, where git does not look.",
+            show_default=False,
         ),
-    ] = Path("team.env"),
+    ] = None,
     node_ip: Annotated[
         str | None,
         typer.Option(
@@ -104,7 +110,7 @@ def team_join(
         get_settings(), env, node_ip=node_ip, pool=pool, num_cpus=num_cpus, num_gpus=num_gpus,
         say=lambda message: err.print(f"[dim]{escape(message)}[/]"),
     )  # fmt: skip
-    err.print(f"checking the servers of {env} ...")
+    err.print(f"checking the servers of {member.join_file} ...")
     with stop_signals():
         try:
             member.start()

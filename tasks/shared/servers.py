@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -151,13 +151,25 @@ def stop(process: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
     stop_together([process], timeout_s)
 
 
-def stop_together(processes: list[subprocess.Popen], timeout_s: float = STOP_TIMEOUT_S) -> None:
+def stop_together(
+    processes: list[subprocess.Popen],
+    timeout_s: float = STOP_TIMEOUT_S,
+    groups: Sequence[int] = (),
+) -> None:
     """SIGTERM every process's group at once, wait for them all, SIGKILL what is left after
-    ``timeout_s``: a stop of several servers takes one timeout, not one each."""
+    ``timeout_s``: a stop of several servers takes one timeout, not one each.
+
+    ``groups``: process groups whose leader has ended and was reaped (a restarted service's),
+    whose other processes ran on; they get the same signals.
+    """
     for process in processes:
         with contextlib.suppress(ProcessLookupError):  # ended, and its group with it
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
+    groups = [group for group in groups if _members(group)]
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for process in processes:
         try:
@@ -166,6 +178,29 @@ def stop_together(processes: list[subprocess.Popen], timeout_s: float = STOP_TIM
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+    while any(_members(group) for group in groups) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for group in groups:
+        if _members(group):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+
+
+def _members(group: int) -> bool:
+    """Whether process group ``group``, whose leader was reaped, still has a live process.
+
+    A process whose pid is ``group`` is a new one (Linux reuses a pid only once no group has
+    it as its id): the group is gone, and nothing is signalled. Zombies do not count.
+    """
+    import psutil
+
+    if psutil.pid_exists(group):
+        return False
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
 
 
 @contextlib.contextmanager

@@ -92,6 +92,6 @@ def _unreachable(address: str, why: str, timeout_s: int | None) -> ClusterUnavai
         + (f" (waited {timeout_s} s)." if timeout_s else "."),
         "Check the address (host:port of the cluster's head, 6379 by default: `ray status "
         "--address HOST:6379` on a node tells), that this machine is one of the cluster's nodes "
-        "(imageops team join) or use ray://host:10001; wait longer with cluster_timeout_s "
+        "(imageops team join); wait longer with cluster_timeout_s "
         "(--cluster-timeout-s).",
     )

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from models.atomic import write_json
 from models.untrained import MODEL_JSON
 from tasks.shared.errors import ImageOpsError, InvalidDatasetError
+from tasks.shared.log_tail import read_from
 from tasks.shared.settings import Settings
 from tasks.train.failure import clear_failures
 from tasks.train.params import RunConfig, manifest_fingerprint
@@ -32,7 +33,6 @@ from tasks.train.request import CONFIG, TrainRequest
 from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT, RESULT
 from tasks.train.torchrun import (
     NodePlace,
-    read_from,
     run_torchrun,
     torchrun_command,
     torchrun_environment,

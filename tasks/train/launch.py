@@ -16,6 +16,7 @@ from mlflow import MlflowClient
 from pydantic import BaseModel
 
 from tasks.shared.errors import InvalidParameterError
+from tasks.shared.log_tail import read_from
 from tasks.shared.settings import Settings, get_settings
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 from tasks.shared.tracking import configure_mlflow
@@ -28,7 +29,6 @@ from tasks.train.run_folder import RESULT
 from tasks.train.run_lock import launch_lock, output_lock
 from tasks.train.torchrun import (
     TORCHRUN_LOG,
-    read_from,
     run_torchrun,
     torchrun_command,
     torchrun_environment,

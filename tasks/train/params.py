@@ -270,8 +270,8 @@ class TrainParams(BaseModel):
     cluster: str | None = Field(
         None,
         title="Ray cluster",
-        description="Address of the Ray cluster that runs the job (host:port of its head, "
-        "ray://host:10001, or auto), one node's processes per machine, nothing shared but the "
+        description="Address of the Ray cluster that runs the job (host:port of its head "
+        "or auto), one node's processes per machine, nothing shared but the "
         "servers. Empty: torchrun on this machine (nodes must be 1).",
         min_length=1,
     )

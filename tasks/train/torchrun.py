@@ -243,15 +243,6 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def read_from(path: Path, offset: int) -> str:
-    """The text of ``path`` from byte ``offset`` on: this launch's part of an appended log."""
-    if not path.is_file():
-        return ""
-    with open(path, "rb") as handle:
-        handle.seek(offset)
-        return handle.read().decode("utf-8", errors="replace")
-
-
 def torchrun_failure(
     run_dir: Path, returncode: int, torchrun_log: Path, output: str = ""
 ) -> ImageOpsError:
