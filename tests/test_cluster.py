@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -30,9 +31,12 @@ from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
 from tasks.shared.servers import healthy
 from tasks.shared.settings import Settings
 from tasks.train import gang_health
+from tasks.train.cluster_node import _file_states, _kept_files, _log_by_ranks, _written
 from tasks.train.launch import train
 from tasks.train.loop import METRICS
 from tasks.train.request import TrainRequest
+from tasks.train.run_folder import run_logs
+from tasks.train.torchrun import run_torchrun
 
 pytest_plugins = ["training_runs"]
 
@@ -139,12 +143,16 @@ def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
     untrained: Path,
     data: tuple[Path, Path],
     tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     # "auto": node 0 decides it (importing torch in a thread of its own, started with the actor).
     job = request(untrained, data, tmp_path / "model", epochs=2, nproc_per_node=2,
                   cluster=cluster.address, precision="auto")  # fmt: skip
     # Kept once FINISHED, to see what was stored (by default they go: tests/test_gc.py).
     result = train(job, on_cluster.model_copy(update={"keep_checkpoints": True}))
+    printed = capfd.readouterr()
+    # Ray's notice that ray.init ran outside the main thread is none of the user's business.
+    assert "SIGTERM handler" not in printed.out + printed.err, printed.err
 
     client = MlflowClient(on_cluster.tracking_uri)
     run = client.get_run(result.run_id)
@@ -157,7 +165,9 @@ def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
     assert {"train", "val"} <= {k.rsplit(".", 1)[-1] for k in run.data.tags if "data_version" in k}
     assert len(list((cluster.node_home / "data-versions").glob("*"))) >= 2
     logs = {Path(a.path).name for a in client.list_artifacts(result.run_id, "logs")}
-    assert {"rank_0.log", "rank_1.log", "torchrun_node_0.log"} <= logs
+    # the node's torchrun log is named by the ranks it ran, not by its index in the gang
+    assert {"rank_0.log", "rank_1.log", "torchrun_ranks_0-1.log"} <= logs
+    assert not [name for name in logs if name.startswith("torchrun_node")], logs
     # one compute thread per process, as on one machine (Ray's OMP_NUM_THREADS is the actor's
     # CPUs, which each of its 2 processes took whole: 7x slower per step)
     rank_log = Path(client.download_artifacts(result.run_id, "logs/rank_1.log", str(tmp_path)))
@@ -166,6 +176,82 @@ def test_a_job_on_the_cluster_is_one_run_with_every_epoch_once(
     # the last checkpoint and the best weights are in the store, for a restart elsewhere
     stored = {p.name for p in (tmp_path / "checkpoints" / result.run_id).iterdir()}
     assert stored == {"checkpoint.pt", "best.safetensors"}
+
+
+def test_a_node_sends_what_its_launch_wrote_named_by_the_ranks_it_ran(tmp_path: Path) -> None:
+    """On an earlier gang this machine ran ranks 0-1; torchrun (c10d numbers the nodes itself)
+    now gives it ranks 2-3 while another machine runs 0-1: the old files stay here, or they would
+    overwrite that machine's in the driver's run folder."""
+    run_dir, out = tmp_path / "run", tmp_path / "model"
+    run_dir.mkdir()
+    for stale in ("rank_0.log", "rank_1.log", "torchrun_ranks_0-1.log", "training_curves.png"):
+        (run_dir / stale).write_text("the earlier gang\n")
+    (run_dir / "torchrun_ranks_2-3.log").write_text("an earlier launch with ranks 2-3\n")
+    before = _file_states(run_dir)
+    # a launch as torchrun's: its workers write their rank logs, torchrun prints
+    workers = "import sys\nfor r in (2, 3): open(f'{sys.argv[1]}/rank_{r}.log', 'w')\nprint('hi')"
+    launch_log = run_dir / "torchrun.log"
+    launch = [sys.executable, "-c", workers, str(run_dir)]
+    assert run_torchrun(launch, {}, run_dir, None, log_name=launch_log.name) == 0
+    log, output = _log_by_ranks(run_dir, launch_log, before)
+    assert log == run_dir / "torchrun_ranks_2-3.log" and output == "hi\n"
+    assert log.read_text() == "an earlier launch with ranks 2-3\nhi\n"
+    assert not launch_log.exists()
+    sent = _kept_files(run_dir, out, _written(run_dir, before))
+    assert sorted(sent) == ["rank_2.log", "rank_3.log", "torchrun_ranks_2-3.log"]
+    # what the run's records list, in rank order (rank_10 after rank_2)
+    (run_dir / "rank_10.log").touch()
+    assert [p.name for p in run_logs(run_dir)][:4] == ["rank_0.log", "rank_1.log", "rank_2.log",
+                                                      "rank_3.log"]  # fmt: skip
+    assert [p.name for p in run_logs(run_dir)][-2:] == ["torchrun_ranks_0-1.log",
+                                                       "torchrun_ranks_2-3.log"]  # fmt: skip
+
+
+# A driver as the job's: it joins with cluster_connect (before anything imports Ray), three
+# actors (a gang's nodes, or one node before and after a restart) print lines that differ only in
+# their numbers, and the driver waits for each to reach its console.
+DRIVER = """
+import io, logging, sys, time
+from tasks.train.cluster_connect import connect
+
+seen = io.StringIO()
+class Tee(io.TextIOBase):
+    def write(self, text):
+        seen.write(text)
+        return sys.__stdout__.write(text)
+    def flush(self):
+        sys.__stdout__.flush()
+sys.stdout = Tee()
+connect(sys.argv[1], 60, logging.getLogger("driver"))
+import ray
+
+@ray.remote(num_cpus=0)
+class Node:
+    def say(self, epoch):
+        print(f"rank 0 INFO epoch {epoch}/3: train loss 0.{epoch}", flush=True)
+
+nodes = [Node.remote() for _ in range(3)]
+ray.get([node.say.remote(epoch) for epoch, node in enumerate(nodes, 1)])
+deadline = time.monotonic() + 30
+while seen.getvalue().count("train loss") < 3 and time.monotonic() < deadline:
+    time.sleep(0.2)
+"""
+
+
+def test_the_driver_prints_every_node_line_once_when_it_comes_and_no_ray_notice(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Ray's log deduplication held back a line another process had printed in other numbers
+    and printed it seconds later (out of order, or as "[repeated 2x across cluster]")."""
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, cluster.address], capture_output=True, text=True,
+        timeout=240, env=base_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for epoch in (1, 2, 3):
+        assert done.stdout.count(f"epoch {epoch}/3: train loss 0.{epoch}") == 1, done.stdout
+    assert "repeated" not in done.stdout
+    assert "SIGTERM handler" not in done.stderr, done.stderr
 
 
 def test_fewer_nodes_than_asked_fail_within_the_wait_naming_what_is_there(

@@ -6,6 +6,8 @@ TCP connection to the head's port comes first, then ``ray.init`` in a thread the
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 import time
@@ -20,6 +22,12 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
     Ray itself retries an address where nothing listens for ever: a plain TCP connect to the
     head's port tells first whether anything is there.
     """
+    # Read when Ray is imported. Ray's log deduplication keys a line by its words without digits
+    # and holds back a line that another process printed first, for 5 s, then prints it late as
+    # "[repeated 2x across cluster]": after a restart the new gang's rank 0 (another process)
+    # printed "epoch 2/2 ..." seconds late, and the old gang's lines seemed printed again. Each
+    # node's torchrun output reaches the driver once (only rank 0 prints): nothing to fold.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
     global _connected
@@ -43,6 +51,7 @@ def connect(address: str, timeout_s: int, log: Any) -> None:
         except BaseException as exc:  # handed to the caller's thread
             failure.append(exc)
 
+    logging.getLogger("ray._private.worker").addFilter(_no_sigterm_handler_notice)
     thread = threading.Thread(target=init, daemon=True, name="ray-connect")
     thread.start()
     thread.join(max(1.0, deadline - time.monotonic()))
@@ -68,6 +77,16 @@ def reconnect(address: str, timeout_s: int, log: Any) -> None:
     leaving.start()
     leaving.join(DISCONNECT_TIMEOUT_S)
     connect(address, timeout_s, log)
+
+
+def _no_sigterm_handler_notice(record: logging.LogRecord) -> bool:
+    """Drop Ray's "SIGTERM handler is not set because current thread is not the main thread."
+
+    ``ray.init`` outside the main thread (here, to have a deadline) skips the handler that would
+    exit the driver on SIGTERM, and says so on every job; this process has its own (the CLI's
+    stop_signals, a flow run's Prefect bridge), so nothing is missing.
+    """
+    return not record.getMessage().startswith("SIGTERM handler is not set")
 
 
 def _wait_for_port(address: str, deadline: float) -> None:

@@ -30,8 +30,9 @@ from tasks.train.failure import clear_failures
 from tasks.train.params import RunConfig, manifest_fingerprint
 from tasks.train.rendezvous import RDZV_TIMEOUT_MARK, rendezvous_timeout
 from tasks.train.request import CONFIG, TrainRequest
-from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT, RESULT
+from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT, RESULT, rank_of, torchrun_log
 from tasks.train.torchrun import (
+    TORCHRUN_LOG,
     NodePlace,
     run_torchrun,
     torchrun_command,
@@ -170,11 +171,16 @@ class NodeAgent:
             settings, run_id, {**_thread_env(), **_interface_env(place.address, job)}
         )
         command = torchrun_command(job.request, config_path, run_id, place)
-        log = run_dir / f"torchrun_node_{rank}.log"
-        offset = log.stat().st_size if log.is_file() else 0
-        returncode = run_torchrun(command, env, run_dir, job.request.timeout_s, log_name=log.name)
+        before = _file_states(run_dir)
+        launch_log = run_dir / TORCHRUN_LOG  # until the launch tells which ranks it ran
+        launch_log.unlink(missing_ok=True)
+        try:
+            returncode = run_torchrun(
+                command, env, run_dir, job.request.timeout_s, log_name=launch_log.name
+            )
+        finally:
+            log, output = _log_by_ranks(run_dir, launch_log, before)
         if returncode != 0:
-            output = read_from(log, offset)
             if RDZV_TIMEOUT_MARK in output:
                 where = f"node {rank} ({place.address}, {socket.gethostname()})"
                 params = job.request.params
@@ -185,7 +191,7 @@ class NodeAgent:
         return NodeOutcome(
             node_rank=rank,
             address=place.address,
-            files=_kept_files(run_dir, self.paths["out"]),
+            files=_kept_files(run_dir, self.paths["out"], _written(run_dir, before)),
             lead=(run_dir / RESULT).is_file(),
         )
 
@@ -230,12 +236,49 @@ def _named(error: ImageOpsError, place: NodePlace) -> ImageOpsError:
     return error
 
 
-def _kept_files(run_dir: Path, out: Path) -> dict[str, bytes]:
-    """The run folder's logs and rank 0's outputs, and the ModelDirectory under ``model/``."""
+def _file_states(run_dir: Path) -> dict[str, tuple[int, int, int]]:
+    """Each file of the run folder's (inode, size, modification time): what a launch changes."""
+    states = {}
+    for path in run_dir.iterdir():
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            states[path.name] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return states
+
+
+def _written(run_dir: Path, before: dict[str, tuple[int, int, int]]) -> set[str]:
+    """The run folder's files made or changed since ``before``: this launch's."""
+    return {name for name, state in _file_states(run_dir).items() if before.get(name) != state}
+
+
+def _log_by_ranks(
+    run_dir: Path, launch_log: Path, before: dict[str, tuple[int, int, int]]
+) -> tuple[Path, str]:
+    """Append this launch's torchrun output to the log named by the ranks it ran; (log, output).
+
+    The ranks are those whose rank logs the launch wrote: c10d numbers the nodes itself, so the
+    gang's index says nothing about them. The file keeps every launch that ran these ranks here.
+    """
+    ranks = [r for name in _written(run_dir, before) if (r := rank_of(Path(name))) is not None]
+    output = read_from(launch_log, 0)
+    log = torchrun_log(run_dir, ranks)
+    with open(log, "a", encoding="utf-8") as sink:
+        sink.write(output)
+    launch_log.unlink(missing_ok=True)
+    return log, output
+
+
+def _kept_files(run_dir: Path, out: Path, written: set[str]) -> dict[str, bytes]:
+    """This launch's logs and rank 0's outputs, and the ModelDirectory under ``model/``.
+
+    Only what this launch wrote: a file left by an earlier gang, in which this machine ran other
+    ranks, bears the name of a file another node sends now, and would overwrite it in the driver's
+    run folder.
+    """
     files = {
-        path.name: path.read_bytes()
-        for path in run_dir.iterdir()
-        if path.is_file() and path.name not in _NOT_SENT and not path.name.endswith(".tmp")
+        name: (run_dir / name).read_bytes()
+        for name in sorted(written)
+        if (run_dir / name).is_file() and name not in _NOT_SENT and not name.endswith(".tmp")
     }
     if (run_dir / RESULT).is_file() and out.is_dir():
         files |= {f"model/{p.name}": p.read_bytes() for p in out.iterdir() if p.is_file()}

@@ -33,6 +33,7 @@ from tasks.train.torchrun import (
     torchrun_command,
     torchrun_environment,
     torchrun_failure,
+    torchrun_threads,
 )
 
 
@@ -92,7 +93,8 @@ def _train(request: TrainRequest, settings: Settings) -> TrainResult:
         with ending_run(client, lambda: (run_id, run_dir)) as outcome:
             config_path = _write_config(run_dir, config)
             command = torchrun_command(request, config_path, run_id)
-            env = torchrun_environment(settings, run_id, request.env)
+            threads = torchrun_threads(request.params.nproc_per_node)
+            env = torchrun_environment(settings, run_id, {**threads, **request.env})
             offset = torchrun_log.stat().st_size if torchrun_log.is_file() else 0
             returncode = run_torchrun(command, env, run_dir, request.timeout_s)
             if returncode != 0:

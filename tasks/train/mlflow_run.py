@@ -32,7 +32,7 @@ from tasks.shared.tracking import run_url
 from tasks.train.loop import LOSS, LR, THROUGHPUT, TOP1, TOP5, VAL_LOSS
 from tasks.train.params import RunConfig, TrainParams
 from tasks.train.request import CONFIG, Request
-from tasks.train.run_folder import CHECKPOINT, CURVES
+from tasks.train.run_folder import CHECKPOINT, CURVES, run_logs
 from tasks.train.run_lock import in_training
 from tasks.train.tracker import log_missing, transient
 
@@ -213,10 +213,7 @@ def publish_report(run_id: str, run_dir: Path, result: dict[str, Any], settings:
     """The training curves, per-epoch metrics and where each rank's log is, as an artifact."""
     rows = report_rows(result.get("history", []))
     logs_page = run_url(settings, run_id, "artifacts")
-    logs = "\n".join(
-        f"- `{path.name}`: `{path}`"
-        for path in [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
-    )
+    logs = "\n".join(f"- `{path.name}`: `{path}`" for path in run_logs(run_dir))
     if logs:
         copies = (
             f"[{LOG_ARTIFACTS}/ in the MLflow run]({logs_page})"
@@ -295,9 +292,8 @@ def complete_run(
         if (run_dir / CURVES).is_file():
             curves = str(run_dir / CURVES)
             _patiently(lambda: client.log_artifact(run_id, curves), CURVES, deadline)
-    # One torchrun log per node agent (torchrun.log, or torchrun_node_<k>.log on many nodes).
-    logs = [*sorted(run_dir.glob("rank_*.log")), *sorted(run_dir.glob("torchrun*.log"))]
-    for path in [*logs, run_dir / CONFIG]:
+    # torchrun.log on one machine; on a cluster, one per node, named by the ranks it ran.
+    for path in [*run_logs(run_dir), run_dir / CONFIG]:
         if path.is_file():
             _patiently(
                 lambda p=str(path): client.log_artifact(run_id, p, artifact_path=LOG_ARTIFACTS),

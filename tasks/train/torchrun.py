@@ -64,6 +64,19 @@ def torchrun_environment(
     }
 
 
+def torchrun_threads(nproc_per_node: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS=1`` for several processes on one machine, unless the variable is set.
+
+    torchrun sets the same itself then, and prints a banner saying so ("Setting OMP_NUM_THREADS
+    environment variable for each process to be 1 in default ...") on every launch: set here,
+    the workers compute the same and the banner goes. One process keeps torch's default (a
+    thread per core), as under torchrun.
+    """
+    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
+
+
 def _source_root() -> str:
     return str(Path(tasks.__file__).resolve().parent.parent)
 
@@ -112,6 +125,13 @@ def torchrun_command(
     return command
 
 
+# torchrun's lines that tell the user nothing to act on, kept out of the console and the log.
+# c10d names every socket's peer by reverse DNS, for its own debug messages, and warns when the
+# lookup fails (a container or network namespace without a resolver) before it goes on with the
+# numeric address: on such a machine every connection of a cluster job printed it.
+NOT_THE_USERS_BUSINESS = ("[c10d] The hostname of the client socket cannot be retrieved.",)
+
+
 def _pump(stream: IO[str], path: Path) -> None:
     """Copy torchrun's output to the console and to its log in the run folder, line by line.
 
@@ -122,6 +142,8 @@ def _pump(stream: IO[str], path: Path) -> None:
     in_traceback = False
     with open(path, "a", encoding="utf-8") as sink:
         for raw in stream:
+            if any(noise in raw for noise in NOT_THE_USERS_BUSINESS):
+                continue
             line = redact_uri(raw)
             sink.write(line)
             sink.flush()
