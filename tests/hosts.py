@@ -155,7 +155,7 @@ class Hosts:
             _ip("-n", host.netns, "link", "set", "lo", "up")
             _copy_code(host.project)
             host.home.mkdir(parents=True)
-            host.env = base_env() | {
+            host.env = {k: v for k, v in base_env().items() if not k.startswith("XDG_")} | {
                 "PYTHONPATH": str(host.project),
                 "RAY_USAGE_STATS_ENABLED": "0",
                 "HOME": str(host.home),

@@ -1,9 +1,9 @@
 """The team stack as the README runs it, for tests with namespace hosts (tests/hosts.py).
 
 ``imageops team server --host <the bridge's address>`` in the root namespace, from a project
-folder of its own; on each host, the join file copied to its home (mode 0600) and ``imageops
-team join --env <that file>`` from its checkout. The test process talks to the servers with the
-join file's logins, as a person who sourced it would.
+folder of its own; on each host, the join file copied where the README puts it (the host user's
+``~/.config/imageops/team.env``, mode 0600) and ``imageops team join`` from its checkout. The
+test process talks to the servers with the join file's logins, as a person who sourced it would.
 """
 
 from __future__ import annotations
@@ -62,15 +62,16 @@ class TeamStack:
         self.values = read_join_file(self.folder / ".imageops" / "team" / "team.env")
 
     def join(self, *hosts: Host, **env: str) -> None:
-        """`imageops team join --env ~/team.env` on each of ``hosts`` at once (``env`` added to
-        its environment), until each says joined."""
+        """`imageops team join` on each of ``hosts`` at once (``env`` added to its
+        environment), until each says joined."""
         for host in hosts:
-            join_file = host.home / "team.env"
-            if not join_file.exists():  # the README's `scp` and `chmod 600`
+            join_file = host.home / ".config" / "imageops" / "team.env"
+            if not join_file.exists():  # the README's `mkdir`, `scp` and `chmod 600`
+                join_file.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(self.folder / ".imageops" / "team" / "team.env", join_file)
                 join_file.chmod(0o600)
             name = f"join-{len(self.join_logs) + 1}"
-            command = [PY, "-m", "app.cli", "team", "join", "--env", str(join_file)]
+            command = [PY, "-m", "app.cli", "team", "join"]
             # Prefect's own setting passes through the join to its worker.
             proc = self.hosts.start(host, name, command, **PROMPT_WORKER | RAY_NODE | env)
             self.joins[host.name] = proc

@@ -2,11 +2,12 @@
 
 `imageops team server --host <bridge>` runs in the root namespace (PostgreSQL, S3, MLflow,
 Prefect, Ray head, each behind a login); hosts A and B (tests/hosts.py: each its own network,
-PID namespace and /proc, hostname, checkout and home) each run `imageops team join --env
-~/team.env`, a Ray node and a Prefect worker. On them: 2-node trainings through `prefect
-deployment run` whose Prefect worker, or whose flow-run process, is SIGKILLed mid-training; a
-cancelled one; one from the CLI while a host loses power; and the nightly pipeline on the host
-that did not prepare the data (issue 44). See tests/team_stack.py for the stack.
+PID namespace and /proc, hostname, checkout and home) each run `imageops team join` (the join
+file in the host user's ~/.config/imageops): a Ray node and a Prefect worker. On them: 2-node
+trainings through `prefect deployment run` whose Prefect worker, or whose flow-run process, is
+SIGKILLed mid-training; a cancelled one; one from the CLI while a host loses power; and the
+nightly pipeline on the host that did not prepare the data (issue 44). tests/team_stack.py
+starts the stack.
 """
 
 from __future__ import annotations
@@ -409,7 +410,8 @@ def test_the_nightly_pipeline_runs_on_the_host_that_did_not_prepare_the_data(
     team.rejoin()
     a, b = team.a, team.b
     shutil.copytree(digits_raw, a.project / "data" / "raw" / "digits")
-    cli(a, "version", "data/raw/digits", **team.stack.values)
+    printed = cli(a, "version", "data/raw/digits", **team.stack.values)
+    (reference,) = re.findall(r"raw/digits@[0-9a-f]{32}(?:\.dir)?", printed)
     team.stack.leave(a)  # A's worker is gone: only B's takes the run
     shutil.rmtree(b.project / "data")  # B never had any of the data
     with team.stack.prefect() as api:
@@ -428,6 +430,7 @@ def test_the_nightly_pipeline_runs_on_the_host_that_did_not_prepare_the_data(
     version = client.get_model_version_by_alias(MODEL, "challenger")
     run = client.get_run(version.run_id)
     assert run.info.status == "FINISHED"
+    assert version.tags["data_ref.source"] == reference  # host A's data, not another copy
     # The model the pipeline registered, scored on host A from the registry.
     cli(a, "score", f"models:/{MODEL}/{version.version}", "data/digits/val", "nightly.csv",
         **team.stack.values)  # fmt: skip
