@@ -51,7 +51,8 @@ class TeamStack:
         self.server: subprocess.Popen | None = None
         self.values: dict[str, str] = {}
         self.joins: dict[str, subprocess.Popen] = {}
-        self.join_logs: dict[str, Path] = {}
+        self.join_logs: dict[str, Path] = {}  # each host's last join's log
+        self.join_count = 0
 
     def start(self) -> None:
         """`imageops team server --host <bridge>` until it says ready; its join file read."""
@@ -70,7 +71,8 @@ class TeamStack:
                 join_file.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(self.folder / ".imageops" / "team" / "team.env", join_file)
                 join_file.chmod(0o600)
-            name = f"join-{len(self.join_logs) + 1}"
+            self.join_count += 1  # each join's log a file of its own
+            name = f"join-{self.join_count}"
             command = [PY, "-m", "app.cli", "team", "join"]
             # Prefect's own setting passes through the join to its worker.
             proc = self.hosts.start(host, name, command, **PROMPT_WORKER | RAY_NODE | env)
