@@ -1,9 +1,13 @@
-"""Two hosts that share nothing but servers train one model: a Ray head on host A, a Ray worker
-on host B, each in a network namespace of its own with its own code, home and data; MLflow
-(artifacts in S3), SeaweedFS and Prefect in the root namespace. 2-node jobs through `prefect
-deployment run` on host A's Prefect worker (killed under its flow run; the model it registers
-is scored on host B), a cancelled one, and one from the CLI on host A while host B loses power.
-See tests/hosts.py for what a host is.
+"""A team on two machines that share nothing but the servers, as the README runs it.
+
+`imageops team server --host <bridge>` runs in the root namespace (PostgreSQL, S3, MLflow,
+Prefect, Ray head, each behind a login); hosts A and B (tests/hosts.py: each its own network,
+PID namespace and /proc, hostname, checkout and home) each run `imageops team join` (the join
+file in the host user's ~/.config/imageops): a Ray node and a Prefect worker. On them: 2-node
+trainings through `prefect deployment run` whose Prefect worker, or whose flow-run process, is
+SIGKILLed mid-training; a cancelled one; one from the CLI while a host loses power; and the
+nightly pipeline on the host that did not prepare the data (issue 44). tests/team_stack.py
+starts the stack.
 """
 
 from __future__ import annotations
@@ -11,21 +15,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from hosts import Host, Hosts, can_make_hosts
 from mlflow import MlflowClient
-from server_processes import LONG_WAIT, PROMPT_WORKER, RAY_NODE, base_env, free_port, healthy
+from server_processes import LONG_WAIT
+from team_stack import TeamStack
 
 from models.untrained import resnet, write_untrained
 from tasks.data.transform import init_transformation
@@ -41,94 +44,64 @@ SMALL = {"resize_size": 16, "center_crop_size": 16, "random_horizontal_flip": Fa
 TRAIN = {"epochs": 1, "batch_size": 16, "learning_rate": 0.01, "nproc_per_node": 1,
          "device": "cpu", "precision": "fp32", "nodes": 2}  # fmt: skip
 MODEL = "imageops-classifier"
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+TRAINING = ("torch.distributed.run", "tasks.train.worker")  # a node's torchrun and its ranks
+LOST_DRIVER_S = 300  # issue 44: a job whose driver is SIGKILLed ends FAILED within 5 minutes
 
 
+@dataclass
 class Team:
-    """The hosts, the servers on the bridge, and a Ray cluster of host A (head) and host B."""
+    """The hosts and the team stack they joined."""
 
-    def __init__(self, hosts: Hosts, root: Path) -> None:
-        from tasks.shared.database_templates import seed
-        from tasks.shared.object_store import ensure_bucket, start_seaweedfs
+    hosts: Hosts
+    stack: TeamStack
 
-        self.hosts = hosts
-        self.a, self.b = hosts.hosts
-        self.deployed = False  # the work pool and the deployments, made by the first worker
-        gateway = hosts.gateway
-        keys = {"access_key": f"k{secrets.token_hex(4)}", "secret_key": secrets.token_hex(16)}
-        self.s3 = start_seaweedfs(root / "s3", host=gateway, **keys)
-        ensure_bucket(self.s3.endpoint_url, "imageops", keys["access_key"], keys["secret_key"])
-        mlflow_port, prefect_port = free_port(), free_port()
-        self.mlflow = f"http://{gateway}:{mlflow_port}"
-        self.prefect_api = f"http://{gateway}:{prefect_port}/api"
-        servers = hosts.processes
-        # The databases from the migrated templates, as `imageops serve` does.
-        seed("mlflow", root / "mlflow.db")
-        seed("prefect", root / "prefect" / "prefect.db")
-        servers.start(
-            "mlflow",
-            [PY, "-m", "mlflow", "server", "--host", gateway, "--port", str(mlflow_port),
-             "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-             "--artifacts-destination", "s3://imageops/mlartifacts"],
-            base_env() | self.s3.environment(),
-        )  # fmt: skip
-        servers.start(
-            "prefect",
-            # No UI, schedules or late-run marking: nothing here looks at them.
-            [PY, "-m", "prefect", "server", "start", "--host", gateway,
-             "--port", str(prefect_port), "--no-ui", "--no-scheduler", "--no-late-runs"],
-            base_env() | {"PREFECT_HOME": str(root / "prefect")},
-        )  # fmt: skip
-        # What every machine of the team sets (the team stack's join file holds the same).
-        self.env = self.s3.environment() | {
-            "IMAGEOPS_MLFLOW_TRACKING_URI": self.mlflow,
-            "IMAGEOPS_PREFECT_API_URL": self.prefect_api,
-            "PREFECT_API_URL": self.prefect_api,
-            "IMAGEOPS_DVC_REMOTE_URL": "s3://imageops/dvc",
-            "IMAGEOPS_CHECKPOINT_URL": "s3://imageops/checkpoints",
-        }
-        for host in hosts.hosts:
-            host.env |= self.env
-        self.cluster = f"{self.a.address}:6379"
-        self.ray_tmp: list[Path] = []
-        # A node that stops answering is declared dead in about 3 s, not Ray's default 15 s+.
-        quick = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-                 "RAY_health_check_failure_threshold": "3"}  # fmt: skip
-        self.start_ray(self.a, "--head", "--port", "6379", "--include-dashboard=false", **quick)
-        servers.wait("MLflow", lambda: healthy(f"{self.mlflow}/health"), 300)
-        servers.wait("Prefect", lambda: healthy(f"{self.prefect_api}/health"), 300)
-        self.start_ray(self.b, "--address", self.cluster)
-        self.wait_for_nodes(2)
+    @property
+    def a(self) -> Host:
+        return self.hosts.hosts[0]
+
+    @property
+    def b(self) -> Host:
+        return self.hosts.hosts[1]
+
+    @property
+    def cluster(self) -> str:
+        return self.stack.values["IMAGEOPS_RAY_ADDRESS"]
+
+    @property
+    def mlflow(self) -> MlflowClient:
+        return MlflowClient(self.stack.values["IMAGEOPS_MLFLOW_TRACKING_URI"])
+
+    def joined(self, host: Host) -> bool:
+        """Whether ``host``'s `team join` still runs."""
+        proc = self.stack.joins.get(host.name)
+        return proc is not None and proc.poll() is None
+
+    def rejoin(self) -> None:
+        """Each host in the team again (after an earlier test's failure took one out)."""
+        left = [host for host in self.hosts.hosts if not self.joined(host)]
+        if left:
+            for host in left:
+                self.hosts.power_off(host)  # whatever its join left, as a reboot does
+            self.stack.join(*left)
+            self.wait_for_nodes(2)
 
     def wait_for_nodes(self, count: int) -> None:
-        """Until the cluster counts ``count`` nodes alive (asked from host A, a node)."""
+        """Until the Ray cluster counts ``count`` live nodes with CPUs (the head has none)."""
         ask = (
-            "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-            "print(sum(n['Alive'] for n in ray.nodes()))"
+            "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR', "
+            "log_to_driver=False); "
+            "print(sum(n['Alive'] and n['Resources'].get('CPU', 0) > 0 for n in ray.nodes()))"
         )
 
-        def alive() -> bool:
-            done = self.a.run([PY, "-c", ask, self.cluster], timeout_s=60)
+        def counted() -> bool:
+            done = self.a.run([PY, "-c", ask, self.cluster], timeout_s=60, **self.stack.values)
             return done.returncode == 0 and done.stdout.strip().endswith(str(count))
 
-        # Not Processes.wait: a host's processes that lost power are dead on purpose.
-        wait_for(f"{count} Ray nodes", alive, 180)
+        wait_for(f"{count} Ray nodes", counted, 180)
 
-    def start_ray(self, host: Host, *args: str, **env: str) -> None:
-        """A Ray node on ``host``: the head (``--head``) or a worker joining the cluster."""
-        self.ray_tmp.append(Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")))
-        self.hosts.start(
-            host, f"ray-{len(self.ray_tmp)}",
-            [str(Path(PY).with_name("ray")), "start", "--block", "--num-cpus", "1",
-             "--disable-usage-stats", "--node-ip-address", host.address,
-             "--temp-dir", str(self.ray_tmp[-1]), *args],
-            **RAY_NODE | env,
-        )  # fmt: skip
-
-    def stop(self) -> None:
-        self.hosts.processes.stop()
-        self.s3.stop(timeout_s=2)
-        for folder in self.ray_tmp:
-            shutil.rmtree(folder, ignore_errors=True)
+    def report(self) -> str:
+        return self.hosts.processes.report() + "\n" + self.stack.report()
 
 
 @pytest.fixture(scope="module")
@@ -137,32 +110,27 @@ def team(
 ) -> Iterator[Team]:
     root = tmp_path_factory.mktemp("team")
     with Hosts(root) as hosts:
-        running = Team(hosts, root)
+        stack = TeamStack(hosts)
         try:
+            stack.start()
             for host in hosts.hosts:  # each machine has its own checkout of the project's data
                 for split in digits_split:
                     shutil.copytree(split, host.project / "data" / "digits" / split.name)
-            yield running
+            stack.join(*hosts.hosts)
+            with stack.logged_in():
+                yield Team(hosts, stack)
         except BaseException:
-            print(hosts.processes.report())
+            print(hosts.processes.report(), stack.report())
             raise
         finally:
-            running.stop()
+            hosts.processes.stop()  # the joins before the server they talk to
+            stack.stop()
 
 
-def cli(host: Host, *args: str, timeout_s: float = 600) -> str:
-    result = host.run([PY, "-m", "app.cli", *args], timeout_s=timeout_s, COLUMNS="200")
+def cli(host: Host, *args: str, timeout_s: float = 600, **env: str) -> str:
+    result = host.run([PY, "-m", "app.cli", *args], timeout_s=timeout_s, COLUMNS="200", **env)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
-
-
-def train_command(host: Host, cluster: str, **params: object) -> list[str]:
-    """`imageops train` of a fresh resnet18 on the digits at 16 px, as typed on ``host``."""
-    write_untrained(resnet("resnet18", pretrained=False), host.project / "untrained")
-    init_transformation(host.project / "transform", SMALL)
-    options = [f"--{k.replace('_', '-')}={v}" for k, v in (TRAIN | params).items()]
-    return [PY, "-m", "app.cli", "train", "untrained", "data/digits/train", "data/digits/val",
-            "model", "--cluster", cluster, "--transform", "transform", *options]  # fmt: skip
 
 
 def wait_for(
@@ -176,109 +144,79 @@ def wait_for(
     assert servers.wait_until(ready, timeout_s, **pacing), f"timed out waiting for {what}"
 
 
-def epoch_ended(trace: Path) -> bool:
-    return trace.exists() and bool(faults.reached(trace, "train.epoch_end"))
-
-
 def training_processes(hosts: Hosts) -> list[str]:
-    """The torchrun and worker processes still alive on any host."""
-    found = []
-    for host in hosts.hosts:
-        pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True,
-                              text=True).stdout.split()  # fmt: skip
-        for pid in pids:
+    """The torchrun and rank processes still alive on any host."""
+    return [
+        f"{host.name}: {pid} {command[:80]}"
+        for host in hosts.hosts
+        for pid, command in host.processes_running(*TRAINING).items()
+        if not command.startswith("nsenter ")
+    ]
+
+
+def program(host: Host, module: str) -> dict[int, str]:
+    """The processes of ``host`` that run ``python -m module`` (not their nsenter wrapper)."""
+    return {
+        pid: command
+        for pid, command in host.processes_running(f"-m {module}").items()
+        if not command.startswith("nsenter ")
+    }
+
+
+def flow_run_process(team: Team, flow_run: str) -> tuple[Host, int] | None:
+    """The host and pid of ``flow_run``'s process (the driver), if one runs it now."""
+    for host in team.hosts.hosts:
+        for pid in program(host, "app.flow_run_entry"):
             try:
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
             except OSError:
                 continue
-            if "torch.distributed.run" in command or "tasks.train.worker" in command:
-                found.append(f"{host.name}: {pid} {command[:80]}")
-    return found
+            if f"PREFECT__FLOW_RUN_ID={flow_run}".encode() in environ:
+                return host, pid
+    return None
 
 
-def test_a_two_node_job_from_prefect_outlives_its_worker_and_is_scored_on_the_other_host(
-    team: Team,
-) -> None:
-    """`prefect deployment run` on host A's worker, SIGKILLed once training runs: the flow run
-    goes on and ends COMPLETED, the MLflow run FINISHED; host B scores the registered model."""
-    b = team.b
-    worker = start_worker(team, "host-a")
-    # One epoch: the worker is killed as soon as the job trains, and the flow run has the
-    # export and the registration still to do after the training.
-    flow_run = run_train_deployment(team, TRAIN | {"cluster": team.cluster})
-    client = MlflowClient(team.mlflow, team.mlflow)
-    # Promptly: the worker must die while its flow run still has work to do.
-    training = lambda: training_runs(client, "RUNNING")  # noqa: E731
-    wait_for("the cluster job to train", training, 300, max_interval_s=0.5)
-    os.kill(worker.pid, signal.SIGKILL)  # the worker only: its flow run goes on
-
-    state = final_state(team, flow_run, 540)
-    assert state == "COMPLETED", state + team.hosts.processes.report()
-    version = client.get_model_version_by_alias(MODEL, "challenger")
-    run = client.get_run(version.run_id)
-    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
-    assert not training_runs(client, "RUNNING")
-    # Host B never saw this model: it gets it from the registry (artifacts in S3) and scores.
-    cli(b, "score", f"models:/{MODEL}/{version.version}", "data/digits/val", "scored.csv")
-    rows = (b.project / "scored.csv").read_text().splitlines()
-    assert len(rows) > 10 and rows[0].startswith("id,path,category")
-
-
-def test_a_cancelled_flow_run_stops_the_cluster_job_within_30_seconds(team: Team) -> None:
-    start_worker(team, "host-a-again")
-    flow_run = run_train_deployment(team, TRAIN | {"cluster": team.cluster, "epochs": 50})
-    wait_for("torchrun on both hosts", lambda: len(training_processes(team.hosts)) >= 4, 300)
-    cancelled = team.a.run([PY, "-m", "prefect", "flow-run", "cancel", flow_run])
-    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
-    started = time.monotonic()
-    wait_for("every training process to stop", lambda: not training_processes(team.hosts), 30)
-    assert time.monotonic() - started < 30
-    assert final_state(team, flow_run, 240) == "CANCELLED"  # the API hears it late when busy
-    client = MlflowClient(team.mlflow)
-    assert training_runs(client, "KILLED") and not training_runs(client, "RUNNING")
-
-
-def start_worker(team: Team, name: str) -> subprocess.Popen:
-    """A Prefect worker on host A's `local` pool (the pool and deployments made first, once)."""
-    if not team.deployed:
-        for command in (
-            [PY, "-m", "prefect", "work-pool", "create", "local", "--type", "process",
-             "--base-job-template", "deployments/work-pools/local.json"],
-            [PY, "-m", "prefect", "work-queue", "create", "training", "--pool", "local"],
-            [PY, "-m", "app.deployments"],
-        ):  # fmt: skip
-            done = team.a.run(command, timeout_s=180, **base_env() | team.env)
-            assert done.returncode == 0, done.stdout + done.stderr
-        team.deployed = True
-    command = [PY, "-m", "prefect", "worker", "start", "--pool", "local", "--name", name]
-    return team.hosts.start(team.a, name, command, **PROMPT_WORKER)
-
-
-def run_train_deployment(team: Team, params: dict) -> str:
-    """`prefect deployment run` of the train deployment from host A; the flow run's id."""
-    started = team.a.run(
-        [PY, "-m", "prefect", "deployment", "run", "imageops-train-model/train",
-         "-p", "train_data=data/digits/train", "-p", "val_data=data/digits/val",
-         "-p", f"params={json.dumps(params)}", "-p", f"transform={json.dumps(SMALL)}"],
-        timeout_s=120,
+def run_deployment(team: Team, host: Host, name: str, **params: object) -> str:
+    """`prefect deployment run NAME -p k=v ...` on ``host``, as a person who sourced the join
+    file; the flow run's id."""
+    options = [
+        word for k, v in params.items()
+        for word in ("-p", f"{k}={v if isinstance(v, str) else json.dumps(v)}")
+    ]  # fmt: skip
+    started = host.run(
+        [PY, "-m", "prefect", "deployment", "run", name, *options],
+        timeout_s=120, **team.stack.values,
     )  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
     (flow_run,) = re.findall(r"UUID: ([0-9a-f-]{36})", started.stdout)
     return flow_run
 
 
-def final_state(team: Team, flow_run: str, timeout_s: float) -> str:
-    """The flow run's state type once final, read from the Prefect API."""
-    final = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
-    seen: list[str] = ["?"]
+def run_train_deployment(team: Team, **params: object) -> str:
+    """The train deployment, 2 nodes on the team's Ray cluster, from host A."""
+    return run_deployment(
+        team, team.a, "imageops-train-model/train",
+        train_data="data/digits/train", val_data="data/digits/val",
+        params=TRAIN | {"cluster": team.cluster} | params, transform=SMALL,
+    )  # fmt: skip
 
-    with httpx.Client(base_url=team.prefect_api) as api:  # one client: each costs an SSL setup
 
-        def ended() -> bool:
-            seen[0] = api.get(f"/flow_runs/{flow_run}").json()["state_type"]
-            return seen[0] in final
+def flow_run_state(team: Team, flow_run: str) -> dict:
+    with team.stack.prefect() as api:
+        return api.get(f"/flow_runs/{flow_run}").raise_for_status().json()["state"]
 
-        wait_for(f"flow run {flow_run} to end", ended, timeout_s)
+
+def final_state(team: Team, flow_run: str, timeout_s: float) -> dict:
+    """The flow run's state once final, read from the Prefect API (fails with the logs if not)."""
+    seen: list[dict] = [{}]
+
+    def ended() -> bool:
+        seen[0] = flow_run_state(team, flow_run)
+        return seen[0]["type"] in FINAL
+
+    if not servers.wait_until(ended, timeout_s, **LONG_WAIT):
+        pytest.fail(f"flow run {flow_run} still {seen[0].get('type')} after {timeout_s} s\n"
+                    f"{team.report()}")  # fmt: skip
     return seen[0]
 
 
@@ -289,34 +227,165 @@ def training_runs(client: MlflowClient, status: str) -> list:
     return client.search_runs([experiment.experiment_id], f"attributes.status = '{status}'")
 
 
+def wait_until_training(team: Team, flow_run: str) -> tuple[Host, int]:
+    """Once a rank runs on each host: the host and pid of the flow run's process."""
+    wait_for("a rank on each host", lambda: len(training_processes(team.hosts)) >= 4, 300, 0.5)
+    driver = flow_run_process(team, flow_run)
+    assert driver is not None, training_processes(team.hosts)
+    return driver
+
+
+# --- the hosts ------------------------------------------------------------------------------
+
+
+def test_each_host_is_a_machine_of_its_own_in_the_team(team: Team) -> None:
+    """PID namespace, /proc, hostname and address of their own; each joined with its Ray node
+    and Prefect worker (the Ray head has no CPUs: a 2-node job needs both)."""
+    seen = {}
+    for host in team.hosts.hosts:
+        done = host.run([PY, "-c", (
+            "import os, socket\n"
+            "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "print(socket.gethostname(), os.readlink('/proc/self/ns/pid'), os.getpid())\n"
+            "print(sum(b'app.checked_' b'worker' in open(f'/proc/{p}/cmdline', 'rb').read()\n"
+            "          for p in pids if os.path.exists(f'/proc/{p}/cmdline')))\n"
+        )])  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        (name, namespace, pid), (workers,) = (line.split() for line in done.stdout.splitlines())
+        seen[name] = namespace
+        assert name == host.name and int(pid) < 1000  # numbered from 1 in its namespace
+        assert workers == "1"  # its own Prefect worker: the other host's is not in its /proc
+    assert len(set(seen.values())) == 2 and os.readlink("/proc/self/ns/pid") not in seen.values()
+    team.wait_for_nodes(2)
+    expected = {f"{h.name}-{h.address}" for h in team.hosts.hosts}
+    with team.stack.prefect() as api:
+
+        def online() -> bool:  # a worker is ONLINE from its first heartbeat on
+            workers = api.post("/work_pools/local/workers/filter", json={}).json()
+            return expected <= {w["name"] for w in workers if w["status"] == "ONLINE"}
+
+        wait_for(f"workers {expected} online", online, 60)
+
+
+# --- a lost worker, a lost driver, a cancel ----------------------------------------------------
+
+
+def test_a_job_outlives_its_sigkilled_worker_under_team_join(team: Team) -> None:
+    """Issue 44, finding 1: SIGKILL of the Prefect worker (`app.checked_worker` under `team
+    join`) whose flow run trains on 2 nodes: the job ends COMPLETED, its MLflow run FINISHED;
+    `team join` goes on with a new worker; the other host scores the model from the registry."""
+    team.rejoin()
+    client = team.mlflow
+    flow_run = run_train_deployment(team)
+    host, _ = wait_until_training(team, flow_run)
+    (worker,) = program(host, "app.checked_worker")
+    os.kill(worker, signal.SIGKILL)  # the worker only: its flow run goes on
+
+    state = final_state(team, flow_run, 540)
+    assert state["type"] == "COMPLETED", f"{state}\n{team.report()}"
+    version = client.get_model_version_by_alias(MODEL, "challenger")
+    run = client.get_run(version.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+    assert team.joined(host), team.report()
+    wait_for(
+        "a new Prefect worker", lambda: set(program(host, "app.checked_worker")) - {worker}, 120
+    )
+    other = team.b if host is team.a else team.a
+    # The other host never saw this model: it gets it from the registry (artifacts in S3).
+    cli(other, "score", f"models:/{MODEL}/{version.version}", "data/digits/val", "scored.csv",
+        **team.stack.values)  # fmt: skip
+    rows = (other.project / "scored.csv").read_text().splitlines()
+    assert len(rows) > 10 and rows[0].startswith("id,path,category")
+
+
+def test_a_cancelled_flow_run_stops_the_cluster_job_within_30_seconds(team: Team) -> None:
+    """After a worker's restart too: `prefect flow-run cancel` ends CANCELLED, every training
+    process of both hosts gone within 30 s, the MLflow run KILLED."""
+    team.rejoin()
+    flow_run = run_train_deployment(team, epochs=50)
+    wait_until_training(team, flow_run)
+    cancelled = team.a.run([PY, "-m", "prefect", "flow-run", "cancel", flow_run],
+                           **team.stack.values)  # fmt: skip
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    started = time.monotonic()
+    wait_for("every training process to stop", lambda: not training_processes(team.hosts), 30)
+    assert time.monotonic() - started < 30
+    state = final_state(team, flow_run, 240)  # the API hears it late when busy
+    assert state["type"] == "CANCELLED", f"{state}\n{team.report()}"
+    # KILLED by the job, else by the team server's loop (every 10 s) once the run is CANCELLED
+    wait_for("the MLflow run KILLED", lambda: not training_runs(team.mlflow, "RUNNING"), 60)
+    assert training_runs(team.mlflow, "KILLED")
+
+
+def test_a_job_whose_flow_run_process_is_sigkilled_fails_within_5_minutes(team: Team) -> None:
+    """Issue 44, finding 1: SIGKILL of the flow-run process (the driver) of a 2-node training:
+    CRASHED or FAILED in Prefect and FAILED in MLflow within 5 minutes, no rank left anywhere."""
+    team.rejoin()
+    client = team.mlflow
+    flow_run = run_train_deployment(team, epochs=50)
+    _, driver = wait_until_training(team, flow_run)
+    wait_for("the MLflow run", lambda: training_runs(client, "RUNNING"), 120, 0.5)
+    (run,) = training_runs(client, "RUNNING")
+    os.kill(driver, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def ended() -> bool:
+        final = flow_run_state(team, flow_run)["type"] in ("CRASHED", "FAILED")
+        return final and client.get_run(run.info.run_id).info.status == "FAILED"
+
+    if not servers.wait_until(ended, LOST_DRIVER_S, **LONG_WAIT):
+        pytest.fail(
+            f"after {LOST_DRIVER_S} s: flow run {flow_run_state(team, flow_run)}, MLflow run "
+            f"{client.get_run(run.info.run_id).info.status}\n{team.report()}"
+        )
+    left = LOST_DRIVER_S - (time.monotonic() - killed)
+    wait_for("every training process to stop", lambda: not training_processes(team.hosts), left)
+
+
+# --- a host that loses power ----------------------------------------------------------------
+
+
+def epoch_ended(trace: Path) -> bool:
+    return trace.exists() and bool(faults.reached(trace, "train.epoch_end"))
+
+
+def train_command(host: Host, cluster: str, **params: object) -> list[str]:
+    """`imageops train` of a fresh resnet18 on the digits at 16 px, as typed on ``host``."""
+    write_untrained(resnet("resnet18", pretrained=False), host.project / "untrained")
+    init_transformation(host.project / "transform", SMALL)
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in (TRAIN | params).items()]
+    return [PY, "-m", "app.cli", "train", "untrained", "data/digits/train", "data/digits/val",
+            "model", "--cluster", cluster, "--transform", "transform", *options]  # fmt: skip
+
+
 def test_a_two_node_job_from_the_cli_survives_a_host_losing_power(team: Team) -> None:
     """`imageops train --nodes 2` on host A: a rank on each host, meeting at a host's address.
     Host B loses power right after epoch 1; the job goes on from epoch 1's checkpoint (in S3)
     once B has joined again, and MLflow has every epoch once."""
+    team.rejoin()
     a, b, hosts = team.a, team.b, team.hosts
     trace = b.root / "fault-trace"
     hosts.power_off(b)  # B rejoins with the fault armed: its rank stops after epoch 1
-    team.start_ray(
-        b, "--address", team.cluster,
-        IMAGEOPS_FAULT="train.epoch_end:epoch=1:stop", IMAGEOPS_FAULT_TRACE=str(trace),
-    )  # fmt: skip
+    team.stack.join(b, IMAGEOPS_FAULT="train.epoch_end:epoch=1:stop",
+                    IMAGEOPS_FAULT_TRACE=str(trace))  # fmt: skip
     team.wait_for_nodes(2)  # the dead B is no longer counted, the armed one is
     driver = subprocess.Popen(
-        a.command(train_command(a, team.cluster, epochs=2)), env=a.env | {"COLUMNS": "200"},
+        a.command(train_command(a, team.cluster, epochs=2)),
+        env=a.env | team.stack.values | {"COLUMNS": "200"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         wait_for("host B's rank at the end of epoch 1", lambda: epoch_ended(trace), 300)
         hosts.power_off(b)
         time.sleep(2)
-        team.start_ray(b, "--address", team.cluster)  # capacity is back
+        team.stack.join(b)  # capacity is back
         printed, _ = driver.communicate(timeout=400)
     finally:
         driver.kill()
     assert driver.returncode == 0, printed
     assert "the job starts again from its last checkpoint" in printed
     (run_id,) = re.findall(r"MLflow run: (\w+)", printed)
-    client = MlflowClient(team.mlflow)
+    client = team.mlflow
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
     assert (a.project / "model" / "model.safetensors").is_file()
@@ -328,9 +397,45 @@ def test_a_two_node_job_from_the_cli_survives_a_host_losing_power(team: Team) ->
     # One node's processes per host, and the ranks met at a host's address on its own interface
     # (never at loopback), on each attempt.
     ranks_on = r"rank \d of 2 on cpu, \d+ compute threads, on host ([^,\s]+)"
-    hosts_of_ranks = set(re.findall(ranks_on, rank_logs))
-    assert hosts_of_ranks == {"host-a", "host-b"}
+    assert set(re.findall(ranks_on, rank_logs)) == {"host-a", "host-b"}
     meetings = set(re.findall(r"meeting at ([\d.]+):\d+ via (\w+)", rank_logs))
     assert meetings and meetings <= {(a.address, "eth0"), (b.address, "eth0")}
-    # host B had no copy of the data: it got both versions from the DVC remote (S3)
-    assert len(list((b.home / "data-versions").iterdir())) >= 2
+    # host B trained on data it fetched from the DVC remote (S3): both versions
+    assert len(list((b.project / ".imageops" / "data-versions").iterdir())) >= 2
+
+
+# --- the nightly pipeline -------------------------------------------------------------------
+
+
+def test_the_nightly_pipeline_runs_on_the_host_that_did_not_prepare_the_data(
+    team: Team, digits_raw: Path
+) -> None:
+    """Issue 44, finding 2: host A puts raw images in its checkout and versions them; host B,
+    which never had them, runs the pipeline deployment of the nightly schedule end to end."""
+    team.rejoin()
+    a, b = team.a, team.b
+    shutil.copytree(digits_raw, a.project / "data" / "raw" / "digits")
+    printed = cli(a, "version", "data/raw/digits", **team.stack.values)
+    (reference,) = re.findall(r"raw/digits@[0-9a-f]{32}(?:\.dir)?", printed)
+    team.stack.leave(a)  # A's worker is gone: only B's takes the run
+    shutil.rmtree(b.project / "data")  # B never had any of the data
+    with team.stack.prefect() as api:
+        deployment = api.get("/deployments/name/imageops-pipeline/pipeline").json()
+    (nightly,) = [s for s in deployment["schedules"] if s["slug"] == "nightly-retrain"]
+    assert nightly["schedule"]["cron"] == "0 2 * * *" and not nightly["parameters"]
+    # The schedule's parameters (none: the form's defaults), made tiny the way a person passes
+    # parameters to a run: 16 px, one epoch, one process, on this CPU.
+    tiny = {"transform": SMALL, "train": {k: TRAIN[k] for k in TRAIN if k != "nodes"}}
+    flow_run = run_deployment(team, b, "imageops-pipeline/pipeline",
+                              **nightly["parameters"], config=tiny)  # fmt: skip
+    state = final_state(team, flow_run, 600)
+    assert state["type"] == "COMPLETED", f"{state}\n{team.report()}"
+    client = team.mlflow
+    version = client.get_model_version_by_alias(MODEL, "challenger")
+    run = client.get_run(version.run_id)
+    assert run.info.status == "FINISHED"
+    assert version.tags["data_ref.source"] == reference  # host A's data, not another copy
+    # The model the pipeline registered, scored on host A from the registry.
+    cli(a, "score", f"models:/{MODEL}/{version.version}", "data/digits/val", "nightly.csv",
+        **team.stack.values)  # fmt: skip
+    assert len((a.project / "nightly.csv").read_text().splitlines()) > 10
