@@ -166,14 +166,22 @@ def train(
     from tasks.train.torchrun import trainings_stop_with_the_command
 
     base = _config(config).train.model_dump() if config is not None else {}
-    read_untrained(model)  # Azure's order: the model is refused before the data is looked for
+    # The parameters first (nothing is read for a request refused anyway), then Azure's order:
+    # the model is refused before the data is looked for (or fetched).
+    request = TrainRequest.checked(
+        model=model, train_data=Path(train_data), val_data=Path(val_data), out=dest,
+        transform=transform, params={**base, **_given(options)},
+    )  # fmt: skip
+    read_untrained(model)
     train = _data_argument(train_data, "training data")
     val = _data_argument(val_data, "validation data")
-    request = TrainRequest.checked(
-        model=model, train_data=train.path, val_data=val.path, out=dest, transform=transform,
-        params={**base, **_given(options)},
-        data_version={k: d.md5 for k, d in (("train", train), ("val", val)) if d.md5},
-    )  # fmt: skip
+    request = request.model_copy(
+        update={
+            "train_data": train.path,
+            "val_data": val.path,
+            "data_version": {k: d.md5 for k, d in (("train", train), ("val", val)) if d.md5},
+        }
+    )
     out.print(_transform_note(transform, train.path, val.path))
     with trainings_stop_with_the_command():  # SIGTERM too: the MLflow run ends KILLED
         result = launch.train(request)
