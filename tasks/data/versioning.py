@@ -10,7 +10,6 @@ data through the remote only. Details: docs/internals.md#data-versioning.
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from models.atomic import atomic_directory, write_text
 from models.bounded_parse import parse_yaml
 from tasks.data.datasets import holding_folders
 from tasks.data.dvc_cache import CACHE_TYPE, link_from_cache, linking_add
+from tasks.data.dvc_logs import quiet_dvc_logs
 from tasks.data.dvc_repairs import git_root, init_cut_short, nothing_half_done, repair_rwlock
 from tasks.data.version_check import changed_while_added, mismatch, recorded_state
 from tasks.data.version_tags import LATEST, check_tag, dataset_name, write_tags
@@ -172,19 +172,12 @@ def _with_autostage(repo: Repo) -> Repo:
     return Repo(root)
 
 
-def _quiet_dvc_logs() -> None:
-    """Importing dvc sets its loggers to INFO with handlers of their own, which would print every
-    "git add ..." hint twice inside a Prefect run; a step reports what it did itself."""
-    for name in ("dvc", "dvc_data", "dvc_objects"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def _ensure(settings: Settings) -> Repo:
     """:func:`ensure_dvc_repo` without the lock (the caller holds it)."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    _quiet_dvc_logs()
+    quiet_dvc_logs()
     root = settings.project_root.resolve()
     if not root.is_dir():
         raise VersioningError(
@@ -391,7 +384,7 @@ def _open_versions_repo(settings: Settings) -> Repo:
     """
     from dvc.repo import Repo
 
-    _quiet_dvc_logs()
+    quiet_dvc_logs()
     root = settings.home_dir / VERSIONS_DIR
     config = root / ".dvc" / "config"
     if config.is_file() and config.stat().st_size > 0:
