@@ -70,7 +70,9 @@ class Team:
 
     @property
     def mlflow(self) -> MlflowClient:
-        return MlflowClient(self.stack.values["IMAGEOPS_MLFLOW_TRACKING_URI"])
+        uri = self.stack.values["IMAGEOPS_MLFLOW_TRACKING_URI"]
+        # The registry too: an earlier module in this process may have set MLflow's global one.
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
     def joined(self, host: Host) -> bool:
         """Whether ``host``'s `team join` still runs."""

@@ -68,7 +68,7 @@ def test_a_machine_without_the_data_trains_and_scores_from_versions_under_prefec
     assert (trained.model_dir / "model.safetensors").is_file()
     assert trained.data_version == md5  # recorded, not versioned again
     assert trained.data_refs == {part: f"digits/{part}@{md5[part]}" for part in md5}
-    run = MlflowClient(second.tracking_uri).get_run(trained.mlflow_run_id)
+    run = MlflowClient(second.tracking_uri, second.registry_uri).get_run(trained.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["imageops.data_version.train"] == md5["train"]
     # The deployment's default path, which this machine lacks: the data set's latest version.
@@ -87,7 +87,11 @@ def test_a_registered_version_names_its_data_by_reference(
     md5 = {"train": "a" * 32 + ".dir", "val": "b" * 32 + ".dir"}
     refs = {part: f"digits/{part}@{value}" for part, value in md5.items()}
     done = register(exported_model, settings=project, data_version=md5, data_refs=refs)
-    tags = MlflowClient(project.tracking_uri).get_model_version(done.name, str(done.version)).tags
+    tags = (
+        MlflowClient(project.tracking_uri, project.registry_uri)
+        .get_model_version(done.name, str(done.version))
+        .tags
+    )
     assert tags["data_ref.train"] == refs["train"] and tags["data_ref.val"] == refs["val"]
     assert tags["data_md5.train"] == md5["train"]  # the existing tags, as they were
 
