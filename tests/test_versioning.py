@@ -335,3 +335,23 @@ def test_a_folder_whose_files_differ_from_its_manifest_is_neither_recorded_nor_p
     after = subprocess.run([*git, "ls-files", "--stage"], capture_output=True, text=True).stdout
     assert after == staged
     assert _remote_objects(project) == pushed
+
+
+def test_dvc_warnings_reach_the_stderr_of_now_not_one_closed_since() -> None:
+    """DVC binds its log handlers to the stderr of the moment dvc is imported; once that one is
+    closed (pytest's capture, a daemon's redirect), its next warning failed the step with
+    LoggingException (seen: a fetch of a missing version, in the full suite)."""
+    script = (
+        "import logging, sys, tempfile\n"
+        "kept, sys.stderr = sys.stderr, open(tempfile.mktemp(), 'w')\n"
+        "import dvc.repo\n"
+        "sys.stderr.close(); sys.stderr = kept\n"
+        "from tasks.data.dvc_logs import quiet_dvc_logs\n"
+        "quiet_dvc_logs()\n"
+        "logging.getLogger('dvc_data.index.fetch').warning('missing cache files')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "missing cache files" in done.stderr and "Logging error" not in done.stderr

@@ -22,4 +22,4 @@ def quiet_dvc_logs() -> None:
         for handler in logger.handlers:
             stream = getattr(handler, "stream", None)
             if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
-                handler.setStream(sys.stderr)
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one first
