@@ -90,7 +90,10 @@ def test_the_data_gitignore_hides_data_but_not_pointers_or_uncached_outputs(
         assert not ignored(f"data/{dataset}/images.dvc")
         for part in PARTS:
             assert ignored(f"data/{dataset}/{part}/") and ignored(f"data/{dataset}/{part}/1.png")
-    assert ignored("data/raw/") and ignored("data/digits.zip") and ignored("data/digits/notes.txt")
+    # Raw sources are versioned like a data set (the pipeline versions its source).
+    assert not ignored("data/raw/") and not ignored("data/raw/digits.dvc")
+    assert ignored("data/raw/digits/") and ignored("data/raw/digits/3/1.png")
+    assert ignored("data/digits.zip") and ignored("data/digits/notes.txt")
 
 
 def test_dvc_checkout_and_gc_keep_a_versioned_data_set(
@@ -103,10 +106,15 @@ def test_dvc_checkout_and_gc_keep_a_versioned_data_set(
     shutil.copytree(digits_split[1], data / "val")
     before = _tree_md5(data / "val")
     md5 = version(data / "val", project)
+    # The pipeline versions its raw source too (make run failed while data/raw/ was ignored).
+    raw = root / "data/raw/digits"
+    shutil.copytree(digits_split[1], raw)
+    version(raw, project)
+    raw_before = _tree_md5(raw)
 
     checkout = dvc("checkout", cwd=root)
     assert checkout.returncode == 0, checkout.stderr
-    assert _tree_md5(data / "val") == before
+    assert _tree_md5(data / "val") == before and _tree_md5(raw) == raw_before
     gc = dvc("gc", "--workspace", "--force", cwd=root)
     assert gc.returncode == 0, gc.stderr
     assert (root / ".dvc/cache/files/md5" / md5[:2] / md5[2:]).is_file()  # the listing survived gc
