@@ -153,11 +153,15 @@ class Services:
                 )
 
     def serve_forever(self, poll_s: float = 1.0) -> None:
-        """Block until Ctrl-C (or SIGTERM), or until a service dies."""
+        """Block until Ctrl-C (or SIGTERM), or until ``watch`` raises."""
         with servers.stop_signals():
             while True:
-                self.check_alive()
+                self.watch()
                 time.sleep(poll_s)
+
+    def watch(self) -> None:
+        """One look at the services: here a dead one ends the stack (``team join`` restarts it)."""
+        self.check_alive()
 
     def stop(self) -> None:
         """Stop every service: those with a stopper of their own (a database, a Ray node: they

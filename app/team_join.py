@@ -336,12 +336,9 @@ class TeamMember(Services):
 
     # --- supervision -----------------------------------------------------------------------
 
-    def serve_forever(self, poll_s: float = 1.0) -> None:
-        """Until Ctrl-C (or SIGTERM): a service that exits is started again (``supervise``)."""
-        with servers.stop_signals():
-            while True:
-                self.supervise()
-                time.sleep(poll_s)
+    def watch(self) -> None:
+        """Until Ctrl-C (or SIGTERM): a service that exits is started again."""
+        self.supervise()
 
     def supervise(self) -> None:
         """Start again what has exited, after a back-off and once the servers answer.
