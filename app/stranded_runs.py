@@ -12,6 +12,7 @@ Details: docs/training.md#failures-and-cancellation.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -23,6 +24,7 @@ RECONCILE_EVERY_S = 10.0
 # The MLflow status a stranded run gets, by the state type its flow run ended in.
 ENDS = {"CRASHED": "FAILED", "FAILED": "FAILED", "CANCELLED": "KILLED"}
 ENDED_BY_TAG = "imageops.ended_by"
+PAGE = 200  # runs per MLflow search and flow runs per Prefect read (the API's default limit)
 
 
 def end_stranded_runs(mlflow: Any, prefect: Any) -> list[str]:
@@ -37,20 +39,29 @@ def end_stranded_runs(mlflow: Any, prefect: Any) -> list[str]:
     experiments = [e.experiment_id for e in mlflow.search_experiments(view_type=ViewType.ALL)]
     if not experiments:
         return []
-    runs = mlflow.search_runs(
-        experiments,
-        filter_string=f"attributes.status = 'RUNNING' and tags.`{FLOW_RUN_TAG}` LIKE '%'",
-        max_results=1000,
-    )
     by_flow_run: dict[str, list[str]] = {}
-    for run in runs:
-        by_flow_run.setdefault(run.data.tags[FLOW_RUN_TAG], []).append(run.info.run_id)
-    if not by_flow_run:
-        return []
-    ids = [_uuid(value) for value in by_flow_run]
-    flow_runs = prefect.read_flow_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[i for i in ids if i is not None]))
-    )
+    token = None
+    while True:  # every page: a team with more stranded runs than one page still gets them all
+        runs = mlflow.search_runs(
+            experiments,
+            filter_string=f"attributes.status = 'RUNNING' and tags.`{FLOW_RUN_TAG}` LIKE '%'",
+            max_results=PAGE,
+            page_token=token,
+        )
+        for run in runs:
+            by_flow_run.setdefault(run.data.tags[FLOW_RUN_TAG], []).append(run.info.run_id)
+        token = runs.token
+        if not token:
+            break
+    ids = [i for i in (_uuid(value) for value in by_flow_run) if i is not None]
+    flow_runs = [  # the API answers at most PAGE flow runs per call
+        flow_run
+        for start in range(0, len(ids), PAGE)
+        for flow_run in prefect.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids[start : start + PAGE])),
+            limit=PAGE,
+        )
+    ]
     done = []
     for flow_run in flow_runs:
         state = flow_run.state.type.value if flow_run.state is not None else None
@@ -83,22 +94,29 @@ def keep_ending_stranded_runs(
     """A daemon thread that calls :func:`end_stranded_runs` every RECONCILE_EVERY_S until
     ``stop``; ``clients`` gives its clients (MLflow, Prefect), ``say`` tells what it ended.
 
-    A server that does not answer now is asked again next time (said once, not every round:
-    the stack's own loop says when a service is down).
+    The clients are kept from round to round and made anew after a failure. A server that does
+    not answer now is asked again next time (said once, not every round: the stack's own loop
+    says when a service is down).
     """
 
     def loop() -> None:
         failing = False
-        while not stop.wait(RECONCILE_EVERY_S):
-            try:
-                with clients() as (mlflow, prefect):
-                    for line in end_stranded_runs(mlflow, prefect):
+        with contextlib.ExitStack() as held:
+            pair: tuple[Any, Any] | None = None
+            while not stop.wait(RECONCILE_EVERY_S):
+                try:
+                    if pair is None:
+                        pair = held.enter_context(clients())
+                    for line in end_stranded_runs(*pair):
                         say(line)
-                failing = False
-            except Exception as exc:  # a server restarting: the next round asks again
-                if not failing:
-                    say(f"could not check for stranded MLflow runs ({type(exc).__name__}: {exc})")
-                failing = True
+                    failing = False
+                except Exception as exc:  # a server restarting: the next round asks again
+                    held.close()
+                    pair = None
+                    if not failing:
+                        say(f"could not check for stranded MLflow runs ({type(exc).__name__}: "
+                            f"{exc})")  # fmt: skip
+                    failing = True
 
     thread = threading.Thread(target=loop, daemon=True, name="stranded-runs")
     thread.start()
