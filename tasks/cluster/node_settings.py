@@ -8,6 +8,7 @@ are the driver's, so every node reads and writes the same state. No credentials 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from tasks.shared.settings import Settings
 
@@ -28,6 +29,11 @@ def server_settings(settings: Settings) -> dict[str, str]:
         if value:
             servers[f"IMAGEOPS_{name.upper()}"] = str(value)
     return servers
+
+
+def runtime_env(settings: Settings) -> dict[str, Any]:
+    """A Ray runtime environment with the servers every node must use: for a job's actors."""
+    return {"env_vars": server_settings(settings)}
 
 
 def node_settings(servers: dict[str, str]) -> Settings:

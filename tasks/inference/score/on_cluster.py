@@ -12,6 +12,8 @@ them at the same path. Details: docs/scoring.md#on-a-cluster.
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ import numpy as np
 from models.atomic import atomic_file
 from tasks.cluster.connect import connect
 from tasks.cluster.job import stopped_whole
-from tasks.cluster.node_settings import node_settings, server_settings
+from tasks.cluster.node_settings import runtime_env
 from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import applied_to, input_size, transform_for
 from tasks.inference.score.batches import LOGGER, _read_image, checked_scoring
@@ -125,8 +127,9 @@ class _Job:
 
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True  # rows in the images' order
-        context.enable_progress_bars = False
+        context.enable_progress_bars = sys.stderr.isatty()  # a person watching, as on one machine
         context.print_on_execution_start = False
+        logging.getLogger("ray.data._internal.progress").addFilter(_no_progress_bar_notice)
         scoring = self.scoring
         items = [
             {"id": i, "root": str(r.root), "rel": r.rel or r.path, "problem": r.problem}
@@ -161,9 +164,11 @@ class _Job:
                     "classes": self.classes,
                     "threads": threads,
                     "time_limit": self.time_limit,
-                    "servers": server_settings(Settings()),
                 },
-                concurrency=(1, actors),
+                # The servers' settings; and, the actors' own, it keeps the reading in tasks of
+                # its own (Ray Data would fuse it into the actors: one core decoding per actor).
+                runtime_env=runtime_env(Settings()),
+                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
                 num_cpus=0 if gpus else threads,
                 num_gpus=1 if gpus else 0,
             )
@@ -206,11 +211,9 @@ class _Scorer:
         classes: list[str],
         threads: int,
         time_limit: float,
-        servers: dict[str, str],
     ) -> None:
         import ray
 
-        node_settings(servers)
         with tempfile.TemporaryDirectory(prefix="imageops-score-") as folder:
             local = Path(folder) / Path(onnx_path).name
             local.write_bytes(ray.get(model[0]))
@@ -227,6 +230,11 @@ class _Scorer:
             "probs": probs,
             "label": np.asarray(labels, dtype=object),
         }
+
+
+def _no_progress_bar_notice(record: logging.LogRecord) -> bool:
+    """Drop Ray Data's "Progress bars disabled" notice: off on purpose where nobody watches."""
+    return not record.getMessage().startswith("Progress bars disabled")
 
 
 def _own_error(exc: BaseException) -> ImageOpsError | None:
