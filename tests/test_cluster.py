@@ -10,6 +10,7 @@ would. Two machines that share nothing: tests/test_cluster_hosts.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,8 @@ from server_processes import LONG_WAIT, RAY_NODE, Processes, base_env, free_port
 from training_runs import PRE
 
 from tasks.cluster import health as gang_health
+from tasks.cluster.connect import connect, leave
+from tasks.cluster.job import stopped_whole
 from tasks.inference.score import score
 from tasks.shared import servers
 from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
@@ -396,3 +399,31 @@ def test_an_unreachable_cluster_is_one_error_and_no_table(
     )
     assert "Traceback" not in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == [".imageops"], "nothing written but settings"
+
+
+def test_an_interrupted_job_leaves_the_cluster_and_its_actors_end(cluster: Cluster) -> None:
+    """Ctrl-C (or a cancelled flow run's TerminationSignal) in a job's driver: the driver leaves
+    the cluster, which ends every actor of the job, those Ray Data started for a scoring too."""
+    import ray
+
+    from tasks.train.cluster_node import NodeAgent  # an actor class every node imports
+
+    log = logging.getLogger(__name__)
+    connect(cluster.address, 60, log)
+    agent = ray.remote(num_cpus=0)(NodeAgent).options(name="job-actor", namespace="stop")
+    assert ray.get(agent.remote({}).ping.remote(), timeout=120)
+    with pytest.raises(KeyboardInterrupt), stopped_whole():
+        raise KeyboardInterrupt
+    assert not ray.is_initialized()
+    connect(cluster.address, 60, log)
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor("job-actor", namespace="stop")
+            except ValueError:
+                return  # gone
+            time.sleep(0.5)
+        pytest.fail("the interrupted job's actor still lives 30 s after its driver left")
+    finally:
+        leave()
