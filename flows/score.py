@@ -26,10 +26,12 @@ from pydantic import BaseModel
 from tasks.data.data_refs import REF_SYNTAX, resolve_data
 from tasks.inference.score import (
     SHARD_IMAGES,
+    ClusterScoring,
     ShardedScoring,
     ShardJob,
     default_threads,
     run_in_turn,
+    score_on_cluster_task,
     score_sharded,
     score_task,
 )
@@ -124,7 +126,23 @@ def score_flow(
         ),
     ] = SHARD_IMAGES,
     threads: Annotated[
-        int | None, form_field(gt=0, title="Threads", description="Default: the cores available.")
+        int | None,
+        form_field(
+            gt=0,
+            title="Threads",
+            description="Default: the cores available; on a cluster, ONNX Runtime's per actor "
+            "(default 1).",
+        ),
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        form_field(
+            title="Ray cluster",
+            description="Score as one job on this Ray cluster (host:6379 of its head): Ray "
+            "Data's tasks read, actors with an ONNX Runtime session each score (a GPU each when "
+            "the cluster has GPUs). The images must be at the same path on every node. "
+            "Default: this machine.",
+        ),
     ] = None,
 ) -> ScoreResult:
     """Score ``images`` with ``model``; relative paths are under the project root."""
@@ -149,16 +167,20 @@ def score_flow(
     # folder leased meanwhile, so `imageops gc` leaves it (the same folder, fetched again if a gc
     # took it since the fetch).
     with leased(cached, settings) if cached else nullcontext():
-        scored = score_in_flow(
-            ShardedScoring(
-                model_dir,
-                folder,
-                out,
-                shard_images=shard_images,
-                batch_size=batch_size,
-                threads=threads,
+        if cluster:
+            job = ClusterScoring(model_dir, folder, out, cluster, batch_size, threads)
+            scored = score_on_cluster_task(job)
+        else:
+            scored = score_in_flow(
+                ShardedScoring(
+                    model_dir,
+                    folder,
+                    out,
+                    shard_images=shard_images,
+                    batch_size=batch_size,
+                    threads=threads,
+                )
             )
-        )
     print(f"Scored {images} with {model} ({model_dir}) into {scored}")
     if in_prefect_run():
         url = None

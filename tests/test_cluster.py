@@ -1,5 +1,6 @@
-"""Training on a real Ray cluster of one machine: the same run as torchrun gives, and the errors
-of a job that cannot start (wrong address, fewer nodes than asked, data a node cannot get).
+"""Training and scoring on a real Ray cluster of one machine: the same run as torchrun gives, the
+same table as one-machine scoring, and the errors of a job that cannot start (wrong address,
+fewer nodes than asked, data a node cannot get).
 
 A Ray head (`ray start --head --block`) and an MLflow server run for the module; the node has
 an IMAGEOPS_HOME of its own, so it gets the data from the DVC remote like a machine of its own
@@ -9,6 +10,7 @@ would. Two machines that share nothing: tests/test_cluster_hosts.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import socket
 import subprocess
@@ -19,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pandas as pd
 import psutil
 import pytest
 from mlflow import MlflowClient
@@ -26,11 +29,14 @@ from projects import imageops
 from server_processes import LONG_WAIT, RAY_NODE, Processes, base_env, free_port
 from training_runs import PRE
 
+from tasks.cluster import health as gang_health
+from tasks.cluster.connect import connect, leave
+from tasks.cluster.job import stopped_whole
+from tasks.inference.score import score
 from tasks.shared import servers
 from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
 from tasks.shared.servers import healthy
 from tasks.shared.settings import Settings
-from tasks.train import gang_health
 from tasks.train.cluster_node import _file_states, _kept_files, _log_by_ranks, _written
 from tasks.train.launch import train
 from tasks.train.loop import METRICS
@@ -38,7 +44,7 @@ from tasks.train.request import TrainRequest
 from tasks.train.run_folder import run_logs
 from tasks.train.torchrun import run_torchrun
 
-pytest_plugins = ["training_runs"]
+pytest_plugins = ["training_runs", "model_fixtures"]
 
 FAST = {"batch_size": 8, "learning_rate": 0.01, "device": "cpu", "precision": "fp32"}
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -207,12 +213,12 @@ def test_a_node_sends_what_its_launch_wrote_named_by_the_ranks_it_ran(tmp_path: 
                                                        "torchrun_ranks_2-3.log"]  # fmt: skip
 
 
-# A driver as the job's: it joins with cluster_connect (before anything imports Ray), three
+# A driver as the job's: it joins with tasks.cluster.connect (before anything imports Ray), three
 # actors (a gang's nodes, or one node before and after a restart) print lines that differ only in
 # their numbers, and the driver waits for each to reach its console.
 DRIVER = """
 import io, logging, sys, time
-from tasks.train.cluster_connect import connect
+from tasks.cluster.connect import connect
 
 seen = io.StringIO()
 class Tee(io.TextIOBase):
@@ -349,3 +355,75 @@ def _agent_of_torchrun(node_home: Path) -> psutil.Process | None:
                     if parent.name().startswith("ray::") or "ray::" in " ".join(parent.cmdline()):
                         return parent
     return None
+
+
+@pytest.fixture
+def digits_to_score(digits_split: tuple[Path, Path], tmp_path: Path) -> Path:
+    """The validation digits with one image damaged: it must come back as an error row."""
+    images = shutil.copytree(digits_split[1], tmp_path / "images")
+    damaged = next(images.rglob("*.png"))
+    damaged.write_bytes(damaged.read_bytes()[:40])
+    return images
+
+
+def test_scoring_on_the_cluster_writes_the_table_one_machine_writes(
+    cluster: Cluster, exported_model: Path, digits_to_score: Path, tmp_path: Path
+) -> None:
+    """`imageops score --cluster`, as a user types it: one Ray Data job, every image one row in
+    the images' order, the damaged one an error row, labels and probabilities as on one machine."""
+    here = score(exported_model, digits_to_score, tmp_path / "here.parquet", batch_size=4)
+    result = imageops(
+        "score", str(exported_model), str(digits_to_score), str(tmp_path / "there.parquet"),
+        "--batch-size", "4", "--cluster", cluster.address, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected, scored = pd.read_parquet(here), pd.read_parquet(tmp_path / "there.parquet")
+    assert (scored["Scoring Error"] != "").sum() == 1
+    pd.testing.assert_frame_equal(scored, expected, check_exact=False, rtol=1e-5, atol=1e-6)
+    assert "Cannot score" in result.stderr  # the error row's image, named in the driver's log
+
+
+def test_an_unreachable_cluster_is_one_error_and_no_table(
+    exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    nowhere = f"127.0.0.1:{free_port()}"
+    dest = tmp_path / "scored.csv"
+    result = imageops(
+        "score", str(exported_model), str(digits_split[1]), str(dest),
+        "--cluster", nowhere, "--cluster-timeout-s", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("error: ") == 1, result.stderr
+    assert f"error: ClusterUnavailableError: Could not reach the Ray cluster at {nowhere}" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [".imageops"], "nothing written but settings"
+
+
+def test_an_interrupted_job_leaves_the_cluster_and_its_actors_end(cluster: Cluster) -> None:
+    """Ctrl-C (or a cancelled flow run's TerminationSignal) in a job's driver: the driver leaves
+    the cluster, which ends every actor of the job, those Ray Data started for a scoring too."""
+    import ray
+
+    from tasks.train.cluster_node import NodeAgent  # an actor class every node imports
+
+    log = logging.getLogger(__name__)
+    connect(cluster.address, 60, log)
+    agent = ray.remote(num_cpus=0)(NodeAgent).options(name="job-actor", namespace="stop")
+    assert ray.get(agent.remote({}).ping.remote(), timeout=120)
+    with pytest.raises(KeyboardInterrupt), stopped_whole():
+        raise KeyboardInterrupt
+    assert not ray.is_initialized()
+    connect(cluster.address, 60, log)
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor("job-actor", namespace="stop")
+            except ValueError:
+                return  # gone
+            time.sleep(0.5)
+        pytest.fail("the interrupted job's actor still lives 30 s after its driver left")
+    finally:
+        leave()

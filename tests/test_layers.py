@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("app", "flows", "tasks", "models")  # each may import only the ones after it
-STAGES = ("shared", "data", "train", "registry", "inference", "tune")
+STAGES = ("shared", "cluster", "data", "train", "registry", "inference", "tune")
 
 
 def _imports(path: Path) -> set[str]:
@@ -57,6 +57,34 @@ def test_tasks_are_grouped_by_stage() -> None:
     folders = {p.name for p in (ROOT / "tasks").iterdir() if (p / "__init__.py").exists()}
     assert not loose, f"modules outside a stage folder: {loose}"
     assert folders == set(STAGES), folders
+
+
+def test_the_cluster_layer_sits_below_the_jobs_that_use_it() -> None:
+    """One cluster layer: tasks/cluster imports only tasks.shared (and models); training and
+    scoring import it, never each other's cluster code (issue 45, must-hold 8)."""
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _files("tasks/cluster")
+        for name in _imports(path)
+        if name.startswith("tasks.") and not name.startswith(("tasks.shared", "tasks.cluster"))
+    ]
+    across = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for stage, other in (("inference", "tasks.train"), ("train", "tasks.inference"))
+        for path in _files(f"tasks/{stage}")
+        for name in _imports(path)
+        if name.startswith(other)
+    ]
+    # Joining the cluster and ending a job's actors happen in the layer only.
+    elsewhere = [
+        f"{path.relative_to(ROOT)}: {call}"
+        for layer in LAYERS
+        for path in _files(layer)
+        if not path.relative_to(ROOT).as_posix().startswith("tasks/cluster/")
+        for call in ("ray.init(", "ray.kill(", "remove_placement_group(")
+        if call in path.read_text()
+    ]
+    assert not wrong and not across and not elsewhere, wrong + across + elsewhere
 
 
 SUBMITTING = {"flow", "run_deployment", "wait", "as_completed", "ThreadPoolTaskRunner"}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from app.cli.root import (
     _data_argument,
+    _option,
+    _with_options,
     app,
     out,
 )
@@ -61,7 +63,24 @@ def quantize(
     )
 
 
+CLUSTER_OPTIONS = _with_options(
+    _option(
+        "cluster",
+        None,
+        str | None,
+        typer.Option(
+            help="Score as one job on this Ray cluster (HOST:6379, its head): Ray Data's tasks "
+            "read the images, actors with an ONNX Runtime session each score them (THREADS "
+            "cores each, default 1, or a GPU each). The images must be at the same path on "
+            "every node."
+        ),
+    ),
+    _option("cluster_timeout_s", 60, int, typer.Option(help="How long to wait for the cluster.")),
+)
+
+
 @app.command()
+@CLUSTER_OPTIONS
 def score(
     model: Annotated[
         str,
@@ -94,21 +113,33 @@ def score(
             "less work to a crash, larger ones start ONNX Runtime fewer times.",
         ),
     ] = 20_000,
+    **on_cluster: Any,
 ) -> None:
     """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
-    from tasks.inference.score import score_in_shards
     from tasks.registry.model_uri import model_in_use
 
     with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
-        written = score_in_shards(
-            model_dir,
-            _data_argument(images, "images to score").path,  # the model first: it may fail
-            dest,
-            shard_images=shard_images,
-            batch_size=batch_size,
-            threads=threads,
-            quantized=quantized,
-        )
+        folder = _data_argument(images, "images to score").path  # the model first: it may fail
+        if on_cluster["cluster"]:
+            from tasks.inference.score.on_cluster import ClusterScoring, score_on_cluster
+
+            job = ClusterScoring(
+                model_dir, folder, dest, on_cluster["cluster"], batch_size, threads, quantized,
+                on_cluster["cluster_timeout_s"],
+            )  # fmt: skip
+            written = score_on_cluster(job)
+        else:
+            from tasks.inference.score import score_in_shards
+
+            written = score_in_shards(
+                model_dir,
+                folder,
+                dest,
+                shard_images=shard_images,
+                batch_size=batch_size,
+                threads=threads,
+                quantized=quantized,
+            )
     out.print(f"wrote {written}")
 
 

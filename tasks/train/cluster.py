@@ -5,7 +5,7 @@ placement group of N bundles with ``STRICT_SPREAD`` (no two nodes on one machine
 :class:`~tasks.train.cluster_node.NodeAgent` in each, and runs the same torchrun worker on every
 node against one MLflow run. The cluster places the gang, the driver restarts it whole from the
 last checkpoint in the checkpoint store when a node is lost (dead, or not answering: see
-:mod:`tasks.train.gang_health`; when it is the driver's own, it joins the cluster again first),
+:mod:`tasks.cluster.health`; when it is the driver's own, it joins the cluster again first),
 and cancels it whole (an interrupt, or the driver's death: Ray ends the actors of a dead driver,
 torchrun dies with its actor). Every wait has a deadline.
 Why a placement group and not Ray Train: docs/training.md#cluster-jobs.
@@ -27,13 +27,15 @@ from mlflow import MlflowClient
 
 from models.atomic import atomic_directory, write_bytes
 from models.untrained import MODEL_JSON
+from tasks.cluster.connect import connect, reconnect
+from tasks.cluster.health import DriverNodeLost, GangWatch, NodeLost, wait_refs
+from tasks.cluster.job import JobParts, stopped_whole
+from tasks.cluster.node_settings import server_settings
 from tasks.shared.errors import ClusterUnavailableError, ImageOpsError, InvalidParameterError
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
 from tasks.shared.tracking import configure_mlflow
-from tasks.train.cluster_connect import connect, reconnect
 from tasks.train.cluster_node import NodeAgent, NodeInfo, NodeJob, NodeOutcome
-from tasks.train.gang_health import DriverNodeLost, GangWatch, NodeLost, wait_refs
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
 from tasks.train.params import RunConfig
 from tasks.train.request import Request, TrainRequest, check_request
@@ -77,7 +79,8 @@ def train_on_cluster(request: TrainRequest, settings: Settings) -> tuple[str, Pa
         _versioned_in_background(checked, request, settings) as pending,
         ending_run(client, lambda: (run.id, run.dir)) as outcome,
     ):
-        outcomes = _run_gang(pending, run, settings, log)
+        with stopped_whole():
+            outcomes = _run_gang(pending, run, settings, log)
         outcome.result = result = _unpack(outcomes, run.dir, request.out)
     # MLflow has the run FINISHED: the copies in the checkpoint store are dead weight now.
     discard_checkpoints(run.id, run.dir, settings)
@@ -243,6 +246,7 @@ class _Gang:
         self.request, self.settings, self.log = request, settings, log
         self.group: PlacementGroup | None = None
         self.agents: list[ActorHandle] = []
+        self.parts = JobParts()  # ended whole on exit
         self.nodes: list[NodeInfo] = []
         self.health = GangWatch()
 
@@ -258,9 +262,10 @@ class _Gang:
         ):
             bundle["GPU"] = float(params.nproc_per_node)
         self.group = placement_group([bundle] * params.nodes, strategy="STRICT_SPREAD")
+        self.parts.groups.append(self.group)
         self._wait_for_capacity(bundle)
         agent = ray.remote(max_concurrency=2, max_restarts=0)(NodeAgent)
-        servers = _servers(self.settings)
+        servers = server_settings(self.settings)
         self.agents = [
             agent.options(
                 num_cpus=bundle["CPU"],
@@ -271,6 +276,7 @@ class _Gang:
             ).remote(servers, rank == 0 and params.precision != "fp32")
             for rank in range(params.nodes)
         ]
+        self.parts.actors.extend(self.agents)
         self.nodes = self._get(
             [a.where.remote() for a in self.agents],
             "start",
@@ -407,34 +413,11 @@ class _Gang:
         return ray.get(calls)
 
     def __exit__(self, *exc: object) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        for agent in self.agents:  # its torchrun and workers die with it (parent death)
-            with contextlib.suppress(Exception):
-                ray.kill(agent, no_restart=True)
-        if self.group is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.group)
+        self.parts.end()  # each agent's torchrun and workers die with it (parent death)
 
 
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
-
-
-def _servers(settings: Settings) -> dict[str, str]:
-    """The servers every node must use, as this driver sees them (no credentials)."""
-    servers = {
-        "IMAGEOPS_MLFLOW_TRACKING_URI": settings.tracking_uri,
-        "IMAGEOPS_MLFLOW_REGISTRY_URI": settings.registry_uri,
-        "IMAGEOPS_MLFLOW_EXPERIMENT": settings.mlflow_experiment,
-        "IMAGEOPS_DVC_REMOTE_URL": settings.dvc_remote,
-    }
-    for name in ("checkpoint_url", "s3_endpoint_url"):
-        value = getattr(settings, name, None)
-        if value:
-            servers[f"IMAGEOPS_{name.upper()}"] = str(value)
-    return servers
 
 
 def _unpack(outcomes: list[NodeOutcome], run_dir: Path, out: Path) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict
 
 from models.atomic import write_json
 from models.untrained import MODEL_JSON
+from tasks.cluster.node_settings import node_settings
 from tasks.shared.errors import ImageOpsError, InvalidDatasetError
 from tasks.shared.log_tail import read_from
-from tasks.shared.settings import Settings
 from tasks.train.failure import clear_failures
 from tasks.train.params import RunConfig, manifest_fingerprint
 from tasks.train.rendezvous import RDZV_TIMEOUT_MARK, rendezvous_timeout
@@ -82,7 +82,7 @@ class NodeAgent:
     """
 
     def __init__(self, servers: dict[str, str], decides_precision: bool = False) -> None:
-        os.environ.update(servers)
+        self.settings = node_settings(servers)
         if decides_precision:
             # Deciding "auto" precision needs torch (seconds to import): imported while the
             # driver versions the data, not after (Python's import lock makes prepare wait).
@@ -92,12 +92,11 @@ class NodeAgent:
                 name="import-torch",
                 daemon=True,
             ).start()
-        self.settings = Settings()
         self.node_rank = -1
         self.paths: dict[str, Path] = {}
 
     def ping(self) -> bool:
-        """Answer the driver: this agent is alive and not stuck (tasks.train.gang_health)."""
+        """Answer the driver: this agent is alive and not stuck (tasks.cluster.health)."""
         return True
 
     def where(self) -> NodeInfo:

@@ -2,7 +2,8 @@
 
 One job per module: ``images`` (what is read, in which order), ``session`` (ONNX Runtime),
 ``batches`` (one pass, memory flat; an unreadable image becomes a row with its reason), ``table``
-(columns, merging shards), ``shards`` (the unit of resumption; a flow runs them as parallel tasks).
+(columns, merging shards), ``shards`` (the unit of resumption; a flow runs them as parallel tasks),
+``rows`` (a batch's scores as rows), ``on_cluster`` (one job over a Ray cluster with Ray Data).
 Details: docs/scoring.md#the-package.
 """
 
@@ -15,6 +16,9 @@ _WHERE = {
     "score": "batches",
     "score_task": "batches",
     "shard_bounds": "batches",
+    "ClusterScoring": "on_cluster",
+    "score_on_cluster": "on_cluster",
+    "score_on_cluster_task": "on_cluster",
     "ImageRef": "images",
     "list_images": "images",
     "default_threads": "session",

@@ -18,30 +18,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from models.atomic import atomic_file, check_name_length
-from models.directory import ONNX, ONNX_INT8, read_model_info
+from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from tasks.data.imagedir import IMAGE_EXTENSIONS, ImageRefused, load_rgb
 from tasks.data.transform import applied_to, transform_for
 from tasks.inference.score.images import ImageRef, list_slice
+from tasks.inference.score.rows import BatchScorer, table_rows
 from tasks.inference.score.session import (
     batch_time_limit,
     check_model,
     default_threads,
     inference_session,
-    run_batch,
-    softmax,
-    unusable_scores,
 )
-from tasks.inference.score.table import (
-    ERROR_COLUMN,
-    LABEL_COLUMN,
-    NOT_SCORED_HINT,
-    PROBABILITY_PREFIX,
-    table_schema,
-)
-from tasks.inference.tables import table_format
+from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_schema
+from tasks.inference.tables import TableFormat, table_format
 from tasks.shared import faults
 from tasks.shared.errors import (
     InvalidModelDirectoryError,
@@ -166,6 +157,31 @@ def read_batches(
                     future.cancel()
 
 
+def checked_scoring(
+    model: Path, dest: Path, batch_size: int, threads: int | None, quantized: bool
+) -> tuple[TableFormat, ModelInfo, Path]:
+    """(the table's format, the model's info, its ONNX file), or the error of a scoring that
+    cannot start: refused before any image is read, on one machine or on a cluster."""
+    if batch_size < 1:
+        raise InvalidParameterError(f"batch_size must be >= 1, got {batch_size}.")
+    if threads is not None and threads < 1:
+        raise InvalidParameterError(
+            f"threads must be >= 1 (or unset for all cores), got {threads}."
+        )
+    table = table_format(dest, "scored table")
+    check_name_length(dest, "scored table")
+    info = read_model_info(model)
+    onnx_path = model / (ONNX_INT8 if quantized else ONNX)
+    if not onnx_path.is_file():
+        raise InvalidModelDirectoryError(
+            f"{model} has no {onnx_path.name}.",
+            f"Run `imageops quantize {model} TRAIN VAL` first."
+            if quantized
+            else f"Run `imageops export {model}` first.",
+        )
+    return table, info, onnx_path
+
+
 def score(
     model: Path,
     images: Path,
@@ -186,24 +202,8 @@ def score(
     ``IMAGEOPS_SCORE_BATCH_TIMEOUT_S``. Details: docs/scoring.md#score.
     """
     model, images, dest = Path(model), Path(images), Path(dest)
-    if batch_size < 1:
-        raise InvalidParameterError(f"batch_size must be >= 1, got {batch_size}.")
-    if threads is not None and threads < 1:
-        raise InvalidParameterError(
-            f"threads must be >= 1 (or unset for all cores), got {threads}."
-        )
-    table = table_format(dest, "scored table")
-    check_name_length(dest, "scored table")
+    table, info, onnx_path = checked_scoring(model, dest, batch_size, threads, quantized)
     time_limit = batch_time_limit()
-    info = read_model_info(model)
-    onnx_path = model / (ONNX_INT8 if quantized else ONNX)
-    if not onnx_path.is_file():
-        raise InvalidModelDirectoryError(
-            f"{model} has no {onnx_path.name}.",
-            f"Run `imageops quantize {model} TRAIN VAL` first."
-            if quantized
-            else f"Run `imageops export {model}` first.",
-        )
     refs, labeled, first, total = list_slice(
         images, lambda total: (0, total) if shard is None else shard_bounds(total, *shard)
     )
@@ -222,10 +222,9 @@ def score(
             log.warning("Classes the model does not know (always scored wrong): %s", unknown)
 
     transform = transform_for(info.transform, "inference", images, applied_to(images))
-    prob_columns = [f"{PROBABILITY_PREFIX}{c}" for c in info.classes]
     schema = table_schema(info.classes, labeled)
     columns = schema.names
-    classes = np.asarray(info.classes, dtype=object)
+    scorer = BatchScorer(session, info.classes, time_limit, onnx_path)
     scored, failed = 0, 0
     with atomic_file(dest) as tmp, _progress(len(refs)) as progress:
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
@@ -235,29 +234,16 @@ def score(
             # by side, and beside ONNX Runtime's own threads.
             read = read_batches(refs, batch_size, transform, default_threads(), log)
             for start, batch, tensors, kept, errors in read:
-                probs = np.full((len(batch), len(classes)), np.nan)
-                labels = np.full(len(batch), "", dtype=object)
-                if kept:
-                    logits = run_batch(
-                        session, np.stack(tensors), len(classes), time_limit, onnx_path
-                    )
-                    for i, reason in zip(kept, unusable_scores(logits), strict=True):
-                        if reason:
-                            errors[i] = reason
-                            log.warning("Cannot score %s: %s", batch[i].path, reason)
-                    usable = [row for row, i in enumerate(kept) if not errors[i]]
-                    kept = [kept[row] for row in usable]
-                    probs[kept] = softmax(logits[usable])
-                    labels[kept] = classes[probs[kept].argmax(axis=1)]
+                paths = [r.path for r in batch]
+                probs, labels = scorer.scores(tensors, kept, errors, log, paths)
+                kept = [i for i in kept if not errors[i]]
                 data = {
                     "id": np.arange(first + start, first + start + len(batch), dtype=np.int64),
-                    "path": [r.path for r in batch],
+                    "path": paths,
                     "category": [r.category for r in batch],
                     ERROR_COLUMN: errors,
                 }
-                data |= {col: probs[:, i] for i, col in enumerate(prob_columns)}
-                data[LABEL_COLUMN] = labels
-                writer.write(pd.DataFrame({c: data[c] for c in columns}, columns=columns))
+                writer.write(table_rows(data, probs, labels, columns))
                 scored += len(kept)
                 failed += len(batch) - len(kept)
                 if bar is not None:

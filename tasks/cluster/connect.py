@@ -73,7 +73,7 @@ def reconnect(address: str, timeout_s: int, log: Any) -> None:
     waits 60 s for a node on this machine: tried again until ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        _leave()
+        leave()
         try:
             connect(address, max(1, int(deadline - time.monotonic())), log)
             return
@@ -83,8 +83,11 @@ def reconnect(address: str, timeout_s: int, log: Any) -> None:
         time.sleep(REJOIN_PAUSE_S)
 
 
-def _leave() -> None:
-    """``ray.shutdown``, waited for DISCONNECT_TIMEOUT_S at most."""
+def leave() -> None:
+    """Leave the cluster (``ray.shutdown``), waited for DISCONNECT_TIMEOUT_S at most.
+
+    The cluster then ends every task and actor this driver owns: a job stopped whole.
+    """
     import ray
 
     global _connected

@@ -1,0 +1,68 @@
+"""A batch's rows of the scored table: the model's scores as probabilities and labels, and every
+image that could not be scored as a row with its reason. One way, on one machine and on a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pandas as pd
+
+from tasks.inference.score.session import run_batch, softmax, unusable_scores
+from tasks.inference.score.table import LABEL_COLUMN, PROBABILITY_PREFIX
+
+
+@dataclass(frozen=True)
+class BatchScorer:
+    """One ONNX Runtime session scoring batches into rows: its model's classes, its time limit."""
+
+    session: ort.InferenceSession
+    classes: Sequence[str]
+    time_limit: float
+    onnx_path: Path
+
+    def scores(
+        self,
+        tensors: list[np.ndarray],
+        kept: list[int],
+        errors: list[str],
+        log: logging.Logger | logging.LoggerAdapter | None = None,
+        paths: Sequence[str] = (),
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(probabilities, labels) of a batch of ``len(errors)`` images, ``tensors`` those of
+        the images ``kept``; an image whose scores are unusable gets its reason in ``errors``
+        (logged with its path in ``paths`` when ``log`` is given). Rows not scored: NaN, ""."""
+        classes = np.asarray(self.classes, dtype=object)
+        probs = np.full((len(errors), len(classes)), np.nan)
+        labels = np.full(len(errors), "", dtype=object)
+        if not kept:
+            return probs, labels
+        logits = run_batch(
+            self.session, np.stack(tensors), len(classes), self.time_limit, self.onnx_path
+        )
+        for i, reason in zip(kept, unusable_scores(logits), strict=True):
+            if reason:
+                errors[i] = reason
+                if log is not None:
+                    log.warning("Cannot score %s: %s", paths[i], reason)
+        usable = [row for row, i in enumerate(kept) if not errors[i]]
+        kept = [kept[row] for row in usable]
+        probs[kept] = softmax(logits[usable])
+        labels[kept] = classes[probs[kept].argmax(axis=1)]
+        return probs, labels
+
+
+def table_rows(
+    columns: dict[str, object], probs: np.ndarray, labels: np.ndarray, table_columns: list[str]
+) -> pd.DataFrame:
+    """The batch as the table's rows: ``columns`` (id, path, category, error) then the scores."""
+    data = dict(columns)
+    prob_columns = [c for c in table_columns if c.startswith(PROBABILITY_PREFIX)]
+    data |= {col: probs[:, i] for i, col in enumerate(prob_columns)}
+    data[LABEL_COLUMN] = labels
+    return pd.DataFrame({c: data[c] for c in table_columns}, columns=table_columns)
