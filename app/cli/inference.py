@@ -74,10 +74,17 @@ def score(
         str,
         typer.Argument(
             help="ImageDirectory or any folder of images, or a data set version as NAME@VERSION "
-            "(digits/val@latest: fetched from the DVC remote)."
+            "(digits/val@latest: fetched from the DVC remote), or an s3://BUCKET/PREFIX of images "
+            "(read as they are scored, never copied to disk)."
         ),
     ],
-    dest: Annotated[Path, typer.Argument(help="Scored table to write (.csv or .parquet).")],
+    dest: Annotated[
+        str,
+        typer.Argument(
+            help="Scored table to write (.csv or .parquet), or an s3://BUCKET/PREFIX: Parquet "
+            "parts and a _SUCCESS marker written last (CSV parts when the prefix ends in .csv)."
+        ),
+    ],
     batch_size: Annotated[int, typer.Option(help="Images per ONNX Runtime call.")] = 64,
     threads: Annotated[
         int | None, typer.Option(help="ONNX Runtime threads (default: the cores available).")
@@ -98,12 +105,16 @@ def score(
     """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
     from tasks.inference.score import score_in_shards
     from tasks.registry.model_uri import model_in_use
+    from tasks.shared.object_store import S3Url, is_s3_url
 
     with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
         written = score_in_shards(
             model_dir,
-            _data_argument(images, "images to score").path,  # the model first: it may fail
-            dest,
+            # the model first: it may fail
+            S3Url.parse(images)
+            if is_s3_url(images)
+            else _data_argument(images, "images to score").path,
+            S3Url.parse(dest) if is_s3_url(dest) else Path(dest),
             shard_images=shard_images,
             batch_size=batch_size,
             threads=threads,
