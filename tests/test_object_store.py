@@ -23,6 +23,7 @@ import torch
 from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from prefect_runs import artifacts_of, task_runs_of
 from projects import imageops, use_project
 from server_processes import ROOT, Processes, base_env, healthy
 
@@ -521,14 +522,17 @@ def test_a_missing_prefix_or_bucket_or_refused_keys_fail_in_one_line_with_nothin
 
 
 def test_a_scoring_into_s3_stopped_before_its_marker_shows_no_table_and_resumes(
+    prefect_api: None,
     exported_model: Path,
     project: Settings,
     s3_server: S3Server,
     s3_bucket: str,
     digits_raw: Path,
     monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
+    from flows.score import SCORING_REPORT, score_flow
+
     _on_s3(project, s3_server, monkeypatch)
     _upload(s3_server, digits_raw, s3_bucket, "raw")
     images, dest = S3Url(s3_bucket, "raw"), S3Url(s3_bucket, "scores")
@@ -542,19 +546,29 @@ def test_a_scoring_into_s3_stopped_before_its_marker_shows_no_table_and_resumes(
     assert [k.rsplit("/", 1)[1] for k in finished] == ["part-00000.parquet", "part-00001.parquet"]
     assert all("/_temporary/" in k for k in finished)
 
-    # Stopped again with every part in place but before the marker: still no table that looks whole.
+    # The score flow, as the deployment runs it, on the same URLs: the missing part a Prefect
+    # task, then stopped with every part in place but before the marker: still no whole table.
+    flow_options = {"model": str(exported_model), "images": str(images), "dest": str(dest),
+                    "shard_images": 40, "batch_size": 16}  # fmt: skip
     monkeypatch.setenv(faults.FAULT, "score.parts_published:raise")
-    with pytest.raises(faults.InjectedFault):
-        score_in_shards(exported_model, images, dest, **options)
-    assert "Reusing 2 of 3 finished shards" in caplog.text
+    capfd.readouterr()
+    stopped = score_flow(**flow_options, return_state=True)
+    assert stopped.is_failed() and "InjectedFault" in str(stopped.message)
+    assert "Reusing 2 of 3 finished shards" in capfd.readouterr().err  # the flow run's log
+    (task,) = task_runs_of(stopped.state_details.flow_run_id, want=1)  # the missing part only
+    assert task.state.is_completed()
     placed = [k for k in _keys(s3_server, s3_bucket, "scores/") if "/_temporary/" not in k]
     assert placed == [f"scores/part-0000{i}.parquet" for i in range(3)]  # no _SUCCESS
 
-    caplog.clear()
     monkeypatch.delenv(faults.FAULT)
-    score_in_shards(exported_model, images, dest, **options)
-    assert "Reusing 3 of 3 finished shards" in caplog.text  # nothing scored again
+    state = score_flow(**flow_options, return_state=True)
+    assert state.result().scored == str(dest)
+    assert "Reusing 3 of 3 finished shards" in capfd.readouterr().err  # nothing scored again
     assert _keys(s3_server, s3_bucket, "scores/") == ["scores/_SUCCESS", *placed]
     table = pd.concat(read_parts(dest), ignore_index=True)
     assert table["id"].tolist() == list(range(90))  # every image once
     assert (table[ERROR_COLUMN] == "").all()
+    (report,) = artifacts_of(
+        state.state_details.flow_run_id, SCORING_REPORT
+    )  # the run's report, read from the parts
+    assert "| rows | 90 |" in report.data and f"| table | `{dest}` |" in report.data
