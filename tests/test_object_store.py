@@ -479,6 +479,10 @@ def test_an_s3_prefix_scored_into_s3_gives_the_local_folders_rows_and_copies_no_
     manifest = read_manifest(digits_split[1])
     assert got["category"].tolist() == [manifest.classes[e.label] for e in manifest.images]
     pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-6)
+    here = score_in_shards(
+        exported_model, S3Url(s3_bucket, "imagedirs/val"), project.project_root / "val-s3.csv"
+    )  # from S3 into a local table
+    assert here.read_bytes() == local.read_bytes()
 
 
 def test_a_missing_prefix_or_bucket_or_refused_keys_fail_in_one_line_with_nothing_written(
