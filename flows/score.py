@@ -41,6 +41,7 @@ from tasks.registry.promotion_events import CHAMPION, alias_trigger
 from tasks.shared.artifacts import publish_markdown
 from tasks.shared.errors import ImageOpsError, error_text
 from tasks.shared.forms import form_field, form_schema
+from tasks.shared.object_store import S3Url, is_s3_url
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import in_prefect_run, name_flow_run
 
@@ -70,7 +71,7 @@ def submit_shards(jobs: Sequence[ShardJob]) -> None:
         future.result()  # raises the first shard's error, if any
 
 
-def score_in_flow(scoring: ShardedScoring) -> Path:
+def score_in_flow(scoring: ShardedScoring) -> Path | S3Url:
     """:func:`tasks.inference.score.score_sharded` with each missing shard a parallel ``score``
     task."""
     return score_sharded(scoring, submit_shards)
@@ -82,7 +83,7 @@ class ScoreResult(BaseModel):
     model: str  # as asked: a path or a models:/ URI
     model_dir: Path  # the ModelDirectory scored with (a cache folder for a URI)
     version: int | None  # the registry version a URI resolved to
-    scored: Path
+    scored: Path | str  # the table: a path, or an s3:// prefix
 
 
 @flow(name="imageops-score", log_prints=True)
@@ -101,14 +102,16 @@ def score_flow(
             title="Images",
             description="ImageDirectory or image folder to score: a path from the project root, "
             f"or a data set version as {REF_SYNTAX}, e.g. digits/val@latest (fetched from the "
-            "DVC remote).",
+            "DVC remote), or s3://BUCKET/PREFIX (read as scored, never copied to disk).",
         ),
     ] = "data/digits/val",
     dest: Annotated[
         str | None,
         form_field(
             title="Scored table",
-            description=".csv or .parquet; default: <home>/scores/<model>-<UTC time>.csv.",
+            description=".csv or .parquet, or s3://BUCKET/PREFIX (Parquet parts, CSV parts when "
+            "it ends in .csv, and a _SUCCESS marker written last); "
+            "default: <home>/scores/<model>-<UTC time>.csv.",
         ),
     ] = None,
     batch_size: Annotated[
@@ -156,13 +159,17 @@ def score_flow(
     else:
         model_dir = settings.project_root / model
         label = model_dir.name
-    folder = resolve_data(images, "images to score", settings).path
+    folder = (
+        S3Url.parse(images)
+        if is_s3_url(images)
+        else resolve_data(images, "images to score", settings).path
+    )
     name_flow_run(f"score-{label}-{Path(images).name}")
     if dest is None:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         out = settings.home_dir / SCORES_DIR / f"{label}-{stamp}.csv"
     else:
-        out = settings.project_root / dest
+        out = S3Url.parse(dest) if is_s3_url(dest) else settings.project_root / dest
     # One score task, or parallel ones over shards for a large input, merged in order; a cache
     # folder leased meanwhile, so `imageops gc` leaves it (the same folder, fetched again if a gc
     # took it since the fetch).
@@ -190,7 +197,12 @@ def score_flow(
             url = model_version_url(settings, model_dir.parent.name, version)
         report = score_markdown(model, version, url, images, scored)
         publish_markdown(SCORING_REPORT, report, f"Scoring of {images} with {model}")
-    return ScoreResult(model=model, model_dir=model_dir, version=version, scored=scored)
+    return ScoreResult(
+        model=model,
+        model_dir=model_dir,
+        version=version,
+        scored=scored if isinstance(scored, Path) else str(scored),
+    )
 
 
 def scoring_deployment(

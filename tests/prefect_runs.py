@@ -34,6 +34,16 @@ def task_runs_of(flow_run_id: object, want: int, timeout_s: float = 60.0) -> lis
     return runs
 
 
+def artifacts_of(flow_run_id: object, key: str) -> list[Any]:
+    """The artifacts (Prefect's ``Artifact``) named ``key`` that ``flow_run_id`` published."""
+    from prefect.client.orchestration import get_client  # the caller has a Prefect API up
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        return [a for a in client.read_artifacts(flow_run_filter=this_run) if a.key == key]
+
+
 @contextmanager
 def prefect_api_at(api: str, auth: str | None = None) -> Iterator[None]:
     """Prefect in this process pointed at ``api``, its event and log workers rebound to it.

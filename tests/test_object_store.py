@@ -16,22 +16,32 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
+import pandas as pd
 import psutil
 import pytest
 import torch
 from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from prefect_runs import artifacts_of, task_runs_of
 from projects import imageops, use_project
 from server_processes import ROOT, Processes, base_env, healthy
 
-from tasks.data.imagedir import read_manifest
+from tasks.data.imagedir import is_image_file, read_manifest
 from tasks.data.versioning import REMOTE_NAME, ensure_dvc_repo, fetch_version, version
+from tasks.inference.score import ERROR_COLUMN, LABEL_COLUMN, score_in_shards
+from tasks.inference.score.s3_table import read_parts
 from tasks.registry.model_uri import resolve_model
 from tasks.registry.register import register
 from tasks.shared import faults
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, ObjectStoreError
-from tasks.shared.object_store import S3Server, ensure_bucket, s3_client, start_seaweedfs
+from tasks.shared.object_store import (
+    S3Server,
+    S3Url,
+    ensure_bucket,
+    s3_client,
+    start_seaweedfs,
+)
 from tasks.shared.servers import free_port
 from tasks.shared.settings import Settings
 from tasks.shared.tracking import configure_mlflow
@@ -389,3 +399,180 @@ def test_a_checkpoint_store_that_refuses_or_is_not_there_is_named(
     assert not (tmp_path / "copy.pt").exists()
     with pytest.raises(InvalidParameterError, match="neither s3:// nor a folder"):
         upload_checkpoint(local, "run-1", Settings(checkpoint_url="gs://bucket/runs"))
+
+
+# --- scoring from and to S3 --------------------------------------------------------------------
+
+
+def _upload(server: S3Server, folder: Path, bucket: str, prefix: str) -> int:
+    """Put every file below ``folder`` under ``s3://bucket/prefix/``; the bytes put."""
+    client = s3_client(server.endpoint_url, server.access_key, server.secret_key)
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    for path in files:
+        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return sum(p.stat().st_size for p in files)
+
+
+_WRITTEN: list[str] | None = (
+    None  # while a test records them: the files this process opens to write
+)
+
+
+def _record_writes(event: str, args: tuple) -> None:
+    if _WRITTEN is None or event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    mode, flags = args[1], args[2]
+    if (isinstance(mode, str) and any(m in mode for m in "wax+")) or (
+        isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR)
+    ):
+        _WRITTEN.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_record_writes)  # every open of this process, the C libraries' excepted
+
+
+def test_an_s3_prefix_scored_into_s3_gives_the_local_folders_rows_and_copies_no_image(
+    exported_model: Path,
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    digits_raw: Path,
+    digits_split: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    global _WRITTEN
+    _on_s3(project, s3_server, monkeypatch)
+    sent = _upload(s3_server, digits_raw, s3_bucket, "raw/digits")
+    _upload(s3_server, digits_split[1], s3_bucket, "imagedirs/val")  # labeled, by its manifest
+    options = {"shard_images": 40, "batch_size": 16, "threads": 1}  # 90 images: 3 parts
+    dest = S3Url(s3_bucket, "scores/raw")
+    _WRITTEN = []
+    try:
+        assert score_in_shards(exported_model, S3Url(s3_bucket, "raw/digits"), dest, **options)
+    finally:
+        written, _WRITTEN = _WRITTEN, None
+    # Nothing of the input reached the local disk: the only files written were the parts' own
+    # tables, uploaded and removed (the largest local file of the run: one part).
+    assert not [path for path in written if is_image_file(Path(path))], written
+    assert any(".imageops-part-" in path for path in written)  # the hook sees our writes
+    keys = _keys(s3_server, s3_bucket, "scores/")
+    assert keys == ["scores/raw/_SUCCESS"] + [f"scores/raw/part-0000{i}.parquet" for i in range(3)]
+    client = s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
+    largest = max(client.head_object(Bucket=s3_bucket, Key=k)["ContentLength"] for k in keys)
+    assert largest < sent / 3
+
+    local = score_in_shards(exported_model, digits_raw, project.project_root / "raw.csv", **options)
+    expected = pd.read_csv(
+        local, dtype={ERROR_COLUMN: str, LABEL_COLUMN: str}, keep_default_na=False
+    )
+    got = pd.concat(read_parts(dest), ignore_index=True)
+    assert len(got) == 90 and (got[ERROR_COLUMN] == "").all()
+    pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-6)
+
+    # An ImageDirectory in S3: its manifest's order and classes, and CSV parts on request.
+    csv_dest = S3Url(s3_bucket, "scores/val.csv")
+    score_in_shards(exported_model, S3Url(s3_bucket, "imagedirs/val"), csv_dest, **options)
+    text = [ERROR_COLUMN, LABEL_COLUMN, "category", "path"]
+    got = pd.concat(read_parts(csv_dest, text=text), ignore_index=True)
+    local = score_in_shards(exported_model, digits_split[1], project.project_root / "val.csv")
+    expected = pd.read_csv(local, dtype=dict.fromkeys(text, str), keep_default_na=False)
+    manifest = read_manifest(digits_split[1])
+    assert got["category"].tolist() == [manifest.classes[e.label] for e in manifest.images]
+    pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-6)
+    here = score_in_shards(
+        exported_model, S3Url(s3_bucket, "imagedirs/val"), project.project_root / "val-s3.csv"
+    )  # from S3 into a local table
+    assert here.read_bytes() == local.read_bytes()
+
+
+def test_a_missing_prefix_or_bucket_or_refused_keys_fail_in_one_line_with_nothing_written(
+    exported_model: Path,
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    digits_raw: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _on_s3(project, s3_server, monkeypatch)
+    _upload(s3_server, digits_raw, s3_bucket, "raw")
+    uploaded = _keys(s3_server, s3_bucket)
+    model, dest = str(exported_model), f"s3://{s3_bucket}/scores/"
+
+    def error_line(done: subprocess.CompletedProcess[str]) -> str:
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, done.stderr
+        return errors[0]
+
+    # As a user types it: a prefix that is not there. Then keys S3 refuses (a key it does not know,
+    # as for a bucket the team's keys may not write) and a bucket that is not there.
+    missing = error_line(imageops("score", model, f"s3://{s3_bucket}/typo", dest, cwd=tmp_path))
+    assert f"ObjectStoreError: There is nothing under s3://{s3_bucket}/typo" in missing
+    assert s3_server.endpoint_url in missing
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    with pytest.raises(ObjectStoreError, match="refused the keys") as refused:
+        score_in_shards(exported_model, digits_raw, S3Url.parse(dest))
+    assert f"s3://{s3_bucket}/scores" in refused.value.message
+    assert s3_server.endpoint_url in refused.value.message
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    with pytest.raises(ObjectStoreError, match="has no bucket 'no-such-bucket'") as no_bucket:
+        score_in_shards(exported_model, S3Url("no-such-bucket", "raw"), tmp_path / "out.csv")
+    assert s3_server.endpoint_url in no_bucket.value.message
+
+    assert _keys(s3_server, s3_bucket) == uploaded  # nothing written, here or there
+    assert list(tmp_path.iterdir()) == [project.project_root]
+
+
+def test_a_scoring_into_s3_stopped_before_its_marker_shows_no_table_and_resumes(
+    prefect_api: None,
+    exported_model: Path,
+    project: Settings,
+    s3_server: S3Server,
+    s3_bucket: str,
+    digits_raw: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    from flows.score import SCORING_REPORT, score_flow
+
+    _on_s3(project, s3_server, monkeypatch)
+    _upload(s3_server, digits_raw, s3_bucket, "raw")
+    images, dest = S3Url(s3_bucket, "raw"), S3Url(s3_bucket, "scores")
+    options = {"shard_images": 40, "batch_size": 16, "threads": 1}  # 90 images: 3 parts
+
+    # Stopped once its second part is uploaded: the two parts whole, in the temporary place only.
+    monkeypatch.setenv(faults.FAULT, "score.shard_written:shard=1:raise")
+    with pytest.raises(faults.InjectedFault):
+        score_in_shards(exported_model, images, dest, **options)
+    finished = _keys(s3_server, s3_bucket, "scores/")
+    assert [k.rsplit("/", 1)[1] for k in finished] == ["part-00000.parquet", "part-00001.parquet"]
+    assert all("/_temporary/" in k for k in finished)
+
+    # The score flow, as the deployment runs it, on the same URLs: the missing part a Prefect
+    # task, then stopped with every part in place but before the marker: still no whole table.
+    flow_options = {"model": str(exported_model), "images": str(images), "dest": str(dest),
+                    "shard_images": 40, "batch_size": 16}  # fmt: skip
+    monkeypatch.setenv(faults.FAULT, "score.parts_published:raise")
+    capfd.readouterr()
+    stopped = score_flow(**flow_options, return_state=True)
+    assert stopped.is_failed() and "InjectedFault" in str(stopped.message)
+    assert "Reusing 2 of 3 finished shards" in capfd.readouterr().err  # the flow run's log
+    (task,) = task_runs_of(stopped.state_details.flow_run_id, want=1)  # the missing part only
+    assert task.state.is_completed()
+    placed = [k for k in _keys(s3_server, s3_bucket, "scores/") if "/_temporary/" not in k]
+    assert placed == [f"scores/part-0000{i}.parquet" for i in range(3)]  # no _SUCCESS
+
+    monkeypatch.delenv(faults.FAULT)
+    state = score_flow(**flow_options, return_state=True)
+    assert state.result().scored == str(dest)
+    assert "Reusing 3 of 3 finished shards" in capfd.readouterr().err  # nothing scored again
+    assert _keys(s3_server, s3_bucket, "scores/") == ["scores/_SUCCESS", *placed]
+    table = pd.concat(read_parts(dest), ignore_index=True)
+    assert table["id"].tolist() == list(range(90))  # every image once
+    assert (table[ERROR_COLUMN] == "").all()
+    (report,) = artifacts_of(
+        state.state_details.flow_run_id, SCORING_REPORT
+    )  # the run's report, read from the parts
+    assert "| rows | 90 |" in report.data and f"| table | `{dest}` |" in report.data

@@ -93,10 +93,17 @@ def score(
         str,
         typer.Argument(
             help="ImageDirectory or any folder of images, or a data set version as NAME@VERSION "
-            "(digits/val@latest: fetched from the DVC remote)."
+            "(digits/val@latest: fetched from the DVC remote), or an s3://BUCKET/PREFIX of images "
+            "(read as they are scored, never copied to disk)."
         ),
     ],
-    dest: Annotated[Path, typer.Argument(help="Scored table to write (.csv or .parquet).")],
+    dest: Annotated[
+        str,
+        typer.Argument(
+            help="Scored table to write (.csv or .parquet), or an s3://BUCKET/PREFIX: Parquet "
+            "parts and a _SUCCESS marker written last (CSV parts when the prefix ends in .csv)."
+        ),
+    ],
     batch_size: Annotated[int, typer.Option(help="Images per ONNX Runtime call.")] = 64,
     threads: Annotated[
         int | None, typer.Option(help="ONNX Runtime threads (default: the cores available).")
@@ -117,14 +124,28 @@ def score(
 ) -> None:
     """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
     from tasks.registry.model_uri import model_in_use
+    from tasks.shared.errors import InvalidParameterError
+    from tasks.shared.object_store import S3Url, is_s3_url
 
     with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
-        folder = _data_argument(images, "images to score").path  # the model first: it may fail
+        # The model first (it may fail), then the images: an S3 prefix or a folder here.
+        source = (
+            S3Url.parse(images)
+            if is_s3_url(images)
+            else _data_argument(images, "images to score").path
+        )
+        target = S3Url.parse(dest) if is_s3_url(dest) else Path(dest)
         if on_cluster["cluster"]:
             from tasks.inference.score.on_cluster import ClusterScoring, score_on_cluster
 
+            if isinstance(source, S3Url) or isinstance(target, S3Url):
+                raise InvalidParameterError(
+                    "--cluster scores local folders for now, not s3:// prefixes.",
+                    "Score the prefix on one machine (without --cluster), or give the cluster "
+                    "a folder every node has at the same path.",
+                )
             job = ClusterScoring(
-                model_dir, folder, dest, on_cluster["cluster"], batch_size, threads, quantized,
+                model_dir, source, target, on_cluster["cluster"], batch_size, threads, quantized,
                 on_cluster["cluster_timeout_s"],
             )  # fmt: skip
             written = score_on_cluster(job)
@@ -133,8 +154,8 @@ def score(
 
             written = score_in_shards(
                 model_dir,
-                folder,
-                dest,
+                source,
+                target,
                 shard_images=shard_images,
                 batch_size=batch_size,
                 threads=threads,

@@ -8,6 +8,7 @@ pixel is decoded. Details: docs/images.md#image-formats-and-limits.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
@@ -179,18 +180,20 @@ def bomb_refused(exc: Image.DecompressionBombError, max_pixels: int) -> ImageRef
 
 
 def load_rgb(
-    path: Path,
+    path: Path | io.BytesIO,
     *,
     max_pixels: int = MAX_PIXELS,
     max_aspect_ratio: int = MAX_ASPECT_RATIO,
 ) -> Image.Image:
-    """Open an image as 8-bit RGB, whatever its mode (gray, palette, RGBA, CMYK, 16-bit).
+    """Open an image (a file, or an object's bytes fetched from S3) as 8-bit RGB, whatever its
+    mode (gray, palette, RGBA, CMYK, 16-bit).
 
     Raises :class:`ImageRefused` (reason ``ImageExceedsLimit``) for a file or an image over the
     limits convert applies, checked from the file's size and its header before anything is
     decoded, so a hostile file costs a few bytes of reading, never gigabytes of memory.
     """
-    refused = file_over_limit(os.stat(path).st_size, max_pixels)
+    size = path.getbuffer().nbytes if isinstance(path, io.BytesIO) else os.stat(path).st_size
+    refused = file_over_limit(size, max_pixels)
     if refused:
         raise ImageRefused(refused)
     with warnings.catch_warnings():

@@ -20,12 +20,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from models.atomic import write_bytes
 from tasks.shared import servers
-from tasks.shared.errors import ObjectStoreError
+from tasks.shared.errors import InvalidParameterError, ObjectStoreError
 from tasks.shared.log_tail import tail
 from tasks.shared.private_folders import private_folder
 
@@ -40,6 +40,105 @@ IDENTITIES_FILE = "s3-identities.json"
 LOG_FILE = "seaweedfs.log"
 # The S3 actions of SeaweedFS's identities file; Admin creates and deletes buckets.
 ALL_ACTIONS = ["Admin", "Read", "Write", "List", "Tagging"]
+S3_SCHEME = "s3://"
+# S3's answers that mean "these keys may not do that here" (a wrong key is refused as one too).
+_REFUSALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
+
+
+@dataclass(frozen=True, slots=True)
+class S3Url:
+    """``s3://bucket/key``: one object, or a prefix that stands for a folder.
+
+    Small and picklable (no client in it), so it travels in task arguments and image references;
+    ``/`` makes the URL of a name below it, as with a :class:`~pathlib.Path`.
+    """
+
+    bucket: str
+    key: str = ""  # no leading or trailing slash
+
+    @classmethod
+    def parse(cls, url: str) -> S3Url:
+        """``s3://bucket/prefix`` (a trailing slash or none); InvalidParameterError without a
+        bucket."""
+        bucket, _, key = str(url).removeprefix(S3_SCHEME).partition("/")
+        if not bucket:
+            raise InvalidParameterError(
+                f"The S3 URL {url!r} names no bucket.", "Write it as s3://BUCKET/PREFIX."
+            )
+        return cls(bucket, key.strip("/"))
+
+    def __str__(self) -> str:
+        return f"{S3_SCHEME}{self.bucket}/{self.key}" if self.key else f"{S3_SCHEME}{self.bucket}"
+
+    def __truediv__(self, name: str) -> S3Url:
+        return S3Url(self.bucket, f"{self.key}/{name}" if self.key else name)
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.key).name
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.key).suffix
+
+    @property
+    def below(self) -> str:
+        """The prefix of the keys below this one as a folder (``key/``; empty for the bucket)."""
+        return f"{self.key}/" if self.key else ""
+
+
+def is_s3_url(value: object) -> bool:
+    """Whether ``value`` (a URL, a path, an argument as typed) names a place in S3."""
+    return isinstance(value, S3Url) or str(value).startswith(S3_SCHEME)
+
+
+def endpoint_url() -> str | None:
+    """The team's S3 server as the settings give it (``IMAGEOPS_S3_ENDPOINT_URL``; None: AWS)."""
+    from tasks.shared.settings import get_settings
+
+    return get_settings().s3_endpoint_url
+
+
+_CLIENTS: dict[tuple, BaseClient] = {}
+
+
+def shared_client() -> BaseClient:
+    """This process's client for the settings' S3 server and the keys in the environment.
+
+    Made once (a client costs about 0.1 s of CPU; boto3's clients are thread-safe) and again
+    after a fork or a change of keys: a client's connections must not be shared across processes.
+    """
+    names = ("IMAGEOPS_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    made_for = (os.getpid(), *(os.environ.get(name) for name in names))
+    client = _CLIENTS.get(made_for)
+    if client is None:
+        _CLIENTS.clear()
+        client = _CLIENTS[made_for] = s3_client(endpoint_url())
+    return client
+
+
+def s3_error(exc: Exception, action: str, url: S3Url) -> ObjectStoreError:
+    """The error for a request on ``url`` that S3 refused or did not answer, naming the URL and
+    the server (never a key): a missing bucket, keys without permission, or else what S3 said."""
+    from botocore.exceptions import ClientError
+
+    where = f"S3 at {endpoint_url() or 'AWS'}"
+    code = exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else ""
+    if code == "NoSuchBucket":
+        return ObjectStoreError(
+            f"Could not {action} {url}: {where} has no bucket {url.bucket!r}.",
+            "Check the bucket's name, or create it (aws s3 mb).",
+        )
+    if code in _REFUSALS:
+        return ObjectStoreError(
+            f"Could not {action} {url}: {where} refused the keys ({code}).",
+            "Check that AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (the team's join file) are "
+            f"right and may {action} in the bucket {url.bucket!r}.",
+        )
+    return ObjectStoreError(
+        f"Could not {action} {url} ({where}): {exc}",
+        "Check that the S3 server answers at IMAGEOPS_S3_ENDPOINT_URL.",
+    )
 
 
 def weed_binary() -> str:

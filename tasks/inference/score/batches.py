@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from models.atomic import atomic_file, check_name_length
+from models.atomic import check_name_length
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from tasks.data.imagedir import IMAGE_EXTENSIONS, ImageRefused, load_rgb
-from tasks.data.transform import applied_to, transform_for
-from tasks.inference.score.images import ImageRef, list_slice
+from tasks.data.transform import transform_for
+from tasks.inference.score.images import ImageRef, applied_transform, list_slice
 from tasks.inference.score.rows import BatchScorer, table_rows
 from tasks.inference.score.session import (
     batch_time_limit,
@@ -31,7 +31,7 @@ from tasks.inference.score.session import (
     default_threads,
     inference_session,
 )
-from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_schema
+from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_file, table_schema
 from tasks.inference.tables import TableFormat, table_format
 from tasks.shared import faults
 from tasks.shared.errors import (
@@ -39,6 +39,7 @@ from tasks.shared.errors import (
     InvalidParameterError,
     NoUsableImagesError,
 )
+from tasks.shared.object_store import S3Url
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 LOGGER = "tasks.inference.score"  # one logger for the whole step, whichever module logs
@@ -79,7 +80,7 @@ def _read_image(ref: ImageRef, transform: Callable) -> tuple[np.ndarray | None, 
     if ref.problem:
         return None, ref.problem
     try:
-        return transform(load_rgb(ref.file)).numpy(), ""
+        return transform(load_rgb(ref.source())).numpy(), ""
     except ImageRefused as refused:  # over the limits convert applies too
         return None, refused.reason
     except Exception as exc:  # one bad file must not sink the other images
@@ -158,7 +159,7 @@ def read_batches(
 
 
 def checked_scoring(
-    model: Path, dest: Path, batch_size: int, threads: int | None, quantized: bool
+    model: Path, dest: Path | S3Url, batch_size: int, threads: int | None, quantized: bool
 ) -> tuple[TableFormat, ModelInfo, Path]:
     """(the table's format, the model's info, its ONNX file), or the error of a scoring that
     cannot start: refused before any image is read, on one machine or on a cluster."""
@@ -168,8 +169,9 @@ def checked_scoring(
         raise InvalidParameterError(
             f"threads must be >= 1 (or unset for all cores), got {threads}."
         )
-    table = table_format(dest, "scored table")
-    check_name_length(dest, "scored table")
+    table = table_format(Path(dest.name), "scored table")  # an S3 prefix: by its last name
+    if isinstance(dest, Path):
+        check_name_length(dest, "scored table")
     info = read_model_info(model)
     onnx_path = model / (ONNX_INT8 if quantized else ONNX)
     if not onnx_path.is_file():
@@ -184,24 +186,27 @@ def checked_scoring(
 
 def score(
     model: Path,
-    images: Path,
-    dest: Path,
+    images: Path | S3Url,
+    dest: Path | S3Url,
     *,
     batch_size: int = 64,
     threads: int | None = None,
     quantized: bool = False,
     shard: tuple[int, int] | None = None,
-) -> Path:
+) -> Path | S3Url:
     """Score ``images`` with the exported ModelDirectory ``model``; write the table to ``dest``.
 
-    ``images``: an ImageDirectory or any folder of images; ``dest``: ``.csv`` or ``.parquet``,
-    written atomically and returned; ``quantized``: the INT8 model; ``shard=(i, n)``: only the i-th
+    ``images``: an ImageDirectory or any folder of images, here or as an ``s3://`` prefix;
+    ``dest``: ``.csv`` or ``.parquet``, written atomically (an S3 object: uploaded whole) and
+    returned; ``quantized``: the INT8 model; ``shard=(i, n)``: only the i-th
     of n slices. Every image gets a row (an unreadable one, or one the model returned NaN or
     infinite scores for, its reason in ``Scoring Error``). Raises NoUsableImagesError when no image
     could be scored, ScoringFailedError when ONNX Runtime fails or a batch runs past
     ``IMAGEOPS_SCORE_BATCH_TIMEOUT_S``. Details: docs/scoring.md#score.
     """
-    model, images, dest = Path(model), Path(images), Path(dest)
+    model = Path(model)
+    images = images if isinstance(images, S3Url) else Path(images)
+    dest = dest if isinstance(dest, S3Url) else Path(dest)
     table, info, onnx_path = checked_scoring(model, dest, batch_size, threads, quantized)
     time_limit = batch_time_limit()
     refs, labeled, first, total = list_slice(
@@ -221,12 +226,12 @@ def score(
         if unknown:
             log.warning("Classes the model does not know (always scored wrong): %s", unknown)
 
-    transform = transform_for(info.transform, "inference", images, applied_to(images))
+    transform = transform_for(info.transform, "inference", images, applied_transform(images))
     schema = table_schema(info.classes, labeled)
     columns = schema.names
     scorer = BatchScorer(session, info.classes, time_limit, onnx_path)
     scored, failed = 0, 0
-    with atomic_file(dest) as tmp, _progress(len(refs)) as progress:
+    with table_file(dest) as tmp, _progress(len(refs)) as progress:
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
         writer = table.writer(tmp, schema)
         try:

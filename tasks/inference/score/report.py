@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tasks.inference.score.table import ERROR_COLUMN, LABEL_COLUMN
 from tasks.inference.tables import table_format
+from tasks.shared.object_store import S3Url
 
 COUNTED_ROWS = 100_000  # rows per chunk
 SHOWN_LABELS = 10  # the most predicted classes listed
@@ -26,11 +27,16 @@ class TableCounts:
     labels: Counter = field(default_factory=Counter)
 
 
-def table_counts(path: Path) -> TableCounts:
+def table_counts(path: Path | S3Url) -> TableCounts:
     counts = TableCounts()
-    chunks = table_format(path, "scored table").read_chunks(
-        path, [LABEL_COLUMN, ERROR_COLUMN], COUNTED_ROWS, leave_out=["id"]
-    )
+    if isinstance(path, S3Url):  # a part at a time, as its marker lists them
+        from tasks.inference.score.s3_table import read_parts
+
+        chunks = read_parts(path, [LABEL_COLUMN, ERROR_COLUMN], [LABEL_COLUMN, ERROR_COLUMN])
+    else:
+        chunks = table_format(path, "scored table").read_chunks(
+            path, [LABEL_COLUMN, ERROR_COLUMN], COUNTED_ROWS, leave_out=["id"]
+        )
     for chunk in chunks:
         counts.rows += len(chunk)
         failed = (
@@ -46,7 +52,7 @@ def table_counts(path: Path) -> TableCounts:
 
 
 def score_markdown(
-    model: str, version: int | None, version_url: str | None, images: str, scored: Path
+    model: str, version: int | None, version_url: str | None, images: str, scored: Path | S3Url
 ) -> str:
     """The scoring run's report: what scored what, how many, and the table's path."""
     counts = table_counts(scored)

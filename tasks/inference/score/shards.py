@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from models.atomic import check_name_length, remove_leftovers, scratch_folder
@@ -27,6 +27,7 @@ from tasks.inference.score.images import ImageRef, list_images
 from tasks.inference.score.session import sessions_reused
 from tasks.inference.score.table import merge_tables
 from tasks.shared.errors import ImageOpsError, InvalidParameterError
+from tasks.shared.object_store import S3Url
 from tasks.shared.step import step_logger
 
 SHARD_IMAGES = 20_000  # a shard per this many images: big enough that start-up is noise
@@ -38,11 +39,14 @@ CHECKPOINT_FORMAT = 2  # part of the checkpoint key: raise it when a shard table
 
 @dataclass(frozen=True)
 class ShardedScoring:
-    """One scoring of ``images`` with ``model`` into ``dest``, and how to cut and run it."""
+    """One scoring of ``images`` with ``model`` into ``dest``, and how to cut and run it.
+
+    ``images`` and ``dest`` may be ``s3://`` prefixes (:mod:`tasks.inference.score.s3_table`).
+    """
 
     model: Path
-    images: Path
-    dest: Path
+    images: Path | S3Url
+    dest: Path | S3Url
     shard_images: int = SHARD_IMAGES
     batch_size: int = 64
     threads: int | None = None  # all the shards' together; default: the cores available
@@ -54,16 +58,16 @@ class ShardJob:
     """The arguments of one :func:`score` call: a shard's table, or the whole input's."""
 
     model: Path
-    images: Path
-    dest: Path
+    images: Path | S3Url
+    dest: Path | S3Url  # a table, or an S3 object the table is uploaded to whole
     shard: tuple[int, int] | None  # (index, count); None: the whole input straight into dest
     batch_size: int
     threads: int | None
     quantized: bool
 
     def arguments(self) -> dict:
-        """Keyword arguments for :func:`score` (or its task)."""
-        return asdict(self)
+        """Keyword arguments for :func:`score` (or its task); an S3 URL stays one."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 ShardRunner = Callable[[Sequence[ShardJob]], None]
@@ -88,10 +92,35 @@ def checkpoint_dir(
 ) -> Path:
     """Where :func:`score_in_shards` keeps the finished shard tables of this exact scoring.
 
-    The folder (under ``CHECKPOINTS`` beside ``dest``) is named by a digest of everything that
-    decides the tables: the model files used, the image listing (path, size, mtime of each file,
-    class), the shard and batch sizes and the format; never ``dest``'s name, so a rerun under a
-    new name resumes too. A change to any of them is another folder: nothing stale is reused.
+    The folder (under ``CHECKPOINTS`` beside ``dest``) is named by :func:`checkpoint_key`.
+    """
+    key = checkpoint_key(
+        model,
+        refs,
+        labeled,
+        Path(dest).suffix,
+        shard_images=shard_images,
+        batch_size=batch_size,
+        quantized=quantized,
+    )
+    return Path(dest).parent / CHECKPOINTS / key
+
+
+def checkpoint_key(
+    model: Path,
+    refs: Sequence[ImageRef],
+    labeled: bool,
+    suffix: str,
+    *,
+    shard_images: int,
+    batch_size: int,
+    quantized: bool,
+) -> str:
+    """The name of this exact scoring's finished shards: a digest of everything that decides the
+    tables: the model files used, the image listing (path, size, mtime of each file, or size and
+    ETag of each S3 object, class), the shard and batch sizes and the format (``suffix``); never
+    the table's name, so a rerun under a new name resumes too. A change to any of them is another
+    key: nothing stale is reused.
     """
     model = Path(model)
     onnx_path = model / (ONNX_INT8 if quantized else ONNX)
@@ -99,15 +128,22 @@ def checkpoint_dir(
     for path in (onnx_path, model / MODEL_JSON):  # model.json holds the classes and transform
         digest.update(sha256_file(path).encode() if path.is_file() else b"-")
     settings = [CHECKPOINT_FORMAT, quantized, labeled, shard_images, batch_size]
-    digest.update(json.dumps([*settings, Path(dest).suffix.lower()]).encode())
+    digest.update(json.dumps([*settings, suffix.lower()]).encode())
     for ref in refs:
-        try:
-            stat = ref.file.stat()
-            seen = [stat.st_size, stat.st_mtime_ns]
-        except OSError:  # scored as an error row; a file that appears later changes the key
-            seen = None
-        digest.update(json.dumps([ref.path, ref.category, seen]).encode())
-    return Path(dest).parent / CHECKPOINTS / digest.hexdigest()[:20]
+        digest.update(json.dumps([ref.path, ref.category, _seen(ref)]).encode())
+    return digest.hexdigest()[:20]
+
+
+def _seen(ref: ImageRef) -> list[int] | str | None:
+    """What the checkpoint key trusts of an image, without reading it: its listed stamp (S3), or
+    its file's size and mtime (None: missing; it is an error row, and appearing changes the key)."""
+    if ref.stamp is not None:
+        return ref.stamp
+    try:
+        stat = Path(ref.file).stat()
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def _claim(folder: Path) -> int | None:
@@ -141,7 +177,7 @@ def _discard(folder: Path) -> None:
         folder.parent.rmdir()
 
 
-def score_sharded(scoring: ShardedScoring, run_shards: ShardRunner = run_in_turn) -> Path:
+def score_sharded(scoring: ShardedScoring, run_shards: ShardRunner = run_in_turn) -> Path | S3Url:
     """:func:`score` for inputs of any size: the shards missing from the checkpoint are scored by
     ``run_shards``, then merged in shard order, so the result is the table :func:`score` writes,
     whatever finished first. An input of one shard is one job that writes ``dest`` itself.
@@ -152,6 +188,10 @@ def score_sharded(scoring: ShardedScoring, run_shards: ShardRunner = run_in_turn
     """
     if scoring.shard_images < 1:
         raise InvalidParameterError(f"shard_images must be >= 1, got {scoring.shard_images}.")
+    if isinstance(scoring.dest, S3Url):
+        from tasks.inference.score.s3_table import score_to_object_store
+
+        return score_to_object_store(scoring, run_shards)
     model, images, dest = scoring.model, scoring.images, Path(scoring.dest)
     check_name_length(dest, "scored table")  # before the checkpoint folder is made beside it
     refs, labeled = list_images(images)
@@ -209,14 +249,14 @@ def score_sharded(scoring: ShardedScoring, run_shards: ShardRunner = run_in_turn
 
 def score_in_shards(
     model: Path,
-    images: Path,
-    dest: Path,
+    images: Path | S3Url,
+    dest: Path | S3Url,
     *,
     shard_images: int = SHARD_IMAGES,
     batch_size: int = 64,
     threads: int | None = None,
     quantized: bool = False,
-) -> Path:
+) -> Path | S3Url:
     """:func:`score_sharded` with the shards scored one after another, in this process.
 
     The plain step (the CLI, DVC stages, tests); a flow scores the shards side by side as Prefect

@@ -3,12 +3,15 @@
 ``id`` (the image's place in the listing), ``path``, ``category`` (the true class, only when the
 input is labeled), ``Scoring Error``, one ``Scored Probabilities_<class>`` column per class
 (softmax), then ``Scored Labels``. The file format (CSV, Parquet, ...) follows the suffix
-(:func:`tasks.inference.tables.table_format`).
+(:func:`tasks.inference.tables.table_format`); :func:`table_file` writes it here or to S3.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,6 +19,7 @@ import pyarrow as pa
 from models.atomic import atomic_file
 from tasks.inference.tables import table_format
 from tasks.shared.errors import NoUsableImagesError
+from tasks.shared.object_store import S3Url
 
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
@@ -58,3 +62,26 @@ def merge_tables(parts: Sequence[Path], dest: Path) -> int:
                 f"None of the {rows} image(s) could be scored.", NOT_SCORED_HINT
             )
     return scored
+
+
+@contextlib.contextmanager
+def table_file(dest: Path | S3Url) -> Iterator[Path]:
+    """Where a scoring writes its table: ``dest`` atomically, or, for an S3 object, a private
+    temporary file uploaded whole once written (:func:`tasks.inference.score.s3_table.upload_part`)
+    and then removed: an S3 object appears only when its upload completes, so a crash never
+    leaves half a part.
+    """
+    if not isinstance(dest, S3Url):
+        with atomic_file(dest) as tmp:
+            yield tmp
+        return
+    from tasks.inference.score.s3_table import upload_part
+
+    fd, name = tempfile.mkstemp(prefix=".imageops-part-", suffix=dest.suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        upload_part(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
