@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,12 @@ def _start(args: list[str], cwd: Path, log: Path, env: dict[str, str]) -> subpro
         )  # fmt: skip
 
 
+def _start_server(network: Network, server_dir: Path, logs: Path) -> subprocess.Popen:
+    """The README's line "On the server machine", in ``server_dir`` (its home: its secrets)."""
+    (line,) = [line for line in readme_commands("On the server machine") if line != ACTIVATE]
+    return _start(_as_run(line, network), server_dir, logs / "server.log", _environment())
+
+
 @pytest.fixture(scope="module")
 def team(network: Network) -> Iterator[Team]:
     """The README's two blocks running: the server machine's command, then the GPU machine's."""
@@ -252,8 +259,7 @@ def team(network: Network) -> Iterator[Team]:
     for folder in (server_dir, gpu_dir, logs, gpu_home):
         folder.mkdir(mode=0o755)
     env = _environment()
-    (server_line,) = [line for line in readme_commands("On the server machine") if line != ACTIVATE]
-    server = _start(_as_run(server_line, network), server_dir, logs / "server.log", env)
+    server = _start_server(network, server_dir, logs)
     # Prefect's own setting passes through the join to its worker.
     gpu_env = env | PROMPT_WORKER | {"HOME": str(gpu_home), "COLUMNS": "200"}
     gpu_env.pop("XDG_CONFIG_HOME", None)
@@ -276,7 +282,7 @@ def team(network: Network) -> Iterator[Team]:
         team.values = read_join_file(gpu_home / ".config" / "imageops" / "team.env")
         yield team
     finally:
-        for proc, sig in ((team.join, signal.SIGINT), (server, signal.SIGTERM)):
+        for proc, sig in ((team.join, signal.SIGINT), (team.server, signal.SIGTERM)):
             if proc is not None and proc.poll() is None:
                 proc.send_signal(sig)
                 try:
@@ -607,6 +613,17 @@ def _child(team: Team, marker: str) -> psutil.Process:
     return found[0]
 
 
+def _active_ray_nodes(team: Team) -> int:
+    """How many nodes the Ray head counts as active (`ray status`, as a person asks)."""
+    status = subprocess.run(
+        [Path(sys.executable).with_name("ray"), "status", "--address",
+         team.values["IMAGEOPS_RAY_ADDRESS"]],
+        env=_environment() | team.values, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    return len(re.findall(r"^ 1 node_", status.stdout.partition("Pending:")[0], re.M))
+
+
 def _join_says(team: Team, offset: int, what: str, timeout_s: float = 120) -> str:
     """What ``team join`` printed since ``offset``, once it has said ``what``."""
     log = team.logs / "join.log"
@@ -618,7 +635,7 @@ def _join_says(team: Team, offset: int, what: str, timeout_s: float = 120) -> st
 def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> None:
     """Issue 44, finding 3: the Ray token was judged from the whole ray-worker.log, so an
     earlier join's "Ray runtime started" printed `joined` for a wrong token, which failed 25 s
-    later with a traceback. Now the head is asked first: one TeamAuthError line, in seconds,
+    later with a traceback. Now the head is asked first: one TeamAuthError line within 5 s,
     and nothing started."""
     ray_log = team.join_logs / "ray-worker.log"
     assert "Ray runtime started" in ray_log.read_text()  # the running join's start
@@ -642,12 +659,10 @@ def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> No
     ], refused.stderr
     assert "joined" not in refused.stdout and "Traceback" not in refused.stderr
     assert ray_log.stat().st_size == size  # no Ray node was started
-    # The command's imports (1 s: Prefect's client is not among them) and `ray status` (2.4 s
-    # on a quiet machine, beside the other checks) are all of it: 4.0 to 4.4 s at a load of 2
-    # (three runs), 25 to 38 s on 2 cores under a load of 8 to 11, so the bound here is loose
-    # and the figure is printed.
+    # As the user waits: the interpreter and the command's imports, then the checks (the Ray
+    # head's: one gRPC call, where `ray status` took 2.4 s on a quiet machine, 4 at a load of 2).
     print(f"refused in {took:.1f} s")
-    assert took < 60
+    assert took < 5
     check_servers(team.values, "local")  # the right file right after: every server takes it
 
 
@@ -689,18 +704,8 @@ def test_a_dead_ray_node_is_restarted_and_rejoins(team: Team) -> None:
     assert re.search(r"ray-worker exited with code \S+; restarting in 1 s \(attempt 1\)", said)
     assert "prefect-worker" not in said and worker.is_running()
     assert _child(team, "raylet").pid != raylet.pid
-    env = _environment() | team.values
-    ray = Path(sys.executable).with_name("ray")
-
-    def two_nodes() -> bool:  # the head and this machine's new node; the dead one is gone
-        status = subprocess.run(
-            [ray, "status", "--address", team.values["IMAGEOPS_RAY_ADDRESS"]],
-            env=env, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        active = status.stdout.partition("Pending:")[0]
-        return len(re.findall(r"^ 1 node_", active, re.M)) == 2
-
-    team.wait("the Ray node to rejoin", two_nodes, 120)
+    # The head and this machine's new node; the dead one is gone.
+    team.wait("the Ray node to rejoin", lambda: _active_ray_nodes(team) == 2, 120)
 
 
 def test_a_restarted_service_leaves_its_group_running_until_the_stop(tmp_path: Path) -> None:
@@ -723,6 +728,52 @@ def test_a_restarted_service_leaves_its_group_running_until_the_stop(tmp_path: P
     gone, _ = psutil.wait_procs([flow_run], timeout=5)
     assert gone or flow_run.status() == psutil.STATUS_ZOMBIE
     assert service.process.poll() is not None
+
+
+@pytest.mark.slow
+def test_a_server_restart_is_waited_out(team: Team) -> None:
+    """Issue 44, finding 6: a restart of the server machine ended `team join` 60 s later with
+    a Ray traceback. Here the team server stops as a reboot stops it (SIGTERM) and starts again
+    from the same folder (the same secrets, the same join file): the join waits, says so once,
+    and its Ray node and Prefect worker are back once the servers answer. Before the last test:
+    that one stops the server started here."""
+    assert team.join is not None
+    join_log, server_log = team.logs / "join.log", team.logs / "server.log"
+    offset = join_log.stat().st_size
+    t0 = time.monotonic()
+    team.server.send_signal(signal.SIGTERM)
+    assert team.server.wait(STOP_TIMEOUT_S) == 0, team.report()
+
+    def waiting() -> bool:  # the servers are down: only the join has to be running
+        if team.join is not None and team.join.poll() is not None:
+            pytest.fail(f"team join exited ({team.join.returncode})\n{team.report()}")
+        return "waiting: " in read_from(join_log, offset)
+
+    # A Ray node gives up on a lost head after 60 s (Ray's gcs_rpc_server_reconnect_timeout_s).
+    assert servers.wait_until(waiting, 180, **LONG_WAIT), team.report()
+    noticed = time.monotonic() - t0
+    server_offset = server_log.stat().st_size
+    team.server = _start_server(team.network, team.server_dir, team.logs)
+    ready = lambda: "ready;" in read_from(server_log, server_offset)  # noqa: E731
+    team.wait("the team server to be ready again", ready, START_TIMEOUT_S)
+    t1, since = time.monotonic(), datetime.now(UTC)
+    _join_says(team, offset, "the servers answer again", 60)
+    team.wait("the Ray node to rejoin the new head", lambda: _active_ray_nodes(team) == 2, 300)
+    with team.prefect() as client:
+
+        def worker_online() -> bool:  # a heartbeat since the restart, not the old record's
+            workers = client.post("/work_pools/local/workers/filter", json={}).json()
+            return any(
+                w["status"] == "ONLINE" and w["name"].endswith(f"-{team.network.gpu_ip}")
+                and w["last_heartbeat_time"]
+                and datetime.fromisoformat(w["last_heartbeat_time"]) > since
+                for w in workers
+            )  # fmt: skip
+
+        team.wait("the Prefect worker to be online again", worker_online, 120)
+    said = read_from(join_log, offset)
+    assert said.count("waiting: ") == 1 and "Traceback" not in said, said
+    print(f"waiting after {noticed:.0f} s; back {time.monotonic() - t1:.0f} s after the restart")
 
 
 # --- stopping -------------------------------------------------------------------------------
