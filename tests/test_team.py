@@ -13,6 +13,7 @@ commands as a person would (Ctrl-C, SIGTERM) and checks that nothing they starte
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import pwd
@@ -37,6 +38,7 @@ import pytest
 from file_modes import open_to_others
 from server_processes import LONG_WAIT, PROMPT_WORKER, base_env
 
+from app.ray_head import version_mismatch
 from app.stack import Services, kept_secret
 from app.team import JOIN_VARIABLES, TeamServer
 from app.team_join import check_servers, default_join_file, read_join_file
@@ -543,6 +545,7 @@ def test_join_names_the_server_that_refuses_or_does_not_answer(team: Team) -> No
         ({"PREFECT_API_AUTH_STRING": "imageops:wrong"}, TeamAuthError, "Prefect server at"),
         ({"MLFLOW_TRACKING_PASSWORD": "wrong"}, TeamAuthError, "MLflow server at"),
         ({"AWS_SECRET_ACCESS_KEY": "wrong"}, TeamAuthError, "S3 server at"),
+        ({"RAY_AUTH_TOKEN": "0" * 64}, TeamAuthError, "Ray head at .* RAY_AUTH_TOKEN"),
         ({"PREFECT_API_URL": f"http://{ip}:1/api"}, TeamUnreachableError, f"Prefect.*{ip}:1"),
         ({"IMAGEOPS_MLFLOW_TRACKING_URI": f"http://{ip}:1"}, TeamUnreachableError, "MLflow"),
         ({"IMAGEOPS_S3_ENDPOINT_URL": f"http://{ip}:1"}, TeamUnreachableError, f"S3.*{ip}:1"),
@@ -586,6 +589,21 @@ def test_join_says_which_server_does_not_answer(tmp_path: Path) -> None:
     path.chmod(0o640)
     result = imageops("team", "join", "--env", str(path), cwd=tmp_path)
     assert result.returncode == 2 and "chmod 600" in result.stderr
+
+
+def test_a_ray_head_of_another_ray_or_python_is_named() -> None:
+    """The check that `ray status` made (a node of another version does not join), from the
+    head's cluster metadata as its GCS keeps it, by Ray's rule: Ray and Python up to the patch."""
+    ray = importlib.metadata.version("ray")
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert version_mismatch({"ray_version": ray, "python_version": python}) is None
+    assert version_mismatch({}) is None  # a head that keeps none: Ray checks nothing either
+    other = version_mismatch({"ray_version": "2.9.0", "python_version": python})
+    assert (
+        other
+        == f"the head runs Ray 2.9.0 on Python {python}, this machine Ray {ray} on Python {python}"
+    )
+    assert version_mismatch({"ray_version": ray, "python_version": "3.10.1"})
 
 
 def test_a_kept_secret_is_made_once_and_owner_only(tmp_path: Path) -> None:
