@@ -112,11 +112,10 @@ def _split_address(address: str) -> tuple[str, int]:
 def check_servers(values: dict[str, str], pool: str, timeout_s: float = CHECK_TIMEOUT_S) -> None:
     """Every server of the join file answers and takes its credentials, else one clear error.
 
-    The Ray head is asked with one gRPC call (``app.ray_head``: milliseconds, where Ray's own
-    client took seconds to import), which also gives its versions: a node of another Ray or
-    Python would not join.
+    The Ray head first: one gRPC call (``app.ray_head``: milliseconds, where Ray's own client
+    took seconds to import), which also gives its versions (a node of another Ray or Python
+    would not join); a wrong token is refused before S3's client is imported.
     """
-    _check_http_servers(values, pool, timeout_s)
     ray = values["IMAGEOPS_RAY_ADDRESS"]
     try:
         metadata = cluster_metadata(ray, values["RAY_AUTH_TOKEN"], timeout_s)
@@ -132,6 +131,7 @@ def check_servers(values: dict[str, str], pool: str, timeout_s: float = CHECK_TI
             f"The Ray head at {ray} runs another version: {mismatch}.",
             "Install the project's lock on every machine (`make install`).",
         )
+    _check_http_servers(values, pool, timeout_s)
 
 
 AGAIN = "Copy the join file again from the server machine (it changes when secrets rotate)."
