@@ -683,8 +683,9 @@ def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> No
     assert "joined" not in refused.stdout and "Traceback" not in refused.stderr
     assert ray_log.stat().st_size == size  # no Ray node was started
     # As the user waits: the interpreter and the command's imports (timed alone by the same
-    # command refusing a join file that does not exist: 2 s at a load of 2, 7 s and more at 9),
-    # then the head's answer to one gRPC call, where `ray status` took 2.4 s on a quiet machine.
+    # command refusing a join file that does not exist: 5 to 6 s at a load of 5, 10 to 11 s at
+    # 8 to 10, when the whole refusal took 0.3 s more), then the head's answer to one gRPC call,
+    # where `ray status` took 2.4 s on a quiet machine.
     missing, imports = join(team.gpu_dir / "no-such.env")
     assert "TeamJoinFileError" in missing.stderr, missing.stderr
     print(f"refused in {took:.1f} s; the command's start alone: {imports:.1f} s")
