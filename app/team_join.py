@@ -17,12 +17,12 @@ import re
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from app.ray_head import RayHeadRefused, RayHeadUnanswered, cluster_metadata, version_mismatch
 from app.stack import Services, _Service, _tool, stop_leader_first
 from app.team import (
     BUCKET,
@@ -32,7 +32,6 @@ from app.team import (
     JOIN_VARIABLES,
     RAY_STOP_TIMEOUT_S,
     START_TIMEOUT_S,
-    _tcp_open,
     ray_temp_dir,
 )
 from app.work_pools import POOLS
@@ -47,7 +46,6 @@ from tasks.shared.log_tail import tail
 from tasks.shared.private_folders import private_folder
 from tasks.shared.settings import Settings
 
-RAY_CHECK_TIMEOUT_S = 60.0  # `ray status`: 2.5 s here, more on a busy machine
 BACKOFF_MAX_S = 30.0  # a service that keeps exiting is started again at most this far apart
 HEALTHY_S = 60.0  # one that ran this long before it exited starts its back-off anew
 WAIT_S = 5.0  # how often a server that does not answer is asked again
@@ -114,41 +112,26 @@ def _split_address(address: str) -> tuple[str, int]:
 def check_servers(values: dict[str, str], pool: str, timeout_s: float = CHECK_TIMEOUT_S) -> None:
     """Every server of the join file answers and takes its credentials, else one clear error.
 
-    The Ray head's token is asked with `ray status` (Ray's own client, seconds to import), in a
-    process started first and waited for last.
+    The Ray head first: one gRPC call (``app.ray_head``: milliseconds, where Ray's own client
+    took seconds to import), which also gives its versions (a node of another Ray or Python
+    would not join); a wrong token is refused before S3's client is imported.
     """
     ray = values["IMAGEOPS_RAY_ADDRESS"]
-    status = subprocess.Popen(
-        [_tool("ray"), "status", "--address", ray],
-        env=dict(os.environ) | values | {"RAY_USAGE_STATS_ENABLED": "0"},
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
     try:
-        _check_http_servers(values, pool, timeout_s)
-        if not _tcp_open(*_split_address(ray), timeout_s=timeout_s):
-            raise _unreachable("Ray head", ray, "no connection")
-        try:
-            output, _ = status.communicate(timeout=RAY_CHECK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise _unreachable(
-                "Ray head", ray, f"`ray status` had no answer within {RAY_CHECK_TIMEOUT_S:.0f} s"
-            ) from None
-    finally:
-        if status.poll() is None:
-            status.kill()
-        status.wait()
-    if status.returncode == 0:
-        return
-    if "InvalidAuthToken" in output:
-        raise TeamAuthError(f"The Ray head at {ray} refused the join file's RAY_AUTH_TOKEN.", AGAIN)
-    lines = output.strip().splitlines()
-    last = lines[-1] if lines else f"`ray status` exited with code {status.returncode}"
-    if "Version mismatch" in output:
+        metadata = cluster_metadata(ray, values["RAY_AUTH_TOKEN"], timeout_s)
+    except RayHeadRefused:
+        raise TeamAuthError(
+            f"The Ray head at {ray} refused the join file's RAY_AUTH_TOKEN.", AGAIN
+        ) from None
+    except RayHeadUnanswered as exc:
+        raise _unreachable("Ray head", ray, exc) from None
+    mismatch = version_mismatch(metadata)
+    if mismatch:
         raise TeamStackError(
-            f"The Ray head at {ray} runs another version of Ray: {last}",
+            f"The Ray head at {ray} runs another version: {mismatch}.",
             "Install the project's lock on every machine (`make install`).",
         )
-    raise _unreachable("Ray head", ray, last)
+    _check_http_servers(values, pool, timeout_s)
 
 
 AGAIN = "Copy the join file again from the server machine (it changes when secrets rotate)."
@@ -370,17 +353,19 @@ class TeamMember(Services):
             self._restart(service)
 
     def _wait_for_servers(self) -> None:
-        said = ""
+        """Until every server answers; said once, however often the reason changes while the
+        server machine restarts (one server, then another, does not answer yet)."""
+        waited = False
         while True:
             try:
                 check_servers(self.values, self.pool)
             except TeamUnreachableError as exc:
-                if exc.message != said:
+                if not waited:
                     self.say(f"waiting: {exc.message} Asking again every {WAIT_S:.0f} s.")
-                    said = exc.message
+                    waited = True
                 time.sleep(WAIT_S)
             else:
-                if said:
+                if waited:
                     self.say("the servers answer again")
                 return
 

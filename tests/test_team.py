@@ -13,6 +13,7 @@ commands as a person would (Ctrl-C, SIGTERM) and checks that nothing they starte
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import pwd
@@ -27,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ import pytest
 from file_modes import open_to_others
 from server_processes import LONG_WAIT, PROMPT_WORKER, base_env
 
+from app.ray_head import version_mismatch
 from app.stack import Services, kept_secret
 from app.team import JOIN_VARIABLES, TeamServer
 from app.team_join import check_servers, default_join_file, read_join_file
@@ -240,6 +243,12 @@ def _start(args: list[str], cwd: Path, log: Path, env: dict[str, str]) -> subpro
         )  # fmt: skip
 
 
+def _start_server(network: Network, server_dir: Path, logs: Path) -> subprocess.Popen:
+    """The README's line "On the server machine", in ``server_dir`` (its home: its secrets)."""
+    (line,) = [line for line in readme_commands("On the server machine") if line != ACTIVATE]
+    return _start(_as_run(line, network), server_dir, logs / "server.log", _environment())
+
+
 @pytest.fixture(scope="module")
 def team(network: Network) -> Iterator[Team]:
     """The README's two blocks running: the server machine's command, then the GPU machine's."""
@@ -252,8 +261,7 @@ def team(network: Network) -> Iterator[Team]:
     for folder in (server_dir, gpu_dir, logs, gpu_home):
         folder.mkdir(mode=0o755)
     env = _environment()
-    (server_line,) = [line for line in readme_commands("On the server machine") if line != ACTIVATE]
-    server = _start(_as_run(server_line, network), server_dir, logs / "server.log", env)
+    server = _start_server(network, server_dir, logs)
     # Prefect's own setting passes through the join to its worker.
     gpu_env = env | PROMPT_WORKER | {"HOME": str(gpu_home), "COLUMNS": "200"}
     gpu_env.pop("XDG_CONFIG_HOME", None)
@@ -276,7 +284,7 @@ def team(network: Network) -> Iterator[Team]:
         team.values = read_join_file(gpu_home / ".config" / "imageops" / "team.env")
         yield team
     finally:
-        for proc, sig in ((team.join, signal.SIGINT), (server, signal.SIGTERM)):
+        for proc, sig in ((team.join, signal.SIGINT), (team.server, signal.SIGTERM)):
             if proc is not None and proc.poll() is None:
                 proc.send_signal(sig)
                 try:
@@ -537,6 +545,7 @@ def test_join_names_the_server_that_refuses_or_does_not_answer(team: Team) -> No
         ({"PREFECT_API_AUTH_STRING": "imageops:wrong"}, TeamAuthError, "Prefect server at"),
         ({"MLFLOW_TRACKING_PASSWORD": "wrong"}, TeamAuthError, "MLflow server at"),
         ({"AWS_SECRET_ACCESS_KEY": "wrong"}, TeamAuthError, "S3 server at"),
+        ({"RAY_AUTH_TOKEN": "0" * 64}, TeamAuthError, "Ray head at .* RAY_AUTH_TOKEN"),
         ({"PREFECT_API_URL": f"http://{ip}:1/api"}, TeamUnreachableError, f"Prefect.*{ip}:1"),
         ({"IMAGEOPS_MLFLOW_TRACKING_URI": f"http://{ip}:1"}, TeamUnreachableError, "MLflow"),
         ({"IMAGEOPS_S3_ENDPOINT_URL": f"http://{ip}:1"}, TeamUnreachableError, f"S3.*{ip}:1"),
@@ -567,19 +576,34 @@ def test_join_says_which_server_does_not_answer(tmp_path: Path) -> None:
     from projects import imageops
 
     values = dict.fromkeys(JOIN_VARIABLES, "x") | {
-        "PREFECT_API_URL": "http://127.0.0.1:1/api",  # nothing listens on port 1
-        "IMAGEOPS_RAY_ADDRESS": "127.0.0.1:1",
+        "IMAGEOPS_RAY_ADDRESS": "127.0.0.1:1",  # asked first; nothing listens on port 1
+        "PREFECT_API_URL": "http://127.0.0.1:1/api",
     }
     path = tmp_path / "team.env"
     path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
     path.chmod(0o600)
     result = imageops("team", "join", "--env", str(path), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert "TeamUnreachableError: The Prefect server at http://127.0.0.1:1/api" in result.stderr
+    assert "TeamUnreachableError: The Ray head at 127.0.0.1:1 does not answer" in result.stderr
     assert "Traceback" not in result.stderr
     path.chmod(0o640)
     result = imageops("team", "join", "--env", str(path), cwd=tmp_path)
     assert result.returncode == 2 and "chmod 600" in result.stderr
+
+
+def test_a_ray_head_of_another_ray_or_python_is_named() -> None:
+    """The check that `ray status` made (a node of another version does not join), from the
+    head's cluster metadata as its GCS keeps it, by Ray's rule: Ray and Python up to the patch."""
+    ray = importlib.metadata.version("ray")
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert version_mismatch({"ray_version": ray, "python_version": python}) is None
+    assert version_mismatch({}) is None  # a head that keeps none: Ray checks nothing either
+    other = version_mismatch({"ray_version": "2.9.0", "python_version": python})
+    assert (
+        other
+        == f"the head runs Ray 2.9.0 on Python {python}, this machine Ray {ray} on Python {python}"
+    )
+    assert version_mismatch({"ray_version": ray, "python_version": "3.10.1"})
 
 
 def test_a_kept_secret_is_made_once_and_owner_only(tmp_path: Path) -> None:
@@ -607,6 +631,17 @@ def _child(team: Team, marker: str) -> psutil.Process:
     return found[0]
 
 
+def _active_ray_nodes(team: Team) -> int:
+    """How many nodes the Ray head counts as active (`ray status`, as a person asks)."""
+    status = subprocess.run(
+        [Path(sys.executable).with_name("ray"), "status", "--address",
+         team.values["IMAGEOPS_RAY_ADDRESS"]],
+        env=_environment() | team.values, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    return len(re.findall(r"^ 1 node_", status.stdout.partition("Pending:")[0], re.M))
+
+
 def _join_says(team: Team, offset: int, what: str, timeout_s: float = 120) -> str:
     """What ``team join`` printed since ``offset``, once it has said ``what``."""
     log = team.logs / "join.log"
@@ -618,7 +653,7 @@ def _join_says(team: Team, offset: int, what: str, timeout_s: float = 120) -> st
 def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> None:
     """Issue 44, finding 3: the Ray token was judged from the whole ray-worker.log, so an
     earlier join's "Ray runtime started" printed `joined` for a wrong token, which failed 25 s
-    later with a traceback. Now the head is asked first: one TeamAuthError line, in seconds,
+    later with a traceback. Now the head is asked first: one TeamAuthError line within 5 s,
     and nothing started."""
     ray_log = team.join_logs / "ray-worker.log"
     assert "Ray runtime started" in ray_log.read_text()  # the running join's start
@@ -627,13 +662,18 @@ def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> No
     wrong.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in team.values.items()))
     wrong.write_text(wrong.read_text().replace(team.values["RAY_AUTH_TOKEN"], "0" * 64))
     wrong.chmod(0o600)
-    args = [sys.executable, "-m", "app.cli", "team", "join", "--env", str(wrong)]
-    t0 = time.monotonic()
-    refused = subprocess.run(
-        team.network.on_gpu_machine(args), cwd=team.gpu_dir, env=team.gpu_env,
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    took = time.monotonic() - t0
+
+    def join(join_file: Path) -> tuple[subprocess.CompletedProcess, float]:
+        """`imageops team join --env join_file` on the GPU machine, and how long it took."""
+        args = [sys.executable, "-m", "app.cli", "team", "join", "--env", str(join_file)]
+        t0 = time.monotonic()
+        done = subprocess.run(
+            team.network.on_gpu_machine(args), cwd=team.gpu_dir, env=team.gpu_env,
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        return done, time.monotonic() - t0
+
+    refused, took = join(wrong)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     head = team.values["IMAGEOPS_RAY_ADDRESS"]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
@@ -642,12 +682,14 @@ def test_a_wrong_ray_token_is_one_error_before_anything_starts(team: Team) -> No
     ], refused.stderr
     assert "joined" not in refused.stdout and "Traceback" not in refused.stderr
     assert ray_log.stat().st_size == size  # no Ray node was started
-    # The command's imports (1 s: Prefect's client is not among them) and `ray status` (2.4 s
-    # on a quiet machine, beside the other checks) are all of it: 4.0 to 4.4 s at a load of 2
-    # (three runs), 25 to 38 s on 2 cores under a load of 8 to 11, so the bound here is loose
-    # and the figure is printed.
-    print(f"refused in {took:.1f} s")
-    assert took < 60
+    # As the user waits: the interpreter and the command's imports (timed alone by the same
+    # command refusing a join file that does not exist: 5 to 6 s at a load of 5, 10 to 11 s at
+    # 8 to 10, when the whole refusal took 0.3 s more), then the head's answer to one gRPC call,
+    # where `ray status` took 2.4 s on a quiet machine.
+    missing, imports = join(team.gpu_dir / "no-such.env")
+    assert "TeamJoinFileError" in missing.stderr, missing.stderr
+    print(f"refused in {took:.1f} s; the command's start alone: {imports:.1f} s")
+    assert took < max(5.0, imports + 2.0)
     check_servers(team.values, "local")  # the right file right after: every server takes it
 
 
@@ -689,18 +731,8 @@ def test_a_dead_ray_node_is_restarted_and_rejoins(team: Team) -> None:
     assert re.search(r"ray-worker exited with code \S+; restarting in 1 s \(attempt 1\)", said)
     assert "prefect-worker" not in said and worker.is_running()
     assert _child(team, "raylet").pid != raylet.pid
-    env = _environment() | team.values
-    ray = Path(sys.executable).with_name("ray")
-
-    def two_nodes() -> bool:  # the head and this machine's new node; the dead one is gone
-        status = subprocess.run(
-            [ray, "status", "--address", team.values["IMAGEOPS_RAY_ADDRESS"]],
-            env=env, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        active = status.stdout.partition("Pending:")[0]
-        return len(re.findall(r"^ 1 node_", active, re.M)) == 2
-
-    team.wait("the Ray node to rejoin", two_nodes, 120)
+    # The head and this machine's new node; the dead one is gone.
+    team.wait("the Ray node to rejoin", lambda: _active_ray_nodes(team) == 2, 120)
 
 
 def test_a_restarted_service_leaves_its_group_running_until_the_stop(tmp_path: Path) -> None:
@@ -723,6 +755,52 @@ def test_a_restarted_service_leaves_its_group_running_until_the_stop(tmp_path: P
     gone, _ = psutil.wait_procs([flow_run], timeout=5)
     assert gone or flow_run.status() == psutil.STATUS_ZOMBIE
     assert service.process.poll() is not None
+
+
+@pytest.mark.slow
+def test_a_server_restart_is_waited_out(team: Team) -> None:
+    """Issue 44, finding 6: a restart of the server machine ended `team join` 60 s later with
+    a Ray traceback. Here the team server stops as a reboot stops it (SIGTERM) and starts again
+    from the same folder (the same secrets, the same join file): the join waits, says so once,
+    and its Ray node and Prefect worker are back once the servers answer. Before the last test:
+    that one stops the server started here."""
+    assert team.join is not None
+    join_log, server_log = team.logs / "join.log", team.logs / "server.log"
+    offset = join_log.stat().st_size
+    t0 = time.monotonic()
+    team.server.send_signal(signal.SIGTERM)
+    assert team.server.wait(STOP_TIMEOUT_S) == 0, team.report()
+
+    def waiting() -> bool:  # the servers are down: only the join has to be running
+        if team.join is not None and team.join.poll() is not None:
+            pytest.fail(f"team join exited ({team.join.returncode})\n{team.report()}")
+        return "waiting: " in read_from(join_log, offset)
+
+    # A Ray node gives up on a lost head after 60 s (Ray's gcs_rpc_server_reconnect_timeout_s).
+    assert servers.wait_until(waiting, 180, **LONG_WAIT), team.report()
+    noticed = time.monotonic() - t0
+    server_offset = server_log.stat().st_size
+    team.server = _start_server(team.network, team.server_dir, team.logs)
+    ready = lambda: "ready;" in read_from(server_log, server_offset)  # noqa: E731
+    team.wait("the team server to be ready again", ready, START_TIMEOUT_S)
+    t1, since = time.monotonic(), datetime.now(UTC)
+    _join_says(team, offset, "the servers answer again", 60)
+    team.wait("the Ray node to rejoin the new head", lambda: _active_ray_nodes(team) == 2, 300)
+    with team.prefect() as client:
+
+        def worker_online() -> bool:  # a heartbeat since the restart, not the old record's
+            workers = client.post("/work_pools/local/workers/filter", json={}).json()
+            return any(
+                w["status"] == "ONLINE" and w["name"].endswith(f"-{team.network.gpu_ip}")
+                and w["last_heartbeat_time"]
+                and datetime.fromisoformat(w["last_heartbeat_time"]) > since
+                for w in workers
+            )  # fmt: skip
+
+        team.wait("the Prefect worker to be online again", worker_online, 120)
+    said = read_from(join_log, offset)
+    assert said.count("waiting: ") == 1 and "Traceback" not in said, said
+    print(f"waiting after {noticed:.0f} s; back {time.monotonic() - t1:.0f} s after the restart")
 
 
 # --- stopping -------------------------------------------------------------------------------
