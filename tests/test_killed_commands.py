@@ -310,6 +310,7 @@ def test_a_killed_or_interrupted_score_leaves_no_reader_process(
     monkeypatch.setenv(faults.FAULT, "score.image_read:hang")  # readers busy until stopped
     dest = tmp_path / "scores" / "out.csv"
     argv = ["score", str(exported_model), str(images), str(dest), "--threads", "2"]
+    argv += ["--batch-size", "4"]  # two batches: one for each reader
     log = tmp_path / "score.log"
     command = _start(argv, tmp_path / "work", log)
 

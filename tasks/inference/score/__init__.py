@@ -1,9 +1,9 @@
 """Score Image Model: run a model's ``model.onnx`` over a folder of images, in batches.
 
 One job per module: ``images`` (what is read, in which order), ``session`` (ONNX Runtime),
-``batches`` (one pass, memory flat; an unreadable image becomes a row with its reason), ``table``
-(columns, merging shards), ``shards`` (the unit of resumption; a flow runs them as parallel tasks).
-Details: docs/scoring.md#the-package.
+``readers`` (decoding in reader processes), ``batches`` (one pass, memory flat; an unreadable
+image becomes a row with its reason), ``table`` (columns, merging shards), ``shards`` (the unit
+of resumption; a flow runs them as parallel tasks). Details: docs/scoring.md#the-package.
 """
 
 from importlib import import_module
