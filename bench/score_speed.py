@@ -24,15 +24,15 @@ at 32 px linked again and again into one folder), fp32 and INT8, each run in a f
 reports its images/s, its RSS once imports are done and its peak RSS (``VmHWM``), so no figure
 includes another's.
 
-The quick default (about 15 minutes on 2 cores, most of it the 200,000 images) does not train: a
-seeded, untrained resnet18 at 224 px scores at the speed of a trained one, but its top-1 is chance,
-so the INT8 gate is opened wide (64 calibration images); 4 rounds, 4 engine-alone runs, 3 reader
-rounds per size, each scaling row run once. ``--full`` trains at 224 px (1 epoch, learning rate
-0.01, the torchrun worker's own code in-process), calibrates on 256 images and gates INT8 at a
-0.5-point top-1 drop; 8 rounds, 8 engine-alone runs, 5 reader rounds, each scaling row run 3
-times. Both print the goals of the issues: ONNX Runtime fp32 >= 1.5x torch eager, INT8 >= 3x, an
-INT8 top-1 drop <= 0.5 points (``--full`` only), `score` end to end >= 0.85x the engine alone at
-64 and 224 px, and peak RSS at 200,000 images within 100 MB of 10,000.
+The quick default (about 15 minutes on 2 cores, estimated; most of it the 200,000 images) does not
+train: a seeded, untrained resnet18 at 224 px scores at the speed of a trained one, but its top-1 is
+chance, so the INT8 gate is opened wide (64 calibration images); 4 rounds, 4 engine-alone runs, 3
+reader rounds per size, each scaling row run once. ``--full`` trains at 224 px (1 epoch, learning
+rate 0.01, the torchrun worker's own code in-process), calibrates on 256 images and gates INT8 at a
+0.5-point top-1 drop; 8 rounds, 8 engine-alone runs, 5 reader rounds, each scaling row run 3 times.
+Both print the goals of the issues: ONNX Runtime fp32 >= 1.5x torch eager, INT8 >= 3x, an INT8 top-1
+drop <= 0.5 points (``--full`` only), `score` end to end >= 0.85x the engine alone at 64 and 224 px,
+and peak RSS at 200,000 images within 100 MB of 10,000.
 """
 
 from __future__ import annotations

@@ -35,9 +35,10 @@ BATCHES_AHEAD = 2
 def reader_processes(cores: int) -> int:
     """Reader processes beside a session that runs ``cores`` ONNX Runtime threads: one per core.
 
-    Measured on 2 cores (docs/benchmarks.md, "Readers"): ONNX Runtime on both cores with two
-    readers beside it scored within a few percent of one reader at 224 px, and faster at 64 px,
-    where decoding costs as much as the model; the readers sleep whenever their batches are ahead.
+    Enough to decode as fast as the cores allow where decoding costs as much as the model (small
+    images); a reader whose batches are ahead sleeps, leaving its core to ONNX Runtime. A rule,
+    not a timing taken at run time; ``bench.score_speed`` measures the ratio it gives
+    (docs/benchmarks.md, "Readers that scale").
     """
     return max(1, cores)
 
