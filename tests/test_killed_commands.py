@@ -298,6 +298,40 @@ def test_score_removes_a_killed_runs_private_shards_and_table(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stop", ["SIGKILL", "Ctrl-C"])
+def test_a_killed_or_interrupted_score_leaves_no_reader_process(
+    exported_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
+    """Score's reader processes (issue 45) die with a SIGKILLed command; Ctrl-C (SIGINT to the
+    process group, readers included) ends it within 10 s, nothing left running, no table."""
+    images = write_digits(tmp_path / "photos", size=8, classes=[0, 1], per_class=4)
+    trace = tmp_path / "trace"
+    monkeypatch.setenv(faults.TRACE, str(trace))
+    monkeypatch.setenv(faults.FAULT, "score.image_read:hang")  # readers busy until stopped
+    dest = tmp_path / "scores" / "out.csv"
+    argv = ["score", str(exported_model), str(images), str(dest), "--threads", "2"]
+    argv += ["--batch-size", "4"]  # two batches: one for each reader
+    log = tmp_path / "score.log"
+    command = _start(argv, tmp_path / "work", log)
+
+    def reading(tree: list[psutil.Process]) -> bool:
+        # The fork server and its two readers, each in its first image.
+        read = trace.exists() and faults.reached(trace, "score.image_read")
+        return _count(tree, "forkserver") >= 3 and len({r["pid"] for r in read or []}) >= 2
+
+    with _cleanup(command) as tree:
+        tree += _tree_when(command, reading, log)
+        readers = {int(r["pid"]) for r in faults.reached(trace, "score.image_read")}
+        assert command.pid not in readers and readers <= {p.pid for p in tree}
+        if stop == "SIGKILL":
+            _kill_and_check(command, tree)
+        else:
+            _stop_and_check(command, tree, lambda: os.killpg(command.pid, signal.SIGINT))
+            assert "Traceback" not in log.read_text(errors="replace")
+    assert not dest.exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", ["SIGKILL", "Ctrl-C", "SIGTERM"])
 def test_a_killed_or_stopped_train_leaves_no_torchrun_worker_or_loader(
     project: Settings, tmp_path: Path, stop: str

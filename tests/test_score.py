@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -310,13 +312,25 @@ def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
     assert table_metrics(out).metrics == compute_metrics(table).metrics
 
 
-def test_threaded_reading_keeps_the_images_order_and_each_ones_error(
+class _NotingReaders:
+    """The transform, noting in ``folder`` the pid of each process that ran it."""
+
+    def __init__(self, transform: Callable, folder: Path) -> None:
+        self.transform, self.folder = transform, folder
+
+    def __call__(self, image: object) -> torch.Tensor:
+        (self.folder / str(os.getpid())).touch()
+        return self.transform(image)
+
+
+def test_reader_processes_decode_in_order_and_as_one_process_does(
     digits_raw: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Batches are decoded in threads, a batch ahead (issue 30): whatever finishes first, tensors,
-    errors and log lines come in the images' order, and torch's thread setting is as it was."""
-    from tasks.inference.score.batches import read_batches
+    """Batches are decoded by reader processes (issue 45: threads did not scale), whole batches
+    each, ahead of the session: tensors, errors and log lines come in the images' order, equal to
+    the one-process path's, and torch's thread setting is as it was."""
     from tasks.inference.score.images import list_images
+    from tasks.inference.score.readers import read_batches
 
     folder = tmp_path / "photos"
     _plain_folder(digits_raw, folder, count=9)
@@ -324,20 +338,28 @@ def test_threaded_reading_keeps_the_images_order_and_each_ones_error(
         (folder / name).write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
     refs, _ = list_images(folder)
     transform = build_transform(TransformSpec(resize_size=16, center_crop_size=16), "inference")
+    pids = tmp_path / "pids"
+    pids.mkdir()
     before = torch.get_num_threads()
     log = logging.getLogger("tasks.inference.score")
     with caplog.at_level(logging.WARNING, logger="tasks.inference.score"):
-        read = list(read_batches(refs, 4, transform, 3, log))
+        read = list(read_batches(refs, 4, _NotingReaders(transform, pids), 2, log))
+        alone = list(read_batches(refs, 4, transform, 0, log))
     assert torch.get_num_threads() == before
+    readers = {int(p.name) for p in pids.iterdir()}
+    assert len(readers) == 2 and os.getpid() not in readers  # a batch each, in turn
     assert [start for start, *_ in read] == [0, 4, 8]
     assert [ref.path for _, batch, *_ in read for ref in batch] == [r.path for r in refs]
-    for _, batch, tensors, kept, errors in read:
+    for (_, batch, images, kept, errors), (*_, images_alone, kept_alone, errors_alone) in zip(
+        read, alone, strict=True
+    ):
         for i, ref in enumerate(batch):
             assert ("broken" in ref.path) == (i not in kept) == bool(errors[i])
-        expected = [transform(load_rgb(batch[i].file)).numpy() for i in kept]
-        assert all(np.array_equal(a, b) for a, b in zip(tensors, expected, strict=True))
+        expected = np.stack([transform(load_rgb(batch[i].file)).numpy() for i in kept])
+        assert np.array_equal(images, expected) and np.array_equal(images_alone, expected)
+        assert (kept, errors) == (kept_alone, errors_alone)
     warned = [r.getMessage() for r in caplog.records if "Cannot score" in r.getMessage()]
-    assert [w.split()[2].rstrip(":") for w in warned] == ["a-broken.png", "m-broken.png"]
+    assert [w.split()[2].rstrip(":") for w in warned] == ["a-broken.png", "m-broken.png"] * 2
 
 
 def test_shards_scored_in_turn_share_one_session_per_model_file(

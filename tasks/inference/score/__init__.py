@@ -1,11 +1,11 @@
 """Score Image Model: run a model's ``model.onnx`` over a folder of images, in batches.
 
 One job per module: ``images`` (what is read, in which order), ``session`` (ONNX Runtime),
-``batches`` (one pass, memory flat; an unreadable image becomes a row with its reason), ``table``
-(columns, merging shards), ``shards`` (the unit of resumption; a flow runs them as parallel tasks),
-``rows`` (a batch's scores as rows), ``on_cluster`` (one job over a Ray cluster with Ray Data),
-``s3_images`` and ``s3_table`` (images and the table under an ``s3://`` prefix).
-Details: docs/scoring.md#the-package.
+``readers`` (decoding in reader processes), ``batches`` (one pass, memory flat; an unreadable
+image becomes a row with its reason), ``table`` (columns, merging shards), ``shards`` (the unit
+of resumption; a flow runs them as parallel tasks), ``rows`` (a batch's scores as rows),
+``on_cluster`` (one job over a Ray cluster with Ray Data), ``s3_images`` and ``s3_table`` (images
+and the table under an ``s3://`` prefix). Details: docs/scoring.md#the-package.
 """
 
 from importlib import import_module

@@ -9,21 +9,17 @@ done. An image that does not load or is over convert's limits becomes a row with
 from __future__ import annotations
 
 import contextlib
-import itertools
-import logging
 import sys
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from models.atomic import check_name_length
 from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
-from tasks.data.imagedir import IMAGE_EXTENSIONS, ImageRefused, load_rgb
+from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import transform_for
-from tasks.inference.score.images import ImageRef, applied_transform, list_slice
+from tasks.inference.score.images import applied_transform, list_slice
+from tasks.inference.score.readers import read_batches, reader_processes
 from tasks.inference.score.rows import BatchScorer, table_rows
 from tasks.inference.score.session import (
     batch_time_limit,
@@ -41,13 +37,9 @@ from tasks.shared.errors import (
 )
 from tasks.shared.object_store import S3Url
 from tasks.shared.step import step, step_logger, tasks_on_first_use
+from tasks.train.fork_server import start_fork_server
 
 LOGGER = "tasks.inference.score"  # one logger for the whole step, whichever module logs
-
-
-def _batches(refs: list[ImageRef], size: int) -> Iterator[tuple[int, list[ImageRef]]]:
-    for start in range(0, len(refs), size):
-        yield start, refs[start : start + size]
 
 
 def shard_bounds(total: int, index: int, count: int) -> tuple[int, int]:
@@ -73,89 +65,6 @@ def _progress(total: int) -> contextlib.AbstractContextManager:
         TimeRemainingColumn(),
         console=Console(stderr=True),
     )
-
-
-def _read_image(ref: ImageRef, transform: Callable) -> tuple[np.ndarray | None, str]:
-    """One image as the network takes it, or None and the reason it cannot be read."""
-    if ref.problem:
-        return None, ref.problem
-    try:
-        return transform(load_rgb(ref.source())).numpy(), ""
-    except ImageRefused as refused:  # over the limits convert applies too
-        return None, refused.reason
-    except Exception as exc:  # one bad file must not sink the other images
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def _read_images(refs: list[ImageRef], transform: Callable) -> list[tuple[np.ndarray | None, str]]:
-    return [_read_image(ref, transform) for ref in refs]
-
-
-@contextlib.contextmanager
-def _one_torch_thread_each() -> Iterator[None]:
-    """torch computes each transform step on one thread while scoring reads, and as before after.
-
-    The readers are the parallelism: with torch's default (a thread per core) in each of them, 16
-    readers on 16 cores ran 256 threads and read no faster than one (issue 30). Process-wide, as
-    torch's setting is.
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def read_batches(
-    refs: list[ImageRef],
-    size: int,
-    transform: Callable,
-    readers: int,
-    log: logging.Logger | logging.LoggerAdapter,
-) -> Iterator[tuple[int, list[ImageRef], list[np.ndarray], list[int], list[str]]]:
-    """Each batch read: (its start, its refs, its tensors, the places they come from, each image's
-    error); the next batch is already being decoded in ``readers`` threads while the caller scores
-    this one.
-
-    At most two batches are in memory, whatever the number of images. An image that cannot be read
-    gets its reason (and a log line, in the images' order) instead of a tensor.
-    """
-    batches = _batches(refs, size)
-    with (
-        _one_torch_thread_each(),
-        ThreadPoolExecutor(readers, thread_name_prefix="score-reader") as pool,
-    ):
-
-        def submit(item: tuple[int, list[ImageRef]]) -> tuple[int, list[ImageRef], list[Future]]:
-            start, batch = item  # one slice of the batch per thread: few tasks, little overhead
-            step = -(-len(batch) // readers)
-            slices = (batch[i : i + step] for i in range(0, len(batch), step))
-            return start, batch, [pool.submit(_read_images, part, transform) for part in slices]
-
-        ahead = deque(submit(item) for item in itertools.islice(batches, 1))
-        try:
-            while ahead:
-                start, batch, futures = ahead.popleft()
-                following = next(batches, None)
-                if following is not None:
-                    ahead.append(submit(following))
-                tensors, kept, errors = [], [], [""] * len(batch)
-                read = itertools.chain.from_iterable(future.result() for future in futures)
-                for i, (ref, (tensor, error)) in enumerate(zip(batch, read, strict=True)):
-                    errors[i] = error
-                    if tensor is None:
-                        log.warning("Cannot score %s: %s", ref.path, errors[i])
-                    else:
-                        tensors.append(tensor)
-                        kept.append(i)
-                yield start, batch, tensors, kept, errors
-        finally:  # the caller stopped early (an error): drop the batch being read
-            for _, _, futures in ahead:
-                for future in futures:
-                    future.cancel()
 
 
 def checked_scoring(
@@ -209,6 +118,8 @@ def score(
     dest = dest if isinstance(dest, S3Url) else Path(dest)
     table, info, onnx_path = checked_scoring(model, dest, batch_size, threads, quantized)
     time_limit = batch_time_limit()
+    readers = reader_processes(threads or default_threads())
+    start_fork_server()  # the readers' server imports torch while the images are listed
     refs, labeled, first, total = list_slice(
         images, lambda total: (0, total) if shard is None else shard_bounds(total, *shard)
     )
@@ -235,12 +146,11 @@ def score(
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
         writer = table.writer(tmp, schema)
         try:
-            # A reader per core: decoding and the transform release the GIL, so they run side
-            # by side, and beside ONNX Runtime's own threads.
-            read = read_batches(refs, batch_size, transform, default_threads(), log)
-            for start, batch, tensors, kept, errors in read:
+            # Reader processes decode the next batches beside ONNX Runtime's threads.
+            read = read_batches(refs, batch_size, transform, readers, log)
+            for start, batch, stacked, kept, errors in read:
                 paths = [r.path for r in batch]
-                probs, labels = scorer.scores(tensors, kept, errors, log, paths)
+                probs, labels = scorer.scores(stacked, kept, errors, log, paths)
                 kept = [i for i in kept if not errors[i]]
                 data = {
                     "id": np.arange(first + start, first + start + len(batch), dtype=np.int64),

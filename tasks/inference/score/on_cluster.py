@@ -28,8 +28,9 @@ from tasks.cluster.job import stopped_whole
 from tasks.cluster.node_settings import runtime_env
 from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import applied_to, input_size, transform_for
-from tasks.inference.score.batches import LOGGER, _read_image, checked_scoring
+from tasks.inference.score.batches import LOGGER, checked_scoring
 from tasks.inference.score.images import ImageRef, list_images
+from tasks.inference.score.readers import read_image
 from tasks.inference.score.rows import BatchScorer, table_rows
 from tasks.inference.score.session import batch_time_limit, check_model, inference_session
 from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_schema
@@ -191,7 +192,7 @@ def _read_batch(batch: dict[str, np.ndarray], transform: Any, side: int) -> dict
     tensors, errors = [], []
     for root, rel, problem in zip(batch["root"], batch["rel"], batch["problem"], strict=True):
         ref = ImageRef(Path(root), str(rel), None, str(problem))
-        tensor, error = _read_image(ref, transform)
+        tensor, error = read_image(ref, transform)
         tensors.append(np.zeros((3, side, side), np.float32) if tensor is None else tensor)
         errors.append(error)
     return {
@@ -223,7 +224,7 @@ class _Scorer:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         errors = [str(e) for e in batch["error"]]
         kept = [i for i, error in enumerate(errors) if not error]
-        probs, labels = self.scorer.scores([batch["tensor"][i] for i in kept], kept, errors)
+        probs, labels = self.scorer.scores(batch["tensor"][kept] if kept else None, kept, errors)
         return {
             "id": batch["id"],
             "error": np.asarray(errors, dtype=object),

@@ -28,23 +28,22 @@ class BatchScorer:
 
     def scores(
         self,
-        tensors: list[np.ndarray],
+        images: np.ndarray | None,
         kept: list[int],
         errors: list[str],
         log: logging.Logger | logging.LoggerAdapter | None = None,
         paths: Sequence[str] = (),
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(probabilities, labels) of a batch of ``len(errors)`` images, ``tensors`` those of
-        the images ``kept``; an image whose scores are unusable gets its reason in ``errors``
-        (logged with its path in ``paths`` when ``log`` is given). Rows not scored: NaN, ""."""
+        """(probabilities, labels) of a batch of ``len(errors)`` images, ``images`` those of the
+        images ``kept``, stacked (None when none is); an image whose scores are unusable gets its
+        reason in ``errors`` (logged with its path in ``paths`` when ``log`` is given). Rows not
+        scored: NaN, ""."""
         classes = np.asarray(self.classes, dtype=object)
         probs = np.full((len(errors), len(classes)), np.nan)
         labels = np.full(len(errors), "", dtype=object)
-        if not kept:
+        if images is None or not kept:
             return probs, labels
-        logits = run_batch(
-            self.session, np.stack(tensors), len(classes), self.time_limit, self.onnx_path
-        )
+        logits = run_batch(self.session, images, len(classes), self.time_limit, self.onnx_path)
         for i, reason in zip(kept, unusable_scores(logits), strict=True):
             if reason:
                 errors[i] = reason

@@ -1,0 +1,140 @@
+"""Score Image Model's readers: images decoded and transformed in reader processes, a batch each.
+
+Reader threads did not scale (issue 30: 16 threads decoded no faster than one, the transform's
+per-image Python holding the GIL), so scoring reads as the training loader does: a torch
+DataLoader whose loader processes come from the fork server, each making whole batches that it
+stacks straight into shared memory. The session gets the batch as a numpy view of that memory: no
+copy between the reader and ONNX Runtime. Readers die with the scoring process, even a SIGKILLed
+one. Details: docs/scoring.md#readers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from tasks.data.imagedir import ImageRefused, load_rgb
+from tasks.inference.score.images import ImageRef
+from tasks.shared import faults
+from tasks.shared.parent_death import die_with
+from tasks.train.fork_server import start_fork_server
+
+# Batches read ahead by each reader process: two keep a reader busy while the session scores, and
+# bound the shared memory in flight (readers x 2 batches; 38 MB per batch of 64 at 224 px).
+BATCHES_AHEAD = 2
+
+
+def reader_processes(cores: int) -> int:
+    """Reader processes beside a session that runs ``cores`` ONNX Runtime threads: one per core.
+
+    Enough to decode as fast as the cores allow where decoding costs as much as the model (small
+    images); a reader whose batches are ahead sleeps, leaving its core to ONNX Runtime. A rule,
+    not a timing taken at run time; ``bench.score_speed`` measures the ratio it gives
+    (docs/benchmarks.md, "Readers that scale").
+    """
+    return max(1, cores)
+
+
+def read_image(ref: ImageRef, transform: Callable) -> tuple[np.ndarray | None, str]:
+    """One image as the network takes it, or None and the reason it cannot be read."""
+    if ref.problem:
+        return None, ref.problem
+    faults.point("score.image_read")
+    try:
+        return transform(load_rgb(ref.source())).numpy(), ""
+    except ImageRefused as refused:  # over the limits convert applies too
+        return None, refused.reason
+    except Exception as exc:  # one bad file must not sink the other images
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+class _BatchReader(Dataset):
+    """``reader[refs]``: one batch read, (the readable images stacked, each image's error).
+
+    Keyed by the batch's refs themselves, not an index into a list: a reader process holds only
+    the transform, never a copy of every image's name, so its memory does not grow with the
+    images either. In a reader process, torch's collate stacks into shared memory.
+    """
+
+    def __init__(self, transform: Callable) -> None:
+        self.transform = transform
+
+    def __getitem__(self, refs: list[ImageRef]) -> tuple[torch.Tensor | None, list[str]]:
+        read = [read_image(ref, self.transform) for ref in refs]
+        tensors = [torch.from_numpy(tensor) for tensor, _ in read if tensor is not None]
+        return (default_collate(tensors) if tensors else None), [error for _, error in read]
+
+
+def _as_read(batch: tuple[torch.Tensor | None, list[str]]) -> tuple[torch.Tensor | None, list]:
+    """The collate of a loader fed whole batches: each is already one."""
+    return batch
+
+
+def _reader_started(scorer: int, worker_id: int) -> None:
+    """``worker_init_fn`` of every reader process: it ends when the scoring process ends."""
+    die_with(scorer)
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch computes each transform step on one thread while this process reads, as before
+    after: the readers are the parallelism, and the session's threads need the cores. (Reader
+    processes are given one thread by the DataLoader itself.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def read_batches(
+    refs: list[ImageRef],
+    size: int,
+    transform: Callable,
+    readers: int,
+    log: logging.Logger | logging.LoggerAdapter,
+) -> Iterator[tuple[int, list[ImageRef], np.ndarray | None, list[int], list[str]]]:
+    """Each batch read: (its start, its refs, its readable images as one float array or None, the
+    places in the batch they come from, each image's error), in the images' order.
+
+    ``readers`` processes read the next batches while the caller scores this one (0: this process
+    reads each batch when asked, nothing ahead). At most ``readers * BATCHES_AHEAD`` batches are
+    in flight, whatever the number of images. An image that cannot be read gets its reason (and
+    a log line, in the images' order) instead of a place in the array.
+    """
+    batches = [refs[start : start + size] for start in range(0, len(refs), size)]
+    options: dict = {}
+    if readers > 0:
+        options = {
+            "num_workers": readers,
+            "prefetch_factor": BATCHES_AHEAD,
+            "multiprocessing_context": start_fork_server(),
+            "worker_init_fn": partial(_reader_started, os.getpid()),
+        }
+    loader = DataLoader(
+        _BatchReader(transform), batch_size=None, sampler=batches, collate_fn=_as_read, **options
+    )
+    with _one_torch_thread():
+        read = iter(loader)
+        try:
+            start = 0
+            for batch, (stacked, errors) in zip(batches, read, strict=True):
+                kept = [i for i, error in enumerate(errors) if not error]
+                for ref, error in zip(batch, errors, strict=True):
+                    if error:
+                        log.warning("Cannot score %s: %s", ref.path, error)
+                yield start, batch, None if stacked is None else stacked.numpy(), kept, errors
+                start += len(batch)
+        finally:  # done, or the caller stopped early (an error, Ctrl-C): the readers end now
+            shutdown = getattr(read, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
