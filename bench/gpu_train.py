@@ -403,7 +403,7 @@ def part_imageops(plan: Plan, data: Path) -> dict:
     In the worker's order: the fork server starts before torch is imported; both loaders are
     prepared once the model is built.
     """
-    from tasks.train.fork_server import start_fork_server
+    from tasks.shared.fork_server import start_fork_server
 
     if plan.device == "cuda" or (plan.workers or 0) > 0:
         start_fork_server()  # as tasks.train.worker does, before its imports

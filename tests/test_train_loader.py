@@ -286,7 +286,7 @@ def test_the_worker_starts_the_fork_server_first_only_where_its_loaders_use_proc
     path.write_text(json.dumps(config))
     probe = (
         "import sys, multiprocessing.forkserver as f\n"
-        "from tasks.train.fork_server import start_for_worker\n"
+        "from tasks.shared.fork_server import start_for_worker\n"
         "start_for_worker(sys.argv[1:])\n"
         "print(f._forkserver._forkserver_pid is not None, 'torch' in sys.modules)\n"
     )

@@ -23,8 +23,8 @@ from torchvision.transforms import v2
 
 from tasks.data.imagedir import Manifest, load_rgb
 from tasks.shared.errors import InvalidImageDirectoryError
+from tasks.shared.fork_server import start_fork_server
 from tasks.shared.parent_death import die_with
-from tasks.train.fork_server import start_fork_server
 from tasks.train.loop import derive_seed
 
 # Batches the loader processes of one loader prepare ahead, together: enough to ride out a slow
@@ -307,7 +307,7 @@ def make_loader(
 ) -> PreparedLoader:
     """A DataLoader that keeps the model fed, safely inside a multi-threaded training process.
 
-    Loader processes come from the one fork server (:mod:`tasks.train.fork_server`), persist across
+    Loader processes come from the one fork server (:mod:`tasks.shared.fork_server`), persist across
     epochs and run ``BATCHES_AHEAD`` batches ahead; on CUDA batches are pinned uint8, normalised on
     the GPU (the loader's ``finish_on_device``). A :class:`PreparedLoader`; ``run_ahead``: a
     :class:`RunAheadLoader`.

@@ -15,7 +15,7 @@ if __name__ == "__main__":
     die_with_torchrun()  # torchrun, SIGKILLed with its launcher, cannot stop its workers itself
     import sys
 
-    from tasks.train.fork_server import start_for_worker
+    from tasks.shared.fork_server import start_for_worker
 
     start_for_worker(sys.argv[1:])  # its import of torch runs beside this process's own
 

@@ -35,9 +35,9 @@ from tasks.shared.errors import (
     InvalidParameterError,
     NoUsableImagesError,
 )
+from tasks.shared.fork_server import start_fork_server
 from tasks.shared.object_store import S3Url
 from tasks.shared.step import step, step_logger, tasks_on_first_use
-from tasks.train.fork_server import start_fork_server
 
 LOGGER = "tasks.inference.score"  # one logger for the whole step, whichever module logs
 

@@ -24,8 +24,8 @@ from torch.utils.data._utils.collate import default_collate
 from tasks.data.imagedir import ImageRefused, load_rgb
 from tasks.inference.score.images import ImageRef
 from tasks.shared import faults
+from tasks.shared.fork_server import start_fork_server
 from tasks.shared.parent_death import die_with
-from tasks.train.fork_server import start_fork_server
 
 # Batches read ahead by each reader process: two keep a reader busy while the session scores, and
 # bound the shared memory in flight (readers x 2 batches; 38 MB per batch of 64 at 224 px).

@@ -1,4 +1,5 @@
-"""The fork server that training loader processes come from, startable before torch is imported.
+"""The fork server that loader processes (training's loaders, scoring's readers) come from,
+startable before torch is imported.
 
 Forking the training process could inherit a held lock (NCCL's, CUDA's, MLflow's) and deadlock;
 spawning imports torch anew in each loader process (seconds each). The fork server imports once and
