@@ -313,24 +313,36 @@ def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
 
 
 class _NotingReaders:
-    """The transform, noting in ``folder`` the pid of each process that ran it."""
+    """The transform, noting in ``folder`` the pid of each process that ran it, with the
+    environment's IMAGEOPS_READER_MARK and the folder it ran in."""
 
     def __init__(self, transform: Callable, folder: Path) -> None:
         self.transform, self.folder = transform, folder
 
     def __call__(self, image: object) -> torch.Tensor:
-        (self.folder / str(os.getpid())).touch()
+        seen = f"{os.environ.get('IMAGEOPS_READER_MARK')} {os.getcwd()}"
+        (self.folder / str(os.getpid())).write_text(seen)
         return self.transform(image)
 
 
 def test_reader_processes_decode_in_order_and_as_one_process_does(
-    digits_raw: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    digits_raw: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Batches are decoded by reader processes (issue 45: threads did not scale), whole batches
     each, ahead of the session: tensors, errors and log lines come in the images' order, equal to
-    the one-process path's, and torch's thread setting is as it was."""
+    the one-process path's, and torch's thread setting is as it was. The readers see the scoring
+    process's environment and folder as they are now, not the fork server's from its start (S3
+    keys set later were not found)."""
     from tasks.inference.score.images import list_images
     from tasks.inference.score.readers import read_batches
+    from tasks.shared.fork_server import start_fork_server
+
+    start_fork_server()  # as an earlier scoring or training in this process did
+    monkeypatch.setenv("IMAGEOPS_READER_MARK", "set-after-the-server-started")
+    monkeypatch.chdir(tmp_path)
 
     folder = tmp_path / "photos"
     _plain_folder(digits_raw, folder, count=9)
@@ -348,6 +360,8 @@ def test_reader_processes_decode_in_order_and_as_one_process_does(
     assert torch.get_num_threads() == before
     readers = {int(p.name) for p in pids.iterdir()}
     assert len(readers) == 2 and os.getpid() not in readers  # a batch each, in turn
+    seen = {p.read_text() for p in pids.iterdir()}
+    assert seen == {f"set-after-the-server-started {tmp_path}"}
     assert [start for start, *_ in read] == [0, 4, 8]
     assert [ref.path for _, batch, *_ in read for ref in batch] == [r.path for r in refs]
     for (_, batch, images, kept, errors), (*_, images_alone, kept_alone, errors_alone) in zip(

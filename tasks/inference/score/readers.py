@@ -78,9 +78,15 @@ def _as_read(batch: tuple[torch.Tensor | None, list[str]]) -> tuple[torch.Tensor
     return batch
 
 
-def _reader_started(scorer: int, worker_id: int) -> None:
-    """``worker_init_fn`` of every reader process: it ends when the scoring process ends."""
+def _reader_started(scorer: int, environment: dict[str, str], cwd: str, worker_id: int) -> None:
+    """``worker_init_fn`` of every reader process: it ends when the scoring process ends, and
+    reads with the scoring process's environment and folder, not the fork server's (started
+    earlier, maybe before the S3 keys or the project were set: its readers found no
+    credentials)."""
     die_with(scorer)
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
 
 
 @contextlib.contextmanager
@@ -118,7 +124,7 @@ def read_batches(
             "num_workers": readers,
             "prefetch_factor": BATCHES_AHEAD,
             "multiprocessing_context": start_fork_server(),
-            "worker_init_fn": partial(_reader_started, os.getpid()),
+            "worker_init_fn": partial(_reader_started, os.getpid(), dict(os.environ), os.getcwd()),
         }
     loader = DataLoader(
         _BatchReader(transform), batch_size=None, sampler=batches, collate_fn=_as_read, **options
