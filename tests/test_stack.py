@@ -623,6 +623,7 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
                     "steps": {"version_data": False, "register_model": False},
                 },
             )  # fmt: skip
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import expect
 
     ui = served.api.removesuffix("/api")
@@ -649,18 +650,36 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
         def submitted() -> Any:
             return next((r for r in served.flow_runs(train.id) if r.name == FORM_RUN_NAME), None)
 
-        # The run, not the page's navigation, is what Submit must make. Twice on a busy machine
-        # (one run of the suite under process accounting, one where this ran beside two stacks
-        # starting) a click made none: the page stayed on the form, the server got no run. A
-        # person clicks again, and so does this, once, after a minute without the run.
+        # The run, not the page's navigation, is what Submit must make. Three times on a busy
+        # machine a click made none (the page stayed on the form, the server got no run); the
+        # last, in CI, while the stack's SQLite Prefect database answered "database is locked" to
+        # its own services. So each click waits for the form's POST .../create_flow_run and its
+        # answer (a request held by the database lock ends within its 60 s busy timeout), and a
+        # person's second click follows one that made no run. What the page asked and got is kept
+        # for the failure message.
+        seen: list[str] = []
+        page.on("response", lambda r: seen.append(f"{r.request.method} {r.url} -> {r.status}"))
+        page.on("requestfailed", lambda r: seen.append(f"{r.method} {r.url} failed: {r.failure}"))
+        page.on("console", lambda m: seen.append(f"console {m.type}: {m.text}"))
+
+        def creates(response: Any) -> bool:
+            return response.request.method == "POST" and "/create_flow_run" in response.url
+
         for _ in range(2):
-            page.get_by_role("button", name="Submit").click()
-            run = servers.wait_until(submitted, 60, **LONG_WAIT)
-            if run:
-                return run
+            try:
+                with page.expect_response(creates, timeout=150_000) as answer:
+                    page.get_by_role("button", name="Submit").click()
+                if answer.value.ok:
+                    run = servers.wait_until(submitted, 60, **LONG_WAIT)
+                    if run:
+                        return run
+            except PlaywrightTimeout:
+                seen.append("no POST .../create_flow_run answered within 150 s of the click")
+        body = page.inner_text("body")
         pytest.fail(
-            f"Submit made no flow run; the page ({page.url}) shows:\n"
-            f"{page.inner_text('body')[:3000]}\n{served.report()}"
+            f"Submit made no flow run; the page ({page.url}) asked:\n"
+            + "\n".join(seen[-60:])
+            + f"\n...and shows, at its end:\n{body[-3000:]}\n{served.report()}"
         )
 
 
