@@ -376,6 +376,34 @@ def test_reader_processes_decode_in_order_and_as_one_process_does(
     assert [w.split()[2].rstrip(":") for w in warned] == ["a-broken.png", "m-broken.png"] * 2
 
 
+def test_a_script_without_a_main_guard_scores_with_its_readers(
+    exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    """A user's script that calls score() at its top level (no ``if __name__ == "__main__":``)
+    scores: the reader processes do not import the script again (they ran it, and every reader
+    died: "DataLoader worker exited unexpectedly")."""
+    import subprocess
+    import sys
+
+    from server_processes import base_env
+
+    folder = tmp_path / "photos"
+    _plain_folder(digits_raw, folder, count=6)
+    script = tmp_path / "score_photos.py"
+    script.write_text(
+        "from tasks.inference.score import score\n"
+        f"score({str(exported_model)!r}, {str(folder)!r}, {str(tmp_path / 'out.csv')!r},"
+        " batch_size=2, threads=2)\n"
+        "print('scored')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], env=base_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("scored") == 1  # the top level ran once, not again in a reader
+    assert len(pd.read_csv(tmp_path / "out.csv")) == 6
+
+
 def test_shards_scored_in_turn_share_one_session_per_model_file(
     exported_model: Path, tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -102,6 +103,27 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def _main_module_left_out() -> Iterator[None]:
+    """Reader processes start without importing the caller's ``__main__`` again.
+
+    multiprocessing prepares a fork server's child as a spawned one: it imports the parent's main
+    script (or module) anew, running its top level. A script calling score() without
+    ``if __name__ == "__main__":`` then scored again in every reader and failed with
+    "DataLoader worker exited unexpectedly"; a Prefect flow run's readers imported Prefect's
+    engine. Readers need nothing from it (the dataset and transform are ours), so while they start
+    the main module shows neither a file nor a module name to import.
+    """
+    main = sys.modules["__main__"]
+    kept = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(kept)
+
+
 def read_batches(
     refs: list[ImageRef],
     size: int,
@@ -130,7 +152,8 @@ def read_batches(
         _BatchReader(transform), batch_size=None, sampler=batches, collate_fn=_as_read, **options
     )
     with _one_torch_thread():
-        read = iter(loader)
+        with _main_module_left_out():
+            read = iter(loader)  # the reader processes start here
         try:
             start = 0
             for batch, (stacked, errors) in zip(batches, read, strict=True):
