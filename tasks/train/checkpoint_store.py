@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from models.atomic import atomic_file
 from tasks.shared.errors import InvalidParameterError, ObjectStoreError
-from tasks.shared.object_store import s3_client
+from tasks.shared.object_store import S3Url, s3_client
 from tasks.shared.settings import Settings
 from tasks.train.run_folder import CHECKPOINT
 
@@ -30,13 +30,14 @@ _S3 = "s3://"
 
 def _s3_location(url: str, run_id: str, name: str = CHECKPOINT) -> tuple[str, str]:
     """``(bucket, key)`` of ``run_id``'s file ``name`` under ``s3://bucket/prefix``."""
-    bucket, _, prefix = url.removeprefix(_S3).partition("/")
-    if not bucket:
+    try:
+        place = S3Url.parse(url) / run_id / name
+    except InvalidParameterError:
         raise InvalidParameterError(
             f"The checkpoint URL {url!r} names no bucket.",
             "Set IMAGEOPS_CHECKPOINT_URL to s3://BUCKET/PREFIX or to a folder.",
-        )
-    return bucket, "/".join(p for p in (prefix.strip("/"), run_id, name) if p)
+        ) from None
+    return place.bucket, place.key
 
 
 def _folder_location(url: str, run_id: str, settings: Settings, name: str = CHECKPOINT) -> Path:
