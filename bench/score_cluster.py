@@ -251,6 +251,8 @@ def filled(
     section: Section, plan: Plan, two: Case, one: Case, million: dict[str, float] | None
 ) -> Section:
     """The section's text and tables from the cases' figures."""
+    from bench.score_speed import plural
+
     n = plan.images
 
     def rates(case: Case) -> list[float]:
@@ -294,7 +296,7 @@ def filled(
                 for case in (one, two)
             ]
             + [["two hosts / one host (per round)", "", efficiency, steady, ""]],
-            title=f"Scoring at {SIZE} px, {plan.rounds} rounds",
+            title=f"Scoring at {SIZE} px, {plural(plan.rounds, 'round')}",
         )
     )
     met = "met" if efficiency.median >= GOAL else "NOT MET"
@@ -332,7 +334,7 @@ def filled(
                     f"{million['peak_mb']:,.0f} MB",
                 ]
             ],
-            title=f"A million images at {SIZE} px on the two hosts (1 core each), one run",
+            title=f"{plan.million:,} images at {SIZE} px on the two hosts (1 core each), one run",
         )
     )
     return section
