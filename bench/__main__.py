@@ -37,7 +37,7 @@ from bench.report import (
 # The GPU ones last: they are skipped (with a message) on machines without a CUDA GPU.
 BENCHMARKS = (
     "ceiling", "convert_speed", "train_speed", "score_speed", "fixed_costs", "scale",
-    "accuracy", "orchestration", "scale_out", "gpu_train", "gpu_score",
+    "accuracy", "orchestration", "scale_out", "score_cluster", "gpu_train", "gpu_score",
 )  # fmt: skip
 PACKAGES = (
     "torch", "torchvision", "onnxruntime", "Pillow", "numpy",

@@ -195,8 +195,9 @@ def run(full: bool, work: Path) -> Section:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _wait_for_nodes(hosts, a, count: int, timeout_s: float = 180) -> None:  # type: ignore[no-untyped-def]
-    """Until the cluster counts ``count`` nodes alive, asked from host A; else the nodes' logs."""
+def wait_for_nodes(hosts, a, count: int, timeout_s: float = 180) -> None:  # type: ignore[no-untyped-def]
+    """Until the cluster whose head is on host ``a`` (port 6379) counts ``count`` nodes alive,
+    asked from there; else the nodes' logs."""
     ask = (
         "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
         "print(sum(n['Alive'] for n in ray.nodes()))"
@@ -219,7 +220,7 @@ def _two_hosts(hosts, team: dict[str, str], tracking: str, epochs: int, ray_node
     _digits(a.project)
     ray_node("ray-a", 1, "--head", "--port", "6379", "--node-ip-address", a.address, host=a)
     ray_node("ray-b", 1, "--address", f"{a.address}:6379", "--node-ip-address", b.address, host=b)
-    _wait_for_nodes(hosts, a, 2)
+    wait_for_nodes(hosts, a, 2)
 
     def on_a(epochs: int, *options: str) -> float:
         _, run_id = _train(a.project, lambda command: a.run(command, 1800), epochs, *options)
