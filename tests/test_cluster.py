@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import psutil
 import pytest
@@ -32,13 +33,17 @@ from projects import imageops
 from server_processes import LONG_WAIT, RAY_NODE, Processes, base_env, free_port
 from training_runs import PRE
 
+from models.directory import read_model_info
 from tasks.cluster import health as gang_health
 from tasks.cluster.connect import connect, leave
 from tasks.cluster.job import stopped_whole
+from tasks.cluster.node_settings import server_settings
+from tasks.data.transform import input_size, transform_for
 from tasks.inference.score import score
+from tasks.inference.score.on_cluster import _read_batch
 from tasks.inference.score.s3_table import read_parts
 from tasks.shared import faults, servers
-from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
+from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError, ObjectStoreError
 from tasks.shared.object_store import S3Server, S3Url, s3_client
 from tasks.shared.servers import healthy
 from tasks.shared.settings import Settings
@@ -475,6 +480,43 @@ def test_a_cluster_scoring_from_s3_to_s3_stopped_by_ctrl_c_resumes_with_only_the
     failed = scored.pop("Scoring Error") != ""  # its reason names the object, not the file
     assert failed.sum() == 1 and failed.equals(expected.pop("Scoring Error") != "")
     pd.testing.assert_frame_equal(scored, expected, check_exact=False, rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_whose_keys_s3_refuses_fails_the_job_instead_of_making_error_rows(
+    exported_model: Path,
+    digits_to_score: Path,
+    s3_server: S3Server,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read task on a node whose keys S3 refuses: every image of its batches would have been
+    an error row, kept by a rerun (its part finished). The task fails, naming the node; a
+    damaged image read with good keys is still its own error row."""
+    for key, value in s3_server.environment().items():
+        monkeypatch.setenv(key, value)
+    damaged = next(digits_to_score.rglob("*.png"))  # as digits_to_score damaged it
+    whole = next(p for p in digits_to_score.rglob("*.png") if p != damaged)
+    client = s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
+    rels = [p.relative_to(digits_to_score).as_posix() for p in (damaged, whole)]
+    for path, rel in zip((damaged, whole), rels, strict=True):
+        client.upload_file(str(path), s3_bucket, f"images/{rel}")
+    info = read_model_info(exported_model)
+    reading = {
+        "root": S3Url(s3_bucket, "images"),
+        "transform": transform_for(info.transform, "inference", digits_to_score, None),
+        "side": input_size(info.transform),
+        "servers": server_settings(Settings()),
+    }
+    batch = {"id": np.arange(2), "rel": np.array(rels, dtype=object),
+             "problem": np.array(["", ""], dtype=object)}  # fmt: skip
+
+    read = _read_batch(batch, **reading)
+    assert [bool(e) for e in read["error"]] == [True, False]  # the damaged image, its own row
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")  # keys this S3 does not know
+    with pytest.raises(ObjectStoreError, match="refused the keys") as refused:
+        _read_batch(batch, **reading)
+    assert f"on the cluster's node {socket.gethostname()}" in refused.value.message
 
 
 def test_an_unreachable_cluster_is_one_error_and_no_table(

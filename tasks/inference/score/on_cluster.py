@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -42,8 +43,8 @@ from tasks.inference.score.shards import SHARD_IMAGES, ShardedScoring, ShardJob,
 from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_file, table_schema
 from tasks.inference.tables import table_format
 from tasks.shared import faults
-from tasks.shared.errors import ImageOpsError, NoUsableImagesError
-from tasks.shared.object_store import S3Url
+from tasks.shared.errors import ImageOpsError, NoUsableImagesError, ObjectStoreError
+from tasks.shared.object_store import S3Url, s3_error, shared_client
 from tasks.shared.settings import Settings
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 
@@ -278,7 +279,9 @@ def _read_batch(
     servers: dict[str, str],
 ) -> dict[str, np.ndarray]:
     """A Ray Data task: each image read and transformed, or its reason (a placeholder tensor).
-    Images under an ``s3://`` root are fetched into memory here, from the driver's S3 server."""
+    Images under an ``s3://`` root are fetched into memory here, from the driver's S3 server with
+    this node's keys: when S3 refuses them or does not answer, the task fails (ObjectStoreError
+    naming the node) instead of making every image an error row that a rerun would keep."""
     node_settings(servers)
     tensors, errors = [], []
     for rel, problem in zip(batch["rel"], batch["problem"], strict=True):
@@ -286,11 +289,27 @@ def _read_batch(
         tensor, error = read_image(ref, transform)
         tensors.append(np.zeros((3, side, side), np.float32) if tensor is None else tensor)
         errors.append(error)
+    if isinstance(root, S3Url) and any(errors):
+        _check_s3_answers(root)  # only then: a batch read whole costs no extra request
     return {
         "id": batch["id"],
         "error": np.asarray(errors, dtype=object),
         "tensor": np.stack(tensors),
     }
+
+
+def _check_s3_answers(root: S3Url) -> None:
+    """Raise ObjectStoreError naming this node when S3 does not take its keys for ``root``'s
+    bucket or does not answer: its images' errors were the node's, not theirs."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        shared_client().head_bucket(Bucket=root.bucket)
+    except (BotoCoreError, ClientError) as exc:
+        error = s3_error(exc, "read", root)
+        raise ObjectStoreError(
+            f"{error.message} (on the cluster's node {socket.gethostname()})", error.hint
+        ) from exc
 
 
 class _Scorer:
