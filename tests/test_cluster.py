@@ -39,8 +39,8 @@ from tasks.cluster.connect import connect, leave
 from tasks.cluster.job import stopped_whole
 from tasks.cluster.node_settings import server_settings
 from tasks.data.transform import input_size, transform_for
-from tasks.inference.score import score
-from tasks.inference.score.on_cluster import _read_batch
+from tasks.inference.score import CHECKPOINTS, score, score_in_shards
+from tasks.inference.score.on_cluster import ClusterScoring, _read_batch, score_on_cluster
 from tasks.inference.score.s3_table import read_parts
 from tasks.shared import faults, servers
 from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError, ObjectStoreError
@@ -480,6 +480,25 @@ def test_a_cluster_scoring_from_s3_to_s3_stopped_by_ctrl_c_resumes_with_only_the
     failed = scored.pop("Scoring Error") != ""  # its reason names the object, not the file
     assert failed.sum() == 1 and failed.equals(expected.pop("Scoring Error") != "")
     pd.testing.assert_frame_equal(scored, expected, check_exact=False, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scoring_stopped_with_every_shard_done_is_finished_without_the_cluster(
+    exported_model: Path, digits_to_score: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One-machine scoring stopped after its last shard, before the merge: `--cluster` with the
+    same settings resumes it (the same checkpoint), merging without asking the cluster (none
+    listens at the address)."""
+    dest = tmp_path / "scored.parquet"
+    options = {"shard_images": 4, "batch_size": 4}
+    monkeypatch.setenv(faults.FAULT, "score.shard_written:shard=4:raise")
+    with pytest.raises(faults.InjectedFault):
+        score_in_shards(exported_model, digits_to_score, dest, threads=1, **options)
+    monkeypatch.delenv(faults.FAULT)
+    nowhere = f"127.0.0.1:{free_port()}"
+    job = ClusterScoring(exported_model, digits_to_score, dest, nowhere, timeout_s=2, **options)
+    assert score_on_cluster(job) == dest
+    assert pd.read_parquet(dest)["id"].tolist() == list(range(18))
+    assert not (tmp_path / CHECKPOINTS).exists()
 
 
 def test_a_node_whose_keys_s3_refuses_fails_the_job_instead_of_making_error_rows(

@@ -107,6 +107,8 @@ class _Job:
     def run(self, jobs: Sequence[ShardJob]) -> None:
         """Score ``jobs`` (shards, or the whole input straight into its table) as one job on the
         cluster, each written whole as soon as its last row is in (a ShardRunner)."""
+        if not jobs:  # every shard was finished by a stopped run: nothing to ask the cluster
+            return
         images, scoring = self.images, self.scoring
         refs, labeled = list_images(images)
         if not refs:
