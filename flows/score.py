@@ -143,7 +143,8 @@ def score_flow(
             title="Ray cluster",
             description="Score as one job on this Ray cluster (host:6379 of its head): Ray "
             "Data's tasks read, actors with an ONNX Runtime session each score (a GPU each when "
-            "the cluster has GPUs). The images must be at the same path on every node. "
+            "the cluster has GPUs). A local folder of images must be at the same path on every "
+            "node; an s3:// prefix is read by the nodes themselves. "
             "Default: this machine.",
         ),
     ] = None,
@@ -175,7 +176,9 @@ def score_flow(
     # took it since the fetch).
     with leased(cached, settings) if cached else nullcontext():
         if cluster:
-            job = ClusterScoring(model_dir, folder, out, cluster, batch_size, threads)
+            job = ClusterScoring(
+                model_dir, folder, out, cluster, batch_size, threads, shard_images=shard_images
+            )
             scored = score_on_cluster_task(job)
         else:
             scored = score_in_flow(

@@ -2,16 +2,19 @@
 same table as one-machine scoring, and the errors of a job that cannot start (wrong address,
 fewer nodes than asked, data a node cannot get).
 
-A Ray head (`ray start --head --block`) and an MLflow server run for the module; the node has
-an IMAGEOPS_HOME of its own, so it gets the data from the DVC remote like a machine of its own
-would. Two machines that share nothing: tests/test_cluster_hosts.py.
+A Ray head (`ray start --head --block`), an MLflow server and an S3 server run for the module;
+the node has an IMAGEOPS_HOME of its own, so it gets the data from the DVC remote like a machine
+of its own would, and the S3 keys in its environment, as a team's join file gives them. Two
+machines that share nothing: tests/test_cluster_hosts.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import psutil
 import pytest
@@ -29,12 +33,18 @@ from projects import imageops
 from server_processes import LONG_WAIT, RAY_NODE, Processes, base_env, free_port
 from training_runs import PRE
 
+from models.directory import read_model_info
 from tasks.cluster import health as gang_health
 from tasks.cluster.connect import connect, leave
 from tasks.cluster.job import stopped_whole
-from tasks.inference.score import score
-from tasks.shared import servers
-from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
+from tasks.cluster.node_settings import server_settings
+from tasks.data.transform import input_size, transform_for
+from tasks.inference.score import CHECKPOINTS, score, score_in_shards
+from tasks.inference.score.on_cluster import ClusterScoring, _read_batch, score_on_cluster
+from tasks.inference.score.s3_table import read_parts
+from tasks.shared import faults, servers
+from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError, ObjectStoreError
+from tasks.shared.object_store import S3Server, S3Url, s3_client
 from tasks.shared.servers import healthy
 from tasks.shared.settings import Settings
 from tasks.train.cluster_node import _file_states, _kept_files, _log_by_ranks, _written
@@ -53,7 +63,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 class Cluster:
     """A one-machine Ray cluster and an MLflow server; ``node_home`` is the node's own folder."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, s3: S3Server) -> None:
         self.processes = Processes(root / "logs")
         self.node_home = root / "node-home"
         # Ray's socket paths must stay short: its session folder lives directly under /tmp.
@@ -62,15 +72,18 @@ class Cluster:
         self.address = f"127.0.0.1:{port}"
         self.mlflow = f"http://127.0.0.1:{mlflow_port}"
         try:
-            self._start(port, mlflow_port, root)
+            self._start(port, mlflow_port, root, s3)
         except BaseException:
             self.stop()  # a server that never answered is not left running
             raise
 
-    def _start(self, port: int, mlflow_port: int, root: Path) -> None:
-        env = base_env() | RAY_NODE
+    def _start(self, port: int, mlflow_port: int, root: Path, s3: S3Server) -> None:
+        env = base_env() | RAY_NODE | s3.environment()
         env |= {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
-        self.processes.start(
+        # Without it the head takes a token when ~/.ray/auth_token exists (any local ray.init()
+        # writes one), which a driver given the address never sends: every job was refused.
+        env["RAY_AUTH_MODE"] = "disabled"
+        self.ray_head = self.processes.start(
             "ray-head",
             [RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
              "--node-ip-address", "127.0.0.1", "--include-dashboard=false",
@@ -106,8 +119,8 @@ def _listening(port: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    running = Cluster(tmp_path_factory.mktemp("cluster"))
+def cluster(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iterator[Cluster]:
+    running = Cluster(tmp_path_factory.mktemp("cluster"), s3_server)
     try:
         yield running
     finally:
@@ -381,6 +394,148 @@ def test_scoring_on_the_cluster_writes_the_table_one_machine_writes(
     assert (scored["Scoring Error"] != "").sum() == 1
     pd.testing.assert_frame_equal(scored, expected, check_exact=False, rtol=1e-5, atol=1e-6)
     assert "Cannot score" in result.stderr  # the error row's image, named in the driver's log
+
+
+def _job_processes(cluster: Cluster) -> list[str]:
+    """The command lines of the cluster's workers running a scoring's reading or actors."""
+    found = []
+    for process in psutil.Process(cluster.ray_head.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            command = " ".join(process.cmdline())
+            if "_Scorer" in command or "_read_batch" in command:
+                found.append(command)
+    return found
+
+
+def test_a_cluster_scoring_from_s3_to_s3_stopped_by_ctrl_c_resumes_with_only_the_rest(
+    cluster: Cluster,
+    exported_model: Path,
+    digits_to_score: Path,
+    s3_server: S3Server,
+    s3_bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`imageops score s3://... s3://... --cluster`, as a user types it: the nodes read the
+    images from S3 themselves; Ctrl-C after the second of five parts ends the job's actors
+    within 30 s and leaves no table; the same command again scores only the other three parts,
+    and the table is one-machine scoring's, every image once."""
+    for key, value in s3_server.environment().items():
+        monkeypatch.setenv(key, value)
+    client = s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
+    for path in digits_to_score.rglob("*"):  # an ImageDirectory: its manifest's order, classes
+        if path.is_file():
+            key = f"images/{path.relative_to(digits_to_score).as_posix()}"
+            client.upload_file(str(path), s3_bucket, key)
+    images, dest = S3Url(s3_bucket, "images"), S3Url(s3_bucket, "scores")
+    command = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "score",
+        str(exported_model),
+        str(images),
+        str(dest),
+        "--batch-size",
+        "4",
+        "--shard-images",
+        "4",
+        "--cluster",
+        cluster.address,
+    ]
+    trace = tmp_path / "trace"  # 18 images: 5 parts of 3 or 4; stopped after the second
+    stopped = {faults.FAULT: "score.shard_written:shard=1:hang", faults.TRACE: str(trace)}
+    with subprocess.Popen(
+        command, cwd=tmp_path, env=os.environ | stopped, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    ) as driver:  # fmt: skip
+        at_part = servers.wait_until(
+            lambda: driver.poll() is not None
+            or (trace.exists() and faults.reached(trace, "score.shard_written")[1:]),
+            240, **LONG_WAIT,
+        )  # fmt: skip
+        assert at_part and driver.poll() is None, driver.communicate()[1][-6000:]
+        assert _job_processes(cluster)  # the job's actor is there, waiting for the driver
+        driver.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        gone = servers.wait_until(lambda: not _job_processes(cluster), 30, interval_s=0.5)
+        assert gone, f"still running 30 s after Ctrl-C: {_job_processes(cluster)}"
+        assert time.monotonic() - started < 30
+        _, err = driver.communicate(timeout=60)
+    assert driver.returncode != 0 and "Traceback" not in err, err
+    keys = [obj["Key"] for obj in client.list_objects_v2(Bucket=s3_bucket, Prefix="scores/")
+            .get("Contents", [])]  # fmt: skip
+    assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["part-00000.parquet", "part-00001.parquet"]
+    assert all("/_temporary/" in k for k in keys), keys  # no _SUCCESS: no table looks whole
+
+    monkeypatch.setenv(faults.TRACE, str(tmp_path / "again"))
+    again = imageops(*command[3:], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "Reusing 2 of 5 finished shards" in again.stderr
+    written = faults.reached(tmp_path / "again", "score.shard_written")
+    assert [part["shard"] for part in written] == ["2", "3", "4"]  # the other parts only
+    scored = pd.concat(read_parts(dest), ignore_index=True)
+    expected = pd.read_parquet(score(exported_model, digits_to_score, tmp_path / "here.parquet"))
+    assert scored["id"].tolist() == list(range(18))  # every image once
+    failed = scored.pop("Scoring Error") != ""  # its reason names the object, not the file
+    assert failed.sum() == 1 and failed.equals(expected.pop("Scoring Error") != "")
+    pd.testing.assert_frame_equal(scored, expected, check_exact=False, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scoring_stopped_with_every_shard_done_is_finished_without_the_cluster(
+    exported_model: Path, digits_to_score: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One-machine scoring stopped after its last shard, before the merge: `--cluster` with the
+    same settings resumes it (the same checkpoint), merging without asking the cluster (none
+    listens at the address)."""
+    dest = tmp_path / "scored.parquet"
+    options = {"shard_images": 4, "batch_size": 4}
+    monkeypatch.setenv(faults.FAULT, "score.shard_written:shard=4:raise")
+    with pytest.raises(faults.InjectedFault):
+        score_in_shards(exported_model, digits_to_score, dest, threads=1, **options)
+    monkeypatch.delenv(faults.FAULT)
+    nowhere = f"127.0.0.1:{free_port()}"
+    job = ClusterScoring(exported_model, digits_to_score, dest, nowhere, timeout_s=2, **options)
+    assert score_on_cluster(job) == dest
+    assert pd.read_parquet(dest)["id"].tolist() == list(range(18))
+    assert not (tmp_path / CHECKPOINTS).exists()
+
+
+def test_a_node_whose_keys_s3_refuses_fails_the_job_instead_of_making_error_rows(
+    exported_model: Path,
+    digits_to_score: Path,
+    s3_server: S3Server,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read task on a node whose keys S3 refuses: every image of its batches would have been
+    an error row, kept by a rerun (its part finished). The task fails, naming the node; a
+    damaged image read with good keys is still its own error row."""
+    for key, value in s3_server.environment().items():
+        monkeypatch.setenv(key, value)
+    damaged = next(digits_to_score.rglob("*.png"))  # as digits_to_score damaged it
+    whole = next(p for p in digits_to_score.rglob("*.png") if p != damaged)
+    client = s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
+    rels = [p.relative_to(digits_to_score).as_posix() for p in (damaged, whole)]
+    for path, rel in zip((damaged, whole), rels, strict=True):
+        client.upload_file(str(path), s3_bucket, f"images/{rel}")
+    info = read_model_info(exported_model)
+    reading = {
+        "root": S3Url(s3_bucket, "images"),
+        "transform": transform_for(info.transform, "inference", digits_to_score, None),
+        "side": input_size(info.transform),
+        "servers": server_settings(Settings()),
+    }
+    batch = {"id": np.arange(2), "rel": np.array(rels, dtype=object),
+             "problem": np.array(["", ""], dtype=object)}  # fmt: skip
+
+    read = _read_batch(batch, **reading)
+    assert [bool(e) for e in read["error"]] == [True, False]  # the damaged image, its own row
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")  # keys this S3 does not know
+    with pytest.raises(ObjectStoreError, match="refused the keys") as refused:
+        _read_batch(batch, **reading)
+    assert f"on the cluster's node {socket.gethostname()}" in refused.value.message
 
 
 def test_an_unreachable_cluster_is_one_error_and_no_table(

@@ -71,8 +71,9 @@ CLUSTER_OPTIONS = _with_options(
         typer.Option(
             help="Score as one job on this Ray cluster (HOST:6379, its head): Ray Data's tasks "
             "read the images, actors with an ONNX Runtime session each score them (THREADS "
-            "cores each, default 1, or a GPU each). The images must be at the same path on "
-            "every node."
+            "cores each, default 1, or a GPU each), a part of the table per --shard-images "
+            "images. A local folder of images must be at the same path on every node; an "
+            "s3:// prefix is read by the nodes themselves, with their own keys."
         ),
     ),
     _option("cluster_timeout_s", 60, int, typer.Option(help="How long to wait for the cluster.")),
@@ -124,7 +125,6 @@ def score(
 ) -> None:
     """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
     from tasks.registry.model_uri import model_in_use
-    from tasks.shared.errors import InvalidParameterError
     from tasks.shared.object_store import S3Url, is_s3_url
 
     with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
@@ -138,15 +138,9 @@ def score(
         if on_cluster["cluster"]:
             from tasks.inference.score.on_cluster import ClusterScoring, score_on_cluster
 
-            if isinstance(source, S3Url) or isinstance(target, S3Url):
-                raise InvalidParameterError(
-                    "--cluster scores local folders for now, not s3:// prefixes.",
-                    "Score the prefix on one machine (without --cluster), or give the cluster "
-                    "a folder every node has at the same path.",
-                )
             job = ClusterScoring(
                 model_dir, source, target, on_cluster["cluster"], batch_size, threads, quantized,
-                on_cluster["cluster_timeout_s"],
+                on_cluster["cluster_timeout_s"], shard_images,
             )  # fmt: skip
             written = score_on_cluster(job)
         else:

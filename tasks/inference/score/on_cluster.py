@@ -1,40 +1,50 @@
 """Score Image Model on a Ray cluster: one job, Ray Data's tasks reading, its actors scoring.
 
-The image list is a dataset; reading, decoding and the inference transform run as tasks (the
-same ``load_rgb`` and transform as one machine); each actor holds one ONNX Runtime session
-(``threads`` cores each, or a GPU each when the cluster has GPUs). Rows come back in the images'
-order and stream into the same table as :func:`~tasks.inference.score.batches.score` writes:
-every image one row, an unreadable one with its reason. An interrupt (Ctrl-C, a cancelled flow
-run) stops the job whole (:mod:`tasks.cluster.job`). The images must be where every node reads
-them at the same path. Details: docs/scoring.md#on-a-cluster.
+The images' list is a dataset; reading, decoding and the inference transform run as tasks (the
+same ``load_rgb`` and transform as one machine; an ``s3://`` prefix's objects fetched by the task
+itself, with its node's keys); each actor holds one ONNX Runtime session (``threads`` cores each,
+or a GPU each when the cluster has GPUs). The job is the runner of a sharded scoring
+(:func:`~tasks.inference.score.shards.score_sharded`): rows come back in the images' order and
+each missing shard's rows stream into its part as they come, written whole when its last row is
+in (a local checkpoint table, or a part under the S3 prefix's ``_temporary``), so a stopped job
+run again scores only the shards it lacks, and the table appears only when complete. An
+interrupt (Ctrl-C, a cancelled flow run) stops the job whole (:mod:`tasks.cluster.job`).
+Details: docs/scoring.md#on-a-cluster.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from models.atomic import atomic_file
+from models.directory import ModelInfo
 from tasks.cluster.connect import connect
 from tasks.cluster.job import stopped_whole
-from tasks.cluster.node_settings import runtime_env
+from tasks.cluster.node_settings import node_settings, runtime_env, server_settings
 from tasks.data.imagedir import IMAGE_EXTENSIONS
-from tasks.data.transform import applied_to, input_size, transform_for
-from tasks.inference.score.batches import LOGGER, checked_scoring
-from tasks.inference.score.images import ImageRef, list_images
+from tasks.data.transform import input_size, transform_for
+from tasks.inference.score.batches import LOGGER, checked_scoring, shard_bounds
+from tasks.inference.score.images import ImageRef, applied_transform, list_images
 from tasks.inference.score.readers import read_image
 from tasks.inference.score.rows import BatchScorer, table_rows
+from tasks.inference.score.s3_table import part_suffix
 from tasks.inference.score.session import batch_time_limit, check_model, inference_session
-from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_schema
-from tasks.shared.errors import ImageOpsError, NoUsableImagesError
+from tasks.inference.score.shards import SHARD_IMAGES, ShardedScoring, ShardJob, score_sharded
+from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_file, table_schema
+from tasks.inference.tables import table_format
+from tasks.shared import faults
+from tasks.shared.errors import ImageOpsError, NoUsableImagesError, ObjectStoreError
+from tasks.shared.object_store import S3Url, s3_error, shared_client
 from tasks.shared.settings import Settings
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 
@@ -44,85 +54,110 @@ CLUSTER_TIMEOUT_S = 60  # how long the cluster may take to answer, by default
 @dataclass(frozen=True)
 class ClusterScoring:
     """One scoring of ``images`` with ``model`` into ``dest`` as a job on the cluster at
-    ``cluster`` (host:port of its head); ``threads``: ONNX Runtime's cores per actor."""
+    ``cluster`` (host:port of its head); ``threads``: ONNX Runtime's cores per actor;
+    ``shard_images``: the images of a part, the unit of resumption. ``images`` and ``dest`` may
+    be ``s3://`` prefixes."""
 
     model: Path
-    images: Path
-    dest: Path
+    images: Path | S3Url
+    dest: Path | S3Url
     cluster: str
     batch_size: int = 64
     threads: int | None = None  # default: 1 per actor, the other cores read
     quantized: bool = False
     timeout_s: int = CLUSTER_TIMEOUT_S
+    shard_images: int = SHARD_IMAGES
 
 
-def score_on_cluster(scoring: ClusterScoring) -> Path:
-    """:func:`~tasks.inference.score.batches.score` as one job on a Ray cluster: the same table.
+def score_on_cluster(scoring: ClusterScoring) -> Path | S3Url:
+    """:func:`~tasks.inference.score.shards.score_in_shards` as one job on a Ray cluster: the
+    same table, the same parts and resumption (a part per ``shard_images`` images).
 
     Raises ClusterUnavailableError when the cluster does not answer within ``timeout_s``
     (nothing written), and the errors one-machine scoring raises (a model the actors cannot
     run: ScoringFailedError).
     """
-    model, images, dest = Path(scoring.model), Path(scoring.images), Path(scoring.dest)
-    table, info, onnx_path = checked_scoring(
-        model, dest, scoring.batch_size, scoring.threads, scoring.quantized
+    model = Path(scoring.model)
+    images = scoring.images if isinstance(scoring.images, S3Url) else Path(scoring.images)
+    dest = scoring.dest if isinstance(scoring.dest, S3Url) else Path(scoring.dest)
+    table = dest if isinstance(dest, Path) else dest / f"part{part_suffix(dest)}"  # its parts'
+    _, info, onnx_path = checked_scoring(
+        model, table, scoring.batch_size, scoring.threads, scoring.quantized
     )
-    time_limit = batch_time_limit()
     check_model(inference_session(onnx_path, 1), info, onnx_path)  # refused before the cluster
-    refs, labeled = list_images(images)
-    if not refs:
-        raise NoUsableImagesError(
-            f"No image found in {images}.",
-            f"Scoring reads these extensions: {' '.join(IMAGE_EXTENSIONS)}.",
-        )
-    log = step_logger(LOGGER)
-    transform = transform_for(info.transform, "inference", images, applied_to(images))
-    connect(scoring.cluster, scoring.timeout_s, log)
-    job = _Job(scoring, onnx_path, info.classes, time_limit, input_size(info.transform))
-    schema = table_schema(info.classes, labeled)
-    scored = 0
-    with stopped_whole(), atomic_file(dest) as tmp:
-        writer = table.writer(tmp, schema)
-        try:
-            for batch in job.rows(refs, transform, log):
-                ids = batch["id"]
-                errors = [str(e) for e in batch["error"]]
-                for i, error in zip(ids, errors, strict=True):
-                    if error:
-                        log.warning("Cannot score %s: %s", refs[i].path, error)
-                data = {
-                    "id": ids.astype(np.int64),
-                    "path": [refs[i].path for i in ids],
-                    "category": [refs[i].category for i in ids],
-                    ERROR_COLUMN: errors,
-                }
-                labels = batch["label"].astype(object)
-                writer.write(table_rows(data, batch["probs"], labels, schema.names))
-                scored += sum(1 for e in errors if not e)
-        finally:
-            writer.close()
-        if not scored:
-            raise NoUsableImagesError(
-                f"None of the {len(refs)} image(s) in {images} could be scored.",
-                NOT_SCORED_HINT,
-            )
-    log.info(
-        "Scored %d image(s) on the cluster at %s into %s (%d not scored: see %s)",
-        scored, scoring.cluster, dest, len(refs) - scored, ERROR_COLUMN,
+    job = _Job(scoring, images, onnx_path, info, batch_time_limit())
+    sharded = ShardedScoring(
+        model, images, dest, scoring.shard_images, scoring.batch_size, scoring.threads,
+        scoring.quantized,
     )  # fmt: skip
-    return dest
+    with stopped_whole():
+        return score_sharded(sharded, job.run)
 
 
 @dataclass(frozen=True)
 class _Job:
-    scoring: ClusterScoring
-    onnx_path: Path
-    classes: list[str]
-    time_limit: float
-    side: int  # the network's input side: an unreadable image's placeholder tensor
+    """The runner of a sharded scoring's missing shards: all of them one Ray Data job."""
 
-    def rows(self, refs: list[ImageRef], transform: Any, log: Any) -> Iterator[dict[str, Any]]:
-        """The scored batches, in the images' order: ``id``, ``error``, ``probs``, ``label``."""
+    scoring: ClusterScoring
+    images: Path | S3Url
+    onnx_path: Path
+    info: ModelInfo
+    time_limit: float
+
+    def run(self, jobs: Sequence[ShardJob]) -> None:
+        """Score ``jobs`` (shards, or the whole input straight into its table) as one job on the
+        cluster, each written whole as soon as its last row is in (a ShardRunner)."""
+        if not jobs:  # every shard was finished by a stopped run: nothing to ask the cluster
+            return
+        images, scoring = self.images, self.scoring
+        refs, labeled = list_images(images)
+        if not refs:
+            raise NoUsableImagesError(
+                f"No image found in {images}.",
+                f"Scoring reads these extensions: {' '.join(IMAGE_EXTENSIONS)}.",
+            )
+        log = step_logger(LOGGER)
+        transform = transform_for(
+            self.info.transform, "inference", images, applied_transform(images)
+        )
+        connect(scoring.cluster, scoring.timeout_s, log)
+        slices = [
+            (0, len(refs)) if job.shard is None else shard_bounds(len(refs), *job.shard)
+            for job in jobs
+        ]
+        wanted = np.concatenate([np.arange(first, last, dtype=np.int64) for first, last in slices])
+        schema = table_schema(self.info.classes, labeled)
+        scored = 0
+        # Closed at once when a part fails or the driver stops: the job's executor ends with it.
+        with contextlib.closing(self.rows(refs, wanted, transform, log)) as stream:
+            pieces = _cut(stream, [last - first for first, last in slices])
+            for index, rows in itertools.groupby(pieces, lambda piece: piece[0]):
+                job = jobs[index]
+                with table_file(job.dest) as tmp:
+                    writer = table_format(Path(job.dest.name)).writer(tmp, schema)
+                    try:
+                        done = _write(writer, (batch for _, batch in rows), refs, schema, log)
+                    finally:
+                        writer.close()
+                    if job.shard is None and not done:
+                        raise NoUsableImagesError(
+                            f"None of the {len(refs)} image(s) in {images} could be scored.",
+                            NOT_SCORED_HINT,
+                        )
+                scored += done
+                if job.shard is not None:
+                    faults.point("score.shard_written", shard=job.shard[0], count=job.shard[1])
+        log.info(
+            "Scored %d image(s) on the cluster at %s (%d not scored: see %s)",
+            scored, scoring.cluster, len(wanted) - scored, ERROR_COLUMN,
+        )  # fmt: skip
+
+    def rows(
+        self, refs: list[ImageRef], wanted: np.ndarray, transform: Any, log: Any
+    ) -> Iterator[dict[str, Any]]:
+        """The scored batches of the images ``wanted`` (places in ``refs``), in that order:
+        ``id``, ``error``, ``probs``, ``label``."""
+        import pyarrow as pa
         import ray
         import ray.data
 
@@ -132,11 +167,15 @@ class _Job:
         context.print_on_execution_start = False
         logging.getLogger("ray.data._internal.progress").addFilter(_no_progress_bar_notice)
         scoring = self.scoring
-        items = [
-            {"id": i, "root": str(r.root), "rel": r.rel or r.path, "problem": r.problem}
-            for i, r in enumerate(refs)
-        ]
-        blocks = max(1, min(len(items) // scoring.batch_size, 10_000))
+        # Columns, not a dict per image: the driver's copy of the list stays small.
+        items = pa.table(
+            {
+                "id": wanted,
+                "rel": [refs[i].rel or refs[i].path for i in wanted],
+                "problem": [refs[i].problem for i in wanted],
+            }
+        )
+        size = -(-len(items) // max(1, min(len(items) // scoring.batch_size, 10_000)))
         gpus = int(ray.cluster_resources().get("GPU", 0))
         threads = scoring.threads or 1
         cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -147,13 +186,16 @@ class _Job:
             "a GPU" if gpus else f"{threads} core(s)",
         )  # fmt: skip
         model = ray.put(self.onnx_path.read_bytes())
+        reading = {
+            "root": self.images,  # once, not per image
+            "transform": transform,
+            "side": input_size(self.info.transform),
+            "servers": server_settings(Settings()),  # the S3 endpoint the tasks read from
+        }
         dataset = (
-            ray.data.from_items(items, override_num_blocks=blocks)
+            ray.data.from_arrow([items.slice(start, size) for start in range(0, len(items), size)])
             .map_batches(
-                _read_batch,
-                batch_size=scoring.batch_size,
-                batch_format="numpy",
-                fn_kwargs={"transform": transform, "side": self.side},
+                _read_batch, batch_size=scoring.batch_size, batch_format="numpy", fn_kwargs=reading
             )
             .map_batches(
                 _Scorer,
@@ -162,7 +204,7 @@ class _Job:
                 fn_constructor_kwargs={
                     "model": [model],  # in a list: the actor gets the reference, not the bytes
                     "onnx_path": str(self.onnx_path),
-                    "classes": self.classes,
+                    "classes": self.info.classes,
                     "threads": threads,
                     "time_limit": self.time_limit,
                 },
@@ -187,19 +229,89 @@ class _Job:
                 batches.close()  # type: ignore[attr-defined]  # the executor shuts down
 
 
-def _read_batch(batch: dict[str, np.ndarray], transform: Any, side: int) -> dict[str, np.ndarray]:
-    """A Ray Data task: each image read and transformed, or its reason (a placeholder tensor)."""
+def _cut(
+    batches: Iterator[dict[str, np.ndarray]], sizes: list[int]
+) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """The stream of batches cut into consecutive runs of ``sizes`` rows: (the run's place, a
+    piece of it), a piece at a time (a batch may end one run and start the next)."""
+    pending: dict[str, np.ndarray] | None = None
+    for index, size in enumerate(sizes):
+        while size:
+            if pending is None:
+                pending = next(batches)
+            taken = min(size, len(pending["id"]))
+            yield index, {key: column[:taken] for key, column in pending.items()}
+            rest = len(pending["id"]) - taken
+            pending = {key: column[taken:] for key, column in pending.items()} if rest else None
+            size -= taken
+
+
+def _write(
+    writer: Any,
+    batches: Iterator[dict[str, np.ndarray]],
+    refs: list[ImageRef],
+    schema: Any,
+    log: Any,
+) -> int:
+    """Write the scored ``batches`` as the table's rows; how many were scored (not failed)."""
+    scored = 0
+    for batch in batches:
+        ids = batch["id"]
+        errors = [str(e) for e in batch["error"]]
+        for i, error in zip(ids, errors, strict=True):
+            if error:
+                log.warning("Cannot score %s: %s", refs[i].path, error)
+        data = {
+            "id": ids.astype(np.int64),
+            "path": [refs[i].path for i in ids],
+            "category": [refs[i].category for i in ids],
+            ERROR_COLUMN: errors,
+        }
+        labels = batch["label"].astype(object)
+        writer.write(table_rows(data, batch["probs"], labels, schema.names))
+        scored += sum(1 for e in errors if not e)
+    return scored
+
+
+def _read_batch(
+    batch: dict[str, np.ndarray],
+    root: Path | S3Url,
+    transform: Any,
+    side: int,
+    servers: dict[str, str],
+) -> dict[str, np.ndarray]:
+    """A Ray Data task: each image read and transformed, or its reason (a placeholder tensor).
+    Images under an ``s3://`` root are fetched into memory here, from the driver's S3 server with
+    this node's keys: when S3 refuses them or does not answer, the task fails (ObjectStoreError
+    naming the node) instead of making every image an error row that a rerun would keep."""
+    node_settings(servers)
     tensors, errors = [], []
-    for root, rel, problem in zip(batch["root"], batch["rel"], batch["problem"], strict=True):
-        ref = ImageRef(Path(root), str(rel), None, str(problem))
+    for rel, problem in zip(batch["rel"], batch["problem"], strict=True):
+        ref = ImageRef(root, str(rel), None, str(problem))
         tensor, error = read_image(ref, transform)
         tensors.append(np.zeros((3, side, side), np.float32) if tensor is None else tensor)
         errors.append(error)
+    if isinstance(root, S3Url) and any(errors):
+        _check_s3_answers(root)  # only then: a batch read whole costs no extra request
     return {
         "id": batch["id"],
         "error": np.asarray(errors, dtype=object),
         "tensor": np.stack(tensors),
     }
+
+
+def _check_s3_answers(root: S3Url) -> None:
+    """Raise ObjectStoreError naming this node when S3 does not take its keys for ``root``'s
+    bucket or does not answer: its images' errors were the node's, not theirs."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        shared_client().head_bucket(Bucket=root.bucket)
+    except (BotoCoreError, ClientError) as exc:
+        error = s3_error(exc, "read", root)
+        raise ObjectStoreError(
+            f"{error.message} (on the cluster's node {socket.gethostname()})", error.hint
+        ) from exc
 
 
 class _Scorer:
