@@ -383,6 +383,45 @@ def test_scoring_on_the_cluster_writes_the_table_one_machine_writes(
     assert "Cannot score" in result.stderr  # the error row's image, named in the driver's log
 
 
+def test_a_promotion_on_a_team_scores_on_its_cluster(
+    prefect_api: None,
+    project: Settings,
+    cluster: Cluster,
+    exported_model: Path,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run a promotion starts (the trigger's parameters, rendered for the event of a new
+    @champion) on a machine of a team, whose worker has the join file's IMAGEOPS_RAY_ADDRESS:
+    one job on the team's cluster, the table one machine writes. In no team: the same parameters
+    score on the worker's machine (tests/test_promotion_webhook.py, the whole chain)."""
+    import jinja2
+
+    from flows.score import promotion_trigger, score_flow
+    from tasks.registry.promotion_events import alias_event
+    from tasks.registry.register import register
+
+    name = project.registered_model_name
+    version = register(exported_model, settings=project).version
+    event = alias_event(name, "champion", version)
+    parameters = {
+        key: jinja2.Template(value).render(event=event)  # as Prefect renders a trigger's
+        for key, value in promotion_trigger(name).parameters.items()
+    }
+    monkeypatch.setenv("IMAGEOPS_RAY_ADDRESS", cluster.address)
+    val, dest = digits_split[1], tmp_path / "scored.parquet"
+    try:
+        result = score_flow(**parameters, images=str(val), dest=str(dest), batch_size=4)
+    finally:
+        leave()
+    assert (result.model, result.version) == (f"models:/{name}/{version}", version)
+    assert result.cluster == cluster.address
+    here = score(exported_model, val, tmp_path / "here.parquet", batch_size=4)
+    expected, scored = pd.read_parquet(here), pd.read_parquet(dest)
+    pd.testing.assert_frame_equal(scored, expected, check_exact=False, rtol=1e-5, atol=1e-6)
+
+
 def test_an_unreachable_cluster_is_one_error_and_no_table(
     exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
