@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from tasks.cluster import health as gang_health
 from tasks.cluster.connect import connect, leave
 from tasks.cluster.job import stopped_whole
 from tasks.inference.score import score
-from tasks.shared import servers
+from tasks.shared import faults, servers
 from tasks.shared.errors import ClusterUnavailableError, DataUnavailableError
 from tasks.shared.servers import healthy
 from tasks.shared.settings import Settings
@@ -50,8 +51,16 @@ FAST = {"batch_size": 8, "learning_rate": 0.01, "device": "cpu", "precision": "f
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
+# The node's ONNX Runtime fails to make a session for a model folder named so (a node's GPU,
+# memory or onnxruntime failing where the driver's did not): a fault in the node's environment.
+UNLOADABLE = "unloadable-here"
+
+
 class Cluster:
-    """A one-machine Ray cluster and an MLflow server; ``node_home`` is the node's own folder."""
+    """A one-machine Ray cluster and an MLflow server; ``node_home`` is the node's own folder.
+
+    The node's processes carry one fault (IMAGEOPS_FAULT, tasks/shared/faults.py): a scoring
+    actor's session fails for a model folder named UNLOADABLE, and for no other."""
 
     def __init__(self, root: Path) -> None:
         self.processes = Processes(root / "logs")
@@ -69,7 +78,8 @@ class Cluster:
 
     def _start(self, port: int, mlflow_port: int, root: Path) -> None:
         env = base_env() | RAY_NODE
-        env |= {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
+        env |= {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home),
+                faults.FAULT: f"score.actor_session:model={UNLOADABLE}:raise"}  # fmt: skip
         self.processes.start(
             "ray-head",
             [RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
@@ -438,6 +448,31 @@ def test_an_unreachable_cluster_is_one_error_and_no_table(
     )
     assert "Traceback" not in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == [".imageops"], "nothing written but settings"
+
+
+def test_a_model_the_actors_cannot_load_is_one_error_naming_the_node(
+    cluster: Cluster, exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`imageops score --cluster`, as a user types it, with a model the driver's check takes and
+    the node's actors cannot load: one error naming the model and the node, exit 2, no table."""
+    model = shutil.copytree(exported_model, tmp_path / UNLOADABLE)
+    dest = tmp_path / "scored.csv"
+    result = imageops(
+        "score", str(model), str(digits_split[1]), str(dest), "--batch-size", "4",
+        "--cluster", cluster.address, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    # the node by its address in the cluster (Ray's, not the 127.0.0.1 it was started with)
+    # and its host name
+    host, onnx = re.escape(socket.gethostname()), re.escape(str(model / "model.onnx"))
+    assert re.match(
+        rf"error: ScoringFailedError: The scoring actor on node [\d.]+ \({host}\) "
+        rf"could not load {onnx}: InjectedFault: ",
+        error,
+    ), error
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".imageops", UNLOADABLE], "no table"
 
 
 def test_an_interrupted_job_leaves_the_cluster_and_its_actors_end(cluster: Cluster) -> None:
