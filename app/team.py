@@ -84,7 +84,8 @@ JOIN_VARIABLES: dict[str, str] = {
     "AWS_ACCESS_KEY_ID": "the S3 access key",
     "AWS_SECRET_ACCESS_KEY": "the S3 secret key",
     "AWS_DEFAULT_REGION": "the region S3 requests are signed for (us-east-1)",
-    "IMAGEOPS_RAY_ADDRESS": "the Ray head, SERVER:6379: the `cluster` (--cluster) of a training",
+    "IMAGEOPS_RAY_ADDRESS": "the Ray head, SERVER:6379: the `cluster` (--cluster) of a training, "
+    "and where a promotion's scoring runs",
     "RAY_AUTH_MODE": "token: the Ray cluster takes only callers that hold its token",
     "RAY_AUTH_TOKEN": "the Ray cluster's token",
 }

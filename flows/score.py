@@ -4,8 +4,9 @@ Composition only: resolve the model (a ModelDirectory path, or a ``models:/`` UR
 registry into the local cache), then the score task, or one per shard of a large input
 (:func:`score_in_flow`). The deployment carries a trigger on the
 alias event of :mod:`tasks.registry.promotion_events`, so a version becoming ``@champion`` runs this
-flow with ``model="models:/<name>/<version>"`` (the version the event names), whether the event came
-from MLflow's webhook (through ``app/webhook.py``) or from the promote step in embedded mode.
+flow with ``model="models:/<name>/<version>"`` (the version the event names) and ``cluster="team"``
+(the team's Ray cluster on a machine of a team, else that machine), whether the event came from
+MLflow's webhook (through ``app/webhook.py``) or from the promote step in embedded mode.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Annotated
 
 from prefect import flow, serve
 from prefect.deployments.runner import RunnerDeployment
+from prefect.events import DeploymentEventTrigger
 from prefect.futures import wait
 from pydantic import BaseModel
 
+from tasks.cluster.connect import TEAM, cluster_address
 from tasks.data.data_refs import REF_SYNTAX, resolve_data
 from tasks.inference.score import (
     SHARD_IMAGES,
@@ -43,7 +46,7 @@ from tasks.shared.errors import ImageOpsError, error_text
 from tasks.shared.forms import form_field, form_schema
 from tasks.shared.object_store import S3Url, is_s3_url
 from tasks.shared.settings import Settings, get_settings, redact_uri
-from tasks.shared.step import in_prefect_run, name_flow_run
+from tasks.shared.step import in_prefect_run, name_flow_run, step_logger
 
 DEPLOYMENT_NAME = "score"
 SCORING_REPORT = "scoring-report"
@@ -84,6 +87,7 @@ class ScoreResult(BaseModel):
     model_dir: Path  # the ModelDirectory scored with (a cache folder for a URI)
     version: int | None  # the registry version a URI resolved to
     scored: Path | str  # the table: a path, or an s3:// prefix
+    cluster: str | None = None  # the Ray cluster it scored on; None: this machine
 
 
 @flow(name="imageops-score", log_prints=True)
@@ -145,6 +149,8 @@ def score_flow(
             "Data's tasks read, actors with an ONNX Runtime session each score (a GPU each when "
             "the cluster has GPUs). A local folder of images must be at the same path on every "
             "node; an s3:// prefix is read by the nodes themselves. "
+            f"'{TEAM}': the team's cluster when this machine is in one (IMAGEOPS_RAY_ADDRESS, "
+            "from the join file), else this machine; a promotion's run passes it. "
             "Default: this machine.",
         ),
     ] = None,
@@ -171,13 +177,14 @@ def score_flow(
         out = settings.home_dir / SCORES_DIR / f"{label}-{stamp}.csv"
     else:
         out = S3Url.parse(dest) if is_s3_url(dest) else settings.project_root / dest
+    address = cluster_address(cluster, settings, step_logger(__name__))
     # One score task, or parallel ones over shards for a large input, merged in order; a cache
     # folder leased meanwhile, so `imageops gc` leaves it (the same folder, fetched again if a gc
     # took it since the fetch).
     with leased(cached, settings) if cached else nullcontext():
-        if cluster:
+        if address:
             job = ClusterScoring(
-                model_dir, folder, out, cluster, batch_size, threads, shard_images=shard_images
+                model_dir, folder, out, address, batch_size, threads, shard_images=shard_images
             )
             scored = score_on_cluster_task(job)
         else:
@@ -191,7 +198,8 @@ def score_flow(
                     threads=threads,
                 )
             )
-    print(f"Scored {images} with {model} ({model_dir}) into {scored}")
+    where = f" on the Ray cluster at {address}" if address else ""
+    print(f"Scored {images} with {model} ({model_dir}){where} into {scored}")
     if in_prefect_run():
         url = None
         if version is not None:  # the cache's folder is <registered name>/<version>
@@ -205,7 +213,14 @@ def score_flow(
         model_dir=model_dir,
         version=version,
         scored=scored if isinstance(scored, Path) else str(scored),
+        cluster=address,
     )
+
+
+def promotion_trigger(name: str, alias: str = CHAMPION) -> DeploymentEventTrigger:
+    """The deployment's trigger: a version of ``name`` becoming ``@alias`` scores that version,
+    on the team's Ray cluster when the worker's machine is in a team (``cluster=team``)."""
+    return alias_trigger(name, alias, parameters={"cluster": TEAM})
 
 
 def scoring_deployment(
@@ -228,7 +243,7 @@ def scoring_deployment(
         description=f"Scores images with {settings.registered_model_name}@{alias}; runs when a "
         f"version becomes @{alias} in the MLflow registry.",
         parameters=defaults,
-        triggers=[alias_trigger(settings.registered_model_name, alias)],
+        triggers=[promotion_trigger(settings.registered_model_name, alias)],
         tags=["imageops", "scoring"],
     )
     deployment._parameter_openapi_schema = form_schema(score_flow)  # titled and described

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -60,8 +61,16 @@ FAST = {"batch_size": 8, "learning_rate": 0.01, "device": "cpu", "precision": "f
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
+# The node's ONNX Runtime fails to make a session for a model folder named so (a node's GPU,
+# memory or onnxruntime failing where the driver's did not): a fault in the node's environment.
+UNLOADABLE = "unloadable-here"
+
+
 class Cluster:
-    """A one-machine Ray cluster and an MLflow server; ``node_home`` is the node's own folder."""
+    """A one-machine Ray cluster and an MLflow server; ``node_home`` is the node's own folder.
+
+    The node's processes carry one fault (IMAGEOPS_FAULT, tasks/shared/faults.py): a scoring
+    actor's session fails for a model folder named UNLOADABLE, and for no other."""
 
     def __init__(self, root: Path, s3: S3Server) -> None:
         self.processes = Processes(root / "logs")
@@ -79,7 +88,8 @@ class Cluster:
 
     def _start(self, port: int, mlflow_port: int, root: Path, s3: S3Server) -> None:
         env = base_env() | RAY_NODE | s3.environment()
-        env |= {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home)}
+        env |= {"RAY_USAGE_STATS_ENABLED": "0", "IMAGEOPS_HOME": str(self.node_home),
+                faults.FAULT: f"score.actor_session:model={UNLOADABLE}:raise"}  # fmt: skip
         # Without it the head takes a token when ~/.ray/auth_token exists (any local ray.init()
         # writes one), which a driver given the address never sends: every job was refused.
         env["RAY_AUTH_MODE"] = "disabled"
@@ -538,6 +548,45 @@ def test_a_node_whose_keys_s3_refuses_fails_the_job_instead_of_making_error_rows
     assert f"on the cluster's node {socket.gethostname()}" in refused.value.message
 
 
+def test_a_promotion_on_a_team_scores_on_its_cluster(
+    prefect_api: None,
+    project: Settings,
+    cluster: Cluster,
+    exported_model: Path,
+    digits_split: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run a promotion starts (the trigger's parameters, rendered for the event of a new
+    @champion) on a machine of a team, whose worker has the join file's IMAGEOPS_RAY_ADDRESS:
+    one job on the team's cluster, the table one machine writes. In no team: the same parameters
+    score on the worker's machine (tests/test_promotion_webhook.py, the whole chain)."""
+    import jinja2
+
+    from flows.score import promotion_trigger, score_flow
+    from tasks.registry.promotion_events import alias_event
+    from tasks.registry.register import register
+
+    name = project.registered_model_name
+    version = register(exported_model, settings=project).version
+    event = alias_event(name, "champion", version)
+    parameters = {
+        key: jinja2.Template(value).render(event=event)  # as Prefect renders a trigger's
+        for key, value in promotion_trigger(name).parameters.items()
+    }
+    monkeypatch.setenv("IMAGEOPS_RAY_ADDRESS", cluster.address)
+    val, dest = digits_split[1], tmp_path / "scored.parquet"
+    try:
+        result = score_flow(**parameters, images=str(val), dest=str(dest), batch_size=4)
+    finally:
+        leave()
+    assert (result.model, result.version) == (f"models:/{name}/{version}", version)
+    assert result.cluster == cluster.address
+    here = score(exported_model, val, tmp_path / "here.parquet", batch_size=4)
+    expected, scored = pd.read_parquet(here), pd.read_parquet(dest)
+    pd.testing.assert_frame_equal(scored, expected, check_exact=False, rtol=1e-5, atol=1e-6)
+
+
 def test_an_unreachable_cluster_is_one_error_and_no_table(
     exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -554,6 +603,31 @@ def test_an_unreachable_cluster_is_one_error_and_no_table(
     )
     assert "Traceback" not in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == [".imageops"], "nothing written but settings"
+
+
+def test_a_model_the_actors_cannot_load_is_one_error_naming_the_node(
+    cluster: Cluster, exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`imageops score --cluster`, as a user types it, with a model the driver's check takes and
+    the node's actors cannot load: one error naming the model and the node, exit 2, no table."""
+    model = shutil.copytree(exported_model, tmp_path / UNLOADABLE)
+    dest = tmp_path / "scored.csv"
+    result = imageops(
+        "score", str(model), str(digits_split[1]), str(dest), "--batch-size", "4",
+        "--cluster", cluster.address, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    # the node by its address in the cluster (Ray's, not the 127.0.0.1 it was started with)
+    # and its host name
+    host, onnx = re.escape(socket.gethostname()), re.escape(str(model / "model.onnx"))
+    assert re.match(
+        rf"error: ScoringFailedError: The scoring actor on node [\d.]+ \({host}\) "
+        rf"could not load {onnx}: InjectedFault: ",
+        error,
+    ), error
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".imageops", UNLOADABLE], "no table"
 
 
 def test_an_interrupted_job_leaves_the_cluster_and_its_actors_end(cluster: Cluster) -> None:

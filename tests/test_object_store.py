@@ -6,7 +6,9 @@ real DVC pushes and fetches, a real ``mlflow server`` and boto3 to look inside t
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -16,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
+import httpx
 import pandas as pd
 import psutil
 import pytest
@@ -33,9 +36,10 @@ from tasks.inference.score import ERROR_COLUMN, LABEL_COLUMN, score_in_shards
 from tasks.inference.score.s3_table import read_parts
 from tasks.registry.model_uri import resolve_model
 from tasks.registry.register import register
-from tasks.shared import faults
+from tasks.shared import faults, servers
 from tasks.shared.errors import DataUnavailableError, InvalidParameterError, ObjectStoreError
 from tasks.shared.object_store import (
+    ALL_ACTIONS,
     S3Server,
     S3Url,
     ensure_bucket,
@@ -521,8 +525,54 @@ def test_a_missing_prefix_or_bucket_or_refused_keys_fail_in_one_line_with_nothin
         score_in_shards(exported_model, S3Url("no-such-bucket", "raw"), tmp_path / "out.csv")
     assert s3_server.endpoint_url in no_bucket.value.message
 
+    # Keys S3 takes, for this bucket only, meeting a bucket they may not use (the team's keys and
+    # someone else's bucket), as a user types it: the images there, then the table there.
+    other = f"{s3_bucket}-other"
+    ensure_bucket(s3_server.endpoint_url, other, s3_server.access_key, s3_server.secret_key)
+    access, secret = _keys_for_one_bucket(s3_server, s3_bucket)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", access)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    denied = error_line(imageops("score", model, f"s3://{other}/raw", dest, cwd=tmp_path))
+    assert f"Could not list s3://{other}/raw: S3 at {s3_server.endpoint_url} refused" in denied
+    denied = error_line(
+        imageops("score", model, f"s3://{s3_bucket}/raw", f"s3://{other}/scores", cwd=tmp_path)
+    )
+    assert f"under s3://{other}/scores/_temporary/" in denied and "(AccessDenied)" in denied
+    assert _keys(s3_server, other) == []
+
     assert _keys(s3_server, s3_bucket) == uploaded  # nothing written, here or there
     assert list(tmp_path.iterdir()) == [project.project_root]
+
+
+def _keys_for_one_bucket(server: S3Server, bucket: str) -> tuple[str, str]:
+    """New keys that may list, read and write in ``bucket`` alone: a second identity in the
+    filer's identity file, which the S3 gateway reloads (the filer's port is on its command
+    line; the server's own identity is kept)."""
+    command = psutil.Process(server.pid).cmdline()
+    filer = next(arg.split("=", 1)[1] for arg in command if arg.startswith("-filer.port="))
+    access, secret = f"one-{secrets.token_hex(4)}", secrets.token_urlsafe(24)
+    identities = {"identities": [
+        {"name": "imageops", "actions": ALL_ACTIONS,
+         "credentials": [{"accessKey": server.access_key, "secretKey": server.secret_key}]},
+        {"name": "one-bucket", "actions": [f"{a}:{bucket}" for a in ("List", "Read", "Write")],
+         "credentials": [{"accessKey": access, "secretKey": secret}]},
+    ]}  # fmt: skip
+    answer = httpx.post(
+        f"http://127.0.0.1:{filer}/etc/iam/identity.json",
+        files={"file": ("identity.json", json.dumps(identities))},
+    )
+    answer.raise_for_status()
+    client = s3_client(server.endpoint_url, access, secret, attempts=1)
+
+    def taken() -> bool:
+        try:
+            client.list_objects_v2(Bucket=bucket, MaxKeys=1)
+        except ClientError:
+            return False
+        return True
+
+    assert servers.wait_until(taken, 30, interval_s=0.25), "S3 did not take the new identity"
+    return access, secret
 
 
 def test_a_scoring_into_s3_stopped_before_its_marker_shows_no_table_and_resumes(

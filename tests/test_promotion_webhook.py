@@ -37,7 +37,6 @@ from app.webhook import MAX_BODY_BYTES, PATH, create_app
 from tasks.data.imagedir import read_manifest
 from tasks.registry.promotion_events import (
     ALIAS_CREATED_EVENT,
-    alias_trigger,
     emit_alias_event,
     model_resource_id,
 )
@@ -223,13 +222,17 @@ def test_the_prefect_yaml_trigger_is_the_python_trigger() -> None:
     from prefect.events import DeploymentTriggerTypes
     from pydantic import TypeAdapter
 
+    from flows.score import promotion_trigger
+
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
     (deployment,) = [d for d in spec["deployments"] if d["name"] == "score"]
     assert deployment["entrypoint"] == "flows.score.score_flow"
     (trigger,) = deployment["triggers"]
     # Read as `prefect deploy` reads it.
     from_yaml = TypeAdapter(DeploymentTriggerTypes).validate_python(trigger)
-    assert from_yaml.model_dump() == alias_trigger(NAME).model_dump()
+    assert from_yaml.model_dump() == promotion_trigger(NAME).model_dump()
+    # the version the event names, on the team's cluster where the worker's machine has one
+    assert from_yaml.parameters == {"model": "{{ event.payload.version_uri }}", "cluster": "team"}
 
 
 # --- the whole chain, with real servers -------------------------------------------------------
@@ -361,6 +364,11 @@ def test_an_alias_set_through_mlflow_rest_runs_the_scoring_deployment(
     assert sorted(run.parameters["model"] for run in runs) == [
         f"models:/{NAME}/{version}" for version in sorted(versions)
     ]
+    # cluster=team, and this machine is in no team: scored here, as before teams (on a team's
+    # machine: tests/test_cluster.py::test_a_promotion_on_a_team_scores_on_its_cluster)
+    assert [run.parameters["cluster"] for run in runs] == ["team", "team"]
+    served = (processes.logs / "score-deployment.log").read_text()
+    assert served.count("cluster=team: this machine is in no team") == 2, served
     table = pd.read_csv(scores)
     assert len(table) == len(read_manifest(val).images)
     for version in versions:

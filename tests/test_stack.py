@@ -813,6 +813,7 @@ def test_browser_champion_set_by_clicks_scores_that_version(
 
     (run,) = served.wait("the trigger to start a scoring run", started, timeout_s=120)
     assert run.parameters["model"] == f"models:/{MODEL}/{registered_version}"
+    assert run.parameters["cluster"] == "team"  # no IMAGEOPS_RAY_ADDRESS here: scored here
     served.wait("the scoring run to complete", served.finished([run.id]), timeout_s=300)
     client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
     tags = client.get_model_version(MODEL, registered_version).tags

@@ -1,4 +1,5 @@
-"""Joining a Ray cluster as a driver: one address, one wait, one error that names both.
+"""Joining a Ray cluster as a driver: one address (or the team's), one wait, one error that
+names both.
 
 Ray retries an address where nothing listens for ever, and ``ray.init`` has no timeout: a plain
 TCP connection to the head's port comes first, then ``ray.init`` in a thread the wait can leave.
@@ -14,6 +15,25 @@ import time
 from typing import Any
 
 from tasks.shared.errors import ClusterUnavailableError
+from tasks.shared.settings import Settings
+
+TEAM = "team"  # a job's cluster: the team's, when this machine is in one (IMAGEOPS_RAY_ADDRESS)
+
+
+def cluster_address(cluster: str | None, settings: Settings, log: Any) -> str | None:
+    """The Ray head a job runs on: ``cluster`` as given, or for ``team`` the team's cluster when
+    this machine joined one (``IMAGEOPS_RAY_ADDRESS``, which ``imageops team join`` gives every
+    flow run), else None: this machine. The promotion trigger passes ``team``, so a promotion
+    scores on the cluster of a team and on its own machine everywhere else."""
+    if cluster != TEAM:
+        return cluster
+    if settings.ray_address:
+        log.info("cluster=team: the team's Ray cluster at %s (IMAGEOPS_RAY_ADDRESS)",
+                 settings.ray_address)  # fmt: skip
+        return settings.ray_address
+    log.info("cluster=team: this machine is in no team (IMAGEOPS_RAY_ADDRESS unset): the "
+             "job runs here")  # fmt: skip
+    return None
 
 
 def connect(address: str, timeout_s: int, log: Any) -> None:

@@ -133,7 +133,7 @@ def s3_error(exc: Exception, action: str, url: S3Url) -> ObjectStoreError:
         return ObjectStoreError(
             f"Could not {action} {url}: {where} refused the keys ({code}).",
             "Check that AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (the team's join file) are "
-            f"right and may {action} in the bucket {url.bucket!r}.",
+            f"right and that they may use the bucket {url.bucket!r}.",
         )
     return ObjectStoreError(
         f"Could not {action} {url} ({where}): {exc}",

@@ -5,7 +5,8 @@ ephemeral API database, MLflow's SQLite tracking and registry, MLflow artifacts,
 the training runs. Scaling out changes settings only: point ``IMAGEOPS_MLFLOW_TRACKING_URI`` at an
 ``mlflow server``, ``IMAGEOPS_PREFECT_API_URL`` at a ``prefect server``, ``IMAGEOPS_DVC_REMOTE_URL``
 and ``IMAGEOPS_CHECKPOINT_URL`` at an S3 bucket (``IMAGEOPS_S3_ENDPOINT_URL`` at its server),
-``IMAGEOPS_TUNING_STORAGE`` at a database for Optuna. The code path stays the same.
+``IMAGEOPS_TUNING_STORAGE`` at a database for Optuna, ``IMAGEOPS_RAY_ADDRESS`` at the team's Ray
+cluster. The code path stays the same.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ class Settings(BaseSettings):
         default=None,
         description="Secret the MLflow registry webhook signs with (HMAC-SHA256); the webhook "
         "receiver refuses to start without it.",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="The team's Ray cluster, HOST:6379 of its head (the join file of `imageops "
+        "team join` sets it): where a score flow run with cluster=team scores, as the runs a "
+        "promotion starts do; default: none, such a run scores on its own machine.",
     )
     tuning_storage: str | None = Field(
         default=None,

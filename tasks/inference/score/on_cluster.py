@@ -43,7 +43,12 @@ from tasks.inference.score.shards import SHARD_IMAGES, ShardedScoring, ShardJob,
 from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_file, table_schema
 from tasks.inference.tables import table_format
 from tasks.shared import faults
-from tasks.shared.errors import ImageOpsError, NoUsableImagesError, ObjectStoreError
+from tasks.shared.errors import (
+    ImageOpsError,
+    NoUsableImagesError,
+    ObjectStoreError,
+    ScoringFailedError,
+)
 from tasks.shared.object_store import S3Url, s3_error, shared_client
 from tasks.shared.settings import Settings
 from tasks.shared.step import step, step_logger, tasks_on_first_use
@@ -163,6 +168,12 @@ class _Job:
 
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True  # rows in the images' order
+        # An actor's own error (ScoringFailedError), not Ray Data's UserCodeException, which
+        # leaves it out when it crosses to the driver: _own_error finds it, and the user reads it
+        # once, as the command's error line, without Ray Data's traceback of its own code.
+        context.raise_original_map_exception = True
+        for name in _REPORTS_FAILURES:
+            logging.getLogger(name).addFilter(_not_our_error)
         context.enable_progress_bars = sys.stderr.isatty()  # a person watching, as on one machine
         context.print_on_execution_start = False
         logging.getLogger("ray.data._internal.progress").addFilter(_no_progress_bar_notice)
@@ -315,7 +326,12 @@ def _check_s3_answers(root: S3Url) -> None:
 
 
 class _Scorer:
-    """A Ray Data actor: one ONNX Runtime session for the whole job, scoring batch after batch."""
+    """A Ray Data actor: one ONNX Runtime session for the whole job, scoring batch after batch.
+
+    A session this node cannot make (its ONNX Runtime, GPU or memory, where the driver's check
+    passed) fails the actor's first batch with a ScoringFailedError naming the node: raised in
+    the constructor, it would reach the driver as Ray's ActorDiedError, a text without our error.
+    """
 
     def __init__(
         self,
@@ -327,13 +343,27 @@ class _Scorer:
     ) -> None:
         import ray
 
-        with tempfile.TemporaryDirectory(prefix="imageops-score-") as folder:
-            local = Path(folder) / Path(onnx_path).name
-            local.write_bytes(ray.get(model[0]))
-            session = inference_session(local, threads)  # held in memory: the file may go
+        self.failure: ScoringFailedError | None = None
+        try:
+            faults.point("score.actor_session", model=Path(onnx_path).parent.name)
+            with tempfile.TemporaryDirectory(prefix="imageops-score-") as folder:
+                local = Path(folder) / Path(onnx_path).name
+                local.write_bytes(ray.get(model[0]))
+                session = inference_session(local, threads)  # held in memory: the file may go
+        except Exception as exc:
+            why = exc.message if isinstance(exc, ImageOpsError) else f"{type(exc).__name__}: {exc}"
+            self.failure = ScoringFailedError(
+                f"The scoring actor on node {_this_node()} could not load {onnx_path}: {why[:300]}",
+                "Check that node's ONNX Runtime (the project's lock on every machine: "
+                "`make install`), its GPU and its free memory; or score on one machine "
+                "(without --cluster).",
+            )
+            return
         self.scorer = BatchScorer(session, classes, time_limit, Path(onnx_path))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.failure is not None:
+            raise self.failure
         errors = [str(e) for e in batch["error"]]
         kept = [i for i, error in enumerate(errors) if not error]
         probs, labels = self.scorer.scores(batch["tensor"][kept] if kept else None, kept, errors)
@@ -345,9 +375,34 @@ class _Scorer:
         }
 
 
+def _this_node() -> str:
+    """This Ray node as the cluster knows it (its address in `ray status`), and its host name."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    address = next(
+        (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id),
+        ray.util.get_node_ip_address(),
+    )
+    return f"{address} ({socket.gethostname()})"
+
+
 def _no_progress_bar_notice(record: logging.LogRecord) -> bool:
     """Drop Ray Data's "Progress bars disabled" notice: off on purpose where nobody watches."""
     return not record.getMessage().startswith("Progress bars disabled")
+
+
+# Ray Data's loggers that report a failed task with a traceback of Ray Data's own code.
+_REPORTS_FAILURES = (
+    "ray.data.exceptions",
+    "ray.data._internal.execution.streaming_executor_state",
+)
+
+
+def _not_our_error(record: logging.LogRecord) -> bool:
+    """Drop Ray Data's report of a failure that is our own error: the driver raises it."""
+    exc = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+    return exc is None or _own_error(exc) is None
 
 
 def _own_error(exc: BaseException) -> ImageOpsError | None:
