@@ -530,11 +530,14 @@ def test_a_node_whose_keys_s3_refuses_fails_the_job_instead_of_making_error_rows
     for path, rel in zip((damaged, whole), rels, strict=True):
         client.upload_file(str(path), s3_bucket, f"images/{rel}")
     info = read_model_info(exported_model)
+    servers = server_settings(Settings())
+    for key, value in servers.items():  # a task sets them in its process: undone after the test
+        monkeypatch.setenv(key, value)
     reading = {
         "root": S3Url(s3_bucket, "images"),
         "transform": transform_for(info.transform, "inference", digits_to_score, None),
         "side": input_size(info.transform),
-        "servers": server_settings(Settings()),
+        "servers": servers,
     }
     batch = {"id": np.arange(2), "rel": np.array(rels, dtype=object),
              "problem": np.array(["", ""], dtype=object)}  # fmt: skip
