@@ -197,11 +197,12 @@ class _Job:
             "a GPU" if gpus else f"{threads} core(s)",
         )  # fmt: skip
         model = ray.put(self.onnx_path.read_bytes())
+        settings = Settings()  # the driver's: the servers every node's tasks and actors use
         reading = {
             "root": self.images,  # once, not per image
             "transform": transform,
             "side": input_size(self.info.transform),
-            "servers": server_settings(Settings()),  # the S3 endpoint the tasks read from
+            "servers": server_settings(settings),  # the S3 endpoint the tasks read from
         }
         dataset = (
             ray.data.from_arrow([items.slice(start, size) for start in range(0, len(items), size)])
@@ -221,7 +222,7 @@ class _Job:
                 },
                 # The servers' settings; and, the actors' own, it keeps the reading in tasks of
                 # its own (Ray Data would fuse it into the actors: one core decoding per actor).
-                runtime_env=runtime_env(Settings()),
+                runtime_env=runtime_env(settings),
                 compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
                 num_cpus=0 if gpus else threads,
                 num_gpus=1 if gpus else 0,
