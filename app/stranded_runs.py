@@ -95,12 +95,12 @@ def keep_ending_stranded_runs(
     ``stop``; ``clients`` gives its clients (MLflow, Prefect), ``say`` tells what it ended.
 
     The clients are kept from round to round and made anew after a failure. A server that does
-    not answer now is asked again next time (said once, not every round: the stack's own loop
-    says when a service is down).
+    not answer now is asked again next time (said once per kind of failure, not every round: the
+    stack's own loop says when a service is down).
     """
 
     def loop() -> None:
-        failing = False
+        failing: str | None = None  # the kind of the failure said last, None while it works
         with contextlib.ExitStack() as held:
             pair: tuple[Any, Any] | None = None
             while not stop.wait(RECONCILE_EVERY_S):
@@ -109,14 +109,14 @@ def keep_ending_stranded_runs(
                         pair = held.enter_context(clients())
                     for line in end_stranded_runs(*pair):
                         say(line)
-                    failing = False
+                    failing = None
                 except Exception as exc:  # a server restarting: the next round asks again
                     held.close()
                     pair = None
-                    if not failing:
+                    if failing != type(exc).__name__:
                         say(f"could not check for stranded MLflow runs ({type(exc).__name__}: "
                             f"{exc})")  # fmt: skip
-                    failing = True
+                    failing = type(exc).__name__
 
     thread = threading.Thread(target=loop, daemon=True, name="stranded-runs")
     thread.start()

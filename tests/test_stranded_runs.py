@@ -63,6 +63,10 @@ def test_the_loop_keeps_its_clients_and_makes_new_ones_after_a_failure(
         crashed = prefect.create_flow_run(_nothing, state=Crashed())
     run = mlflow.create_run(experiment, tags={FLOW_RUN_TAG: str(crashed.id)}).info.run_id
     opened: list[str] = []
+    # The loop's thread gets the API by name, as the stacks' loop does: a thread reads Prefect's
+    # process-global settings, which an earlier test of the same worker can have pointed at a
+    # server since stopped (CI, twice: every round's clients refused).
+    here = {PREFECT_API_URL: PREFECT_API_URL.value()}
 
     @contextlib.contextmanager
     def clients() -> Iterator[tuple[object, object]]:
@@ -73,7 +77,7 @@ def test_the_loop_keeps_its_clients_and_makes_new_ones_after_a_failure(
             PREFECT_CLIENT_MAX_RETRIES: 0,
         }
         with (
-            temporary_settings(updates=nowhere) if down else contextlib.nullcontext(),
+            temporary_settings(updates=nowhere if down else here),
             get_client(sync_client=True) as prefect,
         ):
             yield mlflow, prefect
@@ -82,10 +86,9 @@ def test_the_loop_keeps_its_clients_and_makes_new_ones_after_a_failure(
     stop = threading.Event()
     thread = stranded_runs.keep_ending_stranded_runs(clients, said.append, stop)
     try:
-        # 120 s: in a full run the session's Prefect test server (SQLite) is shared with the
-        # other tests of this worker, and its answers can take a client's retries (CI, once: not
-        # ended within 30 s).
-        ended = servers.wait_until(lambda: mlflow.get_run(run).info.status == "FAILED", 120, 0.1)
+        # 60 s: in a full run the session's Prefect test server (SQLite) is shared with the
+        # other tests of this worker, and its answers can take a client's retries.
+        ended = servers.wait_until(lambda: mlflow.get_run(run).info.status == "FAILED", 60, 0.1)
         assert ended, f"not ended; clients made: {opened}; said: {said}"
         time.sleep(0.5)  # several more rounds
     finally:
