@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from hostile_inputs import hostile_onnx
 from model_helpers import copy_model
 from prefect_runs import task_runs_of
+from torchvision.transforms import v2
 
 from models.atomic import write_json
 from models.directory import ONNX, read_model_info
@@ -313,16 +313,16 @@ def test_a_scored_labeled_set_with_newlines_in_names_evaluates_row_for_row(
 
 
 class _NotingReaders:
-    """The transform, noting in ``folder`` the pid of each process that ran it, with the
-    environment's IMAGEOPS_READER_MARK and the folder it ran in."""
+    """A first step for a transform, noting in ``folder`` the pid of each process that ran it,
+    with the environment's IMAGEOPS_READER_MARK and the folder it ran in."""
 
-    def __init__(self, transform: Callable, folder: Path) -> None:
-        self.transform, self.folder = transform, folder
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
 
-    def __call__(self, image: object) -> torch.Tensor:
+    def __call__(self, image: object) -> object:
         seen = f"{os.environ.get('IMAGEOPS_READER_MARK')} {os.getcwd()}"
         (self.folder / str(os.getpid())).write_text(seen)
-        return self.transform(image)
+        return image
 
 
 def test_reader_processes_decode_in_order_and_as_one_process_does(
@@ -333,7 +333,8 @@ def test_reader_processes_decode_in_order_and_as_one_process_does(
 ) -> None:
     """Batches are decoded by reader processes (issue 45: threads did not scale), whole batches
     each, ahead of the session: tensors, errors and log lines come in the images' order, equal to
-    the one-process path's, and torch's thread setting is as it was. The readers see the scoring
+    the one-process path's and to the bit what the transform gives image by image (its closing
+    normalisation runs once per batch), and torch's thread setting is as it was. The readers see the scoring
     process's environment and folder as they are now, not the fork server's from its start (S3
     keys set later were not found)."""
     from tasks.inference.score.images import list_images
@@ -355,7 +356,8 @@ def test_reader_processes_decode_in_order_and_as_one_process_does(
     before = torch.get_num_threads()
     log = logging.getLogger("tasks.inference.score")
     with caplog.at_level(logging.WARNING, logger="tasks.inference.score"):
-        read = list(read_batches(refs, 4, _NotingReaders(transform, pids), 2, log))
+        noting = v2.Compose([_NotingReaders(pids), *transform.transforms])
+        read = list(read_batches(refs, 4, noting, 2, log))
         alone = list(read_batches(refs, 4, transform, 0, log))
     assert torch.get_num_threads() == before
     readers = {int(p.name) for p in pids.iterdir()}

@@ -223,6 +223,22 @@ def build_transform(
     return v2.Compose(steps)
 
 
+def per_batch_steps(transform: v2.Compose) -> tuple[v2.Compose, v2.Compose]:
+    """(the steps each image needs, the steps run once on the stacked batch) of ``transform``.
+
+    Its closing ToDtype and Normalize do the same to every pixel whatever the image: on a batch
+    of 64 they cost one call instead of 64, and a reader decodes at 64 px in 0.47 ms of CPU an
+    image instead of 0.76 (issue 45), with the same numbers to the bit.
+    """
+    from torchvision.transforms import v2
+
+    steps = list(transform.transforms)
+    first = len(steps)
+    while first and isinstance(steps[first - 1], v2.ToDtype | v2.Normalize):
+        first -= 1
+    return v2.Compose(steps[:first]), v2.Compose(steps[first:])
+
+
 def _rrc_scale(spec: TransformSpec) -> tuple[float, float]:
     return (spec.random_resized_crop_scale, 1.0)
 

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from models.directory import ModelInfo
 from tasks.cluster.connect import connect
 from tasks.cluster.job import stopped_whole
 from tasks.cluster.node_settings import node_settings, runtime_env, server_settings
 from tasks.data.imagedir import IMAGE_EXTENSIONS
-from tasks.data.transform import input_size, transform_for
+from tasks.data.transform import input_size, per_batch_steps, transform_for
 from tasks.inference.score.batches import LOGGER, checked_scoring, shard_bounds
 from tasks.inference.score.images import ImageRef, applied_transform, list_images
 from tasks.inference.score.readers import read_image
@@ -297,18 +298,19 @@ def _read_batch(
     this node's keys: when S3 refuses them or does not answer, the task fails (ObjectStoreError
     naming the node) instead of making every image an error row that a rerun would keep."""
     node_settings(servers)
+    per_image, per_batch = per_batch_steps(transform)  # as the one-machine readers do
     tensors, errors = [], []
     for rel, problem in zip(batch["rel"], batch["problem"], strict=True):
         ref = ImageRef(root, str(rel), None, str(problem))
-        tensor, error = read_image(ref, transform)
-        tensors.append(np.zeros((3, side, side), np.float32) if tensor is None else tensor)
+        tensor, error = read_image(ref, per_image)
+        tensors.append(np.zeros((3, side, side), np.uint8) if tensor is None else tensor)
         errors.append(error)
     if isinstance(root, S3Url) and any(errors):
         _check_s3_answers(root)  # only then: a batch read whole costs no extra request
     return {
         "id": batch["id"],
         "error": np.asarray(errors, dtype=object),
-        "tensor": np.stack(tensors),
+        "tensor": per_batch(torch.from_numpy(np.stack(tensors))).numpy(),
     }
 
 

@@ -16,17 +16,21 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from tasks.data.imagedir import ImageRefused, load_rgb
+from tasks.data.transform import per_batch_steps
 from tasks.inference.score.images import ImageRef
 from tasks.shared import faults
 from tasks.shared.fork_server import start_fork_server
 from tasks.shared.parent_death import die_with
+
+if TYPE_CHECKING:
+    from torchvision.transforms import v2
 
 # Batches read ahead by each reader process: two keep a reader busy while the session scores, and
 # bound the shared memory in flight (readers x 2 batches; 38 MB per batch of 64 at 224 px).
@@ -62,16 +66,24 @@ class _BatchReader(Dataset):
 
     Keyed by the batch's refs themselves, not an index into a list: a reader process holds only
     the transform, never a copy of every image's name, so its memory does not grow with the
-    images either. In a reader process, torch's collate stacks into shared memory.
+    images either. Each image gets the transform's own steps; the closing dtype and
+    normalisation run once on the stacked batch (tasks.data.transform.per_batch_steps), whose
+    result a reader process puts in shared memory for the scoring process to read in place.
     """
 
-    def __init__(self, transform: Callable) -> None:
-        self.transform = transform
+    def __init__(self, transform: v2.Compose) -> None:
+        self.per_image, self.per_batch = per_batch_steps(transform)
 
     def __getitem__(self, refs: list[ImageRef]) -> tuple[torch.Tensor | None, list[str]]:
-        read = [read_image(ref, self.transform) for ref in refs]
+        read = [read_image(ref, self.per_image) for ref in refs]
         tensors = [torch.from_numpy(tensor) for tensor, _ in read if tensor is not None]
-        return (default_collate(tensors) if tensors else None), [error for _, error in read]
+        errors = [error for _, error in read]
+        if not tensors:
+            return None, errors
+        stacked = self.per_batch(torch.stack(tensors))
+        if get_worker_info() is not None:  # in a reader process: hand it over without a copy
+            stacked.share_memory_()
+        return stacked, errors
 
 
 def _as_read(batch: tuple[torch.Tensor | None, list[str]]) -> tuple[torch.Tensor | None, list]:
@@ -127,7 +139,7 @@ def _main_module_left_out() -> Iterator[None]:
 def read_batches(
     refs: list[ImageRef],
     size: int,
-    transform: Callable,
+    transform: v2.Compose,
     readers: int,
     log: logging.Logger | logging.LoggerAdapter,
 ) -> Iterator[tuple[int, list[ImageRef], np.ndarray | None, list[int], list[str]]]:
