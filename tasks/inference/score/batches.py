@@ -19,7 +19,7 @@ from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import transform_for
 from tasks.inference.score.images import applied_transform, list_slice
-from tasks.inference.score.readers import read_batches, reader_processes
+from tasks.inference.score.readers import read_batches, reader_processes, readers_pause
 from tasks.inference.score.rows import BatchScorer, table_rows
 from tasks.inference.score.session import (
     batch_time_limit,
@@ -146,8 +146,11 @@ def score(
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
         writer = table.writer(tmp, schema)
         try:
-            # Reader processes decode the next batches beside ONNX Runtime's threads.
-            read = read_batches(refs, batch_size, transform, readers, log)
+            # Reader processes decode the next batches, paused while the session computes on
+            # cores they would share with it.
+            cores = threads or default_threads()
+            pause = readers_pause(session.get_providers()[0], cores, readers)
+            read = read_batches(refs, batch_size, transform, readers, log, pause)
             for start, batch, stacked, kept, errors in read:
                 paths = [r.path for r in batch]
                 probs, labels = scorer.scores(stacked, kept, errors, log, paths)
