@@ -20,14 +20,14 @@ from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import transform_for
 from tasks.inference.score.images import applied_transform, list_slice
 from tasks.inference.score.readers import read_batches, reader_processes, readers_pause
-from tasks.inference.score.rows import BatchScorer, table_rows
+from tasks.inference.score.rows import BatchScorer, scored_table
 from tasks.inference.score.session import (
     batch_time_limit,
     check_model,
     default_threads,
     inference_session,
 )
-from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_file, table_schema
+from tasks.inference.score.table import ERROR_COLUMN, table_schema
 from tasks.inference.tables import TableFormat, table_format
 from tasks.shared import faults
 from tasks.shared.errors import (
@@ -116,7 +116,7 @@ def score(
     model = Path(model)
     images = images if isinstance(images, S3Url) else Path(images)
     dest = dest if isinstance(dest, S3Url) else Path(dest)
-    table, info, onnx_path = checked_scoring(model, dest, batch_size, threads, quantized)
+    _, info, onnx_path = checked_scoring(model, dest, batch_size, threads, quantized)
     time_limit = batch_time_limit()
     readers = reader_processes(threads or default_threads())
     start_fork_server()  # the readers' server imports torch while the images are listed
@@ -139,40 +139,22 @@ def score(
 
     transform = transform_for(info.transform, "inference", images, applied_transform(images))
     schema = table_schema(info.classes, labeled)
-    columns = schema.names
     scorer = BatchScorer(session, info.classes, time_limit, onnx_path)
-    scored, failed = 0, 0
-    with table_file(dest) as tmp, _progress(len(refs)) as progress:
+    table = scored_table(dest, schema, images, whole=shard is None)
+    with table as rows, _progress(len(refs)) as progress:
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
-        writer = table.writer(tmp, schema)
-        try:
-            # Reader processes decode the next batches, paused while the session computes on
-            # cores they would share with it.
-            cores = threads or default_threads()
-            pause = readers_pause(session.get_providers()[0], cores, readers)
-            read = read_batches(refs, batch_size, transform, readers, log, pause)
-            for start, batch, stacked, kept, errors in read:
-                paths = [r.path for r in batch]
-                probs, labels = scorer.scores(stacked, kept, errors, log, paths)
-                kept = [i for i in kept if not errors[i]]
-                data = {
-                    "id": np.arange(first + start, first + start + len(batch), dtype=np.int64),
-                    "path": paths,
-                    "category": [r.category for r in batch],
-                    ERROR_COLUMN: errors,
-                }
-                writer.write(table_rows(data, probs, labels, columns))
-                scored += len(kept)
-                failed += len(batch) - len(kept)
-                if bar is not None:
-                    progress.advance(bar, len(batch))
-        finally:
-            writer.close()
-        if not scored and shard is None:
-            raise NoUsableImagesError(
-                f"None of the {len(refs)} image(s) in {images} could be scored.",
-                NOT_SCORED_HINT,
-            )
+        # Reader processes decode the next batches, paused while the session computes on
+        # cores they would share with it.
+        cores = threads or default_threads()
+        pause = readers_pause(session.get_providers()[0], cores, readers)
+        read = read_batches(refs, batch_size, transform, readers, log, pause)
+        for start, batch, stacked, kept, errors in read:
+            probs, labels = scorer.scores(stacked, kept, errors, log, [r.path for r in batch])
+            ids = np.arange(first + start, first + start + len(batch))
+            rows.write(ids, batch, errors, probs, labels)
+            if bar is not None:
+                progress.advance(bar, len(batch))
+    scored, failed = rows.scored, rows.rows - rows.scored
     log.info(
         "Scored %d image(s) into %s (%d not scored: see %s)", scored, dest, failed, ERROR_COLUMN
     )

@@ -37,12 +37,11 @@ from tasks.data.transform import input_size, per_batch_steps, transform_for
 from tasks.inference.score.batches import LOGGER, checked_scoring, shard_bounds
 from tasks.inference.score.images import ImageRef, applied_transform, list_images
 from tasks.inference.score.readers import read_image
-from tasks.inference.score.rows import BatchScorer, table_rows
+from tasks.inference.score.rows import BatchScorer, TableRows, scored_table
 from tasks.inference.score.s3_table import part_suffix
 from tasks.inference.score.session import batch_time_limit, check_model, inference_session
 from tasks.inference.score.shards import SHARD_IMAGES, ShardedScoring, ShardJob, score_sharded
-from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT, table_file, table_schema
-from tasks.inference.tables import table_format
+from tasks.inference.score.table import ERROR_COLUMN, table_schema
 from tasks.shared import faults
 from tasks.shared.errors import (
     ImageOpsError,
@@ -139,18 +138,10 @@ class _Job:
             pieces = _cut(stream, [last - first for first, last in slices])
             for index, rows in itertools.groupby(pieces, lambda piece: piece[0]):
                 job = jobs[index]
-                with table_file(job.dest) as tmp:
-                    writer = table_format(Path(job.dest.name)).writer(tmp, schema)
-                    try:
-                        done = _write(writer, (batch for _, batch in rows), refs, schema, log)
-                    finally:
-                        writer.close()
-                    if job.shard is None and not done:
-                        raise NoUsableImagesError(
-                            f"None of the {len(refs)} image(s) in {images} could be scored.",
-                            NOT_SCORED_HINT,
-                        )
-                scored += done
+                with scored_table(job.dest, schema, images, whole=job.shard is None) as table:
+                    for _, batch in rows:
+                        _write(table, batch, refs, log)
+                scored += table.scored
                 if job.shard is not None:
                     faults.point("score.shard_written", shard=job.shard[0], count=job.shard[1])
         log.info(
@@ -259,31 +250,13 @@ def _cut(
             size -= taken
 
 
-def _write(
-    writer: Any,
-    batches: Iterator[dict[str, np.ndarray]],
-    refs: list[ImageRef],
-    schema: Any,
-    log: Any,
-) -> int:
-    """Write the scored ``batches`` as the table's rows; how many were scored (not failed)."""
-    scored = 0
-    for batch in batches:
-        ids = batch["id"]
-        errors = [str(e) for e in batch["error"]]
-        for i, error in zip(ids, errors, strict=True):
-            if error:
-                log.warning("Cannot score %s: %s", refs[i].path, error)
-        data = {
-            "id": ids.astype(np.int64),
-            "path": [refs[i].path for i in ids],
-            "category": [refs[i].category for i in ids],
-            ERROR_COLUMN: errors,
-        }
-        labels = batch["label"].astype(object)
-        writer.write(table_rows(data, batch["probs"], labels, schema.names))
-        scored += sum(1 for e in errors if not e)
-    return scored
+def _write(table: TableRows, batch: dict[str, np.ndarray], refs: list[ImageRef], log: Any) -> None:
+    """Write a batch the actors scored as the table's rows, logging each image not scored."""
+    ids, errors = batch["id"], [str(e) for e in batch["error"]]
+    for i, error in zip(ids, errors, strict=True):
+        if error:
+            log.warning("Cannot score %s: %s", refs[i].path, error)
+    table.write(ids, [refs[i] for i in ids], errors, batch["probs"], batch["label"].astype(object))
 
 
 def _read_batch(

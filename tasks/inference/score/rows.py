@@ -1,20 +1,34 @@
 """A batch's rows of the scored table: the model's scores as probabilities and labels, and every
-image that could not be scored as a row with its reason. One way, on one machine and on a cluster.
+image that could not be scored as a row with its reason; and the table they go into, written
+whole. One way, on one machine and on a cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import pandas as pd
+import pyarrow as pa
 
+from tasks.inference.score.images import ImageRef
 from tasks.inference.score.session import run_batch, softmax, unusable_scores
-from tasks.inference.score.table import LABEL_COLUMN, PROBABILITY_PREFIX
+from tasks.inference.score.table import (
+    ERROR_COLUMN,
+    LABEL_COLUMN,
+    NOT_SCORED_HINT,
+    PROBABILITY_PREFIX,
+    table_file,
+)
+from tasks.inference.tables import table_format
+from tasks.shared.errors import NoUsableImagesError
+from tasks.shared.object_store import S3Url
 
 
 @dataclass(frozen=True)
@@ -65,3 +79,52 @@ def table_rows(
     data |= {col: probs[:, i] for i, col in enumerate(prob_columns)}
     data[LABEL_COLUMN] = labels
     return pd.DataFrame({c: data[c] for c in table_columns}, columns=table_columns)
+
+
+@dataclass
+class TableRows:
+    """The rows written so far into a table being written (:func:`scored_table`)."""
+
+    writer: Any  # the table format's writer
+    columns: list[str]
+    rows: int = 0
+    scored: int = 0  # rows without an error
+
+    def write(
+        self,
+        ids: np.ndarray,
+        refs: Sequence[ImageRef],
+        errors: list[str],
+        probs: np.ndarray,
+        labels: np.ndarray,
+    ) -> None:
+        """Write a batch: the images ``refs`` at places ``ids`` of the listing, each with its
+        error ("" when scored) and its scores."""
+        data = {
+            "id": np.asarray(ids, dtype=np.int64),
+            "path": [r.path for r in refs],
+            "category": [r.category for r in refs],
+            ERROR_COLUMN: errors,
+        }
+        self.writer.write(table_rows(data, probs, labels, self.columns))
+        self.rows += len(errors)
+        self.scored += sum(1 for error in errors if not error)
+
+
+@contextlib.contextmanager
+def scored_table(
+    dest: Path | S3Url, schema: pa.Schema, images: Path | S3Url, whole: bool
+) -> Iterator[TableRows]:
+    """Write the table ``dest`` (atomically, or uploaded whole: :func:`table_file`) from the rows
+    the block writes. ``whole``: the whole input's table, refused (NoUsableImagesError, nothing
+    written) when no row was scored; a shard's table may hold only error rows."""
+    with table_file(dest) as tmp:
+        rows = TableRows(table_format(Path(dest.name)).writer(tmp, schema), schema.names)
+        try:
+            yield rows
+        finally:
+            rows.writer.close()
+        if whole and not rows.scored:
+            raise NoUsableImagesError(
+                f"None of the {rows.rows} image(s) in {images} could be scored.", NOT_SCORED_HINT
+            )
