@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import onnx
@@ -22,12 +26,16 @@ from tasks.inference.score import (
     CHECKPOINTS,
     PROBABILITY_PREFIX,
     ShardedScoring,
+    ShardJob,
     checkpoint_dir,
     list_images,
+    run_in_turn,
     score,
     score_in_shards,
+    score_sharded,
 )
 from tasks.shared import faults
+from tasks.shared.errors import DestinationBusyError
 from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
@@ -171,6 +179,50 @@ def test_a_checkpoint_is_reused_only_by_the_same_scoring(
         assert planted.read_bytes() == planted_bytes
         assert sorted(p.name for p in dest.parent.iterdir()) == [CHECKPOINTS, "scores.csv"]
         assert [p.name for p in (dest.parent / CHECKPOINTS).iterdir()] == [planted.parent.name]
+
+
+class FirstShardThenWait:
+    """A shard runner that scores the first shard, says so, and scores the rest when let go:
+    a scoring caught in the middle of writing its table."""
+
+    def __init__(self) -> None:
+        self.holding, self.go_on = threading.Event(), threading.Event()
+
+    def __call__(self, jobs: Sequence[ShardJob]) -> None:
+        run_in_turn(jobs[:1])
+        self.holding.set()
+        assert self.go_on.wait(300)
+        run_in_turn(jobs[1:])
+
+
+def test_a_second_scoring_into_a_table_being_written_is_refused(
+    exported_model: Path, digits_raw: Path, tmp_path: Path
+) -> None:
+    images = _photos(digits_raw, tmp_path / "photos")
+    others = tmp_path / "others"
+    others.mkdir()
+    for path in sorted(digits_raw.rglob("*.png"))[12:24]:
+        shutil.copyfile(path, others / path.name)
+    dest = tmp_path / "out" / "scores.csv"
+    first = FirstShardThenWait()
+    with ThreadPoolExecutor(1) as pool:
+        scoring = ShardedScoring(exported_model, images, dest, shard_images=6, batch_size=2)
+        writing = pool.submit(score_sharded, scoring, first)
+        try:
+            assert first.holding.wait(300) or writing.result()
+            with pytest.raises(DestinationBusyError) as busy:  # other images, the same table
+                score_in_shards(exported_model, others, dest, shard_images=6, batch_size=2)
+        finally:
+            first.go_on.set()
+        writing.result()
+    assert f"{dest} is being written by another scoring: pid {os.getpid()} on " in str(busy.value)
+    assert socket.gethostname() in busy.value.message
+    assert busy.value.hint.startswith("Wait for it to end, or score into another dest.")
+
+    # The first scoring's table, whole and its own; nothing else is left beside it.
+    table = pd.read_csv(dest, dtype=str, keep_default_na=False)
+    assert table["path"].tolist() == [ref.path for ref in list_images(images)[0]]
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["scores.csv"]  # the lock too
 
 
 @pytest.mark.slow
