@@ -8,8 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pandas as pd
 import pytest
 from model_helpers import copy_model
 from prefect_runs import task_runs_of
+from scoring_runs import FirstShardThenWait
 
 from models.directory import ONNX
 from models.locks import lock_fd
@@ -26,10 +25,8 @@ from tasks.inference.score import (
     CHECKPOINTS,
     PROBABILITY_PREFIX,
     ShardedScoring,
-    ShardJob,
     checkpoint_dir,
     list_images,
-    run_in_turn,
     score,
     score_in_shards,
     score_sharded,
@@ -181,20 +178,6 @@ def test_a_checkpoint_is_reused_only_by_the_same_scoring(
         assert [p.name for p in (dest.parent / CHECKPOINTS).iterdir()] == [planted.parent.name]
 
 
-class FirstShardThenWait:
-    """A shard runner that scores the first shard, says so, and scores the rest when let go:
-    a scoring caught in the middle of writing its table."""
-
-    def __init__(self) -> None:
-        self.holding, self.go_on = threading.Event(), threading.Event()
-
-    def __call__(self, jobs: Sequence[ShardJob]) -> None:
-        run_in_turn(jobs[:1])
-        self.holding.set()
-        assert self.go_on.wait(300)
-        run_in_turn(jobs[1:])
-
-
 def test_a_second_scoring_into_a_table_being_written_is_refused(
     exported_model: Path, digits_raw: Path, tmp_path: Path
 ) -> None:
@@ -209,7 +192,7 @@ def test_a_second_scoring_into_a_table_being_written_is_refused(
         scoring = ShardedScoring(exported_model, images, dest, shard_images=6, batch_size=2)
         writing = pool.submit(score_sharded, scoring, first)
         try:
-            assert first.holding.wait(300) or writing.result()
+            first.wait_holding(writing)
             with pytest.raises(DestinationBusyError) as busy:  # other images, the same table
                 score_in_shards(exported_model, others, dest, shard_images=6, batch_size=2)
         finally:

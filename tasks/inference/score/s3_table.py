@@ -96,7 +96,14 @@ def score_to_object_store(scoring: ShardedScoring, run_shards: ShardRunner) -> S
                 work,
             )
         jobs = [
-            ShardJob(scoring.model, scoring.images, parts[i], (i, count), scoring.threads, **kwargs)
+            ShardJob(
+                scoring.model,
+                scoring.images,
+                parts[i],
+                (i, count),
+                threads=scoring.threads,
+                **kwargs,
+            )
             for i in missing
         ]
         run_shards(jobs)
