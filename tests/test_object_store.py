@@ -654,18 +654,28 @@ SCORING = {"shard_images": 40, "batch_size": 16, "threads": 1}  # 90 images: 3 p
 PARTS = [f"scores/part-0000{i}.parquet" for i in range(3)]
 
 
+@pytest.fixture
+def s3_in_use(project: Settings, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The project, with the server's keys and endpoint in the environment."""
+    return _on_s3(project, s3_server, monkeypatch)
+
+
+@pytest.fixture
+def raw_on_s3(s3_in_use: Settings, s3_server: S3Server, s3_bucket: str, digits_raw: Path) -> S3Url:
+    """The 90 raw digits under ``s3://<the test's bucket>/raw``, the server's keys in use."""
+    _upload(s3_server, digits_raw, s3_bucket, "raw")
+    return S3Url(s3_bucket, "raw")
+
+
 def test_a_second_scoring_into_a_prefix_being_written_is_refused_and_the_first_table_is_whole(
     exported_model: Path,
-    project: Settings,
+    raw_on_s3: S3Url,
     s3_server: S3Server,
     s3_bucket: str,
     digits_raw: Path,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _on_s3(project, s3_server, monkeypatch)
-    _upload(s3_server, digits_raw, s3_bucket, "raw")
-    images, dest = S3Url(s3_bucket, "raw"), S3Url(s3_bucket, "scores")
+    images, dest = raw_on_s3, S3Url(s3_bucket, "scores")
     first = FirstShardThenWait()
     with ThreadPoolExecutor(1) as pool:
         writing = pool.submit(
@@ -701,17 +711,14 @@ def test_a_second_scoring_into_a_prefix_being_written_is_refused_and_the_first_t
 
 def test_a_killed_scorings_lease_is_taken_over_on_its_machine_and_its_parts_resumed(
     exported_model: Path,
-    project: Settings,
+    raw_on_s3: S3Url,
     s3_server: S3Server,
     s3_bucket: str,
-    digits_raw: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    _on_s3(project, s3_server, monkeypatch)
-    _upload(s3_server, digits_raw, s3_bucket, "raw")
-    images, dest = S3Url(s3_bucket, "raw"), S3Url(s3_bucket, "scores")
+    images, dest = raw_on_s3, S3Url(s3_bucket, "scores")
     options = [f"--{name.replace('_', '-')}={value}" for name, value in SCORING.items()]
 
     # SIGKILLed once its first part is uploaded: its lease stays behind, with the part.
@@ -735,15 +742,13 @@ def test_a_killed_scorings_lease_is_taken_over_on_its_machine_and_its_parts_resu
 
 def test_a_lease_from_another_machine_holds_the_prefix_until_its_deadline(
     exported_model: Path,
-    project: Settings,
+    s3_in_use: Settings,
     s3_server: S3Server,
     s3_bucket: str,
     digits_raw: Path,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    _on_s3(project, s3_server, monkeypatch)
     photos = tmp_path / "photos"
     photos.mkdir()
     for path in sorted(digits_raw.rglob("*.png"))[:12]:
