@@ -708,6 +708,14 @@ def test_a_second_scoring_into_a_prefix_being_written_is_refused_and_the_first_t
     assert table["id"].tolist() == list(range(90))
     assert table["path"].tolist() == [ref.path for ref in list_images(images)[0]]
 
+    # A part written over after the marker (a scoring stalled past its lease, copying late): the
+    # table no longer reads as whole.
+    client = s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
+    late = {"Bucket": s3_bucket, "Key": PARTS[0]}
+    client.copy_object(Bucket=s3_bucket, Key=PARTS[1], CopySource=late)
+    with pytest.raises(ObjectStoreError, match=f"s3://{s3_bucket}/{PARTS[1]} is not the part"):
+        list(read_parts(dest))
+
 
 def test_a_killed_scorings_lease_is_taken_over_on_its_machine_and_its_parts_resumed(
     exported_model: Path,

@@ -35,8 +35,8 @@ from tasks.inference.score.shards import (
 from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT
 from tasks.inference.tables import table_format
 from tasks.shared import faults
-from tasks.shared.errors import NoUsableImagesError
-from tasks.shared.object_store import S3Url, s3_request
+from tasks.shared.errors import NoUsableImagesError, ObjectStoreError
+from tasks.shared.object_store import S3Url, s3_error, s3_request, shared_client
 from tasks.shared.step import step_logger
 
 MARKER = "_SUCCESS"  # written last: the parts it lists are the whole table
@@ -133,11 +133,12 @@ def _publish(parts: list[S3Url], dest: S3Url, work: S3Url, lease: DestLease) -> 
     for i, part in enumerate(parts):
         final = dest / part.name
         source = {"Bucket": part.bucket, "Key": part.key}
-        s3_request(
+        copied = s3_request(
             "write", final, "copy_object", Bucket=dest.bucket, Key=final.key, CopySource=source
         )
         names.append(part.name)
-        listed[i] = {"name": part.name, **listed[i]}
+        etag = copied["CopyObjectResult"]["ETag"].strip('"')  # what a reader checks it reads
+        listed[i] = {"name": part.name, **listed[i], "etag": etag}
     stale = [  # parts of an older, longer table, or of the other format
         obj["Key"]
         for obj in list_objects(dest, "write under")
@@ -180,14 +181,15 @@ def read_parts(
 ) -> Iterator[pd.DataFrame]:
     """The table under ``dest`` a part at a time, as its marker lists them (only ``columns`` when
     given; ``text`` columns as strings). A part is read into memory, never onto the disk. Raises
-    :class:`ObjectStoreError` when the prefix has no marker: no whole table is there."""
+    :class:`ObjectStoreError` when the prefix has no marker (no whole table is there), or when a
+    part is not the one the marker lists (written since: the table is not whole)."""
     marker = dest / MARKER
     answer = s3_request("read", marker, "get_object", Bucket=dest.bucket, Key=marker.key)
     with answer["Body"] as body:
         listed = json.loads(body.read())["parts"]
     for part in listed:
         url = dest / part["name"]
-        answer = s3_request("read", url, "get_object", Bucket=dest.bucket, Key=url.key)
+        answer = _read_listed(url, part.get("etag"), dest)
         with answer["Body"] as body:
             data = io.BytesIO(body.read())
         if url.suffix == ".csv":
@@ -199,3 +201,23 @@ def read_parts(
             )
         else:
             yield pd.read_parquet(data, columns=None if columns is None else list(columns))
+
+
+def _read_listed(url: S3Url, etag: str | None, dest: S3Url) -> dict:
+    """``get_object`` of a part the marker lists, only if it is still that part (its ``etag``;
+    markers written before it was recorded: any)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        condition = {"IfMatch": f'"{etag}"'} if etag else {}
+        return shared_client().get_object(Bucket=url.bucket, Key=url.key, **condition)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+            raise ObjectStoreError(
+                f"{url} is not the part {dest / MARKER} lists: it was written after the table "
+                "was (by a scoring that had lost the prefix): the table is not whole.",
+                f"Score into {dest} again (or another prefix); read no table there meanwhile.",
+            ) from exc
+        raise s3_error(exc, "read", url) from exc
+    except BotoCoreError as exc:
+        raise s3_error(exc, "read", url) from exc
