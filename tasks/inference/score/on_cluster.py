@@ -14,6 +14,7 @@ Details: docs/scoring.md#on-a-cluster.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -29,6 +30,7 @@ import numpy as np
 
 from models.directory import ModelInfo
 from tasks.cluster.connect import connect
+from tasks.cluster.health import live_nodes
 from tasks.cluster.job import stopped_whole
 from tasks.cluster.node_settings import node_settings, runtime_env, server_settings
 from tasks.data.imagedir import IMAGE_EXTENSIONS
@@ -126,13 +128,14 @@ class _Job:
             self.info.transform, "inference", images, applied_transform(images)
         )
         connect(scoring.cluster, scoring.timeout_s, log)
+        at_start = live_nodes()
         slices = [
             (0, len(refs)) if job.shard is None else shard_bounds(len(refs), *job.shard)
             for job in jobs
         ]
         wanted = np.concatenate([np.arange(first, last, dtype=np.int64) for first, last in slices])
         schema = table_schema(self.info.classes, labeled)
-        scored = 0
+        scored, nodes = 0, collections.Counter()
         # Closed at once when a part fails or the driver stops: the job's executor ends with it.
         with contextlib.closing(self.rows(refs, wanted, transform, log)) as stream:
             pieces = _cut(stream, [last - first for first, last in slices])
@@ -141,7 +144,8 @@ class _Job:
                 with table_file(job.dest) as tmp:
                     writer = table_format(Path(job.dest.name)).writer(tmp, schema)
                     try:
-                        done = _write(writer, (batch for _, batch in rows), refs, schema, log)
+                        pieces_of = (batch for _, batch in rows)
+                        done = _write(writer, _counted(pieces_of, nodes), refs, schema, log)
                     finally:
                         writer.close()
                     if job.shard is None and not done:
@@ -152,10 +156,18 @@ class _Job:
                 scored += done
                 if job.shard is not None:
                     faults.point("score.shard_written", shard=job.shard[0], count=job.shard[1])
+        by_node = ", ".join(f"{node} {count}" for node, count in sorted(nodes.items()))
         log.info(
-            "Scored %d image(s) on the cluster at %s (%d not scored: see %s)",
-            scored, scoring.cluster, len(wanted) - scored, ERROR_COLUMN,
+            "Scored %d image(s) on the cluster at %s (%d not scored: see %s); by node: %s",
+            scored, scoring.cluster, len(wanted) - scored, ERROR_COLUMN, by_node,
         )  # fmt: skip
+        alive = live_nodes()
+        lost = sorted(name for node, name in at_start.items() if node not in alive)
+        if lost:  # Ray Data ran their tasks and actors again on the others (see _Job.rows)
+            log.warning(
+                "Lost node(s) %s during the job: their images were read and scored again on "
+                "the other nodes (by node: %s)", ", ".join(lost), by_node,
+            )  # fmt: skip
 
     def rows(
         self, refs: list[ImageRef], wanted: np.ndarray, transform: Any, log: Any
@@ -223,7 +235,15 @@ class _Job:
                 # The servers' settings; and, the actors' own, it keeps the reading in tasks of
                 # its own (Ray Data would fuse it into the actors: one core decoding per actor).
                 runtime_env=runtime_env(settings),
-                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
+                # A lost node's work is done again on the others: Ray Data restarts an actor
+                # whose node died and resends its batches (max_restarts=-1, max_task_retries=-1:
+                # its defaults), runs a lost read task again, and the driver, on a live node,
+                # owns every block. Every actor from the start, spread over the nodes (Ray
+                # Data's SPREAD): the pool grows only when batches queue up, which a short job
+                # never saw (300 images on two hosts all went to one actor, the other host idle).
+                compute=ray.data.ActorPoolStrategy(
+                    min_size=1, max_size=actors, initial_size=actors
+                ),
                 num_cpus=0 if gpus else threads,
                 num_gpus=1 if gpus else 0,
             )
@@ -256,6 +276,16 @@ def _cut(
             rest = len(pending["id"]) - taken
             pending = {key: column[taken:] for key, column in pending.items()} if rest else None
             size -= taken
+
+
+def _counted(
+    batches: Iterator[dict[str, np.ndarray]], nodes: collections.Counter
+) -> Iterator[dict[str, np.ndarray]]:
+    """``batches`` as they come, each one's rows counted in ``nodes`` under the node that scored
+    them (the job's log says where its images went: every node, or which one did not take part)."""
+    for batch in batches:
+        nodes.update(str(node) for node in batch["node"])
+        yield batch
 
 
 def _write(
@@ -365,6 +395,8 @@ class _Scorer:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.failure is not None:
             raise self.failure
+        node = socket.gethostname()
+        faults.point("score.actor_batch", node=node)
         errors = [str(e) for e in batch["error"]]
         kept = [i for i, error in enumerate(errors) if not error]
         probs, labels = self.scorer.scores(batch["tensor"][kept] if kept else None, kept, errors)
@@ -373,6 +405,7 @@ class _Scorer:
             "error": np.asarray(errors, dtype=object),
             "probs": probs,
             "label": np.asarray(labels, dtype=object),
+            "node": np.full(len(errors), node, dtype=object),
         }
 
 
