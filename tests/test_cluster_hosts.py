@@ -469,10 +469,15 @@ def assert_scored_once(scoring: Scoring, dest: S3Url) -> None:
     )  # fmt: skip
 
 
-def scored_by_node(log: str) -> dict[str, int]:
-    """The images each node scored, from the job's log ("... by node: host-a 150, host-b ...)")."""
-    (nodes,) = re.findall(r"by node: ([^)\n]*)", log)
-    return {node: int(count) for node, count in (item.split() for item in nodes.split(", "))}
+def by_node(log: str) -> dict[str, dict[str, int]]:
+    """The images each node read and scored, from the job's log ("read by node: host-a 140,
+    host-b 160; scored by node: host-a 150, host-b 150")."""
+    found = re.findall(r"(read|scored) by node: ([^;)\n]*)", log)
+    assert len(found) == 2, log
+    return {
+        what: {node: int(n) for node, n in (item.split() for item in nodes.split(", "))}
+        for what, nodes in found
+    }
 
 
 def flow_run_logs(team: Team, flow_run: str) -> str:
@@ -499,23 +504,27 @@ def test_a_score_deployment_run_scores_an_s3_prefix_on_both_hosts(
     logs = flow_run_logs(team, flow_run)
     assert state["type"] == "COMPLETED", f"{state}\n{logs}\n{team.report()}"
     assert f"on the Ray cluster at {team.cluster}" in logs
-    nodes = scored_by_node(logs)
-    assert set(nodes) == {"host-a", "host-b"} and sum(nodes.values()) == 300, logs
+    # The job's tasks read on both hosts (Ray Data spreads them); its actors, one per host from
+    # the start, scored the images as they came (an actor still starting takes none).
+    nodes = by_node(logs)
+    assert set(nodes["read"]) == {"host-a", "host-b"}, logs
+    assert sum(nodes["read"].values()) == sum(nodes["scored"].values()) == 300, logs
     assert_scored_once(scoring, dest)
 
 
 def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
     team: Team, scoring: Scoring
 ) -> None:
-    """Issue 45: `imageops score s3://... s3://... --cluster team` on host B; host A's actor holds
-    a batch (a hang armed on A's node), then A loses power: its work is redone on B's node, and
-    the table is whole (_SUCCESS), every image once, one machine's."""
+    """Issue 45: `imageops score s3://... s3://... --cluster team` on host B; host A's read task
+    holds its images (a hang armed on A's Ray node), then A loses power: its work is redone on
+    B's node, the job names the node it lost, and the table is whole (_SUCCESS), every image
+    once, one machine's."""
     team.rejoin()
     a, b, hosts = team.a, team.b, team.hosts
     trace = a.root / "score-trace"
     dest = S3Url(SCORING_BUCKET, "scoring/by-cli")
-    hosts.power_off(a)  # A rejoins with the fault armed: its actor hangs on its first batch
-    team.stack.join(a, IMAGEOPS_FAULT="score.actor_batch:hang", IMAGEOPS_FAULT_TRACE=str(trace))
+    hosts.power_off(a)  # A rejoins with the fault armed: its read tasks hang on their first image
+    team.stack.join(a, IMAGEOPS_FAULT="score.image_read:hang", IMAGEOPS_FAULT_TRACE=str(trace))
     try:
         team.wait_for_nodes(2)
         options = [f"--{k.replace('_', '-')}={v}" for k, v in SCORING_OPTIONS.items()]
@@ -527,9 +536,9 @@ def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
-            held = lambda: trace.exists() and faults.reached(trace, "score.actor_batch")  # noqa: E731
-            wait_for("host A's actor holding a batch", held, 300)
-            assert driver.poll() is None  # the job waits for A's batch
+            held = lambda: trace.exists() and faults.reached(trace, "score.image_read")  # noqa: E731
+            wait_for("a read task on host A", held, 300)
+            assert driver.poll() is None  # the rows come in order: the job waits for A's
             hosts.power_off(a)
             printed, _ = driver.communicate(timeout=300)
         finally:
@@ -539,10 +548,11 @@ def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
         hosts.power_off(a)  # A back without the fault, for the tests after this one
         team.stack.join(a)
     assert driver.returncode == 0, printed
-    # The job names the node it lost; A's batches (the held one too) were scored on B.
+    # The job names the node it lost; what A held was read and scored again on B.
     (lost,) = re.findall(r"Lost node\(s\) (.*) during the job", printed)
     assert lost == f"{a.address} (host-a)", printed
-    assert scored_by_node(printed) == {"host-b": 300}, printed
+    nodes = by_node(printed)  # A's read tasks, each held at its first image, ran again on B
+    assert nodes["read"] == {"host-b": 300} and sum(nodes["scored"].values()) == 300, printed
     assert_scored_once(scoring, dest)
 
 

@@ -135,7 +135,7 @@ class _Job:
         ]
         wanted = np.concatenate([np.arange(first, last, dtype=np.int64) for first, last in slices])
         schema = table_schema(self.info.classes, labeled)
-        scored, nodes = 0, collections.Counter()
+        scored, nodes = 0, {"read": collections.Counter(), "scored": collections.Counter()}
         # Closed at once when a part fails or the driver stops: the job's executor ends with it.
         with contextlib.closing(self.rows(refs, wanted, transform, log)) as stream:
             pieces = _cut(stream, [last - first for first, last in slices])
@@ -156,9 +156,12 @@ class _Job:
                 scored += done
                 if job.shard is not None:
                     faults.point("score.shard_written", shard=job.shard[0], count=job.shard[1])
-        by_node = ", ".join(f"{node} {count}" for node, count in sorted(nodes.items()))
+        by_node = "; ".join(
+            f"{what} by node: " + ", ".join(f"{node} {n}" for node, n in sorted(count.items()))
+            for what, count in nodes.items()
+        )
         log.info(
-            "Scored %d image(s) on the cluster at %s (%d not scored: see %s); by node: %s",
+            "Scored %d image(s) on the cluster at %s (%d not scored: see %s); %s",
             scored, scoring.cluster, len(wanted) - scored, ERROR_COLUMN, by_node,
         )  # fmt: skip
         alive = live_nodes()
@@ -166,7 +169,7 @@ class _Job:
         if lost:  # Ray Data ran their tasks and actors again on the others (see _Job.rows)
             log.warning(
                 "Lost node(s) %s during the job: their images were read and scored again on "
-                "the other nodes (by node: %s)", ", ".join(lost), by_node,
+                "the other nodes (%s)", ", ".join(lost), by_node,
             )  # fmt: skip
 
     def rows(
@@ -279,12 +282,13 @@ def _cut(
 
 
 def _counted(
-    batches: Iterator[dict[str, np.ndarray]], nodes: collections.Counter
+    batches: Iterator[dict[str, np.ndarray]], nodes: dict[str, collections.Counter]
 ) -> Iterator[dict[str, np.ndarray]]:
-    """``batches`` as they come, each one's rows counted in ``nodes`` under the node that scored
-    them (the job's log says where its images went: every node, or which one did not take part)."""
+    """``batches`` as they come, each one's rows counted under the nodes that read and scored
+    them (the job's log says where its images went: every node, or which one took no part)."""
     for batch in batches:
-        nodes.update(str(node) for node in batch["node"])
+        nodes["read"].update(str(node) for node in batch["reader"])
+        nodes["scored"].update(str(node) for node in batch["scorer"])
         yield batch
 
 
@@ -339,6 +343,7 @@ def _read_batch(
         "id": batch["id"],
         "error": np.asarray(errors, dtype=object),
         "tensor": np.stack(tensors),
+        "reader": np.full(len(errors), socket.gethostname(), dtype=object),
     }
 
 
@@ -395,8 +400,6 @@ class _Scorer:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.failure is not None:
             raise self.failure
-        node = socket.gethostname()
-        faults.point("score.actor_batch", node=node)
         errors = [str(e) for e in batch["error"]]
         kept = [i for i, error in enumerate(errors) if not error]
         probs, labels = self.scorer.scores(batch["tensor"][kept] if kept else None, kept, errors)
@@ -405,7 +408,8 @@ class _Scorer:
             "error": np.asarray(errors, dtype=object),
             "probs": probs,
             "label": np.asarray(labels, dtype=object),
-            "node": np.full(len(errors), node, dtype=object),
+            "reader": batch["reader"],
+            "scorer": np.full(len(errors), socket.gethostname(), dtype=object),
         }
 
 
