@@ -144,8 +144,8 @@ class _Job:
                 with table_file(job.dest) as tmp:
                     writer = table_format(Path(job.dest.name)).writer(tmp, schema)
                     try:
-                        pieces_of = (batch for _, batch in rows)
-                        done = _write(writer, _counted(pieces_of, nodes), refs, schema, log)
+                        batches = (batch for _, batch in rows)
+                        done = _write(writer, _counted(batches, nodes), refs, schema, log)
                     finally:
                         writer.close()
                     if job.shard is None and not done:
