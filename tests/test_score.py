@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
-import uuid
 from itertools import pairwise
 from pathlib import Path
 
@@ -378,61 +376,6 @@ def test_reader_processes_decode_in_order_and_as_one_process_does(
         assert (kept, errors) == (kept_alone, errors_alone)
     warned = [r.getMessage() for r in caplog.records if "Cannot score" in r.getMessage()]
     assert [w.split()[2].rstrip(":") for w in warned] == ["a-broken.png", "m-broken.png"] * 2
-
-
-class _CountingReads:
-    """A first step for a transform: a file in ``folder`` for every image it is given."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def __call__(self, image: object) -> object:
-        (self.folder / uuid.uuid4().hex).touch()
-        return image
-
-
-def test_paused_readers_start_no_image_while_a_batch_is_scored(
-    digits_raw: Path, tmp_path: Path
-) -> None:
-    """Readers paused for a session on every core (issue 45: readers beside it cost ONNX
-    Runtime twice their own time) start no image while the caller holds a batch, only finish the
-    one each had begun; the batches are those of readers that never pause."""
-    from tasks.inference.score.images import list_images
-    from tasks.inference.score.readers import read_batches
-
-    folder = tmp_path / "photos"
-    _plain_folder(digits_raw, folder, count=40)
-    refs, _ = list_images(folder)
-    transform = build_transform(TransformSpec(resize_size=16, center_crop_size=16), "inference")
-    seen = tmp_path / "seen"
-    seen.mkdir()
-    log = logging.getLogger("tasks.inference.score")
-    counting = v2.Compose([_CountingReads(seen), *transform.transforms])
-    read = read_batches(refs, 4, counting, 2, log, pause=True)
-    first = next(read)
-    held = len(list(seen.iterdir()))
-    time.sleep(1.0)  # unpaused, the two readers read 16 more images meanwhile (4 batches ahead)
-    assert len(list(seen.iterdir())) <= held + 2
-    paused = [first, *read]
-    beside = list(read_batches(refs, 4, transform, 2, log))
-    assert len(list(seen.iterdir())) == len(refs)
-    for (start, batch, images, kept, errors), (*expected, images_beside, _, _) in zip(
-        paused, beside, strict=True
-    ):
-        assert [start, batch] == expected[:2]
-        assert np.array_equal(images, images_beside) and not any(errors) and len(kept) == 4
-
-
-def test_readers_pause_only_for_a_session_on_the_cores_they_would_share() -> None:
-    """The rule, not a timing: a CPU session on every core pauses the readers; one on a GPU, or
-    one leaving the readers cores of their own, does not."""
-    from tasks.inference.score.readers import readers_pause
-    from tasks.inference.score.session import default_threads
-
-    cores = default_threads()
-    assert readers_pause("CPUExecutionProvider", cores, cores)
-    assert not readers_pause("CUDAExecutionProvider", cores, cores)
-    assert not readers_pause("CPUExecutionProvider", cores - 1, 1)
 
 
 def test_a_script_without_a_main_guard_scores_with_its_readers(

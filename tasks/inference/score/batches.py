@@ -19,7 +19,7 @@ from models.directory import ONNX, ONNX_INT8, ModelInfo, read_model_info
 from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import transform_for
 from tasks.inference.score.images import applied_transform, list_slice
-from tasks.inference.score.readers import read_batches, reader_processes, readers_pause
+from tasks.inference.score.readers import read_batches, reader_processes
 from tasks.inference.score.rows import BatchScorer, scored_table
 from tasks.inference.score.session import (
     batch_time_limit,
@@ -143,11 +143,8 @@ def score(
     table = scored_table(dest, schema, images, whole=shard is None)
     with table as rows, _progress(len(refs)) as progress:
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
-        # Reader processes decode the next batches, paused while the session computes on
-        # cores they would share with it.
-        cores = threads or default_threads()
-        pause = readers_pause(session.get_providers()[0], cores, readers)
-        read = read_batches(refs, batch_size, transform, readers, log, pause)
+        # Reader processes decode the next batches beside ONNX Runtime's threads.
+        read = read_batches(refs, batch_size, transform, readers, log)
         for start, batch, stacked, kept, errors in read:
             probs, labels = scorer.scores(stacked, kept, errors, log, [r.path for r in batch])
             ids = np.arange(first + start, first + start + len(batch))

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from tasks.data.imagedir import ImageRefused, load_rgb
 from tasks.data.transform import per_batch_steps
 from tasks.inference.score.images import ImageRef
-from tasks.inference.score.session import default_threads
 from tasks.shared import faults
 from tasks.shared.fork_server import start_fork_server
 from tasks.shared.parent_death import die_with
@@ -36,20 +35,6 @@ if TYPE_CHECKING:
 # Batches read ahead by each reader process: two keep a reader busy while the session scores, and
 # bound the shared memory in flight (readers x 2 batches; 38 MB per batch of 64 at 224 px).
 BATCHES_AHEAD = 2
-
-
-def readers_pause(provider: str, threads: int, readers: int) -> bool:
-    """Whether the readers wait while ONNX Runtime scores a batch: when it computes on the CPU
-    and its threads and the readers are more than the cores.
-
-    Each of ONNX Runtime's parallel operators waits for its slowest thread: a reader that
-    preempts one thread stalls the others, and readers decoding beside the session took 2x the
-    decoding's own CPU time off it (64 px: 0.49x the engine alone). Paused, the readers decode
-    while the session waits for its next batch, on every core at once. On a GPU the session's
-    threads mostly wait for the device, and readers beside it keep it fed. A rule, not a timing
-    (docs/scoring.md#readers).
-    """
-    return provider == "CPUExecutionProvider" and threads + readers > default_threads()
 
 
 def reader_processes(cores: int) -> int:
@@ -86,16 +71,11 @@ class _BatchReader(Dataset):
     result a reader process puts in shared memory for the scoring process to read in place.
     """
 
-    def __init__(self, transform: v2.Compose, gate: Any = None) -> None:
+    def __init__(self, transform: v2.Compose) -> None:
         self.per_image, self.per_batch = per_batch_steps(transform)
-        self.gate = gate  # an Event: set while the readers may use the cores (None: always)
 
     def __getitem__(self, refs: list[ImageRef]) -> tuple[torch.Tensor | None, list[str]]:
-        read = []
-        for ref in refs:
-            if self.gate is not None:
-                self.gate.wait()
-            read.append(read_image(ref, self.per_image))
+        read = [read_image(ref, self.per_image) for ref in refs]
         tensors = [torch.from_numpy(tensor) for tensor, _ in read if tensor is not None]
         errors = [error for _, error in read]
         if not tensors:
@@ -162,24 +142,18 @@ def read_batches(
     transform: v2.Compose,
     readers: int,
     log: logging.Logger | logging.LoggerAdapter,
-    pause: bool = False,
 ) -> Iterator[tuple[int, list[ImageRef], np.ndarray | None, list[int], list[str]]]:
     """Each batch read: (its start, its refs, its readable images as one float array or None, the
     places in the batch they come from, each image's error), in the images' order.
 
     ``readers`` processes read the next batches while the caller scores this one (0: this process
-    reads each batch when asked, nothing ahead); with ``pause`` (:func:`readers_pause`) they
-    start no image while the caller holds a batch. At most ``readers * BATCHES_AHEAD`` batches
-    are in flight, whatever the number of images. An image that cannot be read gets its reason
-    (and a log line, in the images' order) instead of a place in the array.
+    reads each batch when asked, nothing ahead). At most ``readers * BATCHES_AHEAD`` batches are
+    in flight, whatever the number of images. An image that cannot be read gets its reason (and
+    a log line, in the images' order) instead of a place in the array.
     """
     batches = [refs[start : start + size] for start in range(0, len(refs), size)]
     options: dict = {}
-    gate = None
     if readers > 0:
-        if pause:
-            gate = start_fork_server().Event()
-            gate.set()
         options = {
             "num_workers": readers,
             "prefetch_factor": BATCHES_AHEAD,
@@ -187,11 +161,7 @@ def read_batches(
             "worker_init_fn": partial(_reader_started, os.getpid(), dict(os.environ), os.getcwd()),
         }
     loader = DataLoader(
-        _BatchReader(transform, gate),
-        batch_size=None,
-        sampler=batches,
-        collate_fn=_as_read,
-        **options,
+        _BatchReader(transform), batch_size=None, sampler=batches, collate_fn=_as_read, **options
     )
     with _one_torch_thread():
         with _main_module_left_out():
@@ -203,15 +173,9 @@ def read_batches(
                 for ref, error in zip(batch, errors, strict=True):
                     if error:
                         log.warning("Cannot score %s: %s", ref.path, error)
-                if gate is not None:
-                    gate.clear()  # the caller scores it on every core
                 yield start, batch, None if stacked is None else stacked.numpy(), kept, errors
-                if gate is not None:
-                    gate.set()
                 start += len(batch)
         finally:  # done, or the caller stopped early (an error, Ctrl-C): the readers end now
-            if gate is not None:
-                gate.set()  # a paused reader could not see the loader's call to stop
             shutdown = getattr(read, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
