@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import onnx
@@ -16,7 +14,6 @@ import pandas as pd
 import pytest
 from model_helpers import copy_model
 from prefect_runs import task_runs_of
-from scoring_runs import FirstShardThenWait
 
 from models.directory import ONNX
 from models.locks import lock_fd
@@ -29,10 +26,8 @@ from tasks.inference.score import (
     list_images,
     score,
     score_in_shards,
-    score_sharded,
 )
 from tasks.shared import faults
-from tasks.shared.errors import DestinationBusyError
 from tasks.shared.settings import Settings
 
 pytest_plugins = ["model_fixtures"]
@@ -176,36 +171,6 @@ def test_a_checkpoint_is_reused_only_by_the_same_scoring(
         assert planted.read_bytes() == planted_bytes
         assert sorted(p.name for p in dest.parent.iterdir()) == [CHECKPOINTS, "scores.csv"]
         assert [p.name for p in (dest.parent / CHECKPOINTS).iterdir()] == [planted.parent.name]
-
-
-def test_a_second_scoring_into_a_table_being_written_is_refused(
-    exported_model: Path, digits_raw: Path, tmp_path: Path
-) -> None:
-    images = _photos(digits_raw, tmp_path / "photos")
-    others = tmp_path / "others"
-    others.mkdir()
-    for path in sorted(digits_raw.rglob("*.png"))[12:24]:
-        shutil.copyfile(path, others / path.name)
-    dest = tmp_path / "out" / "scores.csv"
-    first = FirstShardThenWait()
-    with ThreadPoolExecutor(1) as pool:
-        scoring = ShardedScoring(exported_model, images, dest, shard_images=6, batch_size=2)
-        writing = pool.submit(score_sharded, scoring, first)
-        try:
-            first.wait_holding(writing)
-            with pytest.raises(DestinationBusyError) as busy:  # other images, the same table
-                score_in_shards(exported_model, others, dest, shard_images=6, batch_size=2)
-        finally:
-            first.go_on.set()
-        writing.result()
-    assert f"{dest} is being written by another scoring: pid {os.getpid()} on " in str(busy.value)
-    assert socket.gethostname() in busy.value.message
-    assert busy.value.hint.startswith("Wait for it to end, or score into another dest.")
-
-    # The first scoring's table, whole and its own; nothing else is left beside it.
-    table = pd.read_csv(dest, dtype=str, keep_default_na=False)
-    assert table["path"].tolist() == [ref.path for ref in list_images(images)[0]]
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["scores.csv"]  # the lock too
 
 
 @pytest.mark.slow

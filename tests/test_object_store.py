@@ -7,7 +7,6 @@ real DVC pushes and fetches, a real ``mlflow server`` and boto3 to look inside t
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import shutil
@@ -15,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,29 +28,16 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from prefect_runs import artifacts_of, task_runs_of
 from projects import imageops, use_project
-from scoring_runs import FirstShardThenWait
 from server_processes import ROOT, Processes, base_env, healthy
 
 from tasks.data.imagedir import is_image_file, read_manifest
 from tasks.data.versioning import REMOTE_NAME, ensure_dvc_repo, fetch_version, version
-from tasks.inference.score import (
-    ERROR_COLUMN,
-    LABEL_COLUMN,
-    ShardedScoring,
-    list_images,
-    score_in_shards,
-    score_sharded,
-)
+from tasks.inference.score import ERROR_COLUMN, LABEL_COLUMN, score_in_shards
 from tasks.inference.score.s3_table import read_parts
 from tasks.registry.model_uri import resolve_model
 from tasks.registry.register import register
 from tasks.shared import faults, servers
-from tasks.shared.errors import (
-    DataUnavailableError,
-    DestinationBusyError,
-    InvalidParameterError,
-    ObjectStoreError,
-)
+from tasks.shared.errors import DataUnavailableError, InvalidParameterError, ObjectStoreError
 from tasks.shared.object_store import (
     ALL_ACTIONS,
     S3Server,
@@ -646,149 +631,3 @@ def test_a_scoring_into_s3_stopped_before_its_marker_shows_no_table_and_resumes(
         state.state_details.flow_run_id, SCORING_REPORT
     )  # the run's report, read from the parts
     assert "| rows | 90 |" in report.data and f"| table | `{dest}` |" in report.data
-
-
-# --- one scoring writes a prefix at a time ------------------------------------------------------
-
-SCORING = {"shard_images": 40, "batch_size": 16, "threads": 1}  # 90 images: 3 parts
-PARTS = [f"scores/part-0000{i}.parquet" for i in range(3)]
-
-
-@pytest.fixture
-def s3_in_use(project: Settings, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Settings:
-    """The project, with the server's keys and endpoint in the environment."""
-    return _on_s3(project, s3_server, monkeypatch)
-
-
-@pytest.fixture
-def raw_on_s3(s3_in_use: Settings, s3_server: S3Server, s3_bucket: str, digits_raw: Path) -> S3Url:
-    """The 90 raw digits under ``s3://<the test's bucket>/raw``, the server's keys in use."""
-    _upload(s3_server, digits_raw, s3_bucket, "raw")
-    return S3Url(s3_bucket, "raw")
-
-
-def test_a_second_scoring_into_a_prefix_being_written_is_refused_and_the_first_table_is_whole(
-    exported_model: Path,
-    raw_on_s3: S3Url,
-    s3_server: S3Server,
-    s3_bucket: str,
-    digits_raw: Path,
-    tmp_path: Path,
-) -> None:
-    images, dest = raw_on_s3, S3Url(s3_bucket, "scores")
-    first = FirstShardThenWait()
-    with ThreadPoolExecutor(1) as pool:
-        writing = pool.submit(
-            score_sharded, ShardedScoring(exported_model, images, dest, **SCORING), first
-        )
-        try:
-            first.wait_holding(writing)
-            # While its first part is in, another scoring of other images into the same prefix,
-            # as a user types it.
-            others = sorted(digits_raw.rglob("*.png"))[:4]
-            (tmp_path / "others").mkdir()
-            for path in others:
-                shutil.copyfile(path, tmp_path / "others" / path.name)
-            refused = imageops("score", str(exported_model), "others", str(dest), cwd=tmp_path)
-        finally:
-            first.go_on.set()
-        writing.result()
-    assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert "Traceback" not in refused.stderr
-    (error,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert error.startswith(
-        f"error: DestinationBusyError: {dest} is being written by another scoring: "
-        f"pid {os.getpid()} on {socket.gethostname()}, writing since "
-    )
-    assert "what to do: Wait for it to end, or score into another dest." in refused.stderr
-
-    # The first scoring's table, whole and its own; its lease is gone with it.
-    assert _keys(s3_server, s3_bucket, "scores/") == ["scores/_SUCCESS", *PARTS]
-    table = pd.concat(read_parts(dest), ignore_index=True)
-    assert table["id"].tolist() == list(range(90))
-    assert table["path"].tolist() == [ref.path for ref in list_images(images)[0]]
-
-    # A part written over after the marker (a scoring stalled past its lease, copying late): the
-    # table no longer reads as whole.
-    client = s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
-    late = {"Bucket": s3_bucket, "Key": PARTS[0]}
-    client.copy_object(Bucket=s3_bucket, Key=PARTS[1], CopySource=late)
-    with pytest.raises(ObjectStoreError, match=f"s3://{s3_bucket}/{PARTS[1]} is not the part"):
-        list(read_parts(dest))
-
-
-def test_a_killed_scorings_lease_is_taken_over_on_its_machine_and_its_parts_resumed(
-    exported_model: Path,
-    raw_on_s3: S3Url,
-    s3_server: S3Server,
-    s3_bucket: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    images, dest = raw_on_s3, S3Url(s3_bucket, "scores")
-    options = [f"--{name.replace('_', '-')}={value}" for name, value in SCORING.items()]
-
-    # SIGKILLed once its first part is uploaded: its lease stays behind, with the part.
-    monkeypatch.setenv(faults.FAULT, "score.shard_written:shard=0:kill")
-    killed = imageops("score", str(exported_model), str(images), str(dest), *options, cwd=tmp_path)
-    monkeypatch.delenv(faults.FAULT)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    left = _keys(s3_server, s3_bucket, "scores/")
-    (lease,) = [key for key in left if key.startswith("scores/_temporary/_lease/")]
-    assert [key.rsplit("/", 1)[1] for key in left if key != lease] == ["part-00000.parquet"]
-
-    # Started again on the same machine: that process is gone, so its lease is taken at once.
-    caplog.set_level(logging.INFO)
-    score_in_shards(exported_model, images, dest, **SCORING)
-    assert f"Took {dest} over from pid " in caplog.text
-    assert "its process has ended" in caplog.text
-    assert "Reusing 1 of 3 finished shards" in caplog.text
-    assert _keys(s3_server, s3_bucket, "scores/") == ["scores/_SUCCESS", *PARTS]
-    assert pd.concat(read_parts(dest), ignore_index=True)["id"].tolist() == list(range(90))
-
-
-def test_a_lease_from_another_machine_holds_the_prefix_until_its_deadline(
-    exported_model: Path,
-    s3_in_use: Settings,
-    s3_server: S3Server,
-    s3_bucket: str,
-    digits_raw: Path,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    photos = tmp_path / "photos"
-    photos.mkdir()
-    for path in sorted(digits_raw.rglob("*.png"))[:12]:
-        shutil.copyfile(path, photos / path.name)
-    dest = S3Url(s3_bucket, "scores")
-    client = s3_client(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key)
-    # What a scoring in a flow run on another machine wrote, then renewed last just now.
-    lease = "scores/_temporary/_lease/0000000007"
-    run = {"id": "0b5e7c1e-5c0f-4f5e-9a51-6d1d1c2e3f40", "name": "crimson-lemur"}
-    record = {"host": "node-b", "pid": 4242, "started": 1.0, "machine": "its own kernel",
-              "flow_run": run, "since": "2026-11-29 04:00:00 UTC", "lease_s": 600}  # fmt: skip
-    client.put_object(Bucket=s3_bucket, Key=lease, Body=json.dumps(record).encode())
-
-    with pytest.raises(DestinationBusyError) as busy:
-        score_in_shards(exported_model, photos, dest)
-    assert (
-        f"{dest} is being written by another scoring: pid 4242 on node-b (flow run "
-        f"'crimson-lemur', {run['id']}), writing since 2026-11-29 04:00:00 UTC, its lease "
-        "renewed "
-    ) in busy.value.message
-    assert "scores/_temporary/_lease/ once you are sure" in busy.value.hint
-    assert _keys(s3_server, s3_bucket, "scores/") == [lease]  # nothing written
-
-    # Its last renewal promised one more within a second: none came. Past that, taken over.
-    record["lease_s"] = 1
-    client.put_object(Bucket=s3_bucket, Key=lease, Body=json.dumps(record).encode())
-    time.sleep(2.5)  # S3 stamps whole seconds: 2 s older at least
-    caplog.set_level(logging.WARNING)
-    score_in_shards(exported_model, photos, dest)
-    assert f"Took {dest} over from pid 4242 on node-b" in caplog.text
-    assert "its lease was not renewed for" in caplog.text
-    assert _keys(s3_server, s3_bucket, "scores/") == [
-        "scores/_SUCCESS",
-        "scores/part-00000.parquet",
-    ]

