@@ -39,7 +39,7 @@ from tasks.cluster import health as gang_health
 from tasks.cluster.connect import connect, leave
 from tasks.cluster.job import stopped_whole
 from tasks.cluster.node_settings import server_settings
-from tasks.data.transform import input_size, transform_for
+from tasks.data.transform import input_size, per_batch_steps, transform_for
 from tasks.inference.score import CHECKPOINTS, score, score_in_shards
 from tasks.inference.score.on_cluster import ClusterScoring, _read_batch, score_on_cluster
 from tasks.inference.score.s3_table import read_parts
@@ -535,7 +535,7 @@ def test_a_node_whose_keys_s3_refuses_fails_the_job_instead_of_making_error_rows
         monkeypatch.setenv(key, value)
     reading = {
         "root": S3Url(s3_bucket, "images"),
-        "transform": transform_for(info.transform, "inference", digits_to_score, None),
+        "steps": per_batch_steps(transform_for(info.transform, "inference", digits_to_score, None)),
         "side": input_size(info.transform),
         "servers": servers,
     }

@@ -192,7 +192,8 @@ class _Job:
         settings = Settings()  # the driver's: the servers every node's tasks and actors use
         reading = {
             "root": self.images,  # once, not per image
-            "transform": transform,
+            # split once here, not per batch, as the one-machine readers do
+            "steps": per_batch_steps(transform),
             "side": input_size(self.info.transform),
             "servers": server_settings(settings),  # the S3 endpoint the tasks read from
         }
@@ -262,7 +263,7 @@ def _write(table: TableRows, batch: dict[str, np.ndarray], refs: list[ImageRef],
 def _read_batch(
     batch: dict[str, np.ndarray],
     root: Path | S3Url,
-    transform: Any,
+    steps: tuple[Any, Any],
     side: int,
     servers: dict[str, str],
 ) -> dict[str, np.ndarray]:
@@ -271,7 +272,7 @@ def _read_batch(
     this node's keys: when S3 refuses them or does not answer, the task fails (ObjectStoreError
     naming the node) instead of making every image an error row that a rerun would keep."""
     node_settings(servers)
-    per_image, per_batch = per_batch_steps(transform)  # as the one-machine readers do
+    per_image, per_batch = steps  # each image's steps; the closing ones on the stacked batch
     tensors, errors = [], []
     for rel, problem in zip(batch["rel"], batch["problem"], strict=True):
         ref = ImageRef(root, str(rel), None, str(problem))
