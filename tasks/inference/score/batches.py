@@ -140,13 +140,13 @@ def score(
     transform = transform_for(info.transform, "inference", images, applied_transform(images))
     schema = table_schema(info.classes, labeled)
     scorer = BatchScorer(session, info.classes, time_limit, onnx_path)
-    table = scored_table(dest, schema, images, whole=shard is None)
+    table = scored_table(dest, schema, images, whole=shard is None, log=log)
     with table as rows, _progress(len(refs)) as progress:
         bar = progress.add_task("Scoring", total=len(refs)) if progress else None
         # Reader processes decode the next batches beside ONNX Runtime's threads.
-        read = read_batches(refs, batch_size, transform, readers, log)
+        read = read_batches(refs, batch_size, transform, readers)
         for start, batch, stacked, kept, errors in read:
-            probs, labels = scorer.scores(stacked, kept, errors, log, [r.path for r in batch])
+            probs, labels = scorer.scores(stacked, kept, errors)
             ids = np.arange(first + start, first + start + len(batch))
             rows.write(ids, batch, errors, probs, labels)
             if bar is not None:

@@ -138,9 +138,10 @@ class _Job:
             pieces = _cut(stream, [last - first for first, last in slices])
             for index, rows in itertools.groupby(pieces, lambda piece: piece[0]):
                 job = jobs[index]
-                with scored_table(job.dest, schema, images, whole=job.shard is None) as table:
+                whole = job.shard is None
+                with scored_table(job.dest, schema, images, whole, log) as table:
                     for _, batch in rows:
-                        _write(table, batch, refs, log)
+                        _write(table, batch, refs)
                 scored += table.scored
                 if job.shard is not None:
                     faults.point("score.shard_written", shard=job.shard[0], count=job.shard[1])
@@ -251,12 +252,9 @@ def _cut(
             size -= taken
 
 
-def _write(table: TableRows, batch: dict[str, np.ndarray], refs: list[ImageRef], log: Any) -> None:
-    """Write a batch the actors scored as the table's rows, logging each image not scored."""
+def _write(table: TableRows, batch: dict[str, np.ndarray], refs: list[ImageRef]) -> None:
+    """Write a batch the actors scored as the table's rows."""
     ids, errors = batch["id"], [str(e) for e in batch["error"]]
-    for i, error in zip(ids, errors, strict=True):
-        if error:
-            log.warning("Cannot score %s: %s", refs[i].path, error)
     table.write(ids, [refs[i] for i in ids], errors, batch["probs"], batch["label"].astype(object))
 
 

@@ -11,7 +11,6 @@ one. Details: docs/scoring.md#readers.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -141,15 +140,14 @@ def read_batches(
     size: int,
     transform: v2.Compose,
     readers: int,
-    log: logging.Logger | logging.LoggerAdapter,
 ) -> Iterator[tuple[int, list[ImageRef], np.ndarray | None, list[int], list[str]]]:
     """Each batch read: (its start, its refs, its readable images as one float array or None, the
     places in the batch they come from, each image's error), in the images' order.
 
     ``readers`` processes read the next batches while the caller scores this one (0: this process
     reads each batch when asked, nothing ahead). At most ``readers * BATCHES_AHEAD`` batches are
-    in flight, whatever the number of images. An image that cannot be read gets its reason (and
-    a log line, in the images' order) instead of a place in the array.
+    in flight, whatever the number of images. An image that cannot be read gets its reason instead
+    of a place in the array.
     """
     batches = [refs[start : start + size] for start in range(0, len(refs), size)]
     options: dict = {}
@@ -170,9 +168,6 @@ def read_batches(
             start = 0
             for batch, (stacked, errors) in zip(batches, read, strict=True):
                 kept = [i for i, error in enumerate(errors) if not error]
-                for ref, error in zip(batch, errors, strict=True):
-                    if error:
-                        log.warning("Cannot score %s: %s", ref.path, error)
                 yield start, batch, None if stacked is None else stacked.numpy(), kept, errors
                 start += len(batch)
         finally:  # done, or the caller stopped early (an error, Ctrl-C): the readers end now

@@ -45,13 +45,10 @@ class BatchScorer:
         images: np.ndarray | None,
         kept: list[int],
         errors: list[str],
-        log: logging.Logger | logging.LoggerAdapter | None = None,
-        paths: Sequence[str] = (),
     ) -> tuple[np.ndarray, np.ndarray]:
         """(probabilities, labels) of a batch of ``len(errors)`` images, ``images`` those of the
         images ``kept``, stacked (None when none is); an image whose scores are unusable gets its
-        reason in ``errors`` (logged with its path in ``paths`` when ``log`` is given). Rows not
-        scored: NaN, ""."""
+        reason in ``errors``. Rows not scored: NaN, ""."""
         classes = np.asarray(self.classes, dtype=object)
         probs = np.full((len(errors), len(classes)), np.nan)
         labels = np.full(len(errors), "", dtype=object)
@@ -61,8 +58,6 @@ class BatchScorer:
         for i, reason in zip(kept, unusable_scores(logits), strict=True):
             if reason:
                 errors[i] = reason
-                if log is not None:
-                    log.warning("Cannot score %s: %s", paths[i], reason)
         usable = [row for row, i in enumerate(kept) if not errors[i]]
         kept = [kept[row] for row in usable]
         probs[kept] = softmax(logits[usable])
@@ -70,23 +65,15 @@ class BatchScorer:
         return probs, labels
 
 
-def table_rows(
-    columns: dict[str, object], probs: np.ndarray, labels: np.ndarray, table_columns: list[str]
-) -> pd.DataFrame:
-    """The batch as the table's rows: ``columns`` (id, path, category, error) then the scores."""
-    data = dict(columns)
-    prob_columns = [c for c in table_columns if c.startswith(PROBABILITY_PREFIX)]
-    data |= {col: probs[:, i] for i, col in enumerate(prob_columns)}
-    data[LABEL_COLUMN] = labels
-    return pd.DataFrame({c: data[c] for c in table_columns}, columns=table_columns)
-
-
 @dataclass
 class TableRows:
-    """The rows written so far into a table being written (:func:`scored_table`)."""
+    """The rows written so far into a table being written (:func:`scored_table`); each image not
+    scored is logged with its reason as its row is written, so both paths log it alike, in the
+    images' order."""
 
     writer: Any  # the table format's writer
     columns: list[str]
+    log: logging.Logger | logging.LoggerAdapter
     rows: int = 0
     scored: int = 0  # rows without an error
 
@@ -99,27 +86,37 @@ class TableRows:
         labels: np.ndarray,
     ) -> None:
         """Write a batch: the images ``refs`` at places ``ids`` of the listing, each with its
-        error ("" when scored) and its scores."""
+        error ("" when scored) and its scores (NaN and "" when not)."""
+        for ref, error in zip(refs, errors, strict=True):
+            if error:
+                self.log.warning("Cannot score %s: %s", ref.path, error)
         data = {
             "id": np.asarray(ids, dtype=np.int64),
             "path": [r.path for r in refs],
             "category": [r.category for r in refs],
             ERROR_COLUMN: errors,
         }
-        self.writer.write(table_rows(data, probs, labels, self.columns))
+        scores = [c for c in self.columns if c.startswith(PROBABILITY_PREFIX)]
+        data |= {column: probs[:, i] for i, column in enumerate(scores)}
+        data[LABEL_COLUMN] = labels
+        self.writer.write(pd.DataFrame({c: data[c] for c in self.columns}, columns=self.columns))
         self.rows += len(errors)
         self.scored += sum(1 for error in errors if not error)
 
 
 @contextlib.contextmanager
 def scored_table(
-    dest: Path | S3Url, schema: pa.Schema, images: Path | S3Url, whole: bool
+    dest: Path | S3Url,
+    schema: pa.Schema,
+    images: Path | S3Url,
+    whole: bool,
+    log: logging.Logger | logging.LoggerAdapter,
 ) -> Iterator[TableRows]:
     """Write the table ``dest`` (atomically, or uploaded whole: :func:`table_file`) from the rows
     the block writes. ``whole``: the whole input's table, refused (NoUsableImagesError, nothing
     written) when no row was scored; a shard's table may hold only error rows."""
     with table_file(dest) as tmp:
-        rows = TableRows(table_format(Path(dest.name)).writer(tmp, schema), schema.names)
+        rows = TableRows(table_format(Path(dest.name)).writer(tmp, schema), schema.names, log)
         try:
             yield rows
         finally:
