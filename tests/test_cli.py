@@ -165,3 +165,28 @@ def test_the_seed_errors_are_named_on_the_error_line(
     assert len(error_lines) == 1 and error_lines[0].startswith(f"error: {error}: "), shown
     assert any(line.startswith("what to do: ") and line[12:].strip() for line in lines), shown
     assert not (tmp_path / "out").exists(), shown
+
+
+def test_score_on_the_team_cluster_outside_a_team_is_refused_naming_the_setting(
+    tmp_path: Path,
+    project,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 45: `imageops score ... --cluster team` takes the team's cluster from the join
+    file's IMAGEOPS_RAY_ADDRESS; on a machine in no team, one error line says so, before any
+    model or image is looked at, and nothing is written."""
+    monkeypatch.delenv("IMAGEOPS_RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+
+    code = _main(["score", "models:/nowhere/1", "nowhere", "out.csv", "--cluster", "team"],
+                 monkeypatch)  # fmt: skip
+
+    printed = capsys.readouterr()
+    assert code == 2, printed
+    assert "error: ClusterUnavailableError: --cluster team: this machine is in no team" in (
+        printed.err
+    ), printed
+    assert "what to do: Source the team's join file" in printed.err
+    assert not (tmp_path / "out.csv").exists()

@@ -469,7 +469,10 @@ def test_a_cluster_scoring_from_s3_to_s3_stopped_by_ctrl_c_resumes_with_only_the
         driver.send_signal(signal.SIGINT)
         started = time.monotonic()
         gone = servers.wait_until(lambda: not _job_processes(cluster), 30, interval_s=0.5)
-        assert gone, f"still running 30 s after Ctrl-C: {_job_processes(cluster)}"
+        if not gone:  # the test fails, and says what the driver said, instead of waiting on it
+            still = _job_processes(cluster)
+            driver.kill()
+            pytest.fail(f"still running 30 s after Ctrl-C: {still}\n{driver.communicate()[1]}")
         assert time.monotonic() - started < 30
         _, err = driver.communicate(timeout=60)
     assert driver.returncode != 0 and "Traceback" not in err, err

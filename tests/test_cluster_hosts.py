@@ -5,9 +5,10 @@ Prefect, Ray head, each behind a login); hosts A and B (tests/hosts.py: each its
 PID namespace and /proc, hostname, checkout and home) each run `imageops team join` (the join
 file in the host user's ~/.config/imageops): a Ray node and a Prefect worker. On them: 2-node
 trainings through `prefect deployment run` whose Prefect worker, or whose flow-run process, is
-SIGKILLed mid-training; a cancelled one; one from the CLI while a host loses power; and the
-nightly pipeline on the host that did not prepare the data (issue 44). tests/team_stack.py
-starts the stack.
+SIGKILLed mid-training; a cancelled one; one from the CLI while a host loses power; one scoring
+of an S3 prefix by both hosts' Ray nodes, through `prefect deployment run` and through `imageops
+score` while a host loses power (issue 45); and the nightly pipeline on the host that did not
+prepare the data (issue 44). tests/team_stack.py starts the stack.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from hosts import Host, Hosts, can_make_hosts
 from mlflow import MlflowClient
@@ -32,10 +34,16 @@ from server_processes import LONG_WAIT
 from team_stack import TeamStack
 
 from models.untrained import spec_for, write_untrained
+from tasks.data.convert import convert
+from tasks.data.sample import write_digits
 from tasks.data.transform import init_transformation
+from tasks.inference.score import score
+from tasks.inference.score.s3_table import read_parts
 from tasks.shared import faults, servers
+from tasks.shared.object_store import S3Url, s3_client
 from tasks.train.loop import METRICS
 
+pytest_plugins = ["model_fixtures"]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts())),
@@ -408,6 +416,144 @@ def test_a_two_node_job_from_the_cli_survives_a_host_losing_power(team: Team) ->
     assert meetings and meetings <= {(a.address, "eth0"), (b.address, "eth0")}
     # host B trained on data it fetched from the DVC remote (S3): both versions
     assert len(list((b.project / ".imageops" / "data-versions").iterdir())) >= 2
+
+
+# --- one scoring on both hosts --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """Images in the team's S3, the model every host has in its checkout, one machine's table."""
+
+    images: S3Url
+    model: str  # the ModelDirectory, relative to each host's checkout
+    expected: pd.DataFrame  # one-machine scoring of the same images
+
+
+SCORING_BUCKET = "imageops"  # the team's bucket (app/team.py)
+SCORING_OPTIONS = {"batch_size": 8, "shard_images": 100}  # 3 parts of 100 images
+
+
+@pytest.fixture(scope="module")
+def scoring(team: Team, exported_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Scoring:
+    """300 digits (16 px PNGs, an ImageDirectory) uploaded under s3://imageops/scoring/images,
+    the session's exported model copied into each host's checkout."""
+    root = tmp_path_factory.mktemp("scoring")
+    raw = write_digits(root / "raw", size=16, classes=[0, 1, 2], per_class=100)
+    folder = root / "images"
+    convert(raw, folder)
+    values = team.stack.values
+    client = s3_client(values["AWS_ENDPOINT_URL"], values["AWS_ACCESS_KEY_ID"],
+                       values["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+    images = S3Url(SCORING_BUCKET, "scoring/images")
+    for path in folder.rglob("*"):
+        if path.is_file():
+            key = f"{images.key}/{path.relative_to(folder).as_posix()}"
+            client.upload_file(str(path), images.bucket, key)
+    for host in team.hosts.hosts:
+        shutil.copytree(exported_model, host.project / "scoring-model")
+    expected = pd.read_parquet(score(exported_model, folder, root / "here.parquet"))
+    assert len(expected) == 300
+    return Scoring(images, "scoring-model", expected)
+
+
+def assert_scored_once(scoring: Scoring, dest: S3Url) -> None:
+    """The table under ``dest`` (whole: its _SUCCESS lists its parts) is one-machine scoring's:
+    every image once, the same labels, probabilities to float rounding."""
+    scored = pd.concat(read_parts(dest), ignore_index=True)
+    assert scored["id"].tolist() == list(range(len(scoring.expected)))  # each image once
+    # The same rows; an image's path is its object's key here, its file's there.
+    pd.testing.assert_frame_equal(
+        scored.drop(columns="path"), scoring.expected.drop(columns="path"),
+        check_exact=False, rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
+
+
+def by_node(log: str) -> dict[str, dict[str, int]]:
+    """The images each node read and scored, from the job's log ("read by node: host-a 140,
+    host-b 160; scored by node: host-a 150, host-b 150")."""
+    found = re.findall(r"(read|scored) by node: ([^;)\n]*)", log)
+    assert len(found) == 2, log
+    return {
+        what: {node: int(n) for node, n in (item.split() for item in nodes.split(", "))}
+        for what, nodes in found
+    }
+
+
+def flow_run_logs(team: Team, flow_run: str) -> str:
+    with team.stack.prefect() as api:
+        logs = api.post("/logs/filter", json={
+            "logs": {"flow_run_id": {"any_": [flow_run]}}, "sort": "TIMESTAMP_ASC", "limit": 200,
+        }).raise_for_status().json()  # fmt: skip
+    return "\n".join(log["message"] for log in logs)
+
+
+def test_a_score_deployment_run_scores_an_s3_prefix_on_both_hosts(
+    team: Team, scoring: Scoring
+) -> None:
+    """Issue 45: `prefect deployment run imageops-score/score -p cluster=team` on host A, as a
+    person who sourced the join file: one Ray Data job whose actors score on both hosts' nodes,
+    the table under the S3 prefix every image once and one machine's."""
+    team.rejoin()
+    dest = S3Url(SCORING_BUCKET, "scoring/by-deployment")
+    flow_run = run_deployment(
+        team, team.a, "imageops-score/score", model=scoring.model, images=str(scoring.images),
+        dest=str(dest), cluster="team", **SCORING_OPTIONS,
+    )  # fmt: skip
+    state = final_state(team, flow_run, 400)
+    logs = flow_run_logs(team, flow_run)
+    assert state["type"] == "COMPLETED", f"{state}\n{logs}\n{team.report()}"
+    assert f"on the Ray cluster at {team.cluster}" in logs
+    # The job's tasks read on both hosts (Ray Data spreads them); its actors, one per host from
+    # the start, scored the images as they came (an actor still starting takes none).
+    nodes = by_node(logs)
+    assert set(nodes["read"]) == {"host-a", "host-b"}, logs
+    assert sum(nodes["read"].values()) == sum(nodes["scored"].values()) == 300, logs
+    assert_scored_once(scoring, dest)
+
+
+def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
+    team: Team, scoring: Scoring
+) -> None:
+    """Issue 45: `imageops score s3://... s3://... --cluster team` on host B; host A's read task
+    holds its images (a hang armed on A's Ray node), then A loses power: its work is redone on
+    B's node, the job names the node it lost, and the table is whole (_SUCCESS), every image
+    once, one machine's."""
+    team.rejoin()
+    a, b, hosts = team.a, team.b, team.hosts
+    trace = a.root / "score-trace"
+    dest = S3Url(SCORING_BUCKET, "scoring/by-cli")
+    hosts.power_off(a)  # A rejoins with the fault armed: its read tasks hang on their first image
+    team.stack.join(a, IMAGEOPS_FAULT="score.image_read:hang", IMAGEOPS_FAULT_TRACE=str(trace))
+    try:
+        team.wait_for_nodes(2)
+        options = [f"--{k.replace('_', '-')}={v}" for k, v in SCORING_OPTIONS.items()]
+        command = [PY, "-m", "app.cli", "score", scoring.model, str(scoring.images), str(dest),
+                   "--cluster", "team", *options]  # fmt: skip
+        started = time.monotonic()
+        driver = subprocess.Popen(
+            b.command(command), env=b.env | team.stack.values | {"COLUMNS": "200"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            held = lambda: trace.exists() and faults.reached(trace, "score.image_read")  # noqa: E731
+            wait_for("a read task on host A", held, 300)
+            assert driver.poll() is None  # the rows come in order: the job waits for A's
+            hosts.power_off(a)
+            printed, _ = driver.communicate(timeout=300)
+        finally:
+            driver.kill()
+        print(f"scored with a host lost in {time.monotonic() - started:.0f} s")
+    finally:
+        hosts.power_off(a)  # A back without the fault, for the tests after this one
+        team.stack.join(a)
+    assert driver.returncode == 0, printed
+    # The job names the node it lost; what A held was read and scored again on B.
+    (lost,) = re.findall(r"Lost node\(s\) (.*) during the job", printed)
+    assert lost == f"{a.address} (host-a)", printed
+    nodes = by_node(printed)  # A's read tasks, each held at its first image, ran again on B
+    assert nodes["read"] == {"host-b": 300} and sum(nodes["scored"].values()) == 300, printed
+    assert_scored_once(scoring, dest)
 
 
 # --- the nightly pipeline -------------------------------------------------------------------

@@ -69,11 +69,13 @@ CLUSTER_OPTIONS = _with_options(
         None,
         str | None,
         typer.Option(
-            help="Score as one job on this Ray cluster (HOST:6379, its head): Ray Data's tasks "
+            help="Score as one job on this Ray cluster (HOST:6379, its head; 'team': the "
+            "team's, IMAGEOPS_RAY_ADDRESS from the join file): Ray Data's tasks "
             "read the images, actors with an ONNX Runtime session each score them (THREADS "
             "cores each, default 1, or a GPU each), a part of the table per --shard-images "
-            "images. A local folder of images must be at the same path on every node; an "
-            "s3:// prefix is read by the nodes themselves, with their own keys."
+            "images; a lost node's work is redone on the others. A local folder of images must "
+            "be at the same path on every node; an s3:// prefix is read by the nodes "
+            "themselves, with their own keys."
         ),
     ),
     _option("cluster_timeout_s", 60, int, typer.Option(help="How long to wait for the cluster.")),
@@ -124,9 +126,16 @@ def score(
     **on_cluster: Any,
 ) -> None:
     """Score Image Model with ONNX Runtime, in batches; unreadable images become reported rows."""
+    from tasks.cluster.connect import cluster_address
     from tasks.registry.model_uri import model_in_use
     from tasks.shared.object_store import S3Url, is_s3_url
+    from tasks.shared.settings import get_settings
+    from tasks.shared.step import step_logger
 
+    # 'team' resolved before anything is fetched: a machine in no team is refused at once.
+    address = cluster_address(
+        on_cluster["cluster"], get_settings(), step_logger(__name__), required=True
+    )
     with model_in_use(model) as model_dir:  # a URI's cache folder: gc leaves it until the end
         # The model first (it may fail), then the images: an S3 prefix or a folder here.
         source = (
@@ -135,11 +144,11 @@ def score(
             else _data_argument(images, "images to score").path
         )
         target = S3Url.parse(dest) if is_s3_url(dest) else Path(dest)
-        if on_cluster["cluster"]:
+        if address:
             from tasks.inference.score.on_cluster import ClusterScoring, score_on_cluster
 
             job = ClusterScoring(
-                model_dir, source, target, on_cluster["cluster"], batch_size, threads, quantized,
+                model_dir, source, target, address, batch_size, threads, quantized,
                 on_cluster["cluster_timeout_s"], shard_images,
             )  # fmt: skip
             written = score_on_cluster(job)

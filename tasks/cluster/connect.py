@@ -20,17 +20,30 @@ from tasks.shared.settings import Settings
 TEAM = "team"  # a job's cluster: the team's, when this machine is in one (IMAGEOPS_RAY_ADDRESS)
 
 
-def cluster_address(cluster: str | None, settings: Settings, log: Any) -> str | None:
+def cluster_address(
+    cluster: str | None, settings: Settings, log: Any, *, required: bool = False
+) -> str | None:
     """The Ray head a job runs on: ``cluster`` as given, or for ``team`` the team's cluster when
     this machine joined one (``IMAGEOPS_RAY_ADDRESS``, which ``imageops team join`` gives every
     flow run), else None: this machine. The promotion trigger passes ``team``, so a promotion
-    scores on the cluster of a team and on its own machine everywhere else."""
+    scores on the cluster of a team and on its own machine everywhere else.
+
+    With ``required`` (a person who typed ``--cluster team``), a machine in no team raises
+    ClusterUnavailableError instead: nobody asked for one machine's pace on purpose.
+    """
     if cluster != TEAM:
         return cluster
     if settings.ray_address:
         log.info("cluster=team: the team's Ray cluster at %s (IMAGEOPS_RAY_ADDRESS)",
                  settings.ray_address)  # fmt: skip
         return settings.ray_address
+    if required:
+        raise ClusterUnavailableError(
+            "--cluster team: this machine is in no team (IMAGEOPS_RAY_ADDRESS is not set).",
+            "Source the team's join file (set -a; . ~/.config/imageops/team.env; set +a) on a "
+            "machine that ran `imageops team join`, or give the cluster's head as "
+            "--cluster HOST:6379, or leave --cluster out to score on this machine.",
+        )
     log.info("cluster=team: this machine is in no team (IMAGEOPS_RAY_ADDRESS unset): the "
              "job runs here")  # fmt: skip
     return None

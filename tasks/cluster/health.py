@@ -109,3 +109,16 @@ class GangWatch:
                 f"this machine's Ray node ({where}), through which this driver owns the gang, died",
                 training,
             )
+
+
+def live_nodes() -> dict[str, str]:
+    """The cluster's live nodes: node id -> its address and host name, "10.0.0.7 (gpu-3)", as a
+    person finds it in `ray status` and on the machine. A job takes this at its start and again
+    at its end to name the nodes it lost on the way."""
+    import ray
+
+    return {
+        node["NodeID"]: f"{node['NodeManagerAddress']} ({node.get('NodeManagerHostname', '?')})"
+        for node in ray.nodes()
+        if node.get("Alive")
+    }

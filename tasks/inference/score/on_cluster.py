@@ -14,6 +14,7 @@ Details: docs/scoring.md#on-a-cluster.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -30,6 +31,7 @@ import torch
 
 from models.directory import ModelInfo
 from tasks.cluster.connect import connect
+from tasks.cluster.health import live_nodes
 from tasks.cluster.job import stopped_whole
 from tasks.cluster.node_settings import node_settings, runtime_env, server_settings
 from tasks.data.imagedir import IMAGE_EXTENSIONS
@@ -126,13 +128,14 @@ class _Job:
             self.info.transform, "inference", images, applied_transform(images)
         )
         connect(scoring.cluster, scoring.timeout_s, log)
+        at_start = live_nodes()
         slices = [
             (0, len(refs)) if job.shard is None else shard_bounds(len(refs), *job.shard)
             for job in jobs
         ]
         wanted = np.concatenate([np.arange(first, last, dtype=np.int64) for first, last in slices])
         schema = table_schema(self.info.classes, labeled)
-        scored = 0
+        scored, nodes = 0, {"read": collections.Counter(), "scored": collections.Counter()}
         # Closed at once when a part fails or the driver stops: the job's executor ends with it.
         with contextlib.closing(self.rows(refs, wanted, transform, log)) as stream:
             pieces = _cut(stream, [last - first for first, last in slices])
@@ -140,15 +143,26 @@ class _Job:
                 job = jobs[index]
                 whole = job.shard is None
                 with scored_table(job.dest, schema, images, whole, log) as table:
-                    for _, batch in rows:
+                    for batch in _counted((batch for _, batch in rows), nodes):
                         _write(table, batch, refs)
                 scored += table.scored
                 if job.shard is not None:
                     faults.point("score.shard_written", shard=job.shard[0], count=job.shard[1])
+        by_node = "; ".join(
+            f"{what} by node: " + ", ".join(f"{node} {n}" for node, n in sorted(count.items()))
+            for what, count in nodes.items()
+        )
         log.info(
-            "Scored %d image(s) on the cluster at %s (%d not scored: see %s)",
-            scored, scoring.cluster, len(wanted) - scored, ERROR_COLUMN,
+            "Scored %d image(s) on the cluster at %s (%d not scored: see %s); %s",
+            scored, scoring.cluster, len(wanted) - scored, ERROR_COLUMN, by_node,
         )  # fmt: skip
+        alive = live_nodes()
+        lost = sorted(name for node, name in at_start.items() if node not in alive)
+        if lost:  # Ray Data ran their tasks and actors again on the others (see _Job.rows)
+            log.warning(
+                "Lost node(s) %s during the job: their images were read and scored again on "
+                "the other nodes (%s)", ", ".join(lost), by_node,
+            )  # fmt: skip
 
     def rows(
         self, refs: list[ImageRef], wanted: np.ndarray, transform: Any, log: Any
@@ -217,7 +231,15 @@ class _Job:
                 # The servers' settings; and, the actors' own, it keeps the reading in tasks of
                 # its own (Ray Data would fuse it into the actors: one core decoding per actor).
                 runtime_env=runtime_env(settings),
-                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
+                # A lost node's work is done again on the others: Ray Data restarts an actor
+                # whose node died and resends its batches (max_restarts=-1, max_task_retries=-1:
+                # its defaults), runs a lost read task again, and the driver, on a live node,
+                # owns every block. Every actor from the start, spread over the nodes (Ray
+                # Data's SPREAD): the pool grows only when batches queue up, which a short job
+                # never saw (300 images on two hosts all went to one actor, the other host idle).
+                compute=ray.data.ActorPoolStrategy(
+                    min_size=1, max_size=actors, initial_size=actors
+                ),
                 num_cpus=0 if gpus else threads,
                 num_gpus=1 if gpus else 0,
             )
@@ -258,6 +280,17 @@ def _write(table: TableRows, batch: dict[str, np.ndarray], refs: list[ImageRef])
     table.write(ids, [refs[i] for i in ids], errors, batch["probs"], batch["label"].astype(object))
 
 
+def _counted(
+    batches: Iterator[dict[str, np.ndarray]], nodes: dict[str, collections.Counter]
+) -> Iterator[dict[str, np.ndarray]]:
+    """``batches`` as they come, each one's rows counted under the nodes that read and scored
+    them (the job's log says where its images went: every node, or which one took no part)."""
+    for batch in batches:
+        nodes["read"].update(str(node) for node in batch["reader"])
+        nodes["scored"].update(str(node) for node in batch["scorer"])
+        yield batch
+
+
 def _read_batch(
     batch: dict[str, np.ndarray],
     root: Path | S3Url,
@@ -283,6 +316,7 @@ def _read_batch(
         "id": batch["id"],
         "error": np.asarray(errors, dtype=object),
         "tensor": per_batch(torch.from_numpy(np.stack(tensors))).numpy(),
+        "reader": np.full(len(errors), socket.gethostname(), dtype=object),
     }
 
 
@@ -347,6 +381,8 @@ class _Scorer:
             "error": np.asarray(errors, dtype=object),
             "probs": probs,
             "label": np.asarray(labels, dtype=object),
+            "reader": batch["reader"],
+            "scorer": np.full(len(errors), socket.gethostname(), dtype=object),
         }
 
 
