@@ -128,29 +128,28 @@ def score(
             f"No image found in {images}.",
             f"Scoring reads these extensions: {' '.join(IMAGE_EXTENSIONS)}.",
         )
-    session = inference_session(onnx_path, threads)
-    check_model(session, info, onnx_path)
-    log = step_logger(LOGGER)
-    log.info("Scoring %d image(s) with %s on %s", len(refs), onnx_path, session.get_providers()[0])
-    if labeled:
-        unknown = sorted({r.category for r in refs} - set(info.classes))
-        if unknown:
-            log.warning("Classes the model does not know (always scored wrong): %s", unknown)
-
     transform = transform_for(info.transform, "inference", images, applied_transform(images))
-    schema = table_schema(info.classes, labeled)
-    scorer = BatchScorer(session, info.classes, time_limit, onnx_path)
-    table = scored_table(dest, schema, images, whole=shard is None, log=log)
-    with table as rows, _progress(len(refs)) as progress:
-        bar = progress.add_task("Scoring", total=len(refs)) if progress else None
-        # Reader processes decode the next batches beside ONNX Runtime's threads.
-        read = read_batches(refs, batch_size, transform, readers)
-        for start, batch, stacked, kept, errors in read:
-            probs, labels = scorer.scores(stacked, kept, errors)
-            ids = np.arange(first + start, first + start + len(batch))
-            rows.write(ids, batch, errors, probs, labels)
-            if bar is not None:
-                progress.advance(bar, len(batch))
+    # The readers start first: they decode the first batches while the session is made.
+    with read_batches(refs, batch_size, transform, readers) as read:
+        session = inference_session(onnx_path, threads)
+        check_model(session, info, onnx_path)
+        log = step_logger(LOGGER)
+        provider = session.get_providers()[0]
+        log.info("Scoring %d image(s) with %s on %s", len(refs), onnx_path, provider)
+        if labeled:
+            unknown = sorted({r.category for r in refs} - set(info.classes))
+            if unknown:
+                log.warning("Classes the model does not know (always scored wrong): %s", unknown)
+        scorer = BatchScorer(session, info.classes, time_limit, onnx_path)
+        table = scored_table(dest, table_schema(info.classes, labeled), images, shard is None, log)
+        with table as rows, _progress(len(refs)) as progress:
+            bar = progress.add_task("Scoring", total=len(refs)) if progress else None
+            for start, batch, stacked, kept, errors in read:
+                probs, labels = scorer.scores(stacked, kept, errors)
+                ids = np.arange(first + start, first + start + len(batch))
+                rows.write(ids, batch, errors, probs, labels)
+                if bar is not None:
+                    progress.advance(bar, len(batch))
     scored, failed = rows.scored, rows.rows - rows.scored
     log.info(
         "Scored %d image(s) into %s (%d not scored: see %s)", scored, dest, failed, ERROR_COLUMN
