@@ -7,7 +7,8 @@ file in the host user's ~/.config/imageops): a Ray node and a Prefect worker. On
 trainings through `prefect deployment run` whose Prefect worker, or whose flow-run process, is
 SIGKILLed mid-training; a cancelled one; one from the CLI while a host loses power; one scoring
 of an S3 prefix by both hosts' Ray nodes, through `prefect deployment run` and through `imageops
-score` while a host loses power (issue 45); and the nightly pipeline on the host that did not
+score` while a host loses power, and one cancelled by `prefect flow-run cancel` (issue 45); and
+the nightly pipeline on the host that did not
 prepare the data (issue 44). tests/team_stack.py starts the stack.
 """
 
@@ -554,6 +555,61 @@ def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
     nodes = by_node(printed)  # A's read tasks, each held at its first image, ran again on B
     assert nodes["read"] == {"host-b": 300} and sum(nodes["scored"].values()) == 300, printed
     assert_scored_once(scoring, dest)
+
+
+SCORING_JOB = ("_Scorer", "_read_batch")  # a scoring job's actors and read tasks (Ray workers)
+
+
+def scoring_processes(hosts: Hosts) -> dict[str, list[str]]:
+    """Each host's processes of a scoring job: its actors and its read tasks."""
+    return {
+        host.name: [f"{pid} {command[:80]}" for pid, command in
+                    host.processes_running(*SCORING_JOB).items()]
+        for host in hosts.hosts
+    }  # fmt: skip
+
+
+def test_a_cancelled_score_deployment_run_stops_every_actor_on_both_hosts_within_30_seconds(
+    team: Team, scoring: Scoring
+) -> None:
+    """Issue 45: `prefect flow-run cancel` of a score deployment run on the team while its job
+    runs (host A's read tasks held at their first image, the actors waiting on both hosts): every
+    actor and read task on both hosts ends within 30 s, the run is CANCELLED, and no table looks
+    whole under the prefix (no _SUCCESS)."""
+    team.rejoin()
+    a, hosts = team.a, team.hosts
+    trace = a.root / "cancel-trace"
+    dest = S3Url(SCORING_BUCKET, "scoring/cancelled")
+    hosts.power_off(a)  # A rejoins with the fault armed: its read tasks hang on their first image
+    team.stack.join(a, IMAGEOPS_FAULT="score.image_read:hang", IMAGEOPS_FAULT_TRACE=str(trace))
+    try:
+        team.wait_for_nodes(2)
+        flow_run = run_deployment(
+            team, team.b, "imageops-score/score", model=scoring.model,
+            images=str(scoring.images), dest=str(dest), cluster="team", **SCORING_OPTIONS,
+        )  # fmt: skip
+        held = lambda: trace.exists() and faults.reached(trace, "score.image_read")  # noqa: E731
+        wait_for("a read task on host A", held, 300)
+        on_both = lambda: all(scoring_processes(hosts).values())  # noqa: E731
+        wait_for("the job's actors on both hosts", on_both, 120)
+        cancelled = team.b.run([PY, "-m", "prefect", "flow-run", "cancel", flow_run],
+                               **team.stack.values)  # fmt: skip
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        started = time.monotonic()
+        gone = lambda: not any(scoring_processes(hosts).values())  # noqa: E731
+        wait_for("every actor and read task of the job to end", gone, 30)
+        assert time.monotonic() - started < 30, scoring_processes(hosts)
+        state = final_state(team, flow_run, 240)
+        assert state["type"] == "CANCELLED", f"{state}\n{team.report()}"
+    finally:
+        hosts.power_off(a)  # A back without the fault, for the tests after this one
+        team.stack.join(a)
+    values = team.stack.values
+    client = s3_client(values["AWS_ENDPOINT_URL"], values["AWS_ACCESS_KEY_ID"],
+                       values["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=dest.bucket, Prefix=dest.key)
+            .get("Contents", [])]  # fmt: skip
+    assert not [k for k in keys if k.endswith("_SUCCESS")], keys
 
 
 # --- the nightly pipeline -------------------------------------------------------------------
