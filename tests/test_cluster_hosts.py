@@ -14,6 +14,7 @@ prepare the data (issue 44). tests/team_stack.py starts the stack.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -513,6 +514,22 @@ def test_a_score_deployment_run_scores_an_s3_prefix_on_both_hosts(
     assert_scored_once(scoring, dest)
 
 
+@contextlib.contextmanager
+def reads_held_on_a(team: Team, trace: Path) -> Iterator[Callable[[], bool]]:
+    """Host A joined again with its read tasks hanging at their first image (the fault point
+    `score.image_read`, in A's Ray node only: the rows come in order, so a job cannot end without
+    them), then, after the block, without it for the module's later tests. Yields the check that
+    one of A's read tasks holds an image."""
+    team.hosts.power_off(team.a)
+    team.stack.join(team.a, IMAGEOPS_FAULT="score.image_read:hang", IMAGEOPS_FAULT_TRACE=str(trace))
+    try:
+        team.wait_for_nodes(2)
+        yield lambda: trace.exists() and bool(faults.reached(trace, "score.image_read"))
+    finally:
+        team.hosts.power_off(team.a)
+        team.stack.join(team.a)
+
+
 def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
     team: Team, scoring: Scoring
 ) -> None:
@@ -522,12 +539,8 @@ def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
     once, one machine's."""
     team.rejoin()
     a, b, hosts = team.a, team.b, team.hosts
-    trace = a.root / "score-trace"
     dest = S3Url(SCORING_BUCKET, "scoring/by-cli")
-    hosts.power_off(a)  # A rejoins with the fault armed: its read tasks hang on their first image
-    team.stack.join(a, IMAGEOPS_FAULT="score.image_read:hang", IMAGEOPS_FAULT_TRACE=str(trace))
-    try:
-        team.wait_for_nodes(2)
+    with reads_held_on_a(team, a.root / "score-trace") as held:
         options = [f"--{k.replace('_', '-')}={v}" for k, v in SCORING_OPTIONS.items()]
         command = [PY, "-m", "app.cli", "score", scoring.model, str(scoring.images), str(dest),
                    "--cluster", "team", *options]  # fmt: skip
@@ -537,7 +550,6 @@ def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
-            held = lambda: trace.exists() and faults.reached(trace, "score.image_read")  # noqa: E731
             wait_for("a read task on host A", held, 300)
             assert driver.poll() is None  # the rows come in order: the job waits for A's
             hosts.power_off(a)
@@ -545,9 +557,6 @@ def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
         finally:
             driver.kill()
         print(f"scored with a host lost in {time.monotonic() - started:.0f} s")
-    finally:
-        hosts.power_off(a)  # A back without the fault, for the tests after this one
-        team.stack.join(a)
     assert driver.returncode == 0, printed
     # The job names the node it lost; what A held was read and scored again on B.
     (lost,) = re.findall(r"Lost node\(s\) (.*) during the job", printed)
@@ -577,18 +586,13 @@ def test_a_cancelled_score_deployment_run_stops_every_actor_on_both_hosts_within
     actor and read task on both hosts ends within 30 s, the run is CANCELLED, and no table looks
     whole under the prefix (no _SUCCESS)."""
     team.rejoin()
-    a, hosts = team.a, team.hosts
-    trace = a.root / "cancel-trace"
+    hosts = team.hosts
     dest = S3Url(SCORING_BUCKET, "scoring/cancelled")
-    hosts.power_off(a)  # A rejoins with the fault armed: its read tasks hang on their first image
-    team.stack.join(a, IMAGEOPS_FAULT="score.image_read:hang", IMAGEOPS_FAULT_TRACE=str(trace))
-    try:
-        team.wait_for_nodes(2)
+    with reads_held_on_a(team, team.a.root / "cancel-trace") as held:
         flow_run = run_deployment(
             team, team.b, "imageops-score/score", model=scoring.model,
             images=str(scoring.images), dest=str(dest), cluster="team", **SCORING_OPTIONS,
         )  # fmt: skip
-        held = lambda: trace.exists() and faults.reached(trace, "score.image_read")  # noqa: E731
         wait_for("a read task on host A", held, 300)
         on_both = lambda: all(scoring_processes(hosts).values())  # noqa: E731
         wait_for("the job's actors on both hosts", on_both, 120)
@@ -601,9 +605,6 @@ def test_a_cancelled_score_deployment_run_stops_every_actor_on_both_hosts_within
         assert time.monotonic() - started < 30, scoring_processes(hosts)
         state = final_state(team, flow_run, 240)
         assert state["type"] == "CANCELLED", f"{state}\n{team.report()}"
-    finally:
-        hosts.power_off(a)  # A back without the fault, for the tests after this one
-        team.stack.join(a)
     values = team.stack.values
     client = s3_client(values["AWS_ENDPOINT_URL"], values["AWS_ACCESS_KEY_ID"],
                        values["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
