@@ -530,6 +530,20 @@ def reads_held_on_a(team: Team, trace: Path) -> Iterator[Callable[[], bool]]:
         team.stack.join(team.a)
 
 
+def ended(host: Host, driver: subprocess.Popen) -> str:
+    """What a scoring driver on ``host`` printed, once it has ended: one still running is sent
+    SIGABRT (with PYTHONFAULTHANDLER=1 it prints every thread's stack), then SIGKILL. Signalled
+    inside the host: nsenter, the process this one started, does not pass signals on."""
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for pid in host.processes_running("app.cli score"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            driver.wait(timeout=20)
+    driver.kill()
+    return (driver.communicate(timeout=30)[0] or "")[-12000:]
+
+
 def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
     team: Team, scoring: Scoring
 ) -> None:
@@ -545,17 +559,20 @@ def test_a_cli_scoring_ends_whole_when_a_host_loses_power_mid_job(
         command = [PY, "-m", "app.cli", "score", scoring.model, str(scoring.images), str(dest),
                    "--cluster", "team", *options]  # fmt: skip
         started = time.monotonic()
+        env = b.env | team.stack.values | {"COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}
         driver = subprocess.Popen(
-            b.command(command), env=b.env | team.stack.values | {"COLUMNS": "200"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            b.command(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         try:
             wait_for("a read task on host A", held, 300)
             assert driver.poll() is None  # the rows come in order: the job waits for A's
             hosts.power_off(a)
             printed, _ = driver.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"not scored 300 s after host A lost power:\n{ended(b, driver)}")
         finally:
-            driver.kill()
+            ended(b, driver)  # never left running into the module's next test
         print(f"scored with a host lost in {time.monotonic() - started:.0f} s")
     assert driver.returncode == 0, printed
     # The job names the node it lost; what A held was read and scored again on B.
@@ -601,7 +618,9 @@ def test_a_cancelled_score_deployment_run_stops_every_actor_on_both_hosts_within
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
         started = time.monotonic()
         gone = lambda: not any(scoring_processes(hosts).values())  # noqa: E731
-        wait_for("every actor and read task of the job to end", gone, 30)
+        if not servers.wait_until(gone, 30, **LONG_WAIT):
+            left = scoring_processes(hosts)
+            pytest.fail(f"the job still runs 30 s after the cancel: {left}\n{team.report()}")
         assert time.monotonic() - started < 30, scoring_processes(hosts)
         state = final_state(team, flow_run, 240)
         assert state["type"] == "CANCELLED", f"{state}\n{team.report()}"

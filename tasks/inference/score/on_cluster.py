@@ -21,6 +21,7 @@ import logging
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,9 @@ from tasks.shared.settings import Settings
 from tasks.shared.step import step, step_logger, tasks_on_first_use
 
 CLUSTER_TIMEOUT_S = 60  # how long the cluster may take to answer, by default
+# How long a stopped or failed job waits for Ray Data's executor to shut down (about 2.5 s when
+# the actors answer) before it goes on without it.
+EXECUTOR_STOP_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ class _Job:
         schema = table_schema(self.info.classes, labeled)
         scored, nodes = 0, {"read": collections.Counter(), "scored": collections.Counter()}
         # Closed at once when a part fails or the driver stops: the job's executor ends with it.
-        with contextlib.closing(self.rows(refs, wanted, transform, log)) as stream:
+        with _closed_within(self.rows(refs, wanted, transform, log), log) as stream:
             pieces = _cut(stream, [last - first for first, last in slices])
             for index, rows in itertools.groupby(pieces, lambda piece: piece[0]):
                 job = jobs[index]
@@ -255,6 +259,38 @@ class _Job:
         finally:
             with contextlib.suppress(Exception):
                 batches.close()  # type: ignore[attr-defined]  # the executor shuts down
+
+
+@contextlib.contextmanager
+def _closed_within(
+    stream: Iterator[dict[str, np.ndarray]], log: Any
+) -> Iterator[Iterator[dict[str, np.ndarray]]]:
+    """``stream``, closed on the way out by a thread waited for EXECUTOR_STOP_S at most.
+
+    Closing it shuts Ray Data's executor down, which ends the job's tasks and actors; should
+    that hang, a Ctrl-C or a cancelled flow run must still stop the job: the driver goes on and
+    leaves the cluster (:func:`~tasks.cluster.job.stopped_whole`), which ends them all.
+    """
+    try:
+        yield stream
+    finally:
+        closing = threading.Thread(
+            target=_close_quietly, args=(stream,), daemon=True, name="ray-data-shutdown"
+        )
+        closing.start()
+        closing.join(EXECUTOR_STOP_S)
+        if closing.is_alive():
+            log.warning(
+                "Ray Data's executor did not shut down within %.0f s: going on without it",
+                EXECUTOR_STOP_S,
+            )
+
+
+def _close_quietly(stream: Iterator[dict[str, np.ndarray]]) -> None:
+    """Close ``stream``; its executor's own errors on the way down are not the job's."""
+    faults.point("score.executor_shutdown")
+    with contextlib.suppress(Exception):
+        stream.close()  # type: ignore[attr-defined]
 
 
 def _cut(
