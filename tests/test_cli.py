@@ -81,18 +81,10 @@ def _entry_problems(where: str, block: list[str], start: int, words: list[str]) 
 
     Its description must be whole, in a column at least MIN_DESCRIPTION wide, wrapped only by
     the renderer."""
-    first = next(
-        (
-            (i, m.start())
-            for i, line in enumerate(block)
-            if (
-                m := re.compile(rf"(?<!\S){re.escape(words[0])}(?!\S)").search(
-                    line, start * (i == 0)
-                )
-            )
-        ),
-        None,
-    )
+    word = re.compile(rf"(?<!\S){re.escape(words[0])}(?!\S)")
+    # on the entry's first line, after its name; else on a line below it (two lines an entry)
+    found = [(i, word.search(line, start if i == 0 else 0)) for i, line in enumerate(block)]
+    first = next(((i, m.start()) for i, m in found if m), None)
     if first is None:
         return [f"{where}: description not found whole ({words[0]!r})"]
     row, column = first
@@ -108,7 +100,7 @@ def _entry_problems(where: str, block: list[str], start: int, words: list[str]) 
     return problems
 
 
-def first_paragraph(help_text: str) -> str:
+def _first_paragraph(help_text: str) -> str:
     return inspect.cleandoc(help_text).split("\n\n")[0]
 
 
@@ -141,7 +133,7 @@ def _help_problems(where: str, command: Any, shown: str) -> list[str]:
         ]
     entries = {names[p]: Text.from_markup(p.help or "").plain.split() for p in params if p.help}
     entries |= {
-        name: Text.from_markup(first_paragraph(sub.short_help or sub.help or "")).plain.split()
+        name: Text.from_markup(_first_paragraph(sub.short_help or sub.help or "")).plain.split()
         for name, sub in getattr(command, "commands", {}).items()
         if not sub.hidden
     }

@@ -8,7 +8,9 @@ Here an options panel is a table while its descriptions get at least
 :data:`MIN_DESCRIPTION_WIDTH` columns, else each option takes two lines: its names and type,
 then its description, indented, across the panel. Paragraphs are joined before rich wraps them.
 The cells are typer's own (names, types, help with its default), so a wide terminal shows what
-typer shows.
+typer shows. They come from helpers of ``typer.rich_utils`` that typer does not publish
+(requirements.lock pins typer): a typer that renames them fails
+``tests/test_cli.py::test_every_help_reads_well_at_80_columns``.
 """
 
 from __future__ import annotations
@@ -116,17 +118,18 @@ def _params_layout(params: Sequence[Any], ctx: typer.Context, console: Console) 
     """A table of the parameters when their descriptions get :data:`MIN_DESCRIPTION_WIDTH`
     columns beside the names, else two lines a parameter."""
     rows = [_param_cells(param, ctx) for param in params]
-    # the columns before the description: required mark, names, negative names, type
-    widths = [max(cell.cell_len for cell in column) for column in zip(*rows, strict=True)][:-1]
-    fixed = sum(w + COLUMN_GAP for w in widths if w)
-    if console.width - PANEL_EDGES - fixed >= MIN_DESCRIPTION_WIDTH:
+    # the columns before the description (required mark, names, negative names, type): those
+    # some parameter fills, each as wide as its widest cell
+    widths = {i: max(row[i].cell_len for row in rows) for i in range(len(rows[0]) - 1)}
+    widths = {i: width for i, width in widths.items() if width}
+    beside = console.width - PANEL_EDGES - sum(w + COLUMN_GAP for w in widths.values())
+    if beside >= MIN_DESCRIPTION_WIDTH:
         table = Table(show_header=False, box=None, expand=True, padding=(0, 1), pad_edge=False)
-        for width in widths:
-            if width:
-                table.add_column(no_wrap=True, width=width)
+        for width in widths.values():
+            table.add_column(no_wrap=True, width=width)
         table.add_column(ratio=1)
         for row in rows:
-            table.add_row(*(cell for cell, width in zip(row, [*widths, 1], strict=True) if width))
+            table.add_row(*(row[i] for i in widths), row[-1])
         return table
     entries: list[RenderableType] = []
     for required, names, negative, kind, description in rows:
