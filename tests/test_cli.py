@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import json
+import re
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 from projects import imageops
+from rich.text import Text
 
+from app.cli import app
 from models.untrained import resnet, write_untrained
 from tasks.data.convert import convert
 from tasks.data.imagedir import read_manifest
+from tasks.shared.settings import Settings
 
 COMMANDS = ["sample", "convert", "split", "transform", "version", "model", "train", "tune",
             "export", "quantize", "register", "promote", "score", "evaluate", "serve",
@@ -43,6 +52,125 @@ def test_every_option_is_explained(tmp_path: Path, command: str) -> None:
             continue
         # an option line carries text beyond its name and type
         assert len(line.split()) > 4, line
+
+
+NARROW = 80  # a terminal's width when no one widened it
+MIN_DESCRIPTION = 40
+
+
+def _commands(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every command and sub-command under ``command``, with the words that name it."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def _wrapped_by_the_renderer(lines: list[str], width: int) -> list[str]:
+    """The breaks in ``lines`` (one text, wrapped to ``width``) that the width did not force: a
+    line the next line's first word would still have fitted on was broken by hand."""
+    return [
+        f"{line.strip()!r} / {following.split()[0]!r}"
+        for line, following in itertools.pairwise(lines)
+        if following.strip() and len(line.rstrip()) + 1 + len(following.split()[0]) <= width
+    ]
+
+
+def _entry_problems(where: str, block: list[str], start: int, words: list[str]) -> list[str]:
+    """What is wrong with one entry of a panel (an option, an argument, a command): ``block`` its
+    lines, ``start`` where its name ends on the first, ``words`` its description's first words.
+
+    Its description must be whole, in a column at least MIN_DESCRIPTION wide, wrapped only by
+    the renderer."""
+    word = re.compile(rf"(?<!\S){re.escape(words[0])}(?!\S)")
+    # on the entry's first line, after its name; else on a line below it (two lines an entry)
+    found = [(i, word.search(line, start if i == 0 else 0)) for i, line in enumerate(block)]
+    first = next(((i, m.start()) for i, m in found if m), None)
+    if first is None:
+        return [f"{where}: description not found whole ({words[0]!r})"]
+    row, column = first
+    border = block[row].rindex("│")
+    width = border - 1 - column  # the panel's padding before its right border
+    lines = [line[column:border] for line in block[row:]]
+    problems = []
+    if width < MIN_DESCRIPTION:
+        problems.append(f"{where}: description {width} columns wide")
+    if " ".join(lines).split()[: len(words)] != words:
+        problems.append(f"{where}: description cut or out of its column: {lines}")
+    problems += [f"{where}: broken by hand: {b}" for b in _wrapped_by_the_renderer(lines, width)]
+    return problems
+
+
+def _first_paragraph(help_text: str) -> str:
+    return inspect.cleandoc(help_text).split("\n\n")[0]
+
+
+def _help_problems(where: str, command: Any, shown: str) -> list[str]:
+    """What makes ``shown``, ``command``'s help at NARROW columns, hard to read."""
+    problems = [
+        f"{where}: line {len(line)} wide: {line!r}"
+        for line in shown.splitlines()
+        if len(line) > NARROW
+    ]
+    lines = shown.splitlines()
+    # The command's paragraphs: between the usage (ended by a blank line) and the first panel.
+    top = list(itertools.takewhile(lambda line: not line.startswith("╭"), lines))
+    usage = next(i for i, line in enumerate(top) if "Usage:" in line)
+    text = top[next(i for i in range(usage, len(top)) if not top[i].strip()) :]
+    for _blank, paragraph in itertools.groupby(text, key=lambda line: not line.strip()):
+        problems += [
+            f"{where}: paragraph broken by hand: {b}"
+            for b in _wrapped_by_the_renderer([line[1:] for line in paragraph], NARROW - 2)
+        ]
+    # Its entries: options and arguments (their names whole), sub-commands.
+    params = [p for p in command.get_params(typer.Context(command)) if not p.hidden]
+    names = {p: p.opts[0] if p.opts[0].startswith("-") else p.metavar or p.name for p in params}
+    for param in params:
+        problems += [
+            f"{where}: {name} not shown whole"
+            for name in param.opts + param.secondary_opts
+            if name.startswith("-")
+            and not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", shown)
+        ]
+    entries = {names[p]: Text.from_markup(p.help or "").plain.split() for p in params if p.help}
+    entries |= {
+        name: Text.from_markup(_first_paragraph(sub.short_help or sub.help or "")).plain.split()
+        for name, sub in getattr(command, "commands", {}).items()
+        if not sub.hidden
+    }
+    heads = {
+        name: re.compile(rf"^│ (?:\*\s{{1,4}}|\s{{0,3}}){re.escape(name)}(?![\w-])")
+        for name in entries
+    }
+    for name, words in entries.items():
+        row = next((i for i, line in enumerate(lines) if heads[name].match(line)), None)
+        if row is None:
+            problems.append(f"{where}: {name} has no entry")
+            continue
+        end = next(
+            i
+            for i in range(row + 1, len(lines))
+            if lines[i].startswith("╰") or any(h.match(lines[i]) for h in heads.values())
+        )
+        problems += _entry_problems(
+            f"{where} {name}", lines[row:end], heads[name].match(lines[row]).end(), words
+        )
+    return problems
+
+
+def test_every_help_reads_well_at_80_columns(
+    project: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every command's and sub-command's --help on an 80-column terminal: every option's name
+    whole, descriptions in a column at least 40 wide, paragraphs wrapped by the renderer (the
+    source's own line breaks are not the terminal's), no line wider than the terminal."""
+    monkeypatch.setenv("COLUMNS", str(NARROW))
+    root = typer.main.get_command(app)  # once: building it costs more than printing a help
+    problems = []
+    for path, command in _commands(root):
+        assert root.main([*path, "--help"], prog_name="imageops", standalone_mode=False) == 0
+        shown = Text.from_ansi(capsys.readouterr().out).plain  # colours, where the CI forces them
+        problems += _help_problems(" ".join(("imageops", *path)), command, shown)
+    assert not problems, "\n".join(problems)
 
 
 def test_sample_then_convert_then_split(tmp_path: Path, project) -> None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
+from app.cli.help_layout import HelpTyper
 from models.errors import ImageOpsError, disk_full
 from tasks.shared.errors import error_summary
 from tasks.shared.settings import Settings, get_settings
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from tasks.data.data_refs import ResolvedData
 
 
-app = typer.Typer(
+app = HelpTyper(
     name="imageops",
     help="Image classification MLOps: convert, version, split, train (DDP), tune, export, "
     "register, promote, score, evaluate. Locations come from IMAGEOPS_* environment variables "
@@ -36,18 +37,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-sample_app = typer.Typer(help="Write real sample data sets.", no_args_is_help=True)
-model_app = typer.Typer(help="Write an UntrainedModelDirectory (DenseNet, ResNet).")
-transform_app = typer.Typer(
+sample_app = HelpTyper(help="Write real sample data sets.", no_args_is_help=True)
+model_app = HelpTyper(help="Write an UntrainedModelDirectory (DenseNet, ResNet).")
+transform_app = HelpTyper(
     help="Init / Apply Image Transformation: save a transform spec, apply it to images.",
     no_args_is_help=True,
 )
-serve_app = typer.Typer(
+serve_app = HelpTyper(
     help="Serve: with no subcommand, the whole local stack (Prefect server and worker, MLflow "
     "server, promotion receiver, every deployment) until Ctrl-C; `scoring` and `webhook` serve "
     "one part for a Prefect server you run yourself.",
 )
-cluster_app = typer.Typer(
+cluster_app = HelpTyper(
     help="The Ray cluster multi-node training runs on: its Kubernetes (KubeRay) manifest.",
     no_args_is_help=True,
 )

@@ -8,10 +8,11 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from app.cli.help_layout import HelpTyper
 from app.cli.root import app, err, out
 from tasks.shared.settings import get_settings
 
-team_app = typer.Typer(
+team_app = HelpTyper(
     help="A team on several machines: `server` runs the shared services (PostgreSQL, S3, MLflow, "
     "Prefect, Ray head; each with a login) on one machine, `join` adds a GPU machine (Ray node "
     "and Prefect worker). See the README, 'A team on several machines'.",
