@@ -37,8 +37,8 @@ PROMPT_WORKER = {"PREFECT_WORKER_QUERY_SECONDS": "1"}
 # A Ray node the tests start does not drain on SIGTERM: `ray start --block` drains for up to
 # 30 s (for Ray Serve's replicas), so each stop waited out its 10 s timeout and was SIGKILLed.
 # Its workers run at nice 0, not Ray's 15: beside them `make test`'s other pytest worker trains
-# at nice 0, and a nice-15 task then gets a few % of a core (a 20 s cluster scoring took 4 min
-# beside three busy processes).
+# at nice 0, and a nice-15 task then gets a few % of a core (a 20 s cluster scoring took 4-8 min
+# beside two or three busy processes).
 RAY_NODE = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_worker_niceness": "0"}
 # How a test polls through a wait that can last minutes (servers.wait_until's pacing): prompt at
 # first, then every 2 s at most. A check that makes a client and a server request every 0.5 s
