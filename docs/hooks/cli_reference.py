@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 PAGE = "cli-reference.md"
-WIDTH = 100  # the help's columns: wide enough that no line wraps in the page's code blocks
+WIDTH = 80  # a terminal no one widened, and what the page's code blocks show without scrolling
 
 
 def _commands(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
