@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # editable installs leave out data files (pypa/setuptools#3399).
 PATH_HOOK := $(VENV)/lib/python3.11/site-packages/imageops-venv-bin.pth
 
-.PHONY: screenshots install run serve test lint format bench clean
+.PHONY: screenshots install run serve test lint format docs bench clean
 
 install: $(STAMP) $(PATH_HOOK)
 	@# A cached environment (CI keeps one per lock) may hold the editable install of another
@@ -49,7 +49,7 @@ serve: install
 # goes whole to one worker (loadscope): its module-scoped servers and clusters start once, not once
 # per worker (work stealing split test_cluster_hosts and started its two hosts, S3, MLflow,
 # Prefect and Ray twice). The modules go out longest first (tests/module_seconds.txt), the Ray
-# modules as one unit (tests/conftest.py): 790 to 801 s on 2 cores on 2026-11-27 (see README).
+# modules as one unit (tests/conftest.py): 790 to 801 s on 2 cores on 2026-11-27 (see docs/tests.md).
 test: install
 	$(BIN)/python -m pytest -n auto --dist loadscope --no-loadscope-reorder
 
@@ -61,7 +61,12 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The README's screenshots (docs/img/prefect-*.png, mlflow-*.png), taken by the browser tests of
+# The documentation site (mkdocs.yml) into site/, strict: a broken link, a missing anchor or page
+# fails it. The home page is the README; the CLI reference is generated from the commands.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# The docs' screenshots (docs/img/prefect-*.png, mlflow-*.png), taken by the browser tests of
 # tests/test_stack.py as they pass (Debian's chromium; about 8 minutes on 2 cores).
 screenshots: install
 	IMAGEOPS_SCREENSHOTS=$(CURDIR)/docs/img $(BIN)/python -m pytest -p no:randomly tests/test_stack.py

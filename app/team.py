@@ -68,7 +68,7 @@ _QUIET = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 
-# Every variable of the join file, and what it is: the README lists the same, one line each.
+# Every variable of the join file, and what it is: docs/team.md lists the same, one line each.
 JOIN_VARIABLES: dict[str, str] = {
     "IMAGEOPS_PREFECT_API_URL": "the Prefect server's API, http://SERVER:4200/api",
     "PREFECT_API_URL": "the same, for the `prefect` command and Prefect's client",
@@ -434,7 +434,7 @@ class TeamServer(Stack):
 
     def _join_file_text(self) -> str:
         lines = [
-            "# imageops team join file: every variable a GPU machine needs (see the README,",
+            "# imageops team join file: every variable a GPU machine needs (see docs/team.md,",
             "# 'A team on several machines'). It holds passwords: keep it mode 0600.",
             "# On a GPU machine it goes to ~/.config/imageops/team.env, outside the checkout:",
             "# imageops team join   (in a shell: set -a; . ~/.config/imageops/team.env; set +a)",

@@ -1,11 +1,11 @@
 """The Prefect work pools imageops runs on, and their base job templates.
 
 The templates are data (``deployments/work-pools/<pool>.json``, what ``prefect work-pool create``
-takes), so the CLI, the README and ``imageops serve`` create the same pools: ``local`` (process),
-``gpu-docker`` and ``gpu-k8s`` (GPUs and /dev/shm as job variables). No job variable of any pool
-decides what a worker runs: the command is the worker's own, and what could run other code (the
-process pool's environment and folder, a container's image, privileges, host mounts, a kubeconfig)
-is fixed in the template or held to a list (``FIXED``).
+takes), so the CLI, the docs (docs/scale-out.md) and ``imageops serve`` create the same pools:
+``local`` (process), ``gpu-docker`` and ``gpu-k8s`` (GPUs and /dev/shm as job variables). No job
+variable of any pool decides what a worker runs: the command is the worker's own, and what could
+run other code (the process pool's environment and folder, a container's image, privileges, host
+mounts, a kubeconfig) is fixed in the template or held to a list (``FIXED``).
 Details: docs/stack.md#work-pools.
 """
 

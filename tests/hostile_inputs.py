@@ -1581,7 +1581,7 @@ def markdown() -> str:
         "`tests/test_memory_bounds.py` runs the cases marked *peak memory* again, as subprocesses,",
         "and checks that each one's peak memory (workers included) stays within a margin of the",
         "same command on a small normal input (a few images; a config file with the same mistake).",
-        "The limits they meet are in the README (Configuration).",
+        "The limits they meet are in [Configuration](configuration.md).",
         "",
         "Each case ends in success with a report, or in a named error: the CLI prints",
         '"error: <ErrorName>: <what was wrong>" and "what to do: <hint>" and exits with status 2',

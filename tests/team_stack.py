@@ -1,7 +1,7 @@
-"""The team stack as the README runs it, for tests with namespace hosts (tests/hosts.py).
+"""The team stack as docs/team.md runs it, for tests with namespace hosts (tests/hosts.py).
 
 ``imageops team server --host <the bridge's address>`` in the root namespace, from a project
-folder of its own; on each host, the join file copied where the README puts it (the host user's
+folder of its own; on each host, the join file copied where the docs put it (the host user's
 ``~/.config/imageops/team.env``, mode 0600) and ``imageops team join`` from its checkout. The
 test process talks to the servers with the join file's logins, as a person who sourced it would.
 """
@@ -70,7 +70,7 @@ class TeamStack:
         environment), until each says joined."""
         for host in hosts:
             join_file = host.home / ".config" / "imageops" / "team.env"
-            if not join_file.exists():  # the README's `mkdir`, `scp` and `chmod 600`
+            if not join_file.exists():  # the docs' `mkdir`, `scp` and `chmod 600`
                 join_file.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(self.folder / ".imageops" / "team" / "team.env", join_file)
                 join_file.chmod(0o600)

@@ -1,4 +1,4 @@
-"""A team on two machines that share nothing but the servers, as the README runs it.
+"""A team on two machines that share nothing but the servers, as the docs run it (docs/team.md).
 
 `imageops team server --host <bridge>` runs in the root namespace (PostgreSQL, S3, MLflow,
 Prefect, Ray head, each behind a login); hosts A and B (tests/hosts.py: each its own network,

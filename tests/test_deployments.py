@@ -129,17 +129,21 @@ def test_serve_refuses_a_busy_port_before_starting_anything(tmp_path: Path) -> N
 def test_the_readme_names_every_deployment_as_prefect_does(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Each deployment's full name, in the README's table and in one `prefect deployment run`."""
+    """Each deployment's full name, in the deployments page's table and in one `prefect deployment
+    run` (docs/deployments.md, the README's section before the docs site)."""
     from app.deployments import main
 
     main(["--list"])  # `python -m app.deployments --list`: flow names from the @flow decorators
     defined = set(capsys.readouterr().out.split())
     assert "imageops-train-model/train" in defined and len(defined) == len(SPEC["deployments"])
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Deployments and operations\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "deployments.md").read_text()
+    assert section.startswith("# Deployments and operations\n")
     table = set(re.findall(r"^\| `([\w-]+/[\w-]+)` \|", section, flags=re.MULTILINE))
     examples = re.findall(r"^prefect deployment run ([\w-]+/[\w-]+) ", section, flags=re.MULTILINE)
     assert table == defined
     assert sorted(examples) == sorted(defined)  # one example each
-    # Elsewhere in the README too, `prefect deployment run` names only deployments that exist.
-    assert set(re.findall(r"prefect deployment run ([\w-]+/[\w-]+)", readme)) <= defined
+    # Elsewhere in the README and the docs too, `prefect deployment run` names only deployments
+    # that exist.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for text in (page.read_text() for page in pages):
+        assert set(re.findall(r"prefect deployment run ([\w-]+/[\w-]+)", text)) <= defined

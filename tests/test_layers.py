@@ -1,6 +1,6 @@
 """The folders are the layers: app → flows → tasks → models, and steps stay plain functions.
 
-A newcomer reads the layout from the folders (README "Layout"); these checks keep it true.
+A newcomer reads the layout from the folders (docs/layout.md); these checks keep it true.
 """
 
 from __future__ import annotations

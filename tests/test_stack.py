@@ -559,7 +559,7 @@ def test_the_stack_ends_the_mlflow_runs_its_ended_flow_runs_left_running(served:
 # --- in a real browser: Playwright driving Debian's Chromium (apt-get install chromium) --------
 
 CHROMIUM = shutil.which("chromium")
-# `make screenshots` sets it: the README's pictures are what these tests saw.
+# `make screenshots` sets it: the docs' pictures are what these tests saw.
 SCREENSHOTS = os.environ.get("IMAGEOPS_SCREENSHOTS")
 
 

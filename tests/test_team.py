@@ -1,7 +1,7 @@
-"""The team stack for real: the README's commands as written, every login, and no job variable
-that runs a caller's command.
+"""The team stack for real: the docs' commands as written (docs/team.md), every login, and no job
+variable that runs a caller's command.
 
-One stack for the module. The README's block "On the server machine" runs in a project folder of
+One stack for the module. The team page's block "On the server machine" runs in a project folder of
 its own with ``SERVER`` = 10.231.9.1, an address this test gives the test machine on a veth pair;
 the block "On each GPU machine" runs in another folder, inside a network namespace of its own
 (its own network stack at 10.231.9.2: another machine as far as the servers know). Without root
@@ -49,32 +49,31 @@ from tasks.shared.log_tail import read_from
 from tasks.shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+TEAM_PAGE = ROOT / "docs" / "team.md"  # the README's team section, moved to the docs site
 ACTIVATE = ". .venv/bin/activate"  # the README's line that puts `imageops` on PATH
 SUBNET = "10.231.9"  # this test's own addresses: .1 the server machine, .2 the GPU machine
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 90.0
 
 
-# --- the README's commands ------------------------------------------------------------------
+# --- the team page's commands (docs/team.md, the README's before the docs site) ------------
 
 
 def readme_commands(heading: str) -> list[str]:
-    """The command lines of the first ```bash block under the README heading ``### heading``."""
-    text = README.read_text()
-    start = text.index(f"\n### {heading}\n")
+    """The command lines of the first ```bash block under the team page's heading ``## heading``."""
+    text = TEAM_PAGE.read_text()
+    start = text.index(f"\n## {heading}\n")
     block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
-    assert block, f"no bash block under '### {heading}' in the README"
+    assert block, f"no bash block under '## {heading}' in {TEAM_PAGE.relative_to(ROOT)}"
     lines = [line.split(" #")[0].strip() for line in block.group(1).splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
 
 
 def readme_join_variables() -> list[str]:
-    """The variables the README's team section lists, one ``- `NAME`: what`` line each."""
-    text = README.read_text()
-    section = text[text.index("\n## A team on several machines\n") :]
-    section = section[: section.index("\n## ", 1)]
-    return re.findall(r"^- `([A-Z0-9_]+)`: ", section, re.M)
+    """The variables the team page lists, one ``- `NAME`: what`` line each."""
+    text = TEAM_PAGE.read_text()
+    assert text.startswith("# A team on several machines\n")
+    return re.findall(r"^- `([A-Z0-9_]+)`: ", text, re.M)
 
 
 def test_readme_lists_every_variable_of_the_join_file() -> None:

@@ -32,7 +32,7 @@ app = HelpTyper(
     name="imageops",
     help="Image classification MLOps: convert, version, split, train (DDP), tune, export, "
     "register, promote, score, evaluate. Locations come from IMAGEOPS_* environment variables "
-    "(see the README).",
+    "(see docs/configuration.md).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

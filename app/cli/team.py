@@ -15,7 +15,7 @@ from tasks.shared.settings import get_settings
 team_app = HelpTyper(
     help="A team on several machines: `server` runs the shared services (PostgreSQL, S3, MLflow, "
     "Prefect, Ray head; each with a login) on one machine, `join` adds a GPU machine (Ray node "
-    "and Prefect worker). See the README, 'A team on several machines'.",
+    "and Prefect worker). See docs/team.md, 'A team on several machines'.",
     no_args_is_help=True,
 )
 app.add_typer(team_app, name="team")
