@@ -19,6 +19,7 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from models import strict_json
 from models.atomic import write_json
 from models.directory import read_model_info
 from tasks.data.imagedir import MANIFEST, ManifestHead
@@ -124,7 +125,7 @@ def _recorded_metrics(
     try:
         record = json.loads(tag) if tag else {}
         if record.get("format") == SCORES_FORMAT and record.get("holdout_digest") == holdout.digest:
-            return {str(k): float(v) for k, v in record["metrics"].items()}
+            return {str(k): float(v) for k, v in record["metrics"].items() if v is not None}
     except (ValueError, TypeError, KeyError, AttributeError):
         step_logger(__name__).warning(
             "%s v%d: unreadable score record %s, scoring again", name, version, SCORES_TAG
@@ -158,7 +159,7 @@ def _score_version(
         )
         return known[metric], True
     result = table_metrics(score(model_dir, holdout.path, dest))
-    metrics = {key: float(value) for key, value in result.metrics.items()}
+    metrics = dict(result.metrics)
     if holdout.digest is not None:
         record = {
             "format": SCORES_FORMAT,
@@ -169,9 +170,12 @@ def _score_version(
             "time": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         client.set_model_version_tag(
-            name, str(version), SCORES_TAG + holdout.digest, json.dumps(record, sort_keys=True)
+            name,
+            str(version),
+            SCORES_TAG + holdout.digest,
+            strict_json.dumps(record, sort_keys=True),
         )
-    return metrics[metric], False
+    return float(metrics[metric]), False
 
 
 def _identify(holdout: Path, head: ManifestHead) -> _Holdout:
@@ -360,7 +364,10 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
         client,
         decision.name,
         decision.challenger_version,
-        {PROMOTION_TAG: f"{verdict} {stamp}: {decision.reason}", DETAILS_TAG: json.dumps(details)},
+        {
+            PROMOTION_TAG: f"{verdict} {stamp}: {decision.reason}",
+            DETAILS_TAG: strict_json.dumps(details),
+        },
     )
     champion = decision.champion_version
     if champion is None:

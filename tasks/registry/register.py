@@ -43,6 +43,7 @@ from tasks.inference.export import META_WEIGHTS_SHA256, sha256_file
 from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.registry.champion_record import BY_REGISTER, CHAMPION_ALIAS, mark_pending, reconcile
 from tasks.shared import faults
+from tasks.shared.artifacts import for_people
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings, redact_uri
@@ -119,7 +120,7 @@ def describe_version(info: ModelInfo, name: str, version: int | str) -> str:
     if len(classes) > MAX_DESCRIBED_CLASSES:  # MLflow keeps up to 5000 characters
         shown = classes[:MAX_DESCRIBED_CLASSES].rsplit(", ", 1)[0]
         classes = f"{shown}, ... (all of them: `classes` in the MLmodel file)"
-    metrics = ", ".join(f"{k} {float(v):.4g}" for k, v in sorted(info.metrics.items()))
+    metrics = ", ".join(f"{k} {for_people(v)}" for k, v in sorted(info.metrics.items()))
     resize = f"resize shorter side to {steps['resize']}, " if steps["resize"] else ""
     return (
         f"Image classifier ({info.architecture.arch}), {len(info.classes)} classes: {classes}.\n\n"
@@ -174,7 +175,7 @@ def _version_tags(
     # training run the version links to (and in model.json), not repeated here as 40 tags.
     if "recipe" in info.train_params:
         tags["recipe"] = str(info.train_params["recipe"])
-    if "val/top1" in info.metrics:
+    if info.metrics.get("val/top1") is not None:
         tags["val_top1"] = f"{float(info.metrics['val/top1']):.4f}"
     return tags
 
