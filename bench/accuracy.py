@@ -60,7 +60,7 @@ NOT_DIGITS = ("cmex", "cmsy", "Sym", "NonUni", "Display", "LastResort")
 
 @dataclass(frozen=True)
 class Result:
-    top1: float  # of the model the run kept (ours: the epoch of lowest validation loss)
+    top1: float  # of the model the run kept (ours: the epoch of best validation top-1)
     f1_macro: float
     seconds: float
     # The highest validation top-1 of any epoch: what timm's train.py reports as its result.
@@ -357,9 +357,10 @@ def run(full: bool, work: Path) -> Section:
             f"the digits drawn in every installed font ({DRAWS_PER_FONT} random draws per font "
             "and digit) for training; all 1,797 scikit-learn scans for validation, a source "
             "the training never saw. Time: the training command's wall time. top-1 (model "
-            "kept): `imageops evaluate` of the model the run kept (the epoch of lowest "
-            "validation loss), scored by ONNX Runtime; best epoch's top-1: the highest "
-            "validation top-1 of any epoch (`val/top1` in the MLflow run), which is what timm's "
+            "kept): `imageops evaluate` of the model the run kept (the epoch of best "
+            "validation top-1, the first to reach it), scored by ONNX Runtime; best epoch's "
+            "top-1: the highest validation top-1 of any epoch (`val/top1` in the MLflow run), "
+            "which is what timm's "
             "`train.py` reports (its summary.csv's best `eval_top1`), so the peer goal compares "
             "that on both sides. Seeds: "
             + (

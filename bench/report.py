@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models import strict_json
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 IMAGES = DOCS / "img"
@@ -141,7 +143,7 @@ class Section:
     load: str = ""  # 1-minute load average before -> after
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return strict_json.dumps(asdict(self), indent=1)  # NaN as null: a JSON file
 
     @classmethod
     def from_json(cls, text: str) -> Section:

@@ -492,13 +492,11 @@ def accuracy(seeds: tuple[int, ...], precisions: tuple[str, ...], work: Path) ->
 def run(full: bool, work: Path) -> Section:
     import torch
 
-    from tasks.train.precision import cpu_bf16_speedup, resolve_precision
+    from tasks.train.precision import cpu_bf16_runs, precision_choice
 
     plan = FULL if full else QUICK
     threads = torch.get_num_threads()
-    precision = resolve_precision("auto", "cpu", SIZE)
-    speedup = cpu_bf16_speedup()
-    probe = "bf16 autocast fails here" if speedup is None else f"bf16 probe {speedup:.2f}x fp32"
+    precision, why = precision_choice("auto", "cpu", SIZE)
 
     loops, figures, forward, compile_seconds = compare_loops(plan, precision, work)
     scaled = scaling(plan, work)
@@ -510,7 +508,7 @@ def run(full: bool, work: Path) -> Section:
         f"**Training step**, one process with {threads} threads, {SIZE}x{SIZE} px digits, batch "
         f"{BATCH}: `plain` is the tutorial loop (ImageFolder, NCHW, float32, SGD with momentum); "
         "`imageops` is the torchrun worker's own step in-process (channels-last, autocast, fused "
-        f"SGD), in the precision `auto` picks here at {SIZE} px: {precision} ({probe}). "
+        f"SGD), in the precision `auto` picks here at {SIZE} px: {precision} ({why}). "
         f"{plan.warmup} untimed warm-up steps per loop, then {plan.rounds} rounds of "
         f"{plan.steps} timed steps ({plan.steps * BATCH} images, loading included) per loop, the "
         "loops one after the other in each round; vs plain is the per-round ratio. GFLOP/s = "
@@ -530,14 +528,14 @@ def run(full: bool, work: Path) -> Section:
         f"= per-round 2-process rate / (2 x 1-process rate). {threads_note()}",
     ]
     if plan.accuracy_seeds:
-        precisions = ("fp32", "bf16") if speedup is not None else ("fp32",)
+        precisions = ("fp32", "bf16") if cpu_bf16_runs() else ("fp32",)
         tables.append(accuracy(plan.accuracy_seeds, precisions, work))
         text.append(
             f"**Accuracy**: the digits demo (resnet18 from scratch at {ACCURACY_SIZE} px, "
             f"{ACCURACY_EPOCHS} epochs, 1 process, Azure's parameters otherwise) trained in "
             f"{' and '.join(precisions)} (asked for: `auto` keeps inputs under 64 px in fp32) "
             f"with seeds {', '.join(map(str, plan.accuracy_seeds))}; pp = percentage points"
-            + ("." if speedup is not None else "; bf16 autocast does not run on this CPU.")
+            + ("." if cpu_bf16_runs() else "; bf16 autocast does not run on this CPU.")
         )
     else:
         text.append(

@@ -116,9 +116,12 @@ def pipeline(
             quantize_task(
                 trained.model_dir, data / "train", data / "val", max_top1_drop=config.max_top1_drop
             )
+        # Scored on the validation set as exported: the version's figures are the model's, and
+        # the promotion below reuses that score (the same images) instead of scoring again.
         registered = register_task(
-            trained.model_dir, data_version=data_version, alias=CHALLENGER, data_refs=data_refs
-        )
+            trained.model_dir, data_version=data_version, alias=CHALLENGER, data_refs=data_refs,
+            validation=data / "val",
+        )  # fmt: skip
         promotion = promote_task(
             data / "val", candidate=registered.version,
             metric=config.promotion.metric, margin=config.promotion.margin,

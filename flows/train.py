@@ -177,7 +177,7 @@ def train_model_flow(
             export_task(trained.model_dir, sample=val_path)
             registered = register_task(
                 trained.model_dir, data_version=data_version, alias=CHALLENGER,
-                data_refs=data_refs(data),
+                data_refs=data_refs(data), validation=val_path,
             )  # fmt: skip
             version = str(registered.version)
     return TrainedModel(

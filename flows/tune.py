@@ -177,7 +177,7 @@ def tune_flow(
             export_task(best.model_dir, sample=val)
             registered = register_task(
                 best.model_dir, data_version=data_version, alias=CHALLENGER,
-                data_refs={part: d.ref for part, d in data.items() if d.ref},
+                data_refs={part: d.ref for part, d in data.items() if d.ref}, validation=val,
             )  # fmt: skip
             version = study.record_registration(best, registered.version)
         result = result.model_copy(update={"registered_version": version})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
@@ -23,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from models import strict_json
 from models.errors import InvalidParameterError
 from models.locks import lock_fd
 
@@ -249,7 +249,8 @@ def write_text(path: Path, text: str) -> Path:
 
 
 def write_json(path: Path, obj: Any) -> Path:
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """``obj`` as strict JSON (NaN and infinity written as null: :mod:`models.strict_json`)."""
+    return write_text(path, strict_json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 @contextmanager

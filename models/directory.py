@@ -43,7 +43,8 @@ class ModelInfo(BaseModel):
     # The transform the model was trained with; scoring and export build its inference mode.
     transform: TransformSpec
     train_params: dict[str, Any] = Field(default_factory=dict)
-    metrics: dict[str, float] = Field(default_factory=dict)
+    # Counts as int; None where a value was not a finite number (JSON has no NaN).
+    metrics: dict[str, int | float | None] = Field(default_factory=dict)
     data_version: dict[str, str] = Field(default_factory=dict)
     mlflow_run_id: str | None = None
     best_epoch: int | None = None

@@ -328,6 +328,20 @@ def test_rows_of_unreadable_images_are_counted_not_scored_wrong(
     )
 
 
+def strict_json_file(path: Path) -> object:
+    """``path`` parsed as strict JSON: NaN, Infinity and -Infinity are refused."""
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"{path.name} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _printed(key: str, stdout: str) -> str:
+    """The value the CLI printed for ``key`` (``key: value`` lines)."""
+    return next(line for line in stdout.splitlines() if line.startswith(f"{key}: "))[len(key) + 2 :]
+
+
 def test_imageops_evaluate_draws_the_curves_calibration_gallery_and_gradcam(
     scored_val: Path, exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -344,12 +358,20 @@ def test_imageops_evaluate_draws_the_curves_calibration_gallery_and_gradcam(
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "roc_auc_macro:" in result.stdout and "ece:" in result.stdout
-    metrics = json.loads((tmp_path / "val.metrics.json").read_text())
+    # Every file is JSON a strict parser takes (JavaScript's refuses NaN); counts are integers.
+    written = {kind: strict_json_file(tmp_path / f"val.{kind}.json")
+               for kind in ("metrics", "per_class", "calib", "confusion")}  # fmt: skip
+    metrics = written["metrics"]
     assert 0.5 < metrics["roc_auc_macro"] <= 1 and 0 <= metrics["ece"] <= 1
-    per_class = json.loads((tmp_path / "val.per_class.json").read_text())
+    assert type(metrics["images"]) is int and type(metrics["unscored_images"]) is int
+    assert _printed("images", result.stdout) == str(metrics["images"])  # not 4250.0000
+    assert len(_printed("accuracy", result.stdout)) == len("0.9701")  # rounded for people
+    per_class = written["per_class"]
     assert all(0 <= row["roc_auc"] <= 1 and 0 <= row["pr_auc"] <= 1 for row in per_class)
-    bins = json.loads((tmp_path / "val.calib.json").read_text())
+    bins = written["calib"]
     assert sum(b["rows"] for b in bins) == metrics["images"]
+    empty = [b for b in bins if b["rows"] == 0]
+    assert empty and all(b["accuracy"] is None and b["confidence"] is None for b in empty)
     pictures = ("roc_pr", "calib", "confusion", "wrong", "gradcam")
     for name in (f"val.{kind}.png" for kind in pictures):
         with Image.open(tmp_path / name) as picture:

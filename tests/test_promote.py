@@ -23,8 +23,9 @@ from tasks.data.convert import convert
 from tasks.data.imagedir import read_manifest, write_manifest
 from tasks.data.manifest_stream import content_digest
 from tasks.inference.export import export_onnx
-from tasks.registry.promote import CHALLENGER, CHAMPION, SCORES_TAG, promote
+from tasks.registry.promote import CHALLENGER, CHAMPION, promote
 from tasks.registry.register import register
+from tasks.registry.version_scores import SCORES_TAG
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.settings import Settings
 

@@ -22,7 +22,10 @@ from models.atomic import write_json
 from models.directory import ONNX, read_model_info
 from tasks.data.imagedir import load_rgb, read_manifest
 from tasks.data.transform import build_transform
+from tasks.inference.evaluate import evaluate
 from tasks.inference.export import sha256_file
+from tasks.inference.score import score
+from tasks.registry.model_uri import model_in_use
 from tasks.registry.register import INCOMPLETE_TAG, register
 from tasks.shared import faults
 from tasks.shared.errors import InvalidParameterError, RegistryError
@@ -70,7 +73,8 @@ def test_register_twice_makes_versions_with_tags_and_a_loadable_alias(
     assert tags["data_md5.train"] == "b" * 32
     assert tags["data_md5.val"] == "c" * 32
     assert tags["git_revision"] == "unknown"  # the test project is not a git repository
-    assert float(tags["val_top1"]) == 0.5
+    assert float(tags["training_val_top1"]) == 0.5  # training's own figure, labelled so
+    assert "val_top1" not in tags  # no figure of the exported model: it was not scored
     assert tags["architecture"] == "resnet18"
     # A readable version list: a dozen tags, the parameters and metrics left in the run.
     assert not any(k.startswith(("param.", "metric.")) for k in tags) and len(tags) <= 12, tags
@@ -129,6 +133,32 @@ def test_register_logs_into_the_training_run_with_the_git_revision(
     assert version.tags["git_revision"] == head.stdout.strip()
     assert version.tags["data_md5.train"] == "0" * 32  # from model.json when not passed
     assert version.run_id == training_run
+
+
+def test_the_versions_top1_is_what_evaluate_of_the_registered_model_gives(
+    project: Settings, exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # Issue 46: training validated and recorded one figure, the exported model scored another;
+    # the registry showed training's. Registered with its validation set, the version's figures
+    # are the exported model's, as score + evaluate of the registered version give them.
+    val = digits_split[1]
+    with pytest.raises(InvalidParameterError, match=r"validation data .* is not an ImageDirectory"):
+        register(exported_model, settings=project, validation=tmp_path)  # refused before logging
+    configure_mlflow(project)
+    assert MlflowClient().search_registered_models() == []
+
+    registered = register(exported_model, settings=project, validation=val)
+
+    with model_in_use(registered.model_uri, project) as published:
+        scored = score(published, val, tmp_path / "val.csv")
+    top1 = evaluate(scored, settings=project, log_to_mlflow=False)["accuracy"]
+    assert top1 != 0.5  # what training recorded in model.json (the fixture's made-up figure)
+    version = MlflowClient().get_model_version(registered.name, str(registered.version))
+    assert version.tags["val_top1"] == f"{top1:.4f}"
+    assert version.tags["training_val_top1"] == "0.5000"  # kept, labelled as training's
+    assert f"(ONNX Runtime, float32): accuracy {top1:.4f}," in version.description
+    assert f"validation set `{val.name}`" in version.description
+    assert "**Training's own validation** (PyTorch, the kept epoch): " in version.description
 
 
 def test_register_without_model_onnx_says_to_export_first(

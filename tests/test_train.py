@@ -34,6 +34,7 @@ from tasks.shared.errors import (
     NotLabeledDatasetError,
     TrainingFailedError,
 )
+from tasks.shared.file_hash import file_sha256
 from tasks.shared.settings import Settings
 from tasks.train.checkpoint import load_checkpoint, save_checkpoint
 from tasks.train.data import ManifestImageFolder
@@ -428,6 +429,13 @@ def test_same_seed_gives_the_same_model_even_across_a_crash(
     a = load_file(str(first.model_dir / "model.safetensors"))
     b = load_file(str(second.model_dir / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # Issue 46: same command, same model, bit for bit: the weights files' sha256 are equal, and
+    # each run says why it trains in its precision (what the hardware is, never a timing).
+    weights = [file_sha256(r.model_dir / "model.safetensors")[1] for r in (first, second)]
+    assert weights[0] == weights[1]
+    for result in (first, second):
+        log = (result.run_dir / "rank_0.log").read_text()
+        assert "precision auto: fp32 (inputs of 16 px, under 64: float32 is faster there)" in log
     client = MlflowClient(project.tracking_uri)
     steps = [m.step for m in client.get_metric_history(second.run_id, "val/loss")]
     assert len(steps) == len(set(steps))  # a resumed epoch is not logged twice

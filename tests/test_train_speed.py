@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,13 @@ from tasks.train.data import LoaderSetup, ManifestImageFolder, training_loader
 from tasks.train.launch import TrainResult
 from tasks.train.loop import THROUGHPUT_PER_PROCESS, check_weights, to_device
 from tasks.train.params import TrainParams
-from tasks.train.precision import Amp, cpu_bf16_speedup, resolve_precision
+from tasks.train.precision import (
+    Amp,
+    cpu_bf16_feature,
+    cpu_bf16_runs,
+    precision_choice,
+    resolve_precision,
+)
 from tasks.train.run_folder import CHECKPOINT
 
 pytest_plugins = ["training_runs"]
@@ -49,10 +56,28 @@ def test_fp16_on_cpu_is_refused_before_anything_starts(
     assert not (project.home_dir / "mlflow.db").exists()
 
 
-def test_auto_precision_on_cpu_is_bf16_only_where_it_is_not_slower() -> None:
-    speedup = cpu_bf16_speedup()
-    expected = "bf16" if speedup is not None and speedup >= 1.0 else "fp32"
-    assert resolve_precision("auto", "cpu", 224) == expected
+def test_auto_precision_on_cpu_follows_the_cpu_flags_never_a_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 46: a timed probe chose fp32 on a busy machine and bf16 on a quiet one, two models
+    # from one command. Now no clock is read: the decision is what the CPU is, and it says so.
+    def no_clock() -> float:
+        raise AssertionError("precision auto read a clock")
+
+    monkeypatch.setattr(time, "perf_counter", no_clock)
+    monkeypatch.setattr(time, "monotonic", no_clock)
+    cpu_bf16_feature.cache_clear()
+    cpu_bf16_runs.cache_clear()
+    feature = cpu_bf16_feature()
+    chosen, why = precision_choice("auto", "cpu", 224)
+    if feature is not None and cpu_bf16_runs():
+        assert (chosen, why) == ("bf16", f"CPU has {feature}")
+    else:
+        assert chosen == "fp32" and ("neither AMX nor AVX-512 BF16" in why or feature in why)
+    assert precision_choice("auto", "cpu", 32) == (
+        "fp32",
+        "inputs of 32 px, under 64: float32 is faster there",
+    )
     assert resolve_precision("fp32", "cpu", 224) == "fp32"
     with pytest.raises(InvalidParameterError, match="precision = 'fp8'"):
         resolve_precision("fp8", "cpu")
@@ -62,7 +87,7 @@ def test_small_inputs_train_in_fp32_on_cpu() -> None:
     # Under 64 px bf16 gains nothing; at 16 px the last stage has 1x1 maps, where the CPU's
     # bf16 weight gradients are unreliable.
     assert resolve_precision("auto", "cpu", 32) == "fp32"
-    if cpu_bf16_speedup() is not None:
+    if cpu_bf16_runs():
         assert resolve_precision("bf16", "cpu", 32) == "bf16"  # asked for: allowed from 32 px
     assert resolve_precision("auto", "cpu", 16) == "fp32"
     with pytest.raises(InvalidParameterError, match=r"at least 32 px; this transform gives 16"):
@@ -84,7 +109,7 @@ def test_bad_num_workers_is_refused_naming_the_value() -> None:
 
 
 def test_a_step_keeps_fp32_weights_in_channels_last_and_trains_in_bf16() -> None:
-    if cpu_bf16_speedup() is None:
+    if not cpu_bf16_runs():
         pytest.skip("bfloat16 autocast does not run on this CPU")
     amp = Amp.for_run("cpu", "bf16", input_size=64)
     assert amp.memory_format == torch.channels_last
@@ -114,7 +139,7 @@ def test_small_inputs_stay_nchw_on_cpu_and_never_on_gpu() -> None:
 def test_a_bf16_run_on_cpu_trains(
     project: Settings, untrained: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    if cpu_bf16_speedup() is None:
+    if not cpu_bf16_runs():
         pytest.skip("bfloat16 autocast does not run on this CPU")
     result = run_train(
         project, untrained, digits_split, tmp_path / "model", PRE64, precision="bf16"

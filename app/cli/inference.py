@@ -214,6 +214,7 @@ def evaluate(
     Grad-CAM) beside the scored table.
     """
     from tasks.inference.evaluate import evaluate as run
+    from tasks.shared.artifacts import for_people
     from tasks.shared.errors import InvalidParameterError
 
     if run_id is not None and new_run:
@@ -232,8 +233,9 @@ def evaluate(
     )
     if result.compared is None:
         for key, value in result.metrics.items():
-            out.print(f"{key}: {value:.4f}")
+            out.print(f"{key}: {for_people(value)}")
         return
     out.print(f"{'metric':<20} {scored.name:>14} {compare.name:>14}")
     for key, value in result.metrics.items():
-        out.print(f"{key:<20} {value:>14.4f} {result.compared[key]:>14.4f}")
+        shown = for_people(value), for_people(result.compared[key])
+        out.print(f"{key:<20} {shown[0]!s:>14} {shown[1]!s:>14}")

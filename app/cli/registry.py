@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from app.cli.root import (
+    _data_argument,
     app,
     out,
 )
@@ -28,11 +29,21 @@ def register(
     model_dir: Annotated[Path, typer.Argument(help="Exported ModelDirectory.")],
     alias: Annotated[str | None, typer.Option(help="Alias to point at the new version.")] = None,
     name: ModelName = None,
+    val_data: Annotated[
+        str | None,
+        typer.Option(
+            help="Labeled validation ImageDirectory (or a version of one, NAME@VERSION): the "
+            "ONNX model is scored on it and those figures are the version's, as `imageops "
+            "evaluate` of it gives them. Without it, the version shows training's own figure, "
+            "labelled so."
+        ),
+    ] = None,
 ) -> None:
     """Register the model's ONNX export as a new MLflow model version."""
     from tasks.registry.register import register as run
 
-    registered = run(model_dir, alias=alias, settings=_with_model_name(name))
+    validation = None if val_data is None else _data_argument(val_data, "validation data").path
+    registered = run(model_dir, alias=alias, settings=_with_model_name(name), validation=validation)
     out.print(f"registered {registered.name} version {registered.version}")
 
 

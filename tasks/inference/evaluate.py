@@ -60,7 +60,8 @@ EVALUATED_ROWS = 50_000  # rows of a scored table read at a time (table_metrics)
 
 @dataclass(frozen=True)
 class EvaluationResult(Mapping[str, float]):
-    """The metrics by name (``result["accuracy"]``), plus the files written and the MLflow run."""
+    """The metrics by name (``result["accuracy"]``; the image counts are ints), plus the files
+    written and the MLflow run."""
 
     metrics: dict[str, float]
     per_class: list[dict[str, float | int | str]]
@@ -194,8 +195,8 @@ class _Tally:
             "roc_auc_macro": analysis.macro(analysis.roc_auc),
             "pr_auc_macro": analysis.macro(analysis.pr_auc),
             "ece": analysis.ece,
-            "images": float(self.scored),
-            "unscored_images": float(self.unscored),
+            "images": self.scored,  # counts stay integers in the JSON, MLflow and the CLI
+            "unscored_images": self.unscored,
         }
         per_class = [
             {

@@ -10,7 +10,6 @@ batch scoring. Details: docs/promotion.md#promotion.
 
 from __future__ import annotations
 
-import json
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -19,14 +18,14 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from models import strict_json
 from models.atomic import write_json
 from models.directory import read_model_info
-from tasks.data.imagedir import MANIFEST, ManifestHead
-from tasks.data.manifest_stream import content_digest, count_images, read_head
-from tasks.inference.evaluate import SUMMARY_ROWS, table_metrics
-from tasks.inference.score import score
+from tasks.data.imagedir import ManifestHead
+from tasks.inference.evaluate import SUMMARY_ROWS
 from tasks.registry.champion_record import mark_pending, reconcile
 from tasks.registry.register import check_alias
+from tasks.registry.version_scores import Holdout, identify, labeled_holdout, version_metrics
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings
@@ -39,11 +38,6 @@ PROMOTION_TAG = "promotion"  # the decision in one sentence
 DETAILS_TAG = TAG_PREFIX + "details"  # every field of the decision, JSON
 METRICS = tuple(SUMMARY_ROWS)  # all "higher is better"
 LOCK_TIMEOUT_S = 1800.0  # other promotions scoring a large holdout first
-# A version's metrics on one holdout: tag SCORES_TAG + the holdout's content digest. Raise
-# SCORES_FORMAT when scoring or the metrics change what they compute: older records are then
-# ignored (and replaced), never reused.
-SCORES_TAG = TAG_PREFIX + "scores."
-SCORES_FORMAT = 1
 # Each decision's work folder, <home>/promotions/<time>-v<challenger>: complete once it holds
 # DECISION_FILE; one without it and without a promotion running is one a kill cut short.
 PROMOTIONS_DIR = "promotions"
@@ -107,86 +101,6 @@ def _version_dir(name: str, version: int, settings: Settings, using: ExitStack) 
     return using.enter_context(model_in_use(f"models:/{name}/{version}", settings))
 
 
-@dataclass(frozen=True)
-class _Holdout:
-    path: Path
-    digest: str | None  # content_digest: what a recorded score is keyed by
-    images: int
-
-
-def _recorded_metrics(
-    client: MlflowClient, name: str, version: int, holdout: _Holdout
-) -> dict[str, float] | None:
-    """The metrics recorded for ``version`` on this holdout's content, or None."""
-    if holdout.digest is None:
-        return None
-    tag = client.get_model_version(name, str(version)).tags.get(SCORES_TAG + holdout.digest)
-    try:
-        record = json.loads(tag) if tag else {}
-        if record.get("format") == SCORES_FORMAT and record.get("holdout_digest") == holdout.digest:
-            return {str(k): float(v) for k, v in record["metrics"].items()}
-    except (ValueError, TypeError, KeyError, AttributeError):
-        step_logger(__name__).warning(
-            "%s v%d: unreadable score record %s, scoring again", name, version, SCORES_TAG
-        )
-    return None
-
-
-def _score_version(
-    client: MlflowClient,
-    name: str,
-    version: int,
-    model_dir: Path,
-    holdout: _Holdout,
-    dest: Path,
-    metric: str,
-) -> tuple[float, bool]:
-    """``metric`` of ``version`` on the holdout, and whether it was reused rather than scored.
-
-    Scored through ONNX Runtime (the version's ``model.onnx`` in ``model_dir``) into ``dest``
-    unless the version already has a record for this holdout's content; a new score is recorded
-    on the version in the registry, so every machine of a team reuses it.
-    """
-    known = _recorded_metrics(client, name, version, holdout)
-    if known is not None and metric in known:
-        step_logger(__name__).info(
-            "%s v%d: %s on this holdout (digest %s) reused from the registry",
-            name,
-            version,
-            metric,
-            holdout.digest[:12] if holdout.digest else "",
-        )
-        return known[metric], True
-    result = table_metrics(score(model_dir, holdout.path, dest))
-    metrics = {key: float(value) for key, value in result.metrics.items()}
-    if holdout.digest is not None:
-        record = {
-            "format": SCORES_FORMAT,
-            "holdout_digest": holdout.digest,
-            "images": holdout.images,
-            "metrics": metrics,
-            "holdout": str(holdout.path.resolve()),
-            "time": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-        client.set_model_version_tag(
-            name, str(version), SCORES_TAG + holdout.digest, json.dumps(record, sort_keys=True)
-        )
-    return metrics[metric], False
-
-
-def _identify(holdout: Path, head: ManifestHead) -> _Holdout:
-    """The holdout and its content digest (from its manifest and a stat per image)."""
-    digest = content_digest(holdout, head)
-    if digest is None:
-        step_logger(__name__).warning(
-            "%s: files differ from its %s (edited in place?): both models are scored and no "
-            "score is kept; convert the folder again to give it an identity",
-            holdout,
-            MANIFEST,
-        )
-    return _Holdout(holdout, digest, count_images(holdout))
-
-
 def _check(holdout: Path, metric: str, margin: float) -> ManifestHead:
     """The holdout's manifest, once the parameters are known to be sound."""
     if metric not in METRICS:
@@ -199,19 +113,7 @@ def _check(holdout: Path, metric: str, margin: float) -> ManifestHead:
             f"margin must be in [0, 1), got {margin}.",
             "The margin is in the metric's own units: 0.01 is one point of accuracy.",
         )
-    if not (holdout / MANIFEST).is_file():
-        raise InvalidParameterError(
-            f"holdout {holdout} is not an ImageDirectory (no {MANIFEST}).",
-            "Pass a converted, labeled data set the candidates did not train on, e.g. the "
-            "validation or test output of the split step.",
-        )
-    head = read_head(holdout)
-    if not head.labeled:
-        raise InvalidParameterError(
-            f"holdout {holdout} is unlabeled: there is no truth to compare the models on.",
-            "Pass a labeled ImageDirectory (one sub-folder per class).",
-        )
-    return head
+    return labeled_holdout(holdout, "holdout")
 
 
 def promote(
@@ -232,7 +134,7 @@ def promote(
     """
     settings = settings or get_settings()
     holdout = Path(holdout)
-    held = _identify(holdout, _check(holdout, metric, margin))
+    held = identify(holdout, _check(holdout, metric, margin))
     if isinstance(candidate, str) and not candidate.isdigit():
         check_alias(candidate)
     name = settings.registered_model_name
@@ -263,7 +165,7 @@ def _one_decision_at_a_time(settings: Settings) -> AbstractContextManager[None]:
 def _decide(
     client: MlflowClient,
     settings: Settings,
-    held: _Holdout,
+    held: Holdout,
     challenger: int,
     metric: str,
     margin: float,
@@ -279,9 +181,12 @@ def _decide(
     work.mkdir(parents=True, exist_ok=True)
 
     challenger_dir = _version_dir(name, challenger, settings, using)
-    challenger_score, challenger_reused = _score_version(
+    # Every metric of each version on the holdout, scored through its ONNX model or read from
+    # the version's record of these images (tasks.registry.version_scores).
+    scores, challenger_reused = version_metrics(
         client, name, challenger, challenger_dir, held, work / f"v{challenger}.csv", metric
     )
+    challenger_score = float(scores[metric])
     champion_dir = _version_dir(name, champion, settings, using) if champion else None
     champion_score, champion_reused = None, False
     if champion is None:
@@ -301,9 +206,10 @@ def _decide(
             "registered model (IMAGEOPS_REGISTERED_MODEL_NAME)"
         )
     else:
-        champion_score, champion_reused = _score_version(
+        scores, champion_reused = version_metrics(
             client, name, champion, champion_dir, held, work / f"v{champion}.csv", metric
         )
+        champion_score = float(scores[metric])
         gain = challenger_score - champion_score
         promoted = gain > margin
         reason = (
@@ -360,7 +266,10 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
         client,
         decision.name,
         decision.challenger_version,
-        {PROMOTION_TAG: f"{verdict} {stamp}: {decision.reason}", DETAILS_TAG: json.dumps(details)},
+        {
+            PROMOTION_TAG: f"{verdict} {stamp}: {decision.reason}",
+            DETAILS_TAG: strict_json.dumps(details),
+        },
     )
     champion = decision.champion_version
     if champion is None:

@@ -34,15 +34,19 @@ from mlflow.types import ColSpec, DataType, Schema
 from PIL import Image
 
 import models
+from models.atomic import scratch_folder
 from models.directory import ONNX, WEIGHTS, ModelInfo, read_model_info
 from models.errors import ImageOpsError
 from models.untrained import MODEL_JSON
 from tasks.data.git_revision import git_revision
 from tasks.data.transform import inference_steps
+from tasks.inference.evaluate import SUMMARY_ROWS, TOP_K
 from tasks.inference.export import META_WEIGHTS_SHA256, sha256_file
 from tasks.inference.score import LABEL_COLUMN, PROBABILITY_PREFIX
 from tasks.registry.champion_record import BY_REGISTER, CHAMPION_ALIAS, mark_pending, reconcile
+from tasks.registry.version_scores import Holdout, identify, labeled_holdout, version_metrics
 from tasks.shared import faults
+from tasks.shared.artifacts import for_people
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.project_lock import taking_turns
 from tasks.shared.settings import Settings, get_settings, redact_uri
@@ -69,6 +73,11 @@ _RESERVED_ALIAS = re.compile(r"^(latest|v\d+)$", re.IGNORECASE)
 REGISTRATION_TAG = "imageops.registration"
 INCOMPLETE_TAG = "imageops.registration.incomplete"
 LOCK_TIMEOUT_S = 600.0  # the same model being registered by another command: minutes at most
+# The version's top-1 tags: the exported model's on the validation set, scored as `imageops
+# evaluate` scores it (only when register was given that set), and training's own figure.
+TOP1_TAG = "val_top1"
+TRAINING_TOP1_TAG = "training_val_top1"
+DESCRIBED_METRICS = ("accuracy", "top5_accuracy", "f1_macro", "ece")  # of SUMMARY_ROWS
 
 
 @dataclass(frozen=True)
@@ -111,15 +120,44 @@ def model_config(info: ModelInfo) -> dict[str, object]:
     return {"classes": list(info.classes), **inference_steps(info.transform)}
 
 
-def describe_version(info: ModelInfo, name: str, version: int | str) -> str:
-    """The model version's description (Markdown): what it takes and returns, and how well."""
+def describe_version(
+    info: ModelInfo,
+    name: str,
+    version: int | str,
+    validated: tuple[Holdout, dict[str, float]] | None = None,
+) -> str:
+    """The model version's description (Markdown): what it takes and returns, and how well.
+
+    How well, labelled by where each figure comes from: ``validated``, the validation set and
+    the metrics this ONNX model scored on it (what `imageops evaluate` of the version gives),
+    and training's own validation (PyTorch, the kept epoch), which can differ by a few images.
+    """
     steps = inference_steps(info.transform)
     side = steps["input_size"]
     classes = ", ".join(info.classes)
     if len(classes) > MAX_DESCRIBED_CLASSES:  # MLflow keeps up to 5000 characters
         shown = classes[:MAX_DESCRIBED_CLASSES].rsplit(", ", 1)[0]
         classes = f"{shown}, ... (all of them: `classes` in the MLmodel file)"
-    metrics = ", ".join(f"{k} {float(v):.4g}" for k, v in sorted(info.metrics.items()))
+    training = ", ".join(f"{k} {for_people(v)}" for k, v in sorted(info.metrics.items()))
+    metrics = f"**Training's own validation** (PyTorch, the kept epoch): {training or 'none'}."
+    if validated is None:
+        metrics += (
+            " This ONNX model was not scored at registration (`imageops register --val-data` "
+            "scores it), so `imageops evaluate` of it may differ by a few images."
+        )
+    else:
+        held, scores = validated
+        k = min(TOP_K, len(info.classes))
+        shown = ", ".join(
+            f"{SUMMARY_ROWS[key].format(k=k)} {for_people(scores[key])}"
+            for key in DESCRIBED_METRICS
+            if key in scores
+        )
+        metrics = (
+            f"**Metrics of this model** on the validation set `{held.path.name}` ({held.images} "
+            "images), as `imageops score` and `imageops evaluate` of it compute them (ONNX "
+            f"Runtime, float32): {shown}.\n\n{metrics}"
+        )
     resize = f"resize shorter side to {steps['resize']}, " if steps["resize"] else ""
     return (
         f"Image classifier ({info.architecture.arch}), {len(info.classes)} classes: {classes}.\n\n"
@@ -133,7 +171,7 @@ def describe_version(info: ModelInfo, name: str, version: int | str) -> str:
         f"**Returns** one row per image: `{PROBABILITY_PREFIX}<class>` per class (softmax) and "
         f"`{LABEL_COLUMN}`. A value that is not a readable image (or has float pixels) is "
         "refused with an error naming it.\n\n"
-        f"**Metrics** (validation): {metrics or 'none recorded'}.\n\n"
+        f"{metrics}\n\n"
         f'```python\nmlflow.pyfunc.load_model("models:/{name}/{version}").predict(\n'
         f'    pd.DataFrame({{"{IMAGE_COLUMN}": [open("image.png", "rb").read()]}}))\n```\n\n'
         f"The raw network is `artifacts/{ONNX}` (float32 Nx3x{side}x{side} normalised input, "
@@ -174,8 +212,8 @@ def _version_tags(
     # training run the version links to (and in model.json), not repeated here as 40 tags.
     if "recipe" in info.train_params:
         tags["recipe"] = str(info.train_params["recipe"])
-    if "val/top1" in info.metrics:
-        tags["val_top1"] = f"{float(info.metrics['val/top1']):.4f}"
+    if info.metrics.get("val/top1") is not None:
+        tags[TRAINING_TOP1_TAG] = f"{float(info.metrics['val/top1']):.4f}"
     return tags
 
 
@@ -186,8 +224,16 @@ def register(
     data_version: dict[str, str] | None = None,
     alias: str | None = None,
     data_refs: dict[str, str] | None = None,
+    validation: Path | None = None,
 ) -> RegisteredModel:
     """Log ``model_dir``'s ONNX model to MLflow and register it as a new version.
+
+    ``validation``: the labeled ImageDirectory the model was validated on. The registered ONNX
+    model is scored on it (ONNX Runtime, as `imageops score` and `imageops evaluate` do) and
+    those figures become the version's (its ``val_top1`` tag and description, and the score
+    record promotion reuses), so the registry shows what the model as published does; training's
+    own figure (PyTorch) stays beside them, labelled. Without it, the version shows training's
+    figure only, labelled as such.
 
     The model goes into its training run (``model.json``'s ``mlflow_run_id``), or a new run when
     it has none. ``data_version`` (name -> md5) defaults to the one in ``model.json``; ``data_refs``
@@ -202,6 +248,10 @@ def register(
     model_dir = Path(model_dir)
     if alias is not None:
         check_alias(alias)
+    held = None
+    if validation is not None:  # refused before anything is logged
+        validation = Path(validation)
+        held = identify(validation, labeled_holdout(validation, "validation data"))
     info = read_model_info(model_dir)
     onnx_path = model_dir / ONNX
     if not onnx_path.is_file():
@@ -248,7 +298,11 @@ def register(
                         run_id, str(model_dir / file), artifact_path=DIRECTORY_ARTIFACTS
                     )
                 version = _new_version(settings, model_id, {**tags, INCOMPLETE_TAG: key})
-            _describe_and_alias(client, info, name, version, alias)
+            validated = None
+            if held is not None:
+                scores = _validation_scores(client, settings, info, version, model_dir, held)
+                validated = held, scores
+            _describe_and_alias(client, info, name, version, alias, validated)
             if own_run:
                 client.set_terminated(run_id)
             # The last step: from here on the registration is done, and the same command
@@ -266,6 +320,32 @@ def register(
         model_uri=f"models:/{name}/{version}",
         alias=alias,
     )
+
+
+def _validation_scores(
+    client: MlflowClient,
+    settings: Settings,
+    info: ModelInfo,
+    version: int,
+    model_dir: Path,
+    held: Holdout,
+) -> dict[str, float]:
+    """The Evaluate Model metrics of the version's ONNX model (``model_dir``'s, the file just
+    registered) on ``held``, recorded on the version; its ``val_top1`` tag is their accuracy."""
+    name = settings.registered_model_name
+    dest = settings.home_dir / "registrations" / f"v{version}"
+    with scratch_folder(dest, "scored") as work:
+        metrics, _ = version_metrics(client, name, version, model_dir, held, work / "val.csv")
+    client.set_model_version_tag(name, str(version), TOP1_TAG, f"{metrics['accuracy']:.4f}")
+    step_logger(__name__).info(
+        "%s v%s: top-1 %.4f on %s as exported and scored (training's own: %s)",
+        name,
+        version,
+        metrics["accuracy"],
+        held.path.name,
+        for_people(info.metrics.get("val/top1")),
+    )
+    return metrics
 
 
 def registration_key(run_id: str | None, name: str, tags: dict[str, str]) -> str:
@@ -389,11 +469,16 @@ def _new_version(settings: Settings, model_id: str, tags: dict[str, str]) -> int
 
 
 def _describe_and_alias(
-    client: MlflowClient, info: ModelInfo, name: str, version: int, alias: str | None
+    client: MlflowClient,
+    info: ModelInfo,
+    name: str,
+    version: int,
+    alias: str | None,
+    validated: tuple[Holdout, dict[str, float]] | None = None,
 ) -> None:
     """The version's description and ``alias``: steps a killed register's rerun does again."""
     client.update_model_version(
-        name, str(version), description=describe_version(info, name, version)
+        name, str(version), description=describe_version(info, name, version, validated)
     )
     faults.point("register.described", version=version)
     if alias is None:

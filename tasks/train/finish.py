@@ -45,7 +45,7 @@ def write_model(
             "device": config.device,
             "effective_learning_rate": params.learning_rate * config.world_size,
         },
-        metrics={**result["metrics"], "epochs_trained": float(progress.epoch)},
+        metrics={**result["metrics"], "epochs_trained": progress.epoch},
         data_version=dict(config.data_version),
         mlflow_run_id=config.mlflow_run_id,
         best_epoch=progress.best_epoch,

@@ -210,8 +210,9 @@ class TrainParams(BaseModel):
     seed: int = Field(
         1,
         title="Random seed",
-        description="Seeds initialisation, shuffling and augmentation: same seed, same data, "
-        "same processes give the same model.",
+        description="Seeds initialisation, shuffling and augmentation: same seed, data, "
+        "processes and hardware give the same model, bit for bit on CPU, up to float rounding "
+        "on GPU.",
     )
     patience: int = Field(
         3,
@@ -246,9 +247,11 @@ class TrainParams(BaseModel):
     precision: Precision = Field(
         "auto",
         title="Precision",
-        description="Float format of the forward pass. auto: bfloat16 on a CPU that computes it "
-        "natively (else fp32); on GPU bfloat16 from compute capability 8.0 (A100, H100), else "
-        "float16 with loss scaling. fp16 is for GPUs only. Weights and optimizer stay fp32.",
+        description="Float format of the forward pass. auto, decided from what the hardware "
+        "is (never timed) and logged with its reason: on CPU bfloat16 where the CPU has AMX or "
+        "AVX-512 BF16 and inputs are 64 px or more, else fp32; on GPU bfloat16 from compute "
+        "capability 8.0 (A100, H100), else float16 with loss scaling. fp16 is for GPUs only. "
+        "Weights and optimizer stay fp32.",
     )
     num_workers: int | None = Field(
         None,

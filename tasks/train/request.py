@@ -55,9 +55,9 @@ class Request:
     def decided(self, run_dir: Path | None = None) -> RunConfig:
         """The config with "auto" precision decided once per run, never again on a resume.
 
-        A run folder that already holds this job's ``config.json`` (a retry, a restart on a
-        busier machine) keeps the precision recorded there; else it is decided now, which on
-        CPU times a small convolution both ways.
+        A run folder that already holds this job's ``config.json`` (a retry, a restart on
+        another machine) keeps the precision recorded there; else it is decided now, from what
+        the device is (tasks.train.precision.precision_choice).
         """
         params = self.config.params
         if params.precision != "auto" or self.precision_decided:

@@ -62,7 +62,7 @@ from tasks.train.loop import (
     train_one_epoch,
 )
 from tasks.train.params import RunConfig
-from tasks.train.precision import Amp
+from tasks.train.precision import Amp, precision_reason
 from tasks.train.progress import checkpoint_state, log_epoch, prune_vote, resume, save_best, summary
 from tasks.train.run_folder import BEST_WEIGHTS, CHECKPOINT, rank_log
 from tasks.train.schedule import build_scheduler
@@ -247,6 +247,9 @@ def _train(config: RunConfig, dist: distributed.DistInfo) -> dict[str, Any]:
         "channels-last" if amp.channels_last else "NCHW",
         setup.num_workers,
     )
+    # What was chosen and why, from what the hardware is (never a timing): docs/precision.md.
+    why = precision_reason(params.precision, config.precision, device.type, size)
+    log.info("precision %s: %s (%s)", params.precision, config.precision, why)
     for epoch in range(progress.epoch + 1, params.epochs + 1):
         if progress.stopped_early or progress.pruned:
             break
