@@ -244,7 +244,11 @@ class _Job:
                 compute=ray.data.ActorPoolStrategy(
                     min_size=1, max_size=actors, initial_size=actors
                 ),
-                num_cpus=0 if gpus else threads,
+                # No core reserved: the pool's size already leaves half the cores to the read
+                # tasks, and an actor restarted after its node died must not take the last core
+                # the job's read tasks wait for (2 nodes of 2 cores, one lost: B's 2 cores went
+                # to the 2 actors, the lost read tasks waited for ever).
+                num_cpus=0,
                 num_gpus=1 if gpus else 0,
             )
         )
