@@ -483,11 +483,27 @@ def by_node(log: str) -> dict[str, dict[str, int]]:
 
 
 def flow_run_logs(team: Team, flow_run: str) -> str:
-    with team.stack.prefect() as api:
-        logs = api.post("/logs/filter", json={
-            "logs": {"flow_run_id": {"any_": [flow_run]}}, "sort": "TIMESTAMP_ASC", "limit": 200,
-        }).raise_for_status().json()  # fmt: skip
-    return "\n".join(log["message"] for log in logs)
+    """The flow run's whole log once its last line is in: a run's state turns final before
+    its process's last batch of logs reaches the API, so reading at once can miss the end."""
+
+    def read() -> list[dict]:
+        logs: list[dict] = []
+        with team.stack.prefect() as api:
+            while page := api.post("/logs/filter", json={
+                "logs": {"flow_run_id": {"any_": [flow_run]}}, "sort": "TIMESTAMP_ASC",
+                "limit": 200, "offset": len(logs),
+            }).raise_for_status().json():  # fmt: skip
+                logs += page
+        return logs
+
+    def ended(logs: list[dict]) -> bool:
+        return any(
+            log["task_run_id"] is None and log["message"].startswith("Finished in state")
+            for log in logs
+        )
+
+    logs = servers.wait_until(lambda: (found := read()) and ended(found) and found, 60, **LONG_WAIT)
+    return "\n".join(log["message"] for log in (logs or read()))
 
 
 def test_a_score_deployment_run_scores_an_s3_prefix_on_both_hosts(
