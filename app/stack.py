@@ -163,19 +163,38 @@ class Services:
         """One look at the services: here a dead one ends the stack (``team join`` restarts it)."""
         self.check_alive()
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
         """Stop every service: those with a stopper of their own (a database, a Ray node: they
         drain first) one by one, last started first; the others together, so that Ctrl-C on
-        `imageops serve` ends within one timeout (``STOP_TIMEOUT_S``), not one per service."""
+        `imageops serve` ends within one timeout (``STOP_TIMEOUT_S``), not one per service.
+
+        Returns the services SIGKILLed for not stopping within that timeout: said where the
+        stop is reported, as a slow stop's cause."""
         together = []
         for service in reversed(self.services):
             if service.stopper is not None:
                 service.stopper()
             elif service.process is not None:
-                together.append(service.process)
-        servers.stop_together(together, STOP_TIMEOUT_S, groups=self.left_behind)
+                together.append(service)
+        killed = servers.stop_together(
+            [service.process for service in together if service.process is not None],
+            STOP_TIMEOUT_S,
+            groups=self.left_behind,
+        )
+        names = [s.name for s in together if s.process is not None and s.process.pid in killed]
+        names += ["a restarted service's processes"] * any(g in killed for g in self.left_behind)
         self.services.clear()
         self.left_behind.clear()
+        return names
+
+
+def stopped_line(began: float, killed: list[str]) -> str:
+    """What a stop says at its end: how long it took, and which services had to be killed
+    (a slow stop's cause, named where the person pressing Ctrl-C looks)."""
+    line = f"stopped in {time.monotonic() - began:.1f} s"
+    if killed:
+        line += f" ({', '.join(killed)}: SIGKILL after {STOP_TIMEOUT_S:.0f} s without stopping)"
+    return line
 
 
 def stop_leader_first(process: subprocess.Popen, sig: signal.Signals, timeout_s: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -48,7 +49,7 @@ def serve_stack(
     """Bring the whole stack up on this machine; Ctrl-C stops all of it."""
     if ctx.invoked_subcommand is not None:
         return
-    from app.stack import Ports, Stack
+    from app.stack import Ports, Stack, stopped_line
 
     stack = Stack(
         get_settings(),
@@ -88,8 +89,9 @@ def serve_stack(
     except KeyboardInterrupt:
         err.print("stopping ...")
     finally:
-        stack.stop()
-    err.print("stopped")
+        began = time.monotonic()
+        killed = stack.stop()
+    err.print(stopped_line(began, killed))
 
 
 def _experiment_page(stack: Stack) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -39,6 +40,7 @@ def team_server(
     ui: Annotated[bool, typer.Option(help="Serve the Prefect UI.")] = True,
 ) -> None:
     """Run the team's shared services on this machine until Ctrl-C; write the join file."""
+    from app.stack import stopped_line
     from app.team import TeamPorts, TeamServer
     from tasks.shared.servers import stop_signals
 
@@ -70,8 +72,9 @@ def team_server(
         except KeyboardInterrupt:
             err.print("stopping ...")
         finally:
-            stack.stop()
-    err.print("stopped")
+            began = time.monotonic()
+            killed = stack.stop()
+    err.print(stopped_line(began, killed))
 
 
 @team_app.command("join")
@@ -104,6 +107,7 @@ def team_join(
     ] = None,
 ) -> None:
     """Join this GPU machine to the team: a Ray node and a Prefect worker, until Ctrl-C."""
+    from app.stack import stopped_line
     from app.team_join import TeamMember
     from tasks.shared.servers import stop_signals
 
@@ -123,5 +127,6 @@ def team_join(
         except KeyboardInterrupt:
             err.print("leaving ...")
         finally:
-            member.stop()
-    err.print("stopped")
+            began = time.monotonic()
+            killed = member.stop()
+    err.print(stopped_line(began, killed))

@@ -155,13 +155,15 @@ def stop_together(
     processes: list[subprocess.Popen],
     timeout_s: float = STOP_TIMEOUT_S,
     groups: Sequence[int] = (),
-) -> None:
+) -> list[int]:
     """SIGTERM every process's group at once, wait for them all, SIGKILL what is left after
-    ``timeout_s``: a stop of several servers takes one timeout, not one each.
+    ``timeout_s``: a stop of several servers takes one timeout, not one each. Returns the
+    groups that had to be SIGKILLed (a server that does not stop on SIGTERM in time).
 
     ``groups``: process groups whose leader has ended and was reaped (a restarted service's),
     whose other processes ran on; they get the same signals.
     """
+    killed: list[int] = []
     for process in processes:
         with contextlib.suppress(ProcessLookupError):  # ended, and its group with it
             if process.poll() is None:
@@ -177,6 +179,7 @@ def stop_together(
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+            killed.append(process.pid)
             process.wait()
     while any(group_alive(group) for group in groups) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -184,6 +187,8 @@ def stop_together(
         if group_alive(group):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
+            killed.append(group)
+    return killed
 
 
 def group_alive(group: int) -> bool:
