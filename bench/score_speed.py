@@ -153,7 +153,10 @@ def train_model(root: Path, train: Path, val: Path, plan: Plan) -> Path:
     from tasks.train.precision import resolve_precision
     from tasks.train.worker import train_worker
 
-    params = TrainParams(epochs=plan.epochs, seed=1, device="cpu", learning_rate=plan.learning_rate)
+    # The Azure recipe (SGD), whose rate this is and which the recorded top-1 was trained with.
+    params = TrainParams(
+        recipe="azure", epochs=plan.epochs, seed=1, device="cpu", learning_rate=plan.learning_rate
+    )
     config = RunConfig(
         params=params,
         architecture=resnet("resnet18", pretrained=False),

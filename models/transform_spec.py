@@ -21,8 +21,15 @@ MODES: tuple[str, ...] = get_args(Mode)
 # torchvision's augmentation policies (v2.RandAugment, TrivialAugmentWide, AugMix, AutoAugment).
 Augmentation = Literal["none", "randaugment", "trivialaugment", "augmix", "autoaugment"]
 MAX_MAGNITUDE = 30  # RandAugment's num_magnitude_bins - 1 (torchvision's default 31 bins)
+# Azure's random resized crop (256 px, 8% to 100% of the area): what an empty size or scale is
+# outside a training recipe.
+RRC_SIZE = 256
+RRC_SCALE = 0.08
 # The fields a training recipe fills where a spec leaves them empty (tasks.train.recipes).
 RECIPE_FIELDS = (
+    "random_resized_crop",
+    "random_resized_crop_size",
+    "random_resized_crop_scale",
     "random_erasing",
     "random_erasing_probability",
     "augmentation",
@@ -84,25 +91,33 @@ class TransformSpec(BaseModel):
         title="Grayscale",
         description="Convert every image to grayscale (kept as 3 equal channels for the network).",
     )
-    random_resized_crop: bool = Field(
-        False,
+    random_resized_crop: bool | None = Field(
+        None,
         title="Random resized crop",
-        description="Training only: crop a random area (`random_resized_crop_scale`, 8% by "
-        "default, to 100%) with a random aspect ratio "
-        "(3/4 to 4/3) and resize it to `random_resized_crop_size` (used to train Inception). "
-        "Replaces resize and center crop in training.",
+        description="Training only: crop a random area (`random_resized_crop_scale` to 100%) "
+        "with a random aspect ratio (3/4 to 4/3) and resize it to `random_resized_crop_size` "
+        "(used to train Inception). Replaces resize and center crop in training. Empty: the "
+        "training recipe's (azure: off; modern: on, unless random crop is on); off outside "
+        "training.",
     )
-    random_resized_crop_size: int = _size(
-        256, "Random resized crop size", "Side of the random resized crop, in pixels (> 0)."
+    random_resized_crop_size: int | None = Field(
+        None,
+        gt=0,
+        title="Random resized crop size",
+        description="Side of the random resized crop, in pixels (> 0). Empty: the training "
+        f"recipe's (azure: {RRC_SIZE}, Azure's default; modern: the side of the crop the spec "
+        "gives otherwise, the center crop's, else the resize's, so training and inference see "
+        f"one input size); {RRC_SIZE} outside a recipe.",
     )
-    random_resized_crop_scale: float = Field(
-        0.08,
+    random_resized_crop_scale: float | None = Field(
+        None,
         gt=0,
         le=1,
         allow_inf_nan=False,
         title="Random resized crop scale",
         description="Smallest share of the image's area a random resized crop takes (it takes "
-        "up to all of it): Azure's 0.08; 0.5 or more for small images or small objects.",
+        "up to all of it); 0.5 or more for small images or small objects. Empty: the training "
+        f"recipe's (azure: {RRC_SCALE}, Azure's; modern: 0.5); {RRC_SCALE} outside a recipe.",
     )
     random_crop: bool = Field(
         False,
@@ -209,13 +224,23 @@ class TransformSpec(BaseModel):
         None when all are off (see :func:`tasks.data.transform.crop_size`)."""
         for on, size in (
             (self.random_crop, self.random_crop_size),
-            (self.random_resized_crop, self.random_resized_crop_size),
+            (self.random_resized_crop, self.rrc_size()),
             (self.center_crop, self.center_crop_size),
             (self.resize, self.resize_size),
         ):
             if on:
                 return size
         return None
+
+    def rrc_size(self) -> int:
+        """The random resized crop's side: its size, Azure's 256 where empty (no recipe)."""
+        size = self.random_resized_crop_size
+        return RRC_SIZE if size is None else size
+
+    def rrc_scale(self) -> float:
+        """The random resized crop's smallest share: its scale, Azure's 0.08 where empty."""
+        scale = self.random_resized_crop_scale
+        return RRC_SCALE if scale is None else scale
 
     def input_side(self) -> int | None:
         """The side of the square the network sees: the crop, plus the padding on both sides."""

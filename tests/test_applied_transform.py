@@ -92,9 +92,10 @@ def test_train_uses_the_transform_the_data_was_prepared_with(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "transform: the one the data was prepared with (20x20 images)" in result.stdout
     info = read_model_info(tmp_path / "model")
-    # the data's spec, with the default recipe's (azure) values where it left fields empty
-    assert info.transform == resolve_transform(read_transformation(transform), "azure")
-    assert input_size(info.transform) == 20
+    # the data's spec, with the default recipe's (modern) values where it left fields empty:
+    # a random resized crop at the data's input size, which scoring does not see
+    assert info.transform == resolve_transform(read_transformation(transform), "modern")
+    assert info.transform.random_resized_crop and input_size(info.transform) == 20
 
     # Score Image Model on the prepared validation split equals scoring the raw images.
     export_onnx(tmp_path / "model", sample=val_dir)
@@ -153,6 +154,9 @@ def test_raw_data_without_a_transform_gets_the_azure_defaults(
     params = mlflow.MlflowClient(project.tracking_uri).get_run(run_id).data.params
     assert params["input_size"] == "224"
     assert params["transform.resize_size"] == "256"
+    # the default recipe's random resized crop, recorded as it resolved: at the input size
+    rrc = [params[f"transform.random_resized_crop{k}"] for k in ("", "_size", "_scale")]
+    assert (params["recipe"], rrc) == ("modern", ["True", "224", "0.5"])
 
 
 def test_tuning_takes_the_prepared_datas_transform(

@@ -21,14 +21,18 @@ def test_params_yaml_equals_the_flow_defaults() -> None:
 
 
 def test_the_demo_keeps_the_seed_training_defaults() -> None:
-    train = PipelineConfig().train.resolved()  # the recipe fields left empty: azure's values
-    azure = TrainParams().resolved()
-    assert (train.recipe, train.optimizer, train.schedule) == ("azure", "sgd", "poly")
+    train = PipelineConfig().train.resolved()  # the recipe fields left empty: modern's values
+    default = TrainParams().resolved()
+    assert (train.recipe, train.optimizer, train.schedule) == ("modern", "adamw", "cosine")
     for name in ("epochs", "batch_size", "warmup_epochs", "learning_rate", "seed", "patience"):
-        assert getattr(train, name) == getattr(azure, name), name
+        assert getattr(train, name) == getattr(default, name), name
     assert (train.epochs, train.batch_size, train.learning_rate) == (5, 16, 0.001)
-    assert (train.seed, train.patience, train.warmup_epochs, train.print_frequency) == (1, 3, 0, 10)
+    assert (train.seed, train.patience, train.warmup_epochs, train.print_frequency) == (1, 3, 1, 10)
     assert train.nproc_per_node == 2
+    # the Azure component's exact values stay one field away
+    azure = PipelineConfig.checked({"train": {"recipe": "azure"}}, "test", "").train.resolved()
+    assert (azure.optimizer, azure.schedule, azure.warmup_epochs) == ("sgd", "poly", 0)
+    assert azure.nproc_per_node == 2
 
 
 def test_bad_values_in_a_file_name_the_key(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Training recipes: azure (the default, exact) and modern, each field still the user's to set."""
+"""Training recipes: modern (the default) and azure (the Azure component, exact), each field still
+the user's to set."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torchvision.transforms import v2
 from models.transform_spec import AppliedTransform, TransformSpec
 from models.untrained import resnet
 from models.zoo import build_model
-from tasks.data.transform import build_transform, check_applied
+from tasks.data.transform import build_transform, check_applied, inference_steps, input_size
 from tasks.shared.errors import InvalidParameterError, InvalidTransformationDirectoryError
 from tasks.train.build import batch_mixer, build_optimizer, training_loss
 from tasks.train.params import RunConfig, TrainParams
@@ -21,8 +22,13 @@ from tasks.train.recipes import TRAINING, resolve_transform
 from tasks.train.schedule import lr_factor
 
 
+def test_the_default_recipe_is_modern() -> None:
+    assert TrainParams().recipe == "modern"
+    assert TrainParams().resolved() == TrainParams(recipe="modern").resolved()
+
+
 def test_azure_resolves_to_the_azure_components_settings() -> None:
-    azure = TrainParams().resolved()
+    azure = TrainParams(recipe="azure").resolved()
     assert azure.recipe == "azure"
     assert (azure.optimizer, azure.schedule, azure.learning_rate) == ("sgd", "poly", 0.001)
     assert (azure.momentum, azure.weight_decay, azure.warmup_epochs) == (0.9, 1e-4, 0)
@@ -45,7 +51,8 @@ def test_modern_fine_tunes_a_pretrained_network_head_first_and_the_backbone_slow
     assert (tuned.head_only_epochs, tuned.backbone_lr_scale) == (1, 0.1)
     assert TrainParams(recipe="modern", head_only_epochs=0).resolved(True).head_only_epochs == 0
     # azure stays the Azure component, pretrained or not: the whole network at one rate
-    assert TrainParams().resolved(pretrained=True) == TrainParams().resolved()
+    azure = TrainParams(recipe="azure")
+    assert azure.resolved(pretrained=True) == azure.resolved()
     # The run's configuration (config.json, MLflow params) holds the values it resolved to.
     config = RunConfig(
         params=TrainParams(recipe="modern"), architecture=resnet("resnet18", pretrained=True),
@@ -80,7 +87,7 @@ def test_modern_optimizer_is_adamw_without_decay_on_norm_layers_and_biases() -> 
     assert all(p.ndim > 1 for p in decayed["params"])
     assert decayed["lr"] == 0.002 and decayed["betas"][0] == 0.9
 
-    azure = build_optimizer(model, 0.002, TrainParams().resolved())
+    azure = build_optimizer(model, 0.002, TrainParams(recipe="azure").resolved())
     assert isinstance(azure, torch.optim.SGD)
     (group,) = azure.param_groups
     assert (group["weight_decay"], group["momentum"], group["nesterov"]) == (1e-4, 0.9, True)
@@ -137,6 +144,74 @@ def test_modern_fills_the_augmentation_a_spec_leaves_empty() -> None:
     assert v2.RandAugment not in plain and v2.RandomErasing not in plain
 
 
+def _crops(spec: TransformSpec) -> list[v2.RandomResizedCrop]:
+    steps = build_transform(spec, "training").transforms
+    return [t for t in steps if isinstance(t, v2.RandomResizedCrop)]
+
+
+def test_modern_brings_a_random_resized_crop_at_the_input_size() -> None:
+    """The default spec (resize 256, center crop 224) under the default recipe: training crops
+    a random half-to-all of the image to 224; inference is the resize and center crop as ever."""
+    modern = resolve_transform(TransformSpec(), "modern")
+    rrc = modern.random_resized_crop, modern.random_resized_crop_size
+    assert (*rrc, modern.random_resized_crop_scale) == (True, 224, 0.5)
+    (crop,) = _crops(modern)
+    assert (tuple(crop.size), crop.scale) == ((224, 224), (0.5, 1.0))
+    training = [type(t) for t in build_transform(modern, "training").transforms]
+    assert v2.Resize not in training and v2.CenterCrop not in training
+    assert input_size(modern) == 224
+    assert inference_steps(modern) == inference_steps(TransformSpec())
+    assert (inference_steps(modern)["resize"], inference_steps(modern)["center_crop"]) == (256, 224)
+    inference = build_transform(modern, "inference").transforms
+    assert [type(t) for t in inference[1:3]] == [v2.Resize, v2.CenterCrop]
+    assert (inference[1].size, inference[2].size) == ([256], (224, 224))
+    # The docs' 64 px transform: what bench/accuracy.py once asked for by options.
+    small = resolve_transform(TransformSpec(resize_size=64, center_crop_size=64), "modern")
+    assert (tuple(_crops(small)[0].size), _crops(small)[0].scale) == ((64, 64), (0.5, 1.0))
+    assert inference_steps(small)["resize"] == 64
+    # resize only: the resized image's square; padding stays around the crop
+    resize_only = resolve_transform(TransformSpec(center_crop=False), "modern")
+    assert resize_only.random_resized_crop_size == 256
+    padded = resolve_transform(TransformSpec(pad=True, padding=4), "modern")
+    assert (padded.random_resized_crop_size, input_size(padded)) == (224, 232)
+    # The run records the values it resolved to (config.json, MLflow params, model.json).
+    config = RunConfig(
+        params=TrainParams(), architecture=resnet("resnet18", pretrained=False),
+        classes=["a", "b"], transform=TransformSpec(), train_data=Path("t"), val_data=Path("v"),
+        data_fingerprint={}, out=Path("m"), run_dir=Path("r"), device="cpu", precision="fp32",
+        world_size=1,
+    )  # fmt: skip
+    assert config.transform == modern
+    assert RunConfig.model_validate_json(config.model_dump_json()).transform == modern
+
+
+def test_azure_leaves_the_transform_as_the_azure_component_has_it() -> None:
+    azure = resolve_transform(TransformSpec(), "azure")
+    rrc = azure.random_resized_crop, azure.random_resized_crop_size
+    assert (*rrc, azure.random_resized_crop_scale) == (False, 256, 0.08)
+    steps = [type(t) for t in build_transform(azure, "training").transforms]
+    assert steps == [type(t) for t in build_transform(TransformSpec(), "training").transforms]
+    assert v2.RandomResizedCrop not in steps
+    switched = resolve_transform(TransformSpec(random_resized_crop=True), "azure")
+    (crop,) = _crops(switched)
+    assert (tuple(crop.size), crop.scale) == ((256, 256), (0.08, 1.0))
+
+
+def test_a_transform_with_its_own_geometry_keeps_it_under_modern() -> None:
+    off = resolve_transform(TransformSpec(random_resized_crop=False), "modern")
+    assert off.random_resized_crop is False and not _crops(off)  # False is not empty
+    random_crop = resolve_transform(TransformSpec(random_crop=True), "modern")
+    assert random_crop.random_resized_crop is False and not _crops(random_crop)
+    assert v2.RandomCrop in [type(t) for t in build_transform(random_crop, "training").transforms]
+    mine = resolve_transform(
+        TransformSpec(random_resized_crop_size=200, random_resized_crop_scale=0.3), "modern"
+    )
+    (crop,) = _crops(mine)
+    assert (tuple(crop.size), crop.scale, input_size(mine)) == ((200, 200), (0.3, 1.0), 200)
+    # outside a training run (transform apply) an empty field is off: no random resized crop
+    assert not _crops(TransformSpec())
+
+
 def test_data_prepared_before_a_recipe_filled_the_spec_is_still_the_models() -> None:
     """A model trained with modern records randaugment; the validation data it was trained on,
     prepared by `transform apply` with the same spec, has those fields empty: the same spec."""
@@ -154,12 +229,13 @@ def test_balanced_class_weights_make_a_rare_class_count_as_much() -> None:
     loss = training_loss(params, [0, 0, 0, 0, 0, 0, 1, 1, 2], 4)  # class 3 has no image
     torch.testing.assert_close(loss.weight, torch.tensor([9 / 24, 9 / 8, 9 / 4, 0.0]))
     assert training_loss(TrainParams().resolved(), [0, 1], 2).weight is None
-    smoothed = training_loss(TrainParams(recipe="modern").resolved(), [0, 1], 2)
+    smoothed = training_loss(TrainParams().resolved(), [0, 1], 2)  # modern, the default
     assert smoothed.label_smoothing == 0.1
+    assert training_loss(TrainParams(recipe="azure").resolved(), [0, 1], 2).label_smoothing == 0
 
 
 def test_mixup_and_cutmix_give_soft_labels_on_the_batch() -> None:
-    assert batch_mixer(TrainParams().resolved(), 10) is None  # azure: off
+    assert batch_mixer(TrainParams().resolved(), 10) is None  # off in both recipes
     images = torch.rand(8, 3, 16, 16)
     labels = torch.arange(8) % 4
     for values in (
@@ -289,7 +365,9 @@ def test_every_optimizer_is_torchs_with_the_runs_momentum_and_decay(
     optimizer: str, kind: type
 ) -> None:
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-    params = TrainParams(optimizer=optimizer, momentum=0.8, weight_decay=0.01).resolved()
+    params = TrainParams(
+        recipe="azure", optimizer=optimizer, momentum=0.8, weight_decay=0.01
+    ).resolved()
     built = build_optimizer(model, 0.1, params)
     assert type(built) is kind
     group = built.param_groups[0]

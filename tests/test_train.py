@@ -200,8 +200,9 @@ def test_missing_pretrained_weights_are_refused_before_start(
 
 
 def test_parameter_defaults_are_the_seeds() -> None:
-    """The Azure design's defaults, with the recipe fields filled by the default recipe."""
-    assert TrainParams().resolved().model_dump() == {
+    """The Azure design's defaults, with the recipe fields filled by `--recipe azure` (the
+    default recipe is modern: tests/test_recipes.py)."""
+    assert TrainParams(recipe="azure").resolved().model_dump() == {
         "epochs": 5,
         "batch_size": 16,
         "recipe": "azure",

@@ -94,10 +94,11 @@ def test_params_yaml_and_the_dvc_stages_take_every_field() -> None:
 def test_cli_options_override_the_config_and_reach_the_run(
     project: Settings, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """recipe, momentum, precision and loader workers from the command line; the rest from
-    params.yaml; all of them in the MLflow run, with what the recipe filled in."""
+    """recipe (over the file's azure), momentum, precision and loader workers from the command
+    line; the rest from params.yaml; all of them in the MLflow run, with what the recipe filled
+    in."""
     config = PipelineConfig().model_dump(mode="json")
-    config["train"].update(weight_decay=0.003, patience=2, epochs=1)
+    config["train"].update(weight_decay=0.003, patience=2, epochs=1, recipe="azure")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(config))
     untrained = write_untrained(resnet("resnet18", pretrained=False), tmp_path / "untrained")
     init_transformation(tmp_path / "transform", {"resize_size": 16, "center_crop_size": 16})
@@ -131,8 +132,11 @@ def test_cli_options_override_the_config_and_reach_the_run(
         "randaugment",
         "True",
     )
+    rrc = [params[f"transform.random_resized_crop{k}"] for k in ("", "_size", "_scale")]
+    assert rrc == ["True", "16", "0.5"]  # at the input size the transform gives
     model_json = json.loads((tmp_path / "model" / "model.json").read_text())
     assert model_json["transform"]["augmentation_magnitude"] == 7  # the model records it too
+    assert model_json["transform"]["random_resized_crop_size"] == 16
     assert model_json["train_params"]["optimizer"] == "adamw"
 
 

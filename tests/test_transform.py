@@ -118,7 +118,7 @@ def _outputs(transform: v2.Compose, image: Image.Image, seeds: range) -> list[to
 def test_defaults_are_the_seeds_and_every_option_is_explained() -> None:
     from tasks.train.recipes import resolve_transform
 
-    # What a training run uses: the empty augmentation fields filled by the default recipe.
+    # What a `--recipe azure` run uses: the empty recipe fields filled by the Azure component's.
     spec = resolve_transform(TransformSpec(), "azure").model_dump()
     assert {k: spec[k] for k in SEED_DEFAULTS} == SEED_DEFAULTS
     assert len(SEED_DEFAULTS) == 21  # the Azure design's options, plus the normalisation below

@@ -43,7 +43,7 @@ def test_the_example_spec_file_is_a_valid_study() -> None:
     assert (spec.metric, spec.goal, spec.algorithm) == ("val/top1", "maximize", "bayesian")
     by_name = spec.by_name()
     assert by_name["learning_rate"].min == pytest.approx(1e-4)  # 1e-4 reads as a number
-    assert by_name["weight_decay"].values == [1e-5, 1e-4, 1e-3]
+    assert by_name["weight_decay"].values == [0.01, 0.05, 0.1]  # AdamW's (modern)
     assert by_name["weight_decay"].parent == "warmup_epochs"
     assert spec.train.epochs == 5
 

@@ -170,6 +170,13 @@ def run_pipeline(
     nproc_per_node: Annotated[
         int | None, typer.Option(help="Override the training processes.")
     ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            help="Override the training recipe: modern (the default, the best measured) or "
+            "azure (the Azure component's exact defaults)."
+        ),
+    ] = None,
 ) -> None:
     """Run the whole pipeline as a Prefect flow and print where to look."""
     settings = get_settings()
@@ -204,7 +211,7 @@ def run_pipeline(
         updates["dataset"] = dataset
     train_updates = {
         k: v
-        for k, v in {"epochs": epochs, "nproc_per_node": nproc_per_node}.items()
+        for k, v in {"epochs": epochs, "nproc_per_node": nproc_per_node, "recipe": recipe}.items()
         if v is not None
     }
     if train_updates:  # as values, checked below with the rest (model_copy checks nothing)

@@ -140,7 +140,8 @@ def train(
         Path | None,
         typer.Option(
             help="params.yaml-shaped file: start from its `train` section (the options given "
-            "replace its values). Without it: the Azure component's defaults."
+            "replace its values). Without it: Train PyTorch Model's defaults with the modern "
+            "recipe (--recipe azure: the Azure component's exact defaults)."
         ),
     ] = None,
     transform: Annotated[

@@ -145,10 +145,11 @@ def input_size(spec: TransformSpec) -> int:
 def inference_resize(spec: TransformSpec) -> int | None:
     """The shorter side inference resizes to before its center crop (None: resize is off).
 
-    When training crops at another size than the center crop (the Azure defaults: random resized
-    crop 256, center crop 224 of a 256 resize), inference keeps the center crop's share of the
-    resized image, as torchvision's recipes (224 of 256) and timm's ``crop_pct`` do, and crops
-    at the training size: 256 of a 293 resize.
+    When training crops at another size than the center crop (Azure's random resized crop 256
+    switched on with the center crop 224 of a 256 resize), inference keeps the center crop's
+    share of the resized image, as torchvision's recipes (224 of 256) and timm's ``crop_pct``
+    do, and crops at the training size: 256 of a 293 resize. At one size (the modern recipe's
+    random resized crop takes the center crop's), inference is the resize and the center crop.
     """
     if not spec.resize:
         return None
@@ -240,7 +241,7 @@ def per_batch_steps(transform: v2.Compose) -> tuple[v2.Compose, v2.Compose]:
 
 
 def _rrc_scale(spec: TransformSpec) -> tuple[float, float]:
-    return (spec.random_resized_crop_scale, 1.0)
+    return (spec.rrc_scale(), 1.0)  # empty outside a recipe: Azure's 0.08
 
 
 def _policy(spec: TransformSpec) -> list[v2.Transform]:
@@ -268,11 +269,7 @@ def _geometry(spec: TransformSpec, training: bool) -> list[v2.Transform]:
     steps: list[v2.Transform] = []
     if training and spec.random_resized_crop:
         # It picks its area from the whole image: resizing first would only lose detail.
-        steps.append(
-            v2.RandomResizedCrop(
-                spec.random_resized_crop_size, scale=_rrc_scale(spec), antialias=True
-            )
-        )
+        steps.append(v2.RandomResizedCrop(spec.rrc_size(), scale=_rrc_scale(spec), antialias=True))
     elif training and spec.resize:
         steps.append(v2.Resize(spec.resize_size, antialias=True))
     elif not training and (size := inference_resize(spec)) is not None:
