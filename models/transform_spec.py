@@ -197,8 +197,8 @@ class TransformSpec(BaseModel):
         le=MAX_MAGNITUDE,
         title="Augmentation magnitude",
         description=f"RandAugment's magnitude (0 to {MAX_MAGNITUDE}) and AugMix's severity "
-        "(1 to 10). Empty: the training recipe's (modern: 7), else torchvision's default (9 for "
-        "RandAugment, 3 for AugMix).",
+        "(1 to 10). Empty: the training recipe's (modern with RandAugment: 21, timm's "
+        "rand-m7), else torchvision's default (9 for RandAugment, 3 for AugMix).",
     )
     mean: Annotated[
         list[Annotated[float, Field(allow_inf_nan=False)]], Field(min_length=3, max_length=3)

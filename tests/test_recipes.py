@@ -131,12 +131,19 @@ def test_an_augmentation_policy_runs_in_training_mode_only(augmentation: str, ki
 
 def test_modern_fills_the_augmentation_a_spec_leaves_empty() -> None:
     modern = resolve_transform(TransformSpec(), "modern")
-    assert (modern.augmentation, modern.augmentation_magnitude) == ("randaugment", 7)
+    assert (modern.augmentation, modern.augmentation_magnitude) == ("randaugment", 21)
     assert (modern.random_erasing, modern.random_erasing_probability) == (True, 0.25)
     steps = build_transform(modern, "training").transforms
     (policy,) = [t for t in steps if isinstance(t, v2.RandAugment)]
     (erasing,) = [t for t in steps if isinstance(t, v2.RandomErasing)]
-    assert (policy.magnitude, erasing.p) == (7, 0.25)
+    assert (policy.magnitude, erasing.p) == (21, 0.25)
+    # Another policy keeps its own strength (AugMix's severity is not on RandAugment's scale).
+    augmix = resolve_transform(TransformSpec(augmentation="augmix"), "modern")
+    assert augmix.augmentation_magnitude is None
+    (mixer,) = [
+        t for t in build_transform(augmix, "training").transforms if isinstance(t, v2.AugMix)
+    ]
+    assert mixer.severity == 3
     mine = resolve_transform(TransformSpec(augmentation="none", random_erasing=False), "modern")
     assert (mine.augmentation, mine.random_erasing) == ("none", False)  # set: kept
     # a spec outside training runs (transform apply) leaves them empty: no policy, no erasing

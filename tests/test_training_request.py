@@ -135,7 +135,7 @@ def test_cli_options_override_the_config_and_reach_the_run(
     rrc = [params[f"transform.random_resized_crop{k}"] for k in ("", "_size", "_scale")]
     assert rrc == ["True", "16", "0.5"]  # at the input size the transform gives
     model_json = json.loads((tmp_path / "model" / "model.json").read_text())
-    assert model_json["transform"]["augmentation_magnitude"] == 7  # the model records it too
+    assert model_json["transform"]["augmentation_magnitude"] == 21  # the model records it too
     assert model_json["transform"]["random_resized_crop_size"] == 16
     assert model_json["train_params"]["optimizer"] == "adamw"
 
