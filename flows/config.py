@@ -35,12 +35,13 @@ from tasks.shared.settings import Settings
 from tasks.train.params import TrainParams
 from tasks.train.request import check_sizes
 
-# Azure's Init Image Transformation, sized for the 32x32 digits: every crop (center, and the
-# random ones a person may switch on) is 32, so training and scoring see the same input size.
+# Azure's Init Image Transformation, sized for the 32x32 digits: the center crop and the random
+# crop a person may switch on are 32, so training and scoring see the same input size. The random
+# resized crop's size stays empty: the recipe sizes it to the center crop (modern), so a transform
+# typed over this one (center crop 16) trains at its own size, not at 32.
 DEMO_TRANSFORM = TransformSpec(
     resize_size=32,
     center_crop_size=32,
-    random_resized_crop_size=32,
     random_crop_size=32,
     random_horizontal_flip=False,
 )
