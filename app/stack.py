@@ -36,9 +36,7 @@ from tasks.shared.settings import Settings
 POOL = "local"
 PREFECT_USER = "imageops"  # the user part of the Prefect auth string
 START_TIMEOUT_S = 180.0
-# Then SIGKILL. Each service stops in 1-2 s when well (`imageops serve` says "stopped in 1.1 s"
-# on 2 busy cores); a service past this is killed, and the stop still ends within 10 s with
-# the rest of the command's exit (CI measured 10.4 s with 7 s here).
+# Then SIGKILL: services stop in 1-2 s when well, and a stop ends within 10 s (7 s took 10.4 in CI).
 STOP_TIMEOUT_S = 5.0
 
 
