@@ -52,6 +52,7 @@ def _start(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
             stdout=subprocess.PIPE,
             stderr=sink,
             start_new_session=True,
+            env=os.environ | {"PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack
         )
 
 
@@ -126,13 +127,24 @@ def _kill_and_check(command: subprocess.Popen[bytes], tree: list[psutil.Process]
 
 
 def _stop_and_check(
-    command: subprocess.Popen[bytes], tree: list[psutil.Process], stop: Callable[[], None]
+    command: subprocess.Popen[bytes],
+    tree: list[psutil.Process],
+    stop: Callable[[], None],
+    log: Path,
 ) -> None:
     """``stop()`` the command (a signal as a terminal or a scheduler sends it): it must end,
-    all of ``tree`` with it, within 10 s."""
+    all of ``tree`` with it, within 10 s. One that does not is shown with its ``log``, which
+    ends with every thread's stack."""
     pressed = time.monotonic()
     stop()
-    assert command.wait(timeout=60) != 0
+    try:
+        assert command.wait(timeout=60) != 0
+    except subprocess.TimeoutExpired:  # where it was stuck: its log ends with its stacks
+        command.send_signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            command.wait(timeout=20)
+        pytest.fail(f"still running 60 s after the stop; the end of {log}:\n"
+                    f"{log.read_text(errors='replace')[-8000:]}")  # fmt: skip
     took = time.monotonic() - pressed
     assert _survivors(tree) == []
     assert took < 10, f"the command took {took:.1f} s to stop"
@@ -326,7 +338,7 @@ def test_a_killed_or_interrupted_score_leaves_no_reader_process(
         if stop == "SIGKILL":
             _kill_and_check(command, tree)
         else:
-            _stop_and_check(command, tree, lambda: os.killpg(command.pid, signal.SIGINT))
+            _stop_and_check(command, tree, lambda: os.killpg(command.pid, signal.SIGINT), log)
             assert "Traceback" not in log.read_text(errors="replace")
     assert not dest.exists()
 
@@ -362,7 +374,7 @@ def test_a_killed_or_stopped_train_leaves_no_torchrun_worker_or_loader(
         if stop == "SIGKILL":
             _kill_and_check(command, tree)
         else:
-            _stop_and_check(command, tree, signals[stop])
+            _stop_and_check(command, tree, signals[stop], log)
     assert not (tmp_path / "model").exists()
     if stop != "SIGKILL":
         text = log.read_text(errors="replace")
@@ -396,7 +408,7 @@ def test_ctrl_c_or_sigterm_ends_imageops_run_within_10_s_and_the_same_run_again_
 
         with _cleanup(command) as tree:
             tree += _tree_when(command, after_the_epoch, log)
-            _stop_and_check(command, tree, lambda: stop(command))
+            _stop_and_check(command, tree, lambda: stop(command), log)
         text = log.read_text(errors="replace")
         assert "Traceback" not in text and "ConnectError" not in text, text[-3000:]
         assert "Finished in state Crashed" in text, text[-3000:]
@@ -474,7 +486,7 @@ def test_a_killed_or_stopped_tune_leaves_no_trial_process_or_api_server(
         if sig == signal.SIGKILL:
             _kill_and_check(command, tree)
             return
-        _stop_and_check(command, tree, lambda: os.kill(command.pid, signal.SIGTERM))
+        _stop_and_check(command, tree, lambda: os.kill(command.pid, signal.SIGTERM), log)
     statuses = _run_statuses(project)
     assert statuses and all(status != "RUNNING" for _, status in statuses), statuses
 
