@@ -164,13 +164,14 @@ class Services:
         """One look at the services: here a dead one ends the stack (``team join`` restarts it)."""
         self.check_alive()
 
-    def stop(self) -> list[str]:
+    def stop(self) -> str:
         """Stop every service: those with a stopper of their own (a database, a Ray node: they
         drain first) one by one, last started first; the others together, so that Ctrl-C on
         `imageops serve` ends within one timeout (``STOP_TIMEOUT_S``), not one per service.
 
-        Returns the services SIGKILLed for not stopping within that timeout: said where the
-        stop is reported, as a slow stop's cause."""
+        Returns what the command says at its end: how long the stop took, and the services
+        SIGKILLed for not stopping in time (a slow stop's cause, where the person looks)."""
+        began = time.monotonic()
         together = []
         for service in reversed(self.services):
             if service.stopper is not None:
@@ -186,16 +187,10 @@ class Services:
         names += ["a restarted service's processes"] * any(g in killed for g in self.left_behind)
         self.services.clear()
         self.left_behind.clear()
-        return names
-
-
-def stopped_line(began: float, killed: list[str]) -> str:
-    """What a stop says at its end: how long it took, and which services had to be killed
-    (a slow stop's cause, named where the person pressing Ctrl-C looks)."""
-    line = f"stopped in {time.monotonic() - began:.1f} s"
-    if killed:
-        line += f" ({', '.join(killed)}: SIGKILL after {STOP_TIMEOUT_S:.0f} s without stopping)"
-    return line
+        line = f"stopped in {time.monotonic() - began:.1f} s"
+        if names:
+            line += f" ({', '.join(names)}: SIGKILL after {STOP_TIMEOUT_S:.0f} s without stopping)"
+        return line
 
 
 def stop_leader_first(process: subprocess.Popen, sig: signal.Signals, timeout_s: float) -> None:

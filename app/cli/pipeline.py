@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -49,7 +48,7 @@ def serve_stack(
     """Bring the whole stack up on this machine; Ctrl-C stops all of it."""
     if ctx.invoked_subcommand is not None:
         return
-    from app.stack import Ports, Stack, stopped_line
+    from app.stack import Ports, Stack
 
     stack = Stack(
         get_settings(),
@@ -89,9 +88,8 @@ def serve_stack(
     except KeyboardInterrupt:
         err.print("stopping ...")
     finally:
-        began = time.monotonic()
-        killed = stack.stop()
-    err.print(stopped_line(began, killed))
+        said = stack.stop()
+    err.print(said)
 
 
 def _experiment_page(stack: Stack) -> str:

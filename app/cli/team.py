@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -40,7 +39,6 @@ def team_server(
     ui: Annotated[bool, typer.Option(help="Serve the Prefect UI.")] = True,
 ) -> None:
     """Run the team's shared services on this machine until Ctrl-C; write the join file."""
-    from app.stack import stopped_line
     from app.team import TeamPorts, TeamServer
     from tasks.shared.servers import stop_signals
 
@@ -72,9 +70,8 @@ def team_server(
         except KeyboardInterrupt:
             err.print("stopping ...")
         finally:
-            began = time.monotonic()
-            killed = stack.stop()
-    err.print(stopped_line(began, killed))
+            said = stack.stop()
+    err.print(said)
 
 
 @team_app.command("join")
@@ -107,7 +104,6 @@ def team_join(
     ] = None,
 ) -> None:
     """Join this GPU machine to the team: a Ray node and a Prefect worker, until Ctrl-C."""
-    from app.stack import stopped_line
     from app.team_join import TeamMember
     from tasks.shared.servers import stop_signals
 
@@ -127,6 +123,5 @@ def team_join(
         except KeyboardInterrupt:
             err.print("leaving ...")
         finally:
-            began = time.monotonic()
-            killed = member.stop()
-    err.print(stopped_line(began, killed))
+            said = member.stop()
+    err.print(said)
