@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,12 @@ for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL"):
 # 31 s against 14 s. torchrun sets the same for workers when it starts more than one per node.
 # A value already set wins (to try the default: OMP_NUM_THREADS=2 make test).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ctrl-C as a terminal sends it, whatever started the suite: a shell without job control starts
+# `make test &` with SIGINT ignored, which every command a test starts inherits, and the Ctrl-C
+# tests then found commands that never stopped (a score and a cluster driver, SIGINT ignored by
+# every process of the group). A handler here is SIG_DFL again in each child after its exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from prefect_runs import drain_prefect_workers  # noqa: E402
 from projects import use_project  # noqa: E402
