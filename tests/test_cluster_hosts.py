@@ -522,8 +522,10 @@ def test_a_score_deployment_run_scores_an_s3_prefix_on_both_hosts(
     logs = flow_run_logs(team, flow_run)
     assert state["type"] == "COMPLETED", f"{state}\n{logs}\n{team.report()}"
     assert f"on the Ray cluster at {team.cluster}" in logs
-    # The job's tasks read on both hosts (Ray Data spreads them); its actors, one per host from
-    # the start, scored the images as they came (an actor still starting takes none).
+    # The job's tasks read on both hosts (Ray Data spreads them); its actors, one pinned to each
+    # host from the start, none on the server's 0-CPU head (tasks/cluster/placement.py), scored
+    # the images as they came (an actor still starting takes none).
+    assert "2 actor(s) on 2 node(s)" in logs, logs
     nodes = by_node(logs)
     assert set(nodes["read"]) == {"host-a", "host-b"}, logs
     assert sum(nodes["read"].values()) == sum(nodes["scored"].values()) == 300, logs

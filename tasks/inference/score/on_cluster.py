@@ -22,6 +22,7 @@ import socket
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from tasks.cluster.connect import connect
 from tasks.cluster.health import live_nodes
 from tasks.cluster.job import stopped_whole
 from tasks.cluster.node_settings import node_settings, runtime_env, server_settings
+from tasks.cluster.placement import Placement, actor_slots
 from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import input_size, per_batch_steps, transform_for
 from tasks.inference.score.batches import LOGGER, checked_scoring, shard_bounds
@@ -200,11 +202,11 @@ class _Job:
         size = -(-len(items) // max(1, min(len(items) // scoring.batch_size, 10_000)))
         gpus = int(ray.cluster_resources().get("GPU", 0))
         threads = scoring.threads or 1
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        actors = gpus or max(1, cpus // (2 * threads))  # the other half of the cores read
+        placement = Placement(actor_slots(ray.nodes(), threads))  # the other half of cores read
+        actors = len(placement.slots)
         log.info(
-            "Scoring %d image(s) with %s on the cluster at %s: %d actor(s), %s each",
-            len(items), self.onnx_path, scoring.cluster, actors,
+            "Scoring %d image(s) with %s on the cluster at %s: %d actor(s) on %d node(s), %s each",
+            len(items), self.onnx_path, scoring.cluster, actors, len(set(placement.slots)),
             "a GPU" if gpus else f"{threads} core(s)",
         )  # fmt: skip
         model = ray.put(self.onnx_path.read_bytes())
@@ -216,6 +218,9 @@ class _Job:
             "side": input_size(self.info.transform),
             "servers": server_settings(settings),  # the S3 endpoint the tasks read from
         }
+        # Ray 2.60 deprecates ray_remote_args_fn (to go in 2.64: ray is pinned) and offers
+        # nothing else that gives each actor of a pool its own node.
+        warnings.filterwarnings("ignore", message="`ray_remote_args_fn` is deprecated")
         dataset = (
             ray.data.from_arrow([items.slice(start, size) for start in range(0, len(items), size)])
             .map_batches(
@@ -238,12 +243,13 @@ class _Job:
                 # A lost node's work is done again on the others: Ray Data restarts an actor
                 # whose node died and resends its batches (max_restarts=-1, max_task_retries=-1:
                 # its defaults), runs a lost read task again, and the driver, on a live node,
-                # owns every block. Every actor from the start, spread over the nodes (Ray
-                # Data's SPREAD): the pool grows only when batches queue up, which a short job
-                # never saw (300 images on two hosts all went to one actor, the other host idle).
+                # owns every block. Every actor from the start, each pinned to its node in turn
+                # (tasks.cluster.placement): the pool grows only when batches queue up, which a
+                # short job never saw (300 images on two hosts all went to one actor).
                 compute=ray.data.ActorPoolStrategy(
                     min_size=1, max_size=actors, initial_size=actors
                 ),
+                ray_remote_args_fn=placement,
                 # No core reserved: the pool's size already leaves half the cores to the read
                 # tasks, and an actor restarted after its node died must not take the last core
                 # the job's read tasks wait for (2 nodes of 2 cores, one lost: B's 2 cores went
