@@ -215,12 +215,17 @@ def summary_markdown(result: PipelineResult, settings: Settings) -> str:
         {"data set": k, "DVC md5": v, "reference": result.data_refs.get(k, "")}
         for k, v in result.data_version.items()
     ]
-    champion = f"v{result.champion_version}" if result.champion_version else "none"
+    this = f"v{result.registered_version}"
+    if result.champion:
+        decision = f"{this} is now @champion ({result.promotion_reason})"
+    else:  # this run's version and the champion named apart: "v4 stays @challenger; v3 ..."
+        champion = f"v{result.champion_version}" if result.champion_version else "none"
+        decision = f"{this} stays @challenger, {champion} @champion ({result.promotion_reason})"
     return "\n\n".join(
         part
         for part in (
             f"### {model}{' is now @champion' if result.champion else ' (@challenger)'}",
-            f"- Champion: {champion} ({result.promotion_reason})",
+            f"- Promotion: {decision}",
             f"- Data set: `{result.dataset}` (`{settings.data_path / result.dataset}`)",
             f"- MLflow run: {link(result.mlflow_run_id, run_page)}",
             f"- Registered version: {link(model, version_page)}",

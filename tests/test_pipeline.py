@@ -114,7 +114,8 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     assert result.mlflow_run_id in reports["pipeline-summary"]
     assert f"| accuracy | {result.metrics['accuracy']:.4f} |" in reports["pipeline-summary"]
     assert f"| images | {val_images} |" in reports["pipeline-summary"]  # a count, not 36.0000
-    assert f"Champion: v{result.registered_version} (first model" in reports["pipeline-summary"]
+    promotion = f"Promotion: v{result.registered_version} is now @champion (first model"
+    assert promotion in reports["pipeline-summary"]
     assert "Data set: `digits`" in reports["pipeline-summary"]
     # the run is named after what it ran on: model, data set and data version; its outputs
     # folder after the data set and the run, so runs in the same second never share one

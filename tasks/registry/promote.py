@@ -213,7 +213,8 @@ def _decide(
         gain = challenger_score - champion_score
         promoted = gain > margin
         reason = (
-            f"{metric} {challenger_score:.4f} vs champion v{champion} {champion_score:.4f}: "
+            f"v{challenger} {metric} {challenger_score:.4f} vs champion v{champion} "
+            f"{champion_score:.4f}: "
             f"{'+' if gain >= 0 else ''}{gain:.4f}, "
             f"{'more' if promoted else 'not more'} than the margin {margin:g}"
         )
