@@ -155,9 +155,17 @@ def test_the_score_flow_takes_a_path_or_the_champion_by_default(
         this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
         (report,) = [a for a in client.read_artifacts(flow_run_filter=this_run)
                      if a.key == "scoring-report"]  # fmt: skip
-    rows = len(pd.read_csv(by_alias.scored))
+    table = pd.read_csv(by_alias.scored, dtype=str)
+    rows = len(table)
+    assert report.data.splitlines()[2] == "| scoring | this run |"  # a header, not an empty row
     assert f"`models:/{NAME}@champion` (version 1)" in report.data  # file store: no UI link
     assert f"| rows | {rows:,} |" in report.data and "| unreadable (a row" in report.data
+    # The images are an ImageDirectory's: each has its class, so the report says how many were
+    # right (issue 47: a labelled scoring showed no accuracy).
+    right = int((table["category"] == table["Scored Labels"]).sum())
+    assert f"| accuracy | {right / rows:.4f} ({right:,} of {rows:,} labelled images) |" in (
+        report.data
+    )
     assert f"| table | `{by_alias.scored}` |" in report.data
 
 

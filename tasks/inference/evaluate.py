@@ -31,6 +31,7 @@ from tasks.inference.error_analysis import (
     reliability_png,
 )
 from tasks.inference.score import ERROR_COLUMN, LABEL_COLUMN, PROBABILITY_PREFIX
+from tasks.inference.score.table import TRUE_LABEL_COLUMN
 from tasks.inference.tables import CSV_FORMAT, table_format
 from tasks.shared.artifacts import png_markdown, publish_markdown, publish_table
 from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
@@ -98,7 +99,10 @@ def table_metrics(path: Path) -> EvaluationResult:
         raise InvalidParameterError(f"Scored table {path} does not exist.", "Run the score step.")
     tally = _Tally()
     chunks = table_format(path, "scored table").read_chunks(
-        path, ["path", "category", LABEL_COLUMN, ERROR_COLUMN], EVALUATED_ROWS, leave_out=["id"]
+        path,
+        ["path", TRUE_LABEL_COLUMN, LABEL_COLUMN, ERROR_COLUMN],
+        EVALUATED_ROWS,
+        leave_out=["id"],
     )
     for chunk in chunks:
         tally.add(chunk)
@@ -124,7 +128,7 @@ class _Tally:
         self.sample = ScoreSample([])
 
     def _check(self, table: pd.DataFrame) -> None:
-        if "category" not in table.columns:
+        if TRUE_LABEL_COLUMN not in table.columns:
             raise NotLabeledDatasetError(
                 "The scored table has no `category` column: it was scored from unlabeled images, "
                 "so there is no truth to evaluate against.",
@@ -149,7 +153,7 @@ class _Tally:
             failed |= (table[ERROR_COLUMN].fillna("").astype(str) != "").to_numpy()
         self.unscored += int(failed.sum())
         table, probs = table[~failed], probs[~failed]
-        truth = table["category"].astype(str).to_numpy()
+        truth = table[TRUE_LABEL_COLUMN].astype(str).to_numpy()
         predicted = table[LABEL_COLUMN].astype(str).to_numpy()
         top = np.argsort(-probs, axis=1, kind="stable")[:, : self.top_k]
         index = {c: i for i, c in enumerate(self.classes)}

@@ -10,8 +10,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.inference.score.table import ERROR_COLUMN, LABEL_COLUMN
+from tasks.inference.score.table import ERROR_COLUMN, LABEL_COLUMN, TRUE_LABEL_COLUMN
 from tasks.inference.tables import table_format
+from tasks.shared.artifacts import markdown_table
 from tasks.shared.object_store import S3Url
 
 COUNTED_ROWS = 100_000  # rows per chunk
@@ -25,6 +26,8 @@ class TableCounts:
     rows: int = 0
     unreadable: int = 0
     labels: Counter = field(default_factory=Counter)
+    labelled: int = 0  # scored rows of images with a true class (an ImageDirectory's)
+    correct: int = 0  # of those, the ones whose scored label is it
 
 
 def table_counts(path: Path | S3Url) -> TableCounts:
@@ -32,10 +35,10 @@ def table_counts(path: Path | S3Url) -> TableCounts:
     if isinstance(path, S3Url):  # a part at a time, as its marker lists them
         from tasks.inference.score.s3_table import read_parts
 
-        chunks = read_parts(path, [LABEL_COLUMN, ERROR_COLUMN], [LABEL_COLUMN, ERROR_COLUMN])
+        chunks = read_parts(path, text=[LABEL_COLUMN, ERROR_COLUMN, TRUE_LABEL_COLUMN])
     else:
         chunks = table_format(path, "scored table").read_chunks(
-            path, [LABEL_COLUMN, ERROR_COLUMN], COUNTED_ROWS, leave_out=["id"]
+            path, [LABEL_COLUMN, ERROR_COLUMN, TRUE_LABEL_COLUMN], COUNTED_ROWS, leave_out=["id"]
         )
     for chunk in chunks:
         counts.rows += len(chunk)
@@ -48,6 +51,10 @@ def table_counts(path: Path | S3Url) -> TableCounts:
             counts.unreadable += int(failed.sum())
             chunk = chunk[~failed]
         counts.labels.update(chunk[LABEL_COLUMN].astype(str).tolist())
+        if TRUE_LABEL_COLUMN in chunk.columns:
+            counts.labelled += len(chunk)
+            hits = chunk[TRUE_LABEL_COLUMN].astype(str) == chunk[LABEL_COLUMN].astype(str)
+            counts.correct += int(hits.sum())
     return counts
 
 
@@ -72,8 +79,11 @@ def score_markdown(
         ("scored", f"{counts.rows - counts.unreadable:,}"),
         ("unreadable (a row with its reason)", f"{counts.unreadable:,}"),
         ("predicted", top + (f" (and {more} more classes)" if more > 0 else "")),
-        ("table", f"`{scored}`"),
     ]
-    lines = ["### Scoring", "", "| | |", "|---|---|"]
-    lines += [f"| {what} | {value} |" for what, value in rows]
-    return "\n".join(lines) + "\n"
+    if counts.labelled:  # an ImageDirectory's images carry their class: how many were right
+        accuracy = counts.correct / counts.labelled
+        right = f"{accuracy:.4f} ({counts.correct:,} of {counts.labelled:,} labelled images)"
+        rows.append(("accuracy", right))
+    rows.append(("table", f"`{scored}`"))
+    table = markdown_table([{"scoring": what, "this run": value} for what, value in rows])
+    return f"### Scoring\n\n{table}\n"

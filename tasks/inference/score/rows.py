@@ -24,6 +24,7 @@ from tasks.inference.score.table import (
     LABEL_COLUMN,
     NOT_SCORED_HINT,
     PROBABILITY_PREFIX,
+    TRUE_LABEL_COLUMN,
     table_file,
 )
 from tasks.inference.tables import table_format
@@ -93,7 +94,7 @@ class TableRows:
         data = {
             "id": np.asarray(ids, dtype=np.int64),
             "path": [r.path for r in refs],
-            "category": [r.category for r in refs],
+            TRUE_LABEL_COLUMN: [r.category for r in refs],
             ERROR_COLUMN: errors,
         }
         scores = [c for c in self.columns if c.startswith(PROBABILITY_PREFIX)]

@@ -23,6 +23,7 @@ from tasks.shared.object_store import S3Url
 
 PROBABILITY_PREFIX = "Scored Probabilities_"
 LABEL_COLUMN = "Scored Labels"
+TRUE_LABEL_COLUMN = "category"  # an ImageDirectory's class of the image, when it has one
 ERROR_COLUMN = "Scoring Error"  # empty when the image was scored; else why it could not be
 # What to do when no row was scored: each row's reason is in the log.
 NOT_SCORED_HINT = (
@@ -35,7 +36,7 @@ def table_schema(classes: Sequence[str], labeled: bool) -> pa.Schema:
     """The Score Image Model table's columns, in order, with their types."""
     fields = [pa.field("id", pa.int64()), pa.field("path", pa.string())]
     if labeled:
-        fields.append(pa.field("category", pa.string()))
+        fields.append(pa.field(TRUE_LABEL_COLUMN, pa.string()))
     fields.append(pa.field(ERROR_COLUMN, pa.string()))
     fields += [pa.field(f"{PROBABILITY_PREFIX}{c}", pa.float64()) for c in classes]
     fields.append(pa.field(LABEL_COLUMN, pa.string()))
