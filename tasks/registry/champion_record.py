@@ -29,8 +29,9 @@ BY_HAND = "by hand in the MLflow registry"
 BY_HAND_SEEN = "by hand in the MLflow registry; the time imageops first saw it"
 
 
-def now_text() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+def now_text(when: datetime | None = None) -> str:
+    """The registry's time format, as people read it: ``2026-11-26 10:00:00 UTC``."""
+    return (when or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def reconcile(

@@ -23,7 +23,7 @@ from models.atomic import write_json
 from models.directory import read_model_info
 from tasks.data.imagedir import ManifestHead
 from tasks.inference.evaluate import SUMMARY_ROWS
-from tasks.registry.champion_record import mark_pending, reconcile
+from tasks.registry.champion_record import mark_pending, now_text, reconcile
 from tasks.registry.register import check_alias
 from tasks.registry.version_scores import Holdout, identify, labeled_holdout, version_metrics
 from tasks.shared.errors import InvalidParameterError, RegistryError
@@ -176,8 +176,8 @@ def _decide(
     log = step_logger(__name__)
     name = settings.registered_model_name
     champion = _champion(client, name)
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
-    work = settings.home_dir / PROMOTIONS_DIR / f"{stamp}-v{challenger}"
+    now = datetime.now(UTC)
+    work = settings.home_dir / PROMOTIONS_DIR / f"{now:%Y%m%d-%H%M%S-%f}-v{challenger}"
     work.mkdir(parents=True, exist_ok=True)
 
     challenger_dir = _version_dir(name, challenger, settings, using)
@@ -233,7 +233,7 @@ def _decide(
         challenger_score_reused=challenger_reused,
         champion_score_reused=champion_reused,
     )
-    _record(client, decision, stamp)
+    _record(client, decision, now)
     write_json(work / DECISION_FILE, asdict(decision))
     if promoted:
         mark_pending(client, name, challenger)  # the webhook receiver may reconcile first
@@ -250,7 +250,7 @@ def _decide(
     return decision
 
 
-def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
+def _record(client: MlflowClient, decision: Promotion, now: datetime) -> None:
     """The decision as one sentence on the challenger (``promotion``), its details as JSON
     beside it (``promotion.details``); on the champion, one sentence of what happened to it.
 
@@ -262,7 +262,9 @@ def _record(client: MlflowClient, decision: Promotion, stamp: str) -> None:
     if decision.champion_version == decision.challenger_version:
         return  # already champion (a second promotion of it): the record that made it so stays
     verdict = "promoted to @champion" if decision.promoted else "not promoted"
-    details = {**asdict(decision), "time": stamp, "scores_reused": reused_versions(decision)}
+    stamp = now_text(now)  # as the champion tags write it; ISO in the JSON
+    time = now.isoformat(timespec="seconds")
+    details = {**asdict(decision), "time": time, "scores_reused": reused_versions(decision)}
     _set_tags(
         client,
         decision.name,
