@@ -26,7 +26,7 @@ from tasks.inference.evaluate import evaluate
 from tasks.inference.export import sha256_file
 from tasks.inference.score import score
 from tasks.registry.model_uri import model_in_use
-from tasks.registry.register import INCOMPLETE_TAG, register
+from tasks.registry.register import INCOMPLETE_TAG, describe_version, register
 from tasks.shared import faults
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.settings import Settings
@@ -268,3 +268,17 @@ def test_a_killed_register_run_again_completes_one_version_and_the_run_stays_fin
     assert client.get_run(own.run_id).info.status == "FINISHED"
     _one_version_complete(client, experiment_id, name, own.run_id, "challenger")
     assert len(client.search_runs([experiment_id])) == 2  # the training run, and this one
+
+
+def test_the_description_keeps_training_and_validation_figures_apart(exported_model: Path) -> None:
+    """Issue 47, finding 11: training's figures were one list under "validation", where
+    final/train/loss, train/loss and val/loss stood side by side."""
+    figures = {"train/loss": 0.21, "val/loss": 0.35, "val/top1": 0.9, "final/train/loss": 0.2,
+               "final/val/top1": 0.88}  # fmt: skip
+    info = read_model_info(exported_model).model_copy(update={"metrics": figures})
+    text = describe_version(info, "imageops-classifier", 1)
+    kept = text.split("**Training's own validation** (PyTorch, the kept epoch): ")[1]
+    assert kept.startswith("loss 0.3500, top1 0.9000. Training, the kept epoch: loss 0.2100. ")
+    assert "The last epoch's validation: top1 0.8800. The last epoch's training: loss 0.2000." in (
+        text
+    )

@@ -138,8 +138,7 @@ def describe_version(
     if len(classes) > MAX_DESCRIBED_CLASSES:  # MLflow keeps up to 5000 characters
         shown = classes[:MAX_DESCRIBED_CLASSES].rsplit(", ", 1)[0]
         classes = f"{shown}, ... (all of them: `classes` in the MLmodel file)"
-    training = ", ".join(f"{k} {for_people(v)}" for k, v in sorted(info.metrics.items()))
-    metrics = f"**Training's own validation** (PyTorch, the kept epoch): {training or 'none'}."
+    metrics = _training_figures(info.metrics)
     if validated is None:
         metrics += (
             " This ONNX model was not scored at registration (`imageops register --val-data` "
@@ -177,6 +176,28 @@ def describe_version(
         f"The raw network is `artifacts/{ONNX}` (float32 Nx3x{side}x{side} normalised input, "
         "logits out)."
     )
+
+
+def _training_figures(metrics: dict[str, float]) -> str:
+    """Training's own figures, validation and training apart, the kept epoch and the last: one
+    list of ``final/train/loss, train/loss, val/loss`` under "validation" misled (issue 47)."""
+
+    def figures(prefix: str) -> str:
+        return ", ".join(
+            f"{key.removeprefix(prefix)} {for_people(value)}"
+            for key, value in sorted(metrics.items())
+            if key.startswith(prefix) and (prefix or "/" not in key)
+        )
+
+    groups = [
+        ("**Training's own validation** (PyTorch, the kept epoch): ", "val/"),
+        ("Training, the kept epoch: ", "train/"),
+        ("The last epoch's validation: ", "final/val/"),
+        ("The last epoch's training: ", "final/train/"),
+        ("Other: ", ""),  # a model.json of another shape: nothing left out
+    ]
+    shown = [f"{label}{text}." for label, prefix in groups if (text := figures(prefix))]
+    return " ".join(shown) or "**Training's own validation** (PyTorch, the kept epoch): none."
 
 
 def check_alias(alias: str) -> None:
