@@ -278,7 +278,6 @@ def test_the_description_keeps_training_and_validation_figures_apart(exported_mo
     info = read_model_info(exported_model).model_copy(update={"metrics": figures})
     text = describe_version(info, "imageops-classifier", 1)
     kept = text.split("**Training's own validation** (PyTorch, the kept epoch): ")[1]
-    assert kept.startswith("loss 0.3500, top1 0.9000. Training, the kept epoch: loss 0.2100. ")
-    assert "The last epoch's validation: top1 0.8800. The last epoch's training: loss 0.2000." in (
-        text
-    )
+    assert kept.startswith("val/loss 0.3500, val/top1 0.9000. Training, the kept epoch: ")
+    assert "Training, the kept epoch: train/loss 0.2100. The last epoch's validation: " in text
+    assert "validation: final/val/top1 0.8800. The last epoch's training: final/train/loss " in text

@@ -184,7 +184,7 @@ def _training_figures(metrics: dict[str, float]) -> str:
 
     def figures(prefix: str) -> str:
         return ", ".join(
-            f"{key.removeprefix(prefix)} {for_people(value)}"
+            f"{key} {for_people(value)}"  # the run's metric names, as MLflow shows them
             for key, value in sorted(metrics.items())
             if key.startswith(prefix) and (prefix or "/" not in key)
         )
