@@ -26,7 +26,8 @@ from tasks.inference.evaluate import evaluate
 from tasks.inference.export import sha256_file
 from tasks.inference.score import score
 from tasks.registry.model_uri import model_in_use
-from tasks.registry.register import INCOMPLETE_TAG, describe_version, register
+from tasks.registry.register import INCOMPLETE_TAG, register
+from tasks.registry.version_description import describe_version
 from tasks.shared import faults
 from tasks.shared.errors import InvalidParameterError, RegistryError
 from tasks.shared.settings import Settings
