@@ -86,6 +86,29 @@ def test_labeled_directory_gives_the_score_image_model_table(
     np.testing.assert_allclose(table[PROBS].to_numpy()[:3], expected, atol=1e-6)
 
 
+def test_two_batches_at_once_give_the_table_one_run_gives(
+    exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """On a CPU with two threads or more, score keeps two batches in the session at once, one
+    thread each (docs/scoring.md#readers): the rows come in the images' order with the labels and,
+    to float rounding, the probabilities of one run at a time on one thread; a corrupt image is
+    still its own row."""
+    from tasks.inference.score.session import runs_at_once
+
+    assert (runs_at_once(1), runs_at_once(2), runs_at_once(16)) == (1, 2, 2)
+    folder = tmp_path / "photos"
+    _plain_folder(digits_split[0], folder, count=23)
+    (folder / "k-broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    one = _read_csv(score(exported_model, folder, tmp_path / "one.csv", batch_size=4, threads=1))
+    two = _read_csv(score(exported_model, folder, tmp_path / "two.csv", batch_size=4, threads=2))
+    assert len(one) == 24 and one["id"].tolist() == list(range(24))
+    assert two[["id", "path", ERR, "Scored Labels"]].equals(
+        one[["id", "path", ERR, "Scored Labels"]]
+    )
+    assert one[ERR].str.len().gt(0).sum() == 1
+    np.testing.assert_allclose(two[PROBS].to_numpy(), one[PROBS].to_numpy(), atol=1e-6)
+
+
 def test_parquet_holds_the_same_table_as_csv(
     exported_model: Path, digits_split: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -20,12 +20,13 @@ from tasks.data.imagedir import IMAGE_EXTENSIONS
 from tasks.data.transform import transform_for
 from tasks.inference.score.images import applied_transform, list_slice
 from tasks.inference.score.readers import read_batches, reader_processes
-from tasks.inference.score.rows import BatchScorer, scored_table
+from tasks.inference.score.rows import BatchScorer, scored_in_order, scored_table
 from tasks.inference.score.session import (
     batch_time_limit,
     check_model,
     default_threads,
     inference_session,
+    runs_at_once,
 )
 from tasks.inference.score.table import ERROR_COLUMN, table_schema
 from tasks.inference.tables import TableFormat, table_format
@@ -118,7 +119,9 @@ def score(
     dest = dest if isinstance(dest, S3Url) else Path(dest)
     _, info, onnx_path = checked_scoring(model, dest, batch_size, threads, quantized)
     time_limit = batch_time_limit()
-    readers = reader_processes(threads or default_threads())
+    cores = threads or default_threads()
+    readers = reader_processes(cores)
+    runs = runs_at_once(cores)
     start_fork_server()  # the readers' server imports torch while the images are listed
     refs, labeled, first, total = list_slice(
         images, lambda total: (0, total) if shard is None else shard_bounds(total, *shard)
@@ -131,7 +134,7 @@ def score(
     transform = transform_for(info.transform, "inference", images, applied_transform(images))
     # The readers start first: they decode the first batches while the session is made.
     with read_batches(refs, batch_size, transform, readers) as read:
-        session = inference_session(onnx_path, threads)
+        session = inference_session(onnx_path, cores // runs)
         check_model(session, info, onnx_path)
         log = step_logger(LOGGER)
         provider = session.get_providers()[0]
@@ -144,8 +147,7 @@ def score(
         table = scored_table(dest, table_schema(info.classes, labeled), images, shard is None, log)
         with table as rows, _progress(len(refs)) as progress:
             bar = progress.add_task("Scoring", total=len(refs)) if progress else None
-            for start, batch, stacked, kept, errors in read:
-                probs, labels = scorer.scores(stacked, kept, errors)
+            for start, batch, errors, probs, labels in scored_in_order(read, scorer, runs):
                 ids = np.arange(first + start, first + start + len(batch))
                 rows.write(ids, batch, errors, probs, labels)
                 if bar is not None:

@@ -11,6 +11,7 @@ one. Details: docs/scoring.md#readers.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -91,13 +92,17 @@ def _as_read(batch: tuple[torch.Tensor | None, list[str]]) -> tuple[torch.Tensor
 
 
 def _reader_started(scorer: int, environment: dict[str, str], cwd: str, worker_id: int) -> None:
-    """``worker_init_fn`` of every reader process: it ends when the scoring process ends, and
-    reads with the scoring process's environment and folder, not the fork server's (started
-    earlier, maybe before the S3 keys or the project were set: its readers found no
-    credentials)."""
+    """``worker_init_fn`` of every reader process: it ends when the scoring process ends, reads
+    with the scoring process's environment and folder, not the fork server's (started earlier,
+    maybe before the S3 keys or the project were set: its readers found no credentials), and
+    leaves the imported objects out of garbage collection."""
     die_with(scorer)
     os.environ.clear()
     os.environ.update(environment)
+    # The objects the fork server imported (torch's among them) are never garbage: left in the
+    # collector's care, its first full collection walked them all, 0.2-0.26 s of each reader's CPU
+    # (1.19 -> 0.93 ms an image at 64 px, 2 readers, 1,797 images, 6 rounds interleaved).
+    gc.freeze()
     os.chdir(cwd)
 
 
