@@ -51,8 +51,8 @@ def runs_at_once(threads: int) -> int:
     two threads or more, one on a GPU (the device runs one batch at a time anyway).
 
     A rule, not a timing taken at run time; measured beside the readers on 2 cores
-    (docs/scoring.md#readers): end to end over ONNX Runtime alone, 64 px 0.68x -> 0.81x,
-    224 px 0.83x -> 0.88x (medians).
+    (docs/scoring.md#readers): end to end over ONNX Runtime alone, interleaved with the old way,
+    64 px 0.68x -> 0.81x and 224 px 0.83x -> 0.88x (medians; docs/benchmarks.md).
     """
     if threads < 2 or "CUDAExecutionProvider" in ort.get_available_providers():
         return 1
