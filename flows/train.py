@@ -43,8 +43,9 @@ from tasks.train.request import TrainRequest
 
 @flow(name="imageops-train", log_prints=True)
 def train_flow(request: TrainRequest) -> TrainResult:
-    """Train ``request`` with ``params.nodes`` x ``params.nproc_per_node`` processes."""
-    return train_task(request)
+    """Train ``request`` with ``params.nodes`` x ``params.nproc_per_node`` processes; the run is
+    named after what it trains, and logs its epochs as they end (tasks.train.watch)."""
+    return train_task(request, watched=True)
 
 
 def train_and_report(request: TrainRequest) -> TrainResult:
