@@ -56,6 +56,7 @@ class Served:
     mlflow: str
     env: dict[str, str]  # `imageops serve` as it was started: its environment and command
     command: list[str]
+    before: str  # the id of a flow run made on `imageops run`'s temporary API before the stack
 
     @property
     def auth(self) -> str:
@@ -171,6 +172,7 @@ def served(
         # (not every minute), and a prompt worker.
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
     } | PROMPT_WORKER
+    before = _run_before_the_stack(root, env)
     log = root / "serve.log"
     command = [sys.executable, "-m", "app.cli", "serve",
                "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
@@ -184,6 +186,7 @@ def served(
         mlflow=f"http://127.0.0.1:{ports['mlflow']}",
         env=env,
         command=command,
+        before=before,
     )
     try:
         served.wait("`imageops serve` to say ready", lambda: "ready" in log.read_text())
@@ -194,6 +197,47 @@ def served(
             for child in psutil.Process(process.pid).children(recursive=True):
                 child.kill()
             process.kill()
+
+
+# A flow run as `imageops run` makes it before any stack is up: on its temporary API
+# (app/cli/root.py's _start_prefect_api), publishing an artifact; prints the run's id.
+BEFORE_THE_STACK = """
+from app.cli.root import _start_prefect_api
+from tasks.shared.settings import get_settings
+
+get_settings().apply()
+_start_prefect_api(get_settings())()
+from prefect import flow
+from prefect.context import FlowRunContext
+from tasks.shared.artifacts import publish_markdown
+
+@flow(name="made-before-the-stack")
+def made() -> str:
+    publish_markdown("before-the-stack", "made on the temporary API", "imageops run's API")
+    return str(FlowRunContext.get().flow_run.id)
+
+print(made())
+"""
+
+
+def _run_before_the_stack(root: Path, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", BEFORE_THE_STACK], env=env, cwd=root, capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_runs_made_before_the_stack_show_in_its_prefect_ui(served: Served) -> None:
+    """One Prefect history per project (issue 47): a run `imageops run` made on its temporary API
+    before `imageops serve` came up is in the stack's Prefect, with its artifact, as the `prefect`
+    command shows them."""
+    assert "made-before-the-stack" in served.prefect("flow", "ls")
+    with served.client() as client:
+        run = client.read_flow_run(UUID(served.before))
+        assert run.state is not None and run.state.is_completed()
+    assert "before-the-stack" in served.prefect("artifact", "ls")
 
 
 def test_serve_prints_both_uis_and_binds_to_localhost(served: Served) -> None:
