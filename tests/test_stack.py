@@ -409,6 +409,49 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
         assert "Validation failed" in refused.value.response.text
     assert len(served.flow_runs(train.id)) == before  # nothing was created to fail later
 
+    # The form's "Validate parameters" box unticked: the server takes the run, and the flow
+    # refuses it before any step, in words naming the fields by their titles (issue 47, point 2).
+    made = httpx.post(
+        f"{served.api}/deployments/{train.id}/create_flow_run",
+        json={"parameters": {"params": {"epochs": 0, "momentum": 1.5}},
+              "enforce_parameter_schema": False},
+        headers={"Authorization": f"Basic {_basic(served.auth)}"},
+        timeout=30,
+    )  # fmt: skip
+    assert made.status_code == 201, made.text
+    run_id = UUID(made.json()["id"])
+
+    def failed() -> Any:
+        with served.client() as client:
+            run = client.read_flow_run(run_id)
+        return run if run.state is not None and run.state.is_final() else None
+
+    run = served.wait("the unvalidated run to end", failed, timeout_s=180)
+    assert run.state.is_failed()
+    said = run.state.message or ""
+    assert (
+        "Training parameters > Epochs: 0 is not allowed; it must be an integer > 0 and <= 10000."
+        in said
+    ), said
+    assert (
+        "Training parameters > Momentum: 1.5 is not allowed; it must be a finite number >= 0 and "
+        "< 1, or empty." in said
+    ), said
+    assert "params.epochs" not in said
+    with served.client() as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        ran = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+        )
+    assert ran == []  # no step ran
+
+
+def _basic(auth: str) -> str:
+    import base64
+
+    return base64.b64encode(auth.encode()).decode()
+
 
 def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     served: Served, digits_split: tuple[Path, Path]
