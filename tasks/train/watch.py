@@ -58,10 +58,15 @@ class TrainingWatch:
             return None
         from prefect.artifacts import create_progress_artifact
 
-        artifact = create_progress_artifact(
-            0.0, key=PROGRESS_KEY, description=f"Training {what}: epochs done, in percent."
-        )
-        return cls(step_logger(__name__), artifact)
+        log = step_logger(__name__)
+        try:
+            artifact = create_progress_artifact(
+                0.0, key=PROGRESS_KEY, description=f"Training {what}: epochs done, in percent."
+            )
+        except Exception as exc:  # the API is away: the training goes on, its lines still logged
+            log.warning("no progress artifact for this training: %s", exc)
+            artifact = None
+        return cls(log, artifact)
 
     def __call__(self, line: str) -> bool:
         """Log ``line`` to the run if it tells where training stands; returns whether it did."""
