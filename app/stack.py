@@ -332,9 +332,13 @@ class Stack(Services):
                         "--port", str(self.ports.prefect)]  # fmt: skip
         if not self.ui:
             prefect_args.append("--no-ui")
-        # New databases start from the migrated templates: seconds of migrations saved.
+        # One Prefect history per project: the server keeps its SQLite database where `imageops
+        # run`'s temporary API keeps it (PREFECT_HOME of the project's commands), so the runs
+        # made before the stack came up show in its UI, artifacts and all (issue 47). New
+        # databases start from the migrated templates: seconds of migrations saved.
+        prefect_home = self.settings.home_dir / "prefect"
         if not any(base.get(name) for name in DATABASE_VARIABLES):  # else not SQLite's file
-            seed("prefect", self.dir / "prefect" / "prefect.db")
+            seed("prefect", prefect_home / "prefect.db")
         seed("mlflow", home / "mlflow.db")
         self._launch(
             "prefect-server",
@@ -344,7 +348,7 @@ class Stack(Services):
             | base
             | quiet
             | {
-                "PREFECT_HOME": str(self.dir / "prefect"),
+                "PREFECT_HOME": str(prefect_home),
                 # No request without it but /api/health and /api/ready (the UI asks for it).
                 "PREFECT_SERVER_API_AUTH_STRING": self.prefect_auth_string(),
             },

@@ -16,6 +16,7 @@ import hmac
 import logging
 import threading
 import time
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -164,7 +165,7 @@ def create_app(
         if data == MLFLOW_TEST_PAYLOAD:
             log.info("MLflow webhook test delivery %s received", delivery_id)
             return JSONResponse({"status": "test", "delivery_id": delivery_id})
-        return await _forward(data, delivery_id, seen)
+        return await _forward(data, delivery_id, int(timestamp), seen)
 
     return app
 
@@ -183,8 +184,12 @@ async def _capped_body(request: Request) -> bytes | None:
     return bytes(body)
 
 
-async def _forward(data: Any, delivery_id: str, seen: _SeenDeliveries) -> JSONResponse:
-    """Emit the alias event for a verified delivery; 503 (MLflow retries) if Prefect is down."""
+async def _forward(
+    data: Any, delivery_id: str, timestamp: int, seen: _SeenDeliveries
+) -> JSONResponse:
+    """Emit the alias event for a verified delivery; 503 (MLflow retries) if Prefect is down.
+    ``timestamp``: MLflow's time of the delivery, the move's time as the champion tags record it
+    (the payload has none; MLflow delivers right after the move)."""
     # Imported here: Prefect reads its settings once, at import, and serve() exports ours first.
     from tasks.registry.promotion_events import alias_event, send_event
 
@@ -213,8 +218,9 @@ async def _forward(data: Any, delivery_id: str, seen: _SeenDeliveries) -> JSONRe
             status_code=503,
         )
     seen.add(delivery_id)
+    moved_at = datetime.fromtimestamp(timestamp, UTC)
     await asyncio.to_thread(
-        _record_champion, str(data["name"]), str(data["alias"]), int(data["version"])
+        _record_champion, str(data["name"]), str(data["alias"]), int(data["version"]), moved_at
     )
     log.info(
         "%s@%s -> version %s: emitted %s (%s)",
@@ -230,10 +236,10 @@ async def _forward(data: Any, delivery_id: str, seen: _SeenDeliveries) -> JSONRe
 _RECONCILING = threading.Lock()
 
 
-def _record_champion(name: str, alias: str, version: int) -> None:
-    """The ``champion`` tags after a move of the alias (by hand, or the promote step's): true on
-    both versions (tasks.registry.champion_record). A failure is logged, never refused: the
-    scoring run is what the delivery is for, and the next move reconciles again."""
+def _record_champion(name: str, alias: str, version: int, moved_at: datetime) -> None:
+    """The ``champion`` tags after a move of the alias (by hand, or the promote step's), with
+    the move's version and time (tasks.registry.champion_record). A failure is logged, never
+    refused: the scoring run is what the delivery is for, and the next move reconciles again."""
     if alias != "champion":
         return
     try:
@@ -244,7 +250,7 @@ def _record_champion(name: str, alias: str, version: int) -> None:
         settings = get_settings()
         client = MlflowClient(settings.tracking_uri, registry_uri=settings.registry_uri)
         with _RECONCILING:  # two deliveries at once would write the same tags at once
-            reconcile(client, name, alias, moved_to=version)
+            reconcile(client, name, alias, moved_to=version, at=moved_at)
     except Exception as exc:
         log.warning("could not record %s@%s on the versions: %s: %s", name, alias,
                     type(exc).__name__, exc)  # fmt: skip

@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
-from prefect import flow
 from prefect.context import FlowRunContext
 from pydantic import BaseModel
 
@@ -32,6 +31,7 @@ from tasks.inference.score import ShardedScoring
 from tasks.registry.promote import CHALLENGER, Promotion, promote_task
 from tasks.registry.register import register_task
 from tasks.shared.artifacts import markdown_table, publish_markdown
+from tasks.shared.flow_parameters import checked_flow
 from tasks.shared.forms import form_field
 from tasks.shared.settings import Settings, get_settings, redact_uri
 from tasks.shared.step import name_flow_run
@@ -63,7 +63,7 @@ class PipelineResult(BaseModel):
 DEFAULT_CONFIG = PipelineConfig()
 
 
-@flow(name="imageops-pipeline", log_prints=True)
+@checked_flow(name="imageops-pipeline", log_prints=True)
 def pipeline(
     config: Annotated[
         PipelineConfig,

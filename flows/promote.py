@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from prefect import flow
-
 from tasks.registry.promote import CHALLENGER, Promotion, promote_task
+from tasks.shared.flow_parameters import checked_flow
 from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings
 from tasks.shared.step import name_flow_run
 
 
-@flow(name="imageops-promote", log_prints=True)
+@checked_flow(name="imageops-promote", log_prints=True)
 def promote_flow(
     holdout: Annotated[
         str | None,

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
-from prefect import flow, serve
+from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 from prefect.futures import wait
@@ -43,6 +43,7 @@ from tasks.registry.model_uri import fetch_registered_model_task, is_registry_ur
 from tasks.registry.promotion_events import CHAMPION, alias_trigger
 from tasks.shared.artifacts import publish_markdown
 from tasks.shared.errors import ImageOpsError, error_text
+from tasks.shared.flow_parameters import checked_flow
 from tasks.shared.forms import form_field, form_schema
 from tasks.shared.object_store import S3Url, is_s3_url
 from tasks.shared.settings import Settings, get_settings, redact_uri
@@ -90,7 +91,7 @@ class ScoreResult(BaseModel):
     cluster: str | None = None  # the Ray cluster it scored on; None: this machine
 
 
-@flow(name="imageops-score", log_prints=True)
+@checked_flow(name="imageops-score", log_prints=True)
 def score_flow(
     model: Annotated[
         str | None,

@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
-from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_json
 
@@ -32,6 +31,7 @@ from tasks.inference.export import export_task
 from tasks.registry.promote import CHALLENGER
 from tasks.registry.register import register_task
 from tasks.shared.artifacts import TRAINING_REPORT, republish
+from tasks.shared.flow_parameters import checked_flow
 from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings
 from tasks.shared.step import name_flow_run
@@ -41,10 +41,11 @@ from tasks.train.outputs_folder import outputs_folder
 from tasks.train.request import TrainRequest
 
 
-@flow(name="imageops-train", log_prints=True)
+@checked_flow(name="imageops-train", log_prints=True)
 def train_flow(request: TrainRequest) -> TrainResult:
-    """Train ``request`` with ``params.nodes`` x ``params.nproc_per_node`` processes."""
-    return train_task(request)
+    """Train ``request`` with ``params.nodes`` x ``params.nproc_per_node`` processes; the run is
+    named after what it trains, and logs its epochs as they end (tasks.train.watch)."""
+    return train_task(request, watched=True)
 
 
 def train_and_report(request: TrainRequest) -> TrainResult:
@@ -105,7 +106,7 @@ class TrainSteps(BaseModel):
 EVERY_STEP = TrainSteps()
 
 
-@flow(name="imageops-train-model", log_prints=True)
+@checked_flow(name="imageops-train-model", log_prints=True)
 def train_model_flow(
     model: Annotated[DemoModel, MODEL_FIELD] = DEMO_MODEL,
     train_data: Annotated[

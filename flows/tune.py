@@ -12,7 +12,6 @@ study. Details: docs/tuning.md#the-tune-flow.
 from pathlib import Path
 from typing import Annotated
 
-from prefect import flow
 from prefect.deployments import run_deployment
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -24,6 +23,7 @@ from tasks.data.transform import applied_to, data_transform
 from tasks.inference.export import export_task
 from tasks.registry.promote import CHALLENGER
 from tasks.registry.register import register_task
+from tasks.shared.flow_parameters import checked_flow
 from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings, redact_uri
 from tasks.shared.step import name_flow_run, step
@@ -72,7 +72,7 @@ def run_trial_anywhere(
 trial_task = step(run_trial_anywhere, name="tune-trial", retries=0)
 
 
-@flow(
+@checked_flow(
     name="imageops-tune",
     task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_TRIALS),
     log_prints=True,
@@ -184,7 +184,7 @@ def tune_flow(
     return result
 
 
-@flow(name="imageops-tune-trial", log_prints=True)
+@checked_flow(name="imageops-tune-trial", log_prints=True)
 def trial_flow(
     job: Annotated[
         TrialJob,

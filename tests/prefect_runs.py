@@ -74,3 +74,20 @@ def drain_prefect_workers(timeout_s: float = 60.0) -> None:
 
     EventsWorker.drain_all(timeout=timeout_s)
     APILogWorker.drain_all(timeout=timeout_s)
+
+
+@contextmanager
+def info_logs_sent() -> Iterator[None]:
+    """Prefect's run loggers at INFO inside the block (the suite sets WARNING: the runs' INFO lines
+    would be neither shown nor sent to the API), as they are for a user."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

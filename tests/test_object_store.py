@@ -472,12 +472,21 @@ def test_an_s3_prefix_scored_into_s3_gives_the_local_folders_rows_and_copies_no_
     got = pd.concat(read_parts(dest), ignore_index=True)
     assert len(got) == 90 and (got[ERROR_COLUMN] == "").all()
     pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-6)
+    # Only the columns asked for that the parts have (the scoring report's count reads three,
+    # not the probabilities; an unlabelled table has no true label).
+    asked = [LABEL_COLUMN, ERROR_COLUMN, "category", "no-such-column"]
+    narrow = pd.concat(read_parts(dest, asked), ignore_index=True)
+    kept = [c for c in got.columns if c in asked]
+    assert ERROR_COLUMN in kept and LABEL_COLUMN in kept and list(narrow.columns) == kept
+    pd.testing.assert_frame_equal(narrow, got[kept])
 
     # An ImageDirectory in S3: its manifest's order and classes, and CSV parts on request.
     csv_dest = S3Url(s3_bucket, "scores/val.csv")
     score_in_shards(exported_model, S3Url(s3_bucket, "imagedirs/val"), csv_dest, **options)
     text = [ERROR_COLUMN, LABEL_COLUMN, "category", "path"]
     got = pd.concat(read_parts(csv_dest, text=text), ignore_index=True)
+    narrow = pd.concat(read_parts(csv_dest, ["path", "no-such-column"], text), ignore_index=True)
+    assert list(narrow.columns) == ["path"] and narrow["path"].tolist() == got["path"].tolist()
     local = score_in_shards(exported_model, digits_split[1], project.project_root / "val.csv")
     expected = pd.read_csv(local, dtype=dict.fromkeys(text, str), keep_default_na=False)
     manifest = read_manifest(digits_split[1])

@@ -15,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect_runs import info_logs_sent
 
 from flows.config import PipelineConfig
 from tasks.shared.settings import Settings
@@ -42,7 +43,8 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
         }
     )
     started = datetime.now(UTC)
-    result = pipeline(config)
+    with info_logs_sent():  # as a user's run sends them: the training's lines (issue 47)
+        result = pipeline(config)
 
     # data: converted, split and versioned in DVC, pushed to the local remote, in the data set's
     # folder (named after the source folder, "digits")
@@ -122,3 +124,36 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     images_md5 = result.data_version["images"][:8]
     assert flow_run.name == f"pipeline-resnet18-digits-data-{images_md5}"
     assert result.outputs.name.endswith(f"-digits-{str(summary.flow_run_id)[:8]}")
+    _training_is_watchable_from_prefect(started)
+
+
+def _training_is_watchable_from_prefect(started: datetime) -> None:
+    """Issue 47: the training sub-run is named after what it trains, its log carries rank 0's
+    progress and epoch lines (not only rank_0.log), its progress artifact ends at 100% and the
+    end line is in words, rounded."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect_runs import artifacts_of, drain_prefect_workers
+
+    drain_prefect_workers()  # the logs sent
+    with get_client(sync_client=True) as prefect:
+        named = FlowRunFilter(name=FlowRunFilterName(like_="training-resnet18-1-epochs"))
+        (training,) = [
+            r for r in prefect.read_flow_runs(flow_run_filter=named) if r.created >= started
+        ]
+        logs = prefect.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[training.id]))
+        )
+    messages = [log.message for log in logs]
+    assert any(m.startswith("training resnet18 on ") for m in messages)
+    assert any(m.startswith("epoch 1/1 [") and " img/s" in m for m in messages)
+    assert any(m.startswith("epoch 1/1: train loss ") for m in messages)
+    (end,) = [m for m in messages if m.startswith("training finished")]
+    assert end.startswith("training finished: kept epoch 1 of 1 trained, validation top-1 ")
+    assert "%" in end and "{" not in end and "e-" not in end.split("validation loss")[0]
+    (progress,) = artifacts_of(training.id, "training-progress")
+    assert progress.type == "progress" and float(progress.data) == 100.0

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import shutil
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -150,34 +151,51 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
 def test_a_move_by_hand_leaves_true_champion_tags_on_both_versions(
     project: Settings, always: dict[str, Path], holdout: Path
 ) -> None:
-    """A person moves @champion in the registry (the webhook receiver then reconciles): the
-    version that lost it says so, and the one that got it says it was by hand."""
-    from tasks.registry.champion_record import reconcile
+    """A person moves @champion in the registry (the webhook receiver then reconciles, with the
+    move's version and time): the version that lost it says so, and the one that got it says it
+    was by hand. Two quick moves whose deliveries come in reverse order leave each version the
+    times of the events that moved the alias (issue 47, finding 8: v1 said it lost the alias to
+    v3, at v3's time, when v2 had taken it first)."""
+    from tasks.registry.champion_record import now_text, reconcile
 
     register(always["1"], settings=project, alias=CHALLENGER)
     promote(holdout, settings=project)  # v1 champion by the promote step
     register(always["0"], settings=project)  # v2
     client = MlflowClient()
+    since = client.get_model_version(NAME, "1").tags["champion"]
+    moved = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=5)  # MLflow's clock
     client.set_registered_model_alias(NAME, CHAMPION, "2")  # by hand
-    assert reconcile(client, NAME) == 2
-    assert reconcile(client, NAME) == 2  # a re-delivered webhook changes nothing
+    assert reconcile(client, NAME, moved_to=2, at=moved) == 2
+    assert reconcile(client, NAME, moved_to=2, at=moved) == 2  # a re-delivery changes nothing
     one, two = (client.get_model_version(NAME, v).tags for v in ("1", "2"))
-    assert one["champion"].startswith("no: was @champion from ")
-    assert one["champion"].endswith("(imageops promote); then v2")
-    assert two["champion"].startswith("yes, since ")
-    assert two["champion"].endswith("(by hand in the MLflow registry)")
+    held = since.removeprefix("yes, since ").removesuffix(" (imageops promote)")
+    assert one["champion"] == (
+        f"no: was @champion from {held} to {now_text(moved)} (imageops promote); then v2"
+    )
+    assert two["champion"] == f"yes, since {now_text(moved)} (by hand in the MLflow registry)"
     assert "promotion" not in two  # no decision of ours made it champion, and none claims to
 
-    # Two moves before the receiver hears of the first (v3, then back to v1): v3 held it briefly.
+    # Two moves 2 s apart (v3, then v1 again); the receiver hears of the second first.
     register(always["0"], settings=project)  # v3
     client.set_registered_model_alias(NAME, CHAMPION, "3")
     client.set_registered_model_alias(NAME, CHAMPION, "1")
-    assert reconcile(client, NAME, moved_to=3) == 1
-    three = client.get_model_version(NAME, "3").tags
-    assert three["champion"].startswith("no: was @champion briefly, until ")
-    assert three["champion"].endswith("(by hand in the MLflow registry); then v1")
-    assert client.get_model_version(NAME, "1").tags["champion"].startswith("yes, since ")
-    assert client.get_model_version(NAME, "2").tags["champion"].endswith("; then v1")
+    to_three, to_one = moved + timedelta(seconds=60), moved + timedelta(seconds=62)
+
+    def tags() -> dict[str, str]:
+        return {v: client.get_model_version(NAME, v).tags.get("champion", "") for v in "123"}
+
+    assert reconcile(client, NAME, moved_to=1, at=to_one) == 1
+    assert tags()["1"] == f"yes, since {now_text(to_one)} (by hand in the MLflow registry)"
+    for version, at in ((3, to_three), (1, to_one), (3, to_three)):  # the first, then both again
+        assert reconcile(client, NAME, moved_to=version, at=at) == 1
+    by_hand = "by hand in the MLflow registry"
+    assert tags() == {
+        "2": f"no: was @champion from {now_text(moved)} to {now_text(to_three)} "
+        f"({by_hand}); then v3",
+        "3": f"no: was @champion from {now_text(to_three)} to {now_text(to_one)} ({by_hand}); "
+        "then v1",
+        "1": f"yes, since {now_text(to_one)} ({by_hand})",
+    }
 
 
 def test_a_win_smaller_than_the_margin_leaves_the_champion(

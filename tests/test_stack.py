@@ -56,6 +56,7 @@ class Served:
     mlflow: str
     env: dict[str, str]  # `imageops serve` as it was started: its environment and command
     command: list[str]
+    before: str  # the id of a flow run made on `imageops run`'s temporary API before the stack
 
     @property
     def auth(self) -> str:
@@ -171,6 +172,7 @@ def served(
         # (not every minute), and a prompt worker.
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
     } | PROMPT_WORKER
+    before = _run_before_the_stack(root, env)
     log = root / "serve.log"
     command = [sys.executable, "-m", "app.cli", "serve",
                "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
@@ -184,6 +186,7 @@ def served(
         mlflow=f"http://127.0.0.1:{ports['mlflow']}",
         env=env,
         command=command,
+        before=before,
     )
     try:
         served.wait("`imageops serve` to say ready", lambda: "ready" in log.read_text())
@@ -194,6 +197,47 @@ def served(
             for child in psutil.Process(process.pid).children(recursive=True):
                 child.kill()
             process.kill()
+
+
+# A flow run as `imageops run` makes it before any stack is up: on its temporary API
+# (app/cli/root.py's _start_prefect_api), publishing an artifact; prints the run's id.
+BEFORE_THE_STACK = """
+from app.cli.root import _start_prefect_api
+from tasks.shared.settings import get_settings
+
+get_settings().apply()
+_start_prefect_api(get_settings())()
+from prefect import flow
+from prefect.context import FlowRunContext
+from tasks.shared.artifacts import publish_markdown
+
+@flow(name="made-before-the-stack")
+def made() -> str:
+    publish_markdown("before-the-stack", "made on the temporary API", "imageops run's API")
+    return str(FlowRunContext.get().flow_run.id)
+
+print(made())
+"""
+
+
+def _run_before_the_stack(root: Path, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", BEFORE_THE_STACK], env=env, cwd=root, capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_runs_made_before_the_stack_show_in_its_prefect_ui(served: Served) -> None:
+    """One Prefect history per project (issue 47): a run `imageops run` made on its temporary API
+    before `imageops serve` came up is in the stack's Prefect, with its artifact, as the `prefect`
+    command shows them."""
+    assert "made-before-the-stack" in served.prefect("flow", "ls")
+    with served.client() as client:
+        run = client.read_flow_run(UUID(served.before))
+        assert run.state is not None and run.state.is_completed()
+    assert "before-the-stack" in served.prefect("artifact", "ls")
 
 
 def test_serve_prints_both_uis_and_binds_to_localhost(served: Served) -> None:
@@ -364,6 +408,49 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
         assert refused.value.response.status_code == 409, refused.value
         assert "Validation failed" in refused.value.response.text
     assert len(served.flow_runs(train.id)) == before  # nothing was created to fail later
+
+    # The form's "Validate parameters" box unticked: the server takes the run, and the flow
+    # refuses it before any step, in words naming the fields by their titles (issue 47, point 2).
+    made = httpx.post(
+        f"{served.api}/deployments/{train.id}/create_flow_run",
+        json={"parameters": {"params": {"epochs": 0, "momentum": 1.5}},
+              "enforce_parameter_schema": False},
+        headers={"Authorization": f"Basic {_basic(served.auth)}"},
+        timeout=30,
+    )  # fmt: skip
+    assert made.status_code == 201, made.text
+    run_id = UUID(made.json()["id"])
+
+    def failed() -> Any:
+        with served.client() as client:
+            run = client.read_flow_run(run_id)
+        return run if run.state is not None and run.state.is_final() else None
+
+    run = served.wait("the unvalidated run to end", failed, timeout_s=180)
+    assert run.state.is_failed()
+    said = run.state.message or ""
+    assert (
+        "Training parameters > Epochs: 0 is not allowed; it must be an integer > 0 and <= 10000."
+        in said
+    ), said
+    assert (
+        "Training parameters > Momentum: 1.5 is not allowed; it must be a finite number >= 0 and "
+        "< 1, or empty." in said
+    ), said
+    assert "params.epochs" not in said
+    with served.client() as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        ran = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+        )
+    assert ran == []  # no step ran
+
+
+def _basic(auth: str) -> str:
+    import base64
+
+    return base64.b64encode(auth.encode()).decode()
 
 
 def test_runs_from_the_cli_and_the_form_train_one_at_a_time(

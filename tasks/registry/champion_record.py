@@ -5,13 +5,15 @@ The alias is the truth; the ``champion`` tag on each version that held it says s
 @champion from ... to ... (by hand in the MLflow registry); then v3`` on the ones before. Every
 move of the alias reaches :func:`reconcile`: the promote step's own (it marks the challenger
 ``champion.pending`` first, so whichever of it and the webhook receiver gets there first writes
-the same record), and a move by hand in MLflow's UI or API through the registry webhook. It
-reads the alias as it is now, so webhook deliveries that arrive out of order or twice leave the
-same tags. Details: docs/promotion.md#the-champion-tag.
+the same record), and a move by hand in MLflow's UI or API through the registry webhook. The
+times and versions come from the events that moved the alias, so webhook deliveries that arrive
+out of order or twice leave the same tags. Details: docs/promotion.md#the-champion-tag.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -26,12 +28,43 @@ BY_REGISTER = "imageops register --alias champion"
 BY_HAND = "by hand in the MLflow registry"
 # A move by hand that no webhook reported (embedded mode: SQLite, no MLflow server), recorded when
 # imageops next resolves the alias: "since" is then when it was seen, not when it was made.
-BY_HAND_SEEN = "by hand in the MLflow registry; the time imageops first saw it"
+SEEN = "; the time imageops first saw it"  # a record whose time is when imageops saw the move
+BY_HAND_SEEN = BY_HAND + SEEN
 
 
 def now_text(when: datetime | None = None) -> str:
     """The registry's time format, as people read it: ``2026-11-26 10:00:00 UTC``."""
     return (when or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@dataclass(frozen=True)
+class _Hold:
+    """A version's latest time as holder of the alias, as its ``champion`` tag records it."""
+
+    since: datetime
+    by: str
+
+    @property
+    def seen(self) -> bool:
+        """Whether ``since`` is when imageops saw the move, not the move's own time."""
+        return self.by.endswith(SEEN)
+
+
+_YES = re.compile(r"^yes, since (.+? UTC) \((.*)\)$")
+_WAS = re.compile(r"^no: was @\S+ from (.+? UTC)(?: to .+? UTC)? \((.*)\)(?:; then v\d+)?$")
+
+
+def _hold(record: str) -> _Hold | None:
+    """The hold a ``champion`` tag records (None: never held, or held too briefly to know when
+    it began: the old ``briefly, until`` records)."""
+    found = _YES.match(record) or _WAS.match(record)
+    if found is None:
+        return None
+    try:
+        since = datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S UTC").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return _Hold(since, found.group(2))
 
 
 def reconcile(
@@ -40,41 +73,70 @@ def reconcile(
     alias: str = "champion",
     moved_to: int | None = None,
     by_hand: str = BY_HAND,
+    at: datetime | None = None,
 ) -> int | None:
-    """Bring the ``champion`` tags of ``name``'s versions in line with where ``alias`` points
-    now; returns that version (None: no version holds it). ``moved_to``: the version an alias
-    event named; if the alias has moved on since (two moves in quick succession) and it has no
-    record yet, it gets one saying it held the alias briefly. ``by_hand``: how a move no imageops
-    step marked as its own is described."""
+    """Bring the ``champion`` tags of ``name``'s versions in line with the moves of ``alias``;
+    returns the version it points to now (None: none).
+
+    ``moved_to`` and ``at``: the move an alias event reports, its version and time (MLflow's
+    delivery time; the promote step's own). The tags are the alias's history, each version's
+    latest time as holder: a version held it from its move until the next holder's move, "then
+    vN". So two quick moves leave each version the times of the events that moved the alias,
+    whatever order their deliveries arrive in, and a delivery repeated changes nothing. The
+    version the alias points to now, if no event of its move has come yet, is recorded as seen
+    now (``...; the time imageops first saw it``) until its event gives the move's own time.
+    ``by_hand``: how a move no imageops step marked as its own is described.
+    """
     from mlflow.exceptions import MlflowException
 
     try:
         current = int(client.get_model_version_by_alias(name, alias).version)
     except MlflowException:
         current = None
-    stamp = now_text()
-    for version in client.search_model_versions(f"name = '{name}'"):
-        number, tags = int(version.version), version.tags or {}
-        record = tags.get(CHAMPION_TAG, "")
-        if number == current and not record.startswith("yes"):
-            by = tags.get(PENDING_TAG) or by_hand
-            client.set_model_version_tag(
-                name, str(number), CHAMPION_TAG, f"yes, since {stamp} ({by})"
-            )
-        elif number != current and record.startswith("yes"):
-            since, _, by = record.removeprefix("yes, since ").partition(" (")
-            then = f"; then v{current}" if current is not None else ""
-            _set(client, name, number, f"no: was @{alias} from {since} to {stamp} ({by}{then}")
-        elif number == moved_to and number != current and not record:
-            by = tags.get(PENDING_TAG) or by_hand
-            _set(
-                client,
-                name,
-                number,
-                f"no: was @{alias} briefly, until {stamp} ({by}); then v{current}",
-            )
-        if number == current and PENDING_TAG in tags:
-            client.delete_model_version_tag(name, str(number), PENDING_TAG)
+    versions = {
+        int(v.version): v.tags or {} for v in client.search_model_versions(f"name = '{name}'")
+    }
+    holds = {n: h for n, tags in versions.items() if (h := _hold(tags.get(CHAMPION_TAG, "")))}
+
+    def by_of(number: int, same: _Hold | None = None) -> str:
+        """Whose move gave ``number`` the alias: the promote step's mark, else the record of
+        this same hold (``same``), else ``by_hand``."""
+        mark = versions.get(number, {}).get(PENDING_TAG)
+        return mark or (same.by if same else by_hand).removesuffix(SEEN)
+
+    if moved_to is not None and moved_to in versions:
+        when = (at or datetime.now(UTC)).replace(microsecond=0)
+        kept = holds.get(moved_to)
+        others = max((h.since for n, h in holds.items() if n != moved_to), default=None)
+        if kept is None or kept.seen:  # its first record, or the event of a move seen before
+            holds[moved_to] = _Hold(when, by_of(moved_to, kept))
+        # A later hold of it that has ended since, or it took the alias back after another.
+        elif (moved_to != current and kept.since < when) or (
+            others is not None and kept.since < others <= when
+        ):
+            holds[moved_to] = _Hold(when, by_of(moved_to))
+    if current is not None:
+        kept = holds.get(current)
+        latest = max((h.since for n, h in holds.items() if n != current), default=None)
+        if kept is None or (latest is not None and kept.since < latest):
+            # The event of its move has not come yet (or it took the alias back since): seen now.
+            now = datetime.now(UTC).replace(microsecond=0)
+            holds[current] = _Hold(max(now, latest or now), by_of(current) + SEEN)
+    order = sorted(holds, key=lambda n: (holds[n].since, n == current, n))
+    for place, number in enumerate(order):
+        hold = holds[number]
+        since = now_text(hold.since)
+        if number == current:
+            record = f"yes, since {since} ({hold.by})"
+        else:
+            after = order[place + 1] if place + 1 < len(order) else current
+            until = f" to {now_text(holds[after].since)}" if after in holds else ""
+            then = f"; then v{after}" if after is not None else ""
+            record = f"no: was @{alias} from {since}{until} ({hold.by}){then}"
+        if versions[number].get(CHAMPION_TAG) != record:
+            _set(client, name, number, record)
+    if current is not None and PENDING_TAG in versions.get(current, {}):
+        client.delete_model_version_tag(name, str(current), PENDING_TAG)
     return current
 
 

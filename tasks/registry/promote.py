@@ -238,7 +238,7 @@ def _decide(
     if promoted:
         mark_pending(client, name, challenger)  # the webhook receiver may reconcile first
         client.set_registered_model_alias(name, CHAMPION, str(challenger))
-        reconcile(client, name, CHAMPION)
+        reconcile(client, name, CHAMPION, moved_to=challenger, at=datetime.now(UTC))
         _announce(settings, name, challenger)
     log.info(
         "%s v%d %s: %s",

@@ -20,6 +20,7 @@ import json
 import re
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
@@ -425,7 +426,7 @@ def _describe_and_alias(
         mark_pending(client, name, version, BY_REGISTER)
     client.set_registered_model_alias(name, alias, str(version))
     if alias == CHAMPION_ALIAS:
-        reconcile(client, name, alias)
+        reconcile(client, name, alias, moved_to=version, at=datetime.now(UTC))
     faults.point("register.alias_moved", version=version, alias=alias)
 
 

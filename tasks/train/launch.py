@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from tasks.shared.errors import InvalidParameterError
 from tasks.shared.log_tail import read_from
 from tasks.shared.settings import Settings, get_settings
-from tasks.shared.step import step, step_logger, tasks_on_first_use
+from tasks.shared.step import name_flow_run, step, step_logger, tasks_on_first_use
 from tasks.shared.tracking import configure_mlflow
 from tasks.train.failure import clear_failures
 from tasks.train.mlflow_run import ending_run, publish_report, require_run, resume_or_create_run
@@ -35,6 +35,7 @@ from tasks.train.torchrun import (
     torchrun_failure,
     torchrun_threads,
 )
+from tasks.train.watch import TrainingWatch, finished_line
 
 
 class TrainResult(BaseModel):
@@ -51,30 +52,37 @@ class TrainResult(BaseModel):
     pruned: bool = False
 
 
-def train(request: TrainRequest, settings: Settings | None = None) -> TrainResult:
+def train(
+    request: TrainRequest, settings: Settings | None = None, *, watched: bool = False
+) -> TrainResult:
     """Train ``request.model`` on its training data, validating on its validation data.
 
     ``request.out`` receives the ModelDirectory of the best validation top-1 epoch; the MLflow run
     gets parameters, metrics, curves and logs. The run is ``request.run_id``, or the unfinished run
     of this very request (a retry trains only the epochs it lacks), or a new one. With
     ``params.cluster`` the job runs on that Ray cluster (:mod:`.cluster`), else torchrun here.
+    ``watched``: the training is its Prefect run's whole work (the train flow), so the run is named
+    after it and shows its progress (:mod:`.watch`); a tuning trial's training is not.
     Details: docs/training.md#train. Raises the Azure input errors (InvalidModelDirectoryError,
     ...) before anything starts, a worker's ImageOpsError, else TrainingFailedError.
     """
     settings = settings or get_settings()
     with output_lock(request.out, settings):
-        return _train(request, settings)
+        return _train(request, settings, watched)
 
 
-def _train(request: TrainRequest, settings: Settings) -> TrainResult:
+def _train(request: TrainRequest, settings: Settings, watched: bool) -> TrainResult:
     log = step_logger(__name__)  # inside a Prefect run, these lines reach the UI
     if request.params.cluster:
         from tasks.train.cluster import train_on_cluster
 
         run_id, run_dir, result = train_on_cluster(request, settings)
-        log.info("training finished: %s", result["metrics"])
+        log.info(finished_line(result))
         return _as_result(result, request.out, run_id, run_dir)
     checked = check_request(request, settings)
+    epochs, arch = request.params.epochs, checked.spec.arch
+    if watched:
+        name_flow_run(f"training-{arch}-{epochs}-epochs")
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     run_id = request.run_id
@@ -96,14 +104,17 @@ def _train(request: TrainRequest, settings: Settings) -> TrainResult:
             threads = torchrun_threads(request.params.nproc_per_node)
             env = torchrun_environment(settings, run_id, {**threads, **request.env})
             offset = torchrun_log.stat().st_size if torchrun_log.is_file() else 0
-            returncode = run_torchrun(command, env, run_dir, request.timeout_s)
+            watch = TrainingWatch.start(f"{arch}, {epochs} epochs") if watched else None
+            returncode = run_torchrun(command, env, run_dir, request.timeout_s, on_line=watch)
             if returncode != 0:
                 output = read_from(torchrun_log, offset)
                 raise torchrun_failure(run_dir, returncode, torchrun_log, output)
             outcome.result = result = json.loads((run_dir / RESULT).read_text())
         # Still under the lock: MLflow has the run FINISHED, so nothing resumes it any more.
         discard_checkpoints(run_id, run_dir, settings)
-    log.info("training finished: %s", result["metrics"])
+    if watch is not None:
+        watch.move(100.0)  # stopped early, or the last progress line was before the end
+    log.info(finished_line(result))
     publish_report(run_id, run_dir, result, settings)
     return _as_result(result, request.out, run_id, run_dir)
 

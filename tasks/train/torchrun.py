@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -132,8 +132,10 @@ def torchrun_command(
 NOT_THE_USERS_BUSINESS = ("[c10d] The hostname of the client socket cannot be retrieved.",)
 
 
-def _pump(stream: IO[str], path: Path) -> None:
-    """Copy torchrun's output to the console and to its log in the run folder, line by line.
+def _pump(stream: IO[str], path: Path, on_line: Callable[[str], bool] | None = None) -> None:
+    """Copy torchrun's output to the console and to its log in the run folder, line by line, and
+    hand each line to ``on_line`` (the Prefect run's watch: tasks.train.watch), which says
+    whether it logged the line itself.
 
     A worker's traceback may quote a settings URI (MLflow's errors do): passwords are masked.
     Tracebacks go to the log only: the console keeps the error line and says where the rest is,
@@ -147,6 +149,8 @@ def _pump(stream: IO[str], path: Path) -> None:
             line = redact_uri(raw)
             sink.write(line)
             sink.flush()
+            if on_line is not None and _handed(on_line, line):
+                continue  # logged by the run's logger, which shows it on the console too
             at = line.find("Traceback (most recent call last):")  # torchrun's report indents it
             if at >= 0:
                 in_traceback, line = True, f"{line[:at]}(traceback in {path})\n"
@@ -156,6 +160,15 @@ def _pump(stream: IO[str], path: Path) -> None:
                 in_traceback = False  # the exception's own line ends it, and is shown
             sys.stdout.write(line)
             sys.stdout.flush()
+
+
+def _handed(on_line: Callable[[str], bool], line: str) -> bool:
+    """Whether ``on_line`` logged ``line``; a failing one is left out (this thread must drain the
+    pipe whatever happens, or torchrun blocks on a full one)."""
+    try:
+        return on_line(line)
+    except Exception:
+        return False
 
 
 # Set when this command is stopping: Ctrl-C and SIGTERM reach only the main thread, and a
@@ -194,6 +207,7 @@ def run_torchrun(
     timeout_s: float | None,
     *,
     log_name: str = TORCHRUN_LOG,
+    on_line: Callable[[str], bool] | None = None,
 ) -> int:
     step_logger(__name__).info("starting: %s", " ".join(command))
     proc = subprocess.Popen(
@@ -210,7 +224,9 @@ def run_torchrun(
         start_new_session=True,  # its own process group: we can stop all of it, and only it
     )
     assert proc.stdout is not None
-    pump = threading.Thread(target=_pump, args=(proc.stdout, run_dir / log_name), daemon=True)
+    pump = threading.Thread(
+        target=_pump, args=(proc.stdout, run_dir / log_name, on_line), daemon=True
+    )
     pump.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:

@@ -35,7 +35,8 @@ def table_counts(path: Path | S3Url) -> TableCounts:
     if isinstance(path, S3Url):  # a part at a time, as its marker lists them
         from tasks.inference.score.s3_table import read_parts
 
-        chunks = read_parts(path, text=[LABEL_COLUMN, ERROR_COLUMN, TRUE_LABEL_COLUMN])
+        counted = [LABEL_COLUMN, ERROR_COLUMN, TRUE_LABEL_COLUMN]
+        chunks = read_parts(path, counted, text=counted)  # not the probabilities
     else:
         chunks = table_format(path, "scored table").read_chunks(
             path, [LABEL_COLUMN, ERROR_COLUMN, TRUE_LABEL_COLUMN], COUNTED_ROWS, leave_out=["id"]

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from tasks.inference.score.batches import LOGGER
 from tasks.inference.score.images import list_images
@@ -184,8 +185,9 @@ def _remove(keys: list[str], where: S3Url) -> None:
 def read_parts(
     dest: S3Url, columns: Sequence[str] | None = None, text: Sequence[str] = ()
 ) -> Iterator[pd.DataFrame]:
-    """The table under ``dest`` a part at a time, as its marker lists them (only ``columns`` when
-    given; ``text`` columns as strings). A part is read into memory, never onto the disk. Raises
+    """The table under ``dest`` a part at a time, as its marker lists them (only those of
+    ``columns`` a part has, when given: an unlabelled table has no true-label column; ``text``
+    columns as strings). A part is read into memory, never onto the disk. Raises
     :class:`ObjectStoreError` when the prefix has no marker: no whole table is there."""
     marker = dest / MARKER
     answer = _request("read", marker, "get_object", Bucket=dest.bucket, Key=marker.key)
@@ -196,12 +198,16 @@ def read_parts(
         answer = _request("read", url, "get_object", Bucket=dest.bucket, Key=url.key)
         with answer["Body"] as body:
             data = io.BytesIO(body.read())
+        wanted = None if columns is None else set(columns)
         if url.suffix == ".csv":
             yield pd.read_csv(
                 data,
-                usecols=None if columns is None else list(columns),
+                usecols=None if wanted is None else wanted.__contains__,
                 dtype=dict.fromkeys(text, str),
                 keep_default_na=False,
             )
         else:
-            yield pd.read_parquet(data, columns=None if columns is None else list(columns))
+            names = pq.read_schema(data).names
+            data.seek(0)
+            kept = None if wanted is None else [n for n in names if n in wanted]
+            yield pd.read_parquet(data, columns=kept)
