@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -91,3 +91,29 @@ def info_logs_sent() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def log_messages_of(
+    flow_run_id: object, complete: Callable[[list[str]], bool], timeout_s: float = 60.0
+) -> list[str]:
+    """The log messages of ``flow_run_id`` (its task runs' too), once ``complete`` says they
+    are all there: the logs sent are drained first, and the API may store them a moment later
+    (a busy 2-core CI machine read them before they were in)."""
+    from prefect.client.orchestration import get_client  # the caller has a Prefect API up
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    drain_prefect_workers()
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+
+        def stored() -> bool:
+            of_the_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+            messages.clear()
+            while True:  # the API answers 200 logs at most
+                page = client.read_logs(log_filter=of_the_run, limit=200, offset=len(messages))
+                messages.extend(log.message for log in page)
+                if len(page) < 200:
+                    return complete(messages)
+
+        wait_until(stored, timeout_s, interval_s=0.5)
+    return messages
