@@ -131,15 +131,22 @@ def train_model_flow(
     ] = "data/digits/val",
     params: Annotated[DemoTrainParams, TRAIN_FIELD] = DEMO_TRAIN,
     transform: Annotated[
-        DemoTransform | None,
+        DemoTransform,
         form_field(
             title="Image transformation",
             description="Init Image Transformation; the default fits the 32x32 digits demo. "
-            "Empty (null): the transform the data was prepared with (Apply Image "
-            "Transformation), else Init Image Transformation's defaults (224 px). Data prepared "
-            "with another transform is refused.",
+            "Data prepared with another transform (Apply Image Transformation) is refused.",
         ),
     ] = DEMO_TRANSFORM,
+    data_transform: Annotated[
+        bool,
+        form_field(
+            title="Train with the data's own transform",
+            description="On: the transform the data was prepared with (Apply Image "
+            "Transformation), else Init Image Transformation's defaults (224 px); Image "
+            "transformation above is then not used.",
+        ),
+    ] = False,
     steps: Annotated[
         TrainSteps,
         form_field(
@@ -150,6 +157,7 @@ def train_model_flow(
 ) -> TrainedModel:
     """Train one model from the UI or a schedule: build, train (DDP), export, register."""
     settings = get_settings()
+    chosen = None if data_transform else transform
     data = {
         "train": resolve_data(train_data, "training data", settings),
         "val": resolve_data(val_data, "validation data", settings),
@@ -163,13 +171,13 @@ def train_model_flow(
     fresh = datetime.now(UTC).strftime("train-%Y%m%d-%H%M%S")
     asked = {
         "model": model, "train_data": train_path, "val_data": val_path, "params": params,
-        "transform": transform, "steps": steps, "data_version": data_version,
+        "transform": chosen, "steps": steps, "data_version": data_version,
     }  # fmt: skip
     # The same request again after a stop: the same outputs, so the training resumes.
     with outputs_folder(settings, fresh, to_json(asked).decode()) as out:
         request = TrainRequest(
             model=out / "untrained", train_data=train_path, val_data=val_path,
-            out=out / "model", params=params, transform=transform, data_version=data_version,
+            out=out / "model", params=params, transform=chosen, data_version=data_version,
         )  # fmt: skip
         build_model_task(model, request.model)
         trained = train_and_report(request)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from models.form_sections import FormSection, flattened, schema_extra
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -37,6 +39,32 @@ RECIPE_FIELDS = (
 )
 
 
+# The run form's cards (models.form_sections): the sizes first, then what training alone does.
+# fmt: off
+FORM_SECTIONS = (
+    FormSection(
+        "training_augmentation",
+        "Random changes in training",
+        "Applied to training images only; validation, export and scoring never see them.",
+        (
+            "color_jitter", "random_resized_crop", "random_resized_crop_size",
+            "random_resized_crop_scale", "random_crop", "random_crop_size",
+            "random_horizontal_flip", "random_vertical_flip", "random_rotation",
+            "random_rotation_degrees", "random_affine", "random_affine_degrees",
+            "random_grayscale", "random_perspective", "random_erasing",
+            "random_erasing_probability", "augmentation", "augmentation_magnitude",
+        ),
+    ),
+    FormSection(
+        "normalisation",
+        "Normalisation",
+        "What each channel is shifted and scaled by; ImageNet's unless the network needs others.",
+        ("mean", "std"),
+    ),
+)
+# fmt: on
+
+
 def _size(default: int, title: str, description: str) -> Any:
     return Field(default, gt=0, title=title, description=description)
 
@@ -55,7 +83,9 @@ class TransformSpec(BaseModel):
     :func:`tasks.data.transform.input_size`).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, json_schema_extra=schema_extra(FORM_SECTIONS)
+    )
 
     resize: bool = Field(
         True,
@@ -217,6 +247,11 @@ class TransformSpec(BaseModel):
         description="Per-channel (R, G, B) standard deviation divided by, each > 0; ImageNet's "
         "by default.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_form_sections(cls, data: Any) -> Any:
+        return flattened(data, FORM_SECTIONS)
 
     def crop_side(self) -> int | None:
         """The side of the crop training ends with: the random crop, else the random resized

@@ -30,8 +30,14 @@ def test_every_entrypoint_is_a_flow_that_takes_the_parameters(deployment: dict) 
 def _fields(schema: dict) -> list[tuple[str, dict]]:
     """Every field a form shows: the parameters and, section by section, the models' fields."""
     fields = [(name, prop) for name, prop in schema["properties"].items()]
+
+    def within(prefix: str, properties: dict) -> None:
+        for key, prop in properties.items():
+            fields.append((f"{prefix}.{key}", prop))
+            within(f"{prefix}.{key}", prop.get("properties", {}))  # a section's own fields
+
     for model, definition in schema.get("definitions", {}).items():
-        fields += [(f"{model}.{k}", v) for k, v in definition.get("properties", {}).items()]
+        within(model, definition.get("properties", {}))
     return fields
 
 
@@ -57,12 +63,65 @@ def test_every_form_field_has_a_title_in_words_and_a_plain_description(deploymen
         # An optional number is one input, left empty for the recipe's value: no type switch,
         # and no null in the defaults the form would send back.
         params = schema["definitions"]["TrainParams"]["properties"]
-        assert "anyOf" not in params["momentum"] and params["momentum"]["type"] == "number"
-        assert "default" not in params["momentum"]
-        assert "momentum" not in schema["properties"]["params"]["default"]
-        # A toggle cannot be empty: yes, no or empty (the recipe's) is a select.
-        assert params["decay_norm_and_bias"]["enum"] == [True, False]
-        assert "anyOf" not in params["decay_norm_and_bias"]
+        options = params["recipe_options"]["properties"]
+        assert "anyOf" not in options["momentum"] and options["momentum"]["type"] == "number"
+        assert "default" not in options["momentum"]
+        assert "momentum" not in schema["properties"]["params"]["default"]["recipe_options"]
+        # A choice set once can be set back to None (the recipe's): the select offers it first.
+        assert options["decay_norm_and_bias"]["enum"] == [None, True, False]
+        assert options["optimizer"]["enum"] == [None, "sgd", "adamw", "adam", "rmsprop"]
+        # No type switch anywhere: the transform is one card, "the data's" a switch of its own.
+        assert "anyOf" not in repr(schema)
+        assert schema["properties"]["data_transform"]["type"] == "boolean"
+
+
+def _order(properties: dict) -> list[str]:
+    return list(properties)
+
+
+def test_the_train_form_shows_the_basics_first_then_a_card_per_section() -> None:
+    """The form's order: the training's basics (epochs, batch, recipe, learning rate), then
+    the recipe's options and the machines; the transform's sizes, then what training alone
+    does. The same sections on the pipeline's form (one TrainParams, one TransformSpec)."""
+    from flows.pipeline import pipeline
+    from flows.train import train_model_flow
+    from tasks.shared.forms import form_schema
+
+    for flow in (train_model_flow, pipeline):
+        definitions = form_schema(flow).model_dump_for_openapi()["definitions"]
+        train = definitions["TrainParams"]["properties"]
+        assert _order(train)[:4] == ["epochs", "batch_size", "recipe", "learning_rate"]
+        assert _order(train)[-2:] == ["recipe_options", "distribution"]
+        assert train["distribution"]["title"] == "Machines and processes"
+        assert "nproc_per_node" in train["distribution"]["properties"]
+        transform = definitions["TransformSpec"]["properties"]
+        assert _order(transform)[:4] == ["resize", "resize_size", "center_crop", "center_crop_size"]
+        assert _order(transform)[-2:] == ["training_augmentation", "normalisation"]
+        assert "random_crop" in transform["training_augmentation"]["properties"]
+
+
+def test_what_the_form_sends_grouped_trains_what_the_same_values_flat_do() -> None:
+    """The form sends each card as an object (Prefect draws nothing else as a group); the flow
+    takes that and the flat shape params.yaml and the API use, to the same parameters. A value
+    in a card wins over the same field given flat (the run's demo defaults fill in flat)."""
+    from flows.train import train_model_flow
+
+    grouped = {
+        "params": {
+            "epochs": 2,
+            "recipe_options": {"optimizer": None, "decay_norm_and_bias": True},
+            "distribution": {"nproc_per_node": 1},
+        },
+        "transform": {"resize_size": 40, "training_augmentation": {"random_crop": True}},
+    }
+    flat = {
+        "params": {"epochs": 2, "decay_norm_and_bias": True, "nproc_per_node": 1},
+        "transform": {"resize_size": 40, "random_crop": True},
+    }
+    from_form = train_model_flow.validate_parameters(grouped)
+    assert from_form == train_model_flow.validate_parameters(flat)
+    assert from_form["params"].nproc_per_node == 1  # the demo's 2 is flat: the card's 1 wins
+    assert from_form["params"].optimizer is None and from_form["transform"].random_crop
 
 
 @pytest.mark.parametrize("deployment", SPEC["deployments"], ids=lambda d: d["name"])

@@ -6,17 +6,21 @@ Python name (``train_data``) and takes descriptions only from a Google-style doc
 declared with :func:`form_field` carries both in ``json_schema_extra``, which Prefect keeps, so
 Prefect's own ``prefect deploy`` gets them too. :func:`form_schema` (what ``imageops serve`` and
 ``python -m app.deployments`` register) also turns the docstring markup pydantic copies into the
-nested models' descriptions (``code``, :func:`name`) into plain text, and draws an optional value
-as one input that may be left empty.
+nested models' descriptions (``code``, :func:`name`) into plain text, draws an optional value
+as one input that may be left empty or set back to None, and groups a model's fields into the
+sections it declares (models.form_sections), basics first.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field
+
+from models.form_sections import SCHEMA_KEY
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :func:`tasks.x.y` -> tasks.x.y
 _CODE = re.compile(r"`{1,2}([^`]+)`{1,2}")  # ``imageops run`` / `resize_size` -> the words
@@ -48,38 +52,95 @@ def form_schema(fn: Callable[..., Any]) -> Any:
     from prefect.utilities.callables import parameter_schema
 
     schema = parameter_schema(getattr(fn, "fn", fn))  # a Prefect Flow: its function
+    _sectioned(schema.properties, schema.definitions)
     for part in (schema.properties, schema.definitions):
         _plain_descriptions(part)
         _one_input_for_optional(part)
     return schema
 
 
+def _sectioned(properties: dict[str, Any], definitions: dict[str, Any]) -> None:
+    """Each model that declares sections: its basic fields, then one object per section; the
+    defaults shown for it (at any depth: the pipeline's config holds two such models) grouped
+    alike, so the form fills every card."""
+    sections = {
+        name: definition.pop(SCHEMA_KEY)
+        for name, definition in definitions.items()
+        if SCHEMA_KEY in definition
+    }
+    if not sections:
+        return
+
+    def model_of(node: dict[str, Any]) -> str | None:
+        refs = [node, *node.get("allOf", []), *node.get("anyOf", [])]
+        for ref in refs:
+            if isinstance(ref, dict) and "$ref" in ref:
+                return ref["$ref"].rsplit("/", 1)[-1]
+        return None
+
+    def grouped(value: Any, name: str | None) -> Any:
+        if name is None or not isinstance(value, dict) or name not in definitions:
+            return value
+        fields = definitions[name].get("properties", {})
+        value = {k: grouped(v, model_of(fields.get(k, {}))) for k, v in value.items()}
+        for section in sections.get(name, ()):
+            part = {f: value.pop(f) for f in section["fields"] if f in value}
+            value[section["key"]] = part
+        return value
+
+    for node in [*properties.values(), *(
+        p for d in definitions.values() for p in d.get("properties", {}).values()
+    )]:  # fmt: skip
+        if "default" in node:
+            node["default"] = grouped(node["default"], model_of(node))
+    for name, declared in sections.items():
+        definition = definitions[name]
+        fields = definition["properties"]
+        moved = {f for section in declared for f in section["fields"]}
+        regrouped = {k: v for k, v in fields.items() if k not in moved}
+        for section in declared:
+            regrouped[section["key"]] = {
+                "type": "object",
+                "title": section["title"],
+                "description": section["description"],
+                "properties": {f: fields[f] for f in section["fields"]},
+            }
+        definition["properties"] = regrouped
+        # The model takes its fields flat too (params.yaml's shape, `prefect deployment run -p
+        # 'params={"momentum": 0.8}'`): the server checks them as well, by name. The form draws
+        # only ``properties``.
+        definition["patternProperties"] = {
+            f"^{re.escape(f)}$": copy.deepcopy(fields[f]) for f in sorted(moved)
+        }
+
+
 def _one_input_for_optional(node: Any) -> None:
-    """An optional value (``anyOf: [{type: number}, {type: null}]``) as the value's own schema,
-    and no ``null`` in any default.
+    """An optional value (``anyOf: [{type: number}, {type: null}]``) as one input, and no
+    ``null`` in any default.
 
     Prefect's form draws ``anyOf`` as a switch between the types, ``null`` reading "Property is
     type None"; a field left empty is what people mean by "the recipe's value". Empty fields are
     left out of what the form sends, and the flow's own defaults fill them with None. So a
     ``null`` may not stay in a default either: the form would send it back and its own check
-    (the value's type only, now) refuse it.
+    (the value's type only, now) refuse it. A choice (an enum, or yes/no) is a select, and a
+    select cannot be emptied once set: its options start with None, which the form sends as
+    null. An optional nested model is the model: its "none" is a parameter of its own
+    (the train deployment's "Train with the data's own transform").
     """
     if isinstance(node, dict):
         options = node.get("anyOf")
         if isinstance(options, list) and len(options) == 2 and {"type": "null"} in options:
             (value,) = [o for o in options if o != {"type": "null"}]
-            # Not a nested model (null there is a real choice: "the data's transform"). A switch
-            # cannot be left empty (it would send false for "the recipe's"): a yes/no/empty
-            # choice instead, which the form draws as a select.
+            del node["anyOf"]
             if value.get("type") == "boolean":
-                del node["anyOf"]
-                node["enum"] = [True, False]
-            elif "type" in value or "enum" in value:
-                del node["anyOf"]
+                node["enum"] = [None, True, False]
+            elif "enum" in value:  # no type: the form's select then offers None (null) too
+                node["enum"] = [None, *value["enum"]]
+            else:
                 node.update(value)
         if "default" in node:
             node["default"] = _without_nulls(node["default"])
-            if node["default"] is None and "anyOf" not in node:  # a kept choice keeps its null
+            if node["default"] is None:
                 del node["default"]
         for value in node.values():
             _one_input_for_optional(value)

@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.atomic import write_json
+from models.form_sections import FormSection, flattened, schema_extra
 from models.transform_spec import TransformSpec
 from models.untrained import ModelSpec
 from tasks.shared.validation import checked
@@ -41,13 +42,41 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 # process holds 65,536 images of any input size in one batch. The form shows them as maximums.
 MAX_EPOCHS = 10_000
 MAX_BATCH_SIZE = 65_536
+# The run form's cards (models.form_sections): epochs, batch, recipe, learning rate, seed and
+# patience first; what the recipe fills, and where and how the job runs, below.
+# fmt: off
+FORM_SECTIONS = (
+    FormSection(
+        "recipe_options",
+        "Recipe options",
+        "Each left empty (None) takes the recipe's value; the description says which.",
+        (
+            "optimizer", "schedule", "warmup_epochs", "momentum", "weight_decay",
+            "head_only_epochs", "backbone_lr_scale", "decay_norm_and_bias", "mixup_alpha",
+            "cutmix_alpha", "accumulation_steps", "ema_decay", "clip_grad_norm",
+            "class_weights", "label_smoothing",
+        ),
+    ),
+    FormSection(
+        "distribution",
+        "Machines and processes",
+        "Where the job runs: this machine (torchrun) or a Ray cluster, with how many processes.",
+        (
+            "nodes", "nproc_per_node", "device", "precision", "num_workers", "compile",
+            "cluster", "cluster_timeout_s", "rdzv_timeout_s",
+        ),
+    ),
+)
+# fmt: on
 
 
 class TrainParams(BaseModel):
     """Azure's Train PyTorch Model parameters (defaults and ranges from the Azure design), and the
     recipe (modern unless ``azure`` is asked for) that fills the fields left empty."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, json_schema_extra=schema_extra(FORM_SECTIONS)
+    )
 
     epochs: int = Field(
         5,
@@ -306,6 +335,11 @@ class TrainParams(BaseModel):
         fine-tuning values when the network starts from ``pretrained`` weights)."""
         defaults = TRAINING[self.recipe] | (FINE_TUNING[self.recipe] if pretrained else {})
         return self.model_copy(update=filled(self.model_dump(), defaults))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_form_sections(cls, data: Any) -> Any:
+        return flattened(data, FORM_SECTIONS)
 
     @model_validator(mode="after")
     def _placed(self) -> TrainParams:
