@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.deployments import DEPLOYMENTS_FILE, TRAINING_QUEUE, register_deployments
+from app.mlflow_ui import server_args
 from app.temporary_api import DATABASE_VARIABLES
 from app.webhook import DEFAULT_PORT as RECEIVER_PORT
 from app.webhook import PATH as RECEIVER_PATH
@@ -357,8 +358,8 @@ class Stack(Services):
         key = kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
         self._launch(
             "mlflow-server",
-            [_tool("mlflow"), "server", "--host", self.host, "--port", str(self.ports.mlflow),
-             "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
+            [_tool("mlflow"), "server", *server_args(), "--host", self.host,
+             "--port", str(self.ports.mlflow), "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
              "--artifacts-destination", str(home / "mlartifacts")],
             base | quiet | {
                 # The receiver is on http://127.0.0.1: MLflow's SSRF guard refuses it otherwise.

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC
 from datetime import time as clock
+from functools import partial
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -358,11 +359,12 @@ def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> Non
     assert params["epochs"]["title"] == "Epochs"
     assert params["epochs"]["exclusiveMinimum"] == 0
     # a number below 1, one input a person may leave empty for the recipe to fill
-    assert (params["momentum"]["type"], params["momentum"]["exclusiveMaximum"]) == ("number", 1)
+    momentum = params["recipe_options"]["properties"]["momentum"]
+    assert (momentum["type"], momentum["exclusiveMaximum"]) == ("number", 1)
     assert params["learning_rate"]["description"].startswith("Initial learning rate")
     assert schema["properties"]["train_data"]["default"] == "data/digits/train"
     # The form shows the demo's values: the ones a partial override keeps (flows.config).
-    assert schema["properties"]["params"]["default"]["nproc_per_node"] == 2
+    assert schema["properties"]["params"]["default"]["distribution"]["nproc_per_node"] == 2
 
     # Everything that trains shares the pool's `training` queue, which runs one at a time.
     for name in ("imageops-pipeline/pipeline", "imageops-train-model/train", "imageops-tune/tune"):
@@ -398,7 +400,9 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
     before = len(served.flow_runs(train.id))
     for bad in (
         {"params": {"epochs": 0}},
-        {"params": {"momentum": 1.5}},
+        {"params": {"momentum": 1.5}},  # given flat, as params.yaml and the README write it
+        {"params": {"recipe_options": {"momentum": 1.5}}},  # as the form sends it
+        {"params": {"momentm": 0.5}},  # a misspelt field
         {"train_data": 3},
         {"steps": {"version_dat": False}},  # a misspelt switch
         {"params": {"cluster": ""}},  # an empty cluster address
@@ -485,6 +489,8 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     assert form_run.name == FORM_RUN_NAME
     assert form_run.parameters["params"]["epochs"] == 1
     assert form_run.parameters["steps"] == {"version_data": False, "register_model": False}
+    recipe_options = form_run.parameters["params"]["recipe_options"]
+    assert recipe_options["optimizer"] is None and recipe_options["schedule"] == "step"
 
     # Each run is in MLflow with the parameters it was given, and the deployment's for the rest.
     from mlflow.tracking import MlflowClient
@@ -510,6 +516,8 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     assert typed_params["world_size"] == "2"
     assert float(typed_params["effective_learning_rate"]) == pytest.approx(0.02)
     assert form_params["world_size"] == "1"  # 1 node x 1 process, as the form said
+    assert form_params["optimizer"] == "adamw"  # set back to None: the modern recipe's
+    assert form_params["schedule"] == "step"  # chosen on the form
     (version,) = client.search_model_versions(f"name = '{MODEL}'")  # the form said: no register
     assert client.get_model_version_by_alias(MODEL, "challenger").version == version.version
 
@@ -690,13 +698,27 @@ def shoot(page: Any, name: str, *, full_page: bool = False) -> None:
         partial.replace(folder / f"{name}.png")
 
 
-def _field_text(page_text: str, title: str) -> str:
-    """What the form shows for the field titled ``title``, up to the next field."""
-    after = page_text.split(f"{title} (Optional)", 1)[1]
-    return after.split(" (Optional)", 1)[0]
-
-
 FORM_RUN_NAME = "typed-in-the-browser"
+
+
+def form_input(page: Any, title: str) -> Any:
+    """The input right after the field titled ``title``: a text box, or a select's button."""
+    label = page.get_by_text(f"{title} (Optional)", exact=True).first
+    inputs = "self::input or self::textarea or contains(@class, 'p-select-button__control')"
+    return label.locator(f"xpath=following::*[{inputs}][1]")
+
+
+def choose(page: Any, title: str, option: str) -> None:
+    """Pick ``option`` in the select titled ``title``, as a person does with the keyboard (the
+    select opens on the arrow key; headless Chromium's click does not open it), and see the
+    select show it: None (the recipe's) shows as empty."""
+    from playwright.sync_api import expect
+
+    select = form_input(page, title)
+    select.focus()
+    page.keyboard.press("ArrowDown")
+    page.get_by_role("option", name=option, exact=True).click()
+    expect(select).to_have_text("" if option == "None" else option)
 
 
 def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
@@ -728,15 +750,16 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
         page.get_by_text("Run Name", exact=True).wait_for(timeout=60_000)
         page.locator("input").first.fill(FORM_RUN_NAME)
 
-        def field(title: str) -> Any:  # the input right after the field's title
-            label = page.get_by_text(f"{title} (Optional)", exact=True).first
-            return label.locator("xpath=following::*[self::input or self::textarea][1]")
-
+        field = partial(form_input, page)
         field("Training data").fill(str(train_dir))
         field("Validation data").fill(str(val_dir))
         field("Epochs").fill("1")
         field("Processes per node").fill("1")
         field("Learning rate").fill("0.03")
+        # A choice made and taken back (None: the recipe's), and one kept.
+        choose(page, "Optimizer", "sgd")
+        choose(page, "Optimizer", "None")
+        choose(page, "Learning-rate schedule", "step")
         for toggle in ("Version data with DVC", "Register"):
             label = page.get_by_text(f"{toggle} (Optional)", exact=True).first
             switch = label.locator("xpath=following::*[@role='switch'][1]")
@@ -780,6 +803,8 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
 
 
 def test_browser_the_forms_show_each_field_titled_described_and_one_input(served: Served) -> None:
+    """Each field titled and described; no switch between types anywhere; the basics first,
+    then a card per section; a choice set back to None (the recipe's) shows empty again."""
     ui = served.api.removesuffix("/api")
     for name in ("imageops-train-model/train", "imageops-pipeline/pipeline"):
         deployment = served.deployment(name)
@@ -790,12 +815,20 @@ def test_browser_the_forms_show_each_field_titled_described_and_one_input(served
             text = page.inner_text("body")
             if name.endswith("/train"):
                 shoot(page, "prefect-train-run-form")
+                choose(page, "Optimizer", "adamw")
+                choose(page, "Optimizer", "None")
+                choose(page, "Decay norm layers and biases", "true")
         for key, prop in deployment.parameter_openapi_schema["properties"].items():
             assert f"{prop['title']} (Optional)" in text, f"{name}: {key}'s title"
             assert prop["description"] in text, f"{name}: {key}'s description"
-        # optional: one input left empty for the recipe's value; yes/no/empty as a select
-        for title in ("Momentum", "Learning rate", "Optimizer", "Decay norm layers and biases"):
-            assert "Property is type" not in _field_text(text, title), f"{name}: {title}"
+        assert "Property is type" not in text, name
+        for titles in (
+            ("Epochs", "Learning rate", "Recipe options", "Optimizer", "Machines and processes",
+             "Processes per node"),
+            ("Image transformation", "Crop size", "Random changes in training", "Normalisation"),
+        ):  # fmt: skip
+            shown = [text.index(f"{title} (Optional)") for title in titles]
+            assert shown == sorted(shown), f"{name}: the basics first, then a card per section"
 
 
 def test_browser_the_mlflow_links_open_on_the_runs_and_the_registry(served: Served) -> None:
@@ -825,6 +858,18 @@ def test_browser_the_mlflow_links_open_on_the_runs_and_the_registry(served: Serv
                 shoot(page, "mlflow-experiment-runs")
             page.get_by_role("link", name="Models", exact=True).first.click()
             page.get_by_text(MODEL).first.wait_for(timeout=60_000)
+    # MLflow's own links carry no workflowType: a first visit by one (a fresh browser, the
+    # experiment's bare address) still opens on the runs table, and the run a click opens is
+    # in the model view, the assistant panel closed (app/mlflow_ui.py).
+    with browser_page() as page:
+        page.goto(f"{served.mlflow}/#/experiments/{experiment.experiment_id}")
+        page.get_by_text(run.info.run_name).first.wait_for(timeout=60_000)
+        page.get_by_text(run.info.run_name).first.click()
+        page.get_by_text("About this run").first.wait_for(timeout=60_000)
+        assert page.evaluate("localStorage.getItem('mlflow.workflowType_v1')") == (
+            '"machine_learning"'
+        )
+        assert "Ask a question" not in page.inner_text("body")  # the assistant's panel
 
 
 def test_browser_the_training_report_fits_its_panel(served: Served) -> None:

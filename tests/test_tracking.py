@@ -52,3 +52,32 @@ def test_make_keeps_an_environment_whose_lock_only_got_newer(tmp_path: Path) -> 
         ["make", "-n", "install", "VENV=venv"], cwd=tmp_path, capture_output=True, text=True
     )
     assert "rm -rf venv" in changed.stdout and "--requirement" in changed.stdout
+
+
+def test_the_stacks_mlflow_page_opens_in_the_model_view_unless_the_browser_chose() -> None:
+    """`mlflow server --app-name imageops` (what `imageops serve` runs): MLflow's page, with the
+    model view remembered before MLflow's scripts read it, only where the browser has no choice
+    (a person's switch to GenAI wins); MLflow's API answers as before. The browser's side:
+    tests/test_stack.py, a fresh Chromium on the experiment's bare address."""
+    from importlib.metadata import entry_points
+
+    from starlette.testclient import TestClient
+
+    from app.mlflow_ui import REMEMBER_MODEL_VIEW, server_args
+
+    assert server_args() == ["--app-name", "imageops"]
+    (entry,) = [e for e in entry_points(group="mlflow.app") if e.name == "imageops"]
+    # No `with`: the server's start-up and shut-down (its lifespan) are not this test's.
+    client = TestClient(entry.load(), base_url="http://localhost")
+    page = client.get("/")
+    assert page.status_code == 200
+    head = page.text.split("<head>", 1)[1]
+    assert head.startswith(REMEMBER_MODEL_VIEW.decode())  # before MLflow's own scripts
+    assert "localStorage.getItem('mlflow.workflowType_v1')===null&&" in head
+    assert page.text.count(REMEMBER_MODEL_VIEW.decode()) == 1
+    script = client.get("/static-files/static/js/" + _main_script(page.text))
+    assert script.status_code == 200 and REMEMBER_MODEL_VIEW not in script.content
+
+
+def _main_script(page: str) -> str:
+    return page.split('src="static-files/static/js/', 1)[1].split('"', 1)[0]
