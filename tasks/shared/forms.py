@@ -56,7 +56,23 @@ def form_schema(fn: Callable[..., Any]) -> Any:
     for part in (schema.properties, schema.definitions):
         _plain_descriptions(part)
         _one_input_for_optional(part)
+        _mixed_lists_as_json(part)
     return schema
+
+
+def _mixed_lists_as_json(node: Any) -> None:
+    """A list whose items may be of several types (a tuning spec's categorical values:
+    ``["sgd", "adamw"]``, ``[16, 32]``) as one JSON input, not a switch between types on every
+    item; the flow checks each value (tasks.shared.flow_parameters)."""
+    if isinstance(node, dict):
+        items = node.get("items")
+        if node.get("type") == "array" and isinstance(items, dict) and "anyOf" in items:
+            del node["type"], node["items"]
+        for value in node.values():
+            _mixed_lists_as_json(value)
+    elif isinstance(node, list):
+        for item in node:
+            _mixed_lists_as_json(item)
 
 
 def _sectioned(properties: dict[str, Any], definitions: dict[str, Any]) -> None:
