@@ -204,7 +204,7 @@ def test_a_champion_moved_by_hand_without_a_webhook_is_recorded_when_next_resolv
 
     assert fetch_registered_model(f"models:/{NAME}@champion", project).version == 2
 
-    tags = {v: client.get_model_version(NAME, str(v)).tags["champion"] for v in (1, 2)}
+    tags = {v: client.get_model_version(NAME, str(v)).tags["champion.record"] for v in (1, 2)}
     assert tags[2].startswith("yes, since ")
     assert tags[2].endswith("(by hand in the MLflow registry; the time imageops first saw it)")
     assert tags[1].startswith("no: was @champion from ") and tags[1].endswith("; then v2")

@@ -66,8 +66,9 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     for alias in ("challenger", "champion"):
         by_alias = client.get_model_version_by_alias(result.registered_model, alias)
         assert str(by_alias.version) == result.registered_version
-    assert version.tags["promotion"].startswith("promoted to @champion ")
-    assert version.tags["champion"].endswith("(imageops promote)")
+    assert (version.tags["promotion"], version.tags["champion"]) == ("promoted", "yes")
+    assert version.tags["promotion.record"].startswith("promoted to @champion ")
+    assert version.tags["champion.record"].endswith("(imageops promote)")
     assert result.champion_version == result.registered_version
     assert "first model" in result.promotion_reason
     run = client.get_run(result.mlflow_run_id)

@@ -97,12 +97,13 @@ def test_the_first_model_becomes_champion(
     assert decision.challenger_score == pytest.approx(0.25)
     assert _alias(CHAMPION) == 1
     tags = MlflowClient().get_model_version(NAME, "1").tags
-    assert tags["promotion"].startswith("promoted to @champion ")
-    assert "no champion" in tags["promotion"]
+    # A word or two in the version list; the sentence and the JSON on the version's page.
+    assert (tags["promotion"], tags["champion"]) == ("promoted", "yes")
+    assert tags["promotion.record"].startswith("promoted to @champion ")
+    assert "no champion" in tags["promotion.record"]
     assert json.loads(tags["promotion.details"])["challenger_score"] == pytest.approx(0.25)
-    assert tags["champion"].startswith("yes, since ") and tags["champion"].endswith(
-        "(imageops promote)"
-    )
+    assert tags["champion.record"].startswith("yes, since ")
+    assert tags["champion.record"].endswith("(imageops promote)")
     assert "champion.pending" not in tags
 
 
@@ -122,15 +123,17 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
     client = MlflowClient()
     tags = client.get_model_version(NAME, "2").tags  # the winner says why, with both scores
     # The time as docs/promotion.md and the champion tag write it, not a folder's stamp.
-    assert re.match(rf"promoted to @champion {REGISTRY_TIME}: v2 accuracy ", tags["promotion"])
-    assert "0.7500 vs champion v1 0.2500" in tags["promotion"]
+    record = tags["promotion.record"]
+    assert re.match(rf"promoted to @champion {REGISTRY_TIME}: v2 accuracy ", record)
+    assert "0.7500 vs champion v1 0.2500" in record
     details = json.loads(tags["promotion.details"])
     assert (details["challenger_score"], details["champion_score"]) == pytest.approx((0.75, 0.25))
     assert details["holdout"] == str(holdout.resolve())
     first = client.get_model_version(NAME, "1").tags
     assert "v2 won" in first["promotion.replaced"]
-    assert first["champion"].startswith("no: was @champion from ")
-    assert first["champion"].endswith("(imageops register --alias champion); then v2")
+    assert first["champion"] == "before v2"
+    assert first["champion.record"].startswith("no: was @champion from ")
+    assert first["champion.record"].endswith("(imageops register --alias champion); then v2")
 
     # Version 1 again, now as the candidate against champion v2: it loses, nothing moves.
     again = promote(holdout, candidate=1, settings=project)
@@ -138,14 +141,16 @@ def test_a_better_challenger_takes_the_alias_and_a_worse_one_does_not(
     assert not again.promoted
     assert "not more than the margin" in again.reason
     assert _alias(CHAMPION) == 2
-    assert client.get_model_version(NAME, "1").tags["promotion"].startswith("not promoted ")
+    assert client.get_model_version(NAME, "1").tags["promotion"] == "not promoted"
+    assert client.get_model_version(NAME, "1").tags["promotion.record"].startswith("not promoted ")
     # the champion's own record stands; the defence is written beside it
     champion = client.get_model_version(NAME, "2").tags
-    assert champion["promotion"].startswith("promoted to @champion ")
+    assert champion["promotion"] == "promoted"
+    assert champion["promotion.record"].startswith("promoted to @champion ")
     assert json.loads(champion["promotion.details"])["challenger_score"] == pytest.approx(0.75)
     assert "against v1, " in champion["promotion.defended"]
     assert "not more than the margin" in champion["promotion.defended"]
-    assert champion["champion"].startswith("yes, since ")
+    assert champion["champion"] == "yes"
 
 
 def test_a_move_by_hand_leaves_true_champion_tags_on_both_versions(
@@ -162,17 +167,20 @@ def test_a_move_by_hand_leaves_true_champion_tags_on_both_versions(
     promote(holdout, settings=project)  # v1 champion by the promote step
     register(always["0"], settings=project)  # v2
     client = MlflowClient()
-    since = client.get_model_version(NAME, "1").tags["champion"]
+    since = client.get_model_version(NAME, "1").tags["champion.record"]
     moved = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=5)  # MLflow's clock
     client.set_registered_model_alias(NAME, CHAMPION, "2")  # by hand
     assert reconcile(client, NAME, moved_to=2, at=moved) == 2
     assert reconcile(client, NAME, moved_to=2, at=moved) == 2  # a re-delivery changes nothing
     one, two = (client.get_model_version(NAME, v).tags for v in ("1", "2"))
     held = since.removeprefix("yes, since ").removesuffix(" (imageops promote)")
-    assert one["champion"] == (
+    assert one["champion.record"] == (
         f"no: was @champion from {held} to {now_text(moved)} (imageops promote); then v2"
     )
-    assert two["champion"] == f"yes, since {now_text(moved)} (by hand in the MLflow registry)"
+    assert two["champion.record"] == (
+        f"yes, since {now_text(moved)} (by hand in the MLflow registry)"
+    )
+    assert (one["champion"], two["champion"]) == ("before v2", "yes")
     assert "promotion" not in two  # no decision of ours made it champion, and none claims to
 
     # Two moves 2 s apart (v3, then v1 again); the receiver hears of the second first.
@@ -182,7 +190,7 @@ def test_a_move_by_hand_leaves_true_champion_tags_on_both_versions(
     to_three, to_one = moved + timedelta(seconds=60), moved + timedelta(seconds=62)
 
     def tags() -> dict[str, str]:
-        return {v: client.get_model_version(NAME, v).tags.get("champion", "") for v in "123"}
+        return {v: client.get_model_version(NAME, v).tags.get("champion.record", "") for v in "123"}
 
     assert reconcile(client, NAME, moved_to=1, at=to_one) == 1
     assert tags()["1"] == f"yes, since {now_text(to_one)} (by hand in the MLflow registry)"
@@ -196,6 +204,34 @@ def test_a_move_by_hand_leaves_true_champion_tags_on_both_versions(
         "then v1",
         "1": f"yes, since {now_text(to_one)} ({by_hand})",
     }
+    shown = {v: client.get_model_version(NAME, v).tags["champion"] for v in "123"}
+    assert shown == {"2": "before v3", "3": "before v1", "1": "yes"}  # the version list's
+
+
+def test_a_registry_with_the_old_one_tag_records_keeps_their_times(
+    project: Settings, always: dict[str, Path]
+) -> None:
+    """Registries written before the short tags kept the whole sentence in ``champion``: the
+    next move reads the hold from there, and writes the word and the record apart."""
+    from tasks.registry.champion_record import reconcile
+
+    register(always["1"], settings=project)
+    register(always["0"], settings=project)
+    client = MlflowClient()
+    client.set_registered_model_alias(NAME, CHAMPION, "1")
+    old = "yes, since 2026-11-01 09:00:00 UTC (imageops promote)"
+    client.set_model_version_tag(NAME, "1", "champion", old)
+    client.set_registered_model_alias(NAME, CHAMPION, "2")
+    moved = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
+
+    assert reconcile(client, NAME, moved_to=2, at=moved) == 2
+
+    one = client.get_model_version(NAME, "1").tags
+    assert one["champion"] == "before v2"
+    assert one["champion.record"] == (
+        "no: was @champion from 2026-11-01 09:00:00 UTC to 2026-11-02 09:00:00 UTC "
+        "(imageops promote); then v2"
+    )
 
 
 def test_a_win_smaller_than_the_margin_leaves_the_champion(
@@ -227,7 +263,8 @@ def test_the_champion_against_itself_stays_and_keeps_its_record(
     assert not decision.promoted
     assert "already the champion" in decision.reason
     tags = MlflowClient().get_model_version(NAME, "1").tags
-    assert tags["promotion"].startswith("promoted to @champion ")
+    assert tags["promotion"] == "promoted"
+    assert tags["promotion.record"].startswith("promoted to @champion ")
     assert {k: tags[k] for k in record} == record
 
 

@@ -958,8 +958,22 @@ def test_browser_champion_set_by_clicks_scores_that_version(
     served.wait("the scoring run to complete", served.finished([run.id]), timeout_s=300)
     client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
     tags = client.get_model_version(MODEL, registered_version).tags
-    assert tags["champion"].startswith("yes, since "), tags
-    assert tags["champion"].endswith("(by hand in the MLflow registry)"), tags
+    assert tags["champion"] == "yes", tags
+    assert tags["champion.record"].startswith("yes, since "), tags
+    assert tags["champion.record"].endswith("(by hand in the MLflow registry)"), tags
+    # The registry's version list: the champion tags whole, a word or two; details on the page.
+    with browser_page() as page:
+        page.goto(f"{served.mlflow}/#/models/{MODEL}")
+        page.locator('span[title="champion"]').first.wait_for(timeout=60_000)
+        shown = page.evaluate(
+            """() => [...document.querySelectorAll('span[title="champion"]')].map(key => {
+                const value = key.nextElementSibling;
+                return [value.title, value.scrollWidth <= value.clientWidth + 1];
+            })"""
+        )
+        shoot(page, "mlflow-model-versions")
+    assert shown and all(whole for _, whole in shown), shown
+    assert all(re.fullmatch(r"yes|was|before v\d+", value) for value, _ in shown), shown
 
 
 def test_the_prefect_cli_lists_what_the_stack_holds(served: Served) -> None:

@@ -1,8 +1,10 @@
-"""Which version is ``@champion``, since when and by whose move, as one tag a person reads.
+"""Which version is ``@champion``, since when and by whose move, as tags a person reads.
 
-The alias is the truth; the ``champion`` tag on each version that held it says so in words:
-``yes, since 2026-11-26 10:00:00 UTC (imageops promote)`` on the current one, ``no: was
-@champion from ... to ... (by hand in the MLflow registry); then v3`` on the ones before. Every
+The alias is the truth; the tags on each version that held it say so in words: ``champion``, a
+word or two the registry's version list shows whole (``yes`` on the current one, ``before v3`` on
+one that held it before v3), and ``champion.record``, the details on the version's page: ``yes,
+since 2026-11-26 10:00:00 UTC (imageops promote)``, ``no: was @champion from ... to ... (by hand
+in the MLflow registry); then v3``. Every
 move of the alias reaches :func:`reconcile`: the promote step's own (it marks the challenger
 ``champion.pending`` first, so whichever of it and the webhook receiver gets there first writes
 the same record), and a move by hand in MLflow's UI or API through the registry webhook. The
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-CHAMPION_TAG = "champion"
+CHAMPION_TAG = "champion"  # yes, before v3, was: what the version list shows
+RECORD_TAG = "champion.record"  # since when, until when, by whose move: the version's page
 PENDING_TAG = "champion.pending"  # set by the promote step before it moves the alias
 CHAMPION_ALIAS = "champion"
 BY_PROMOTE = "imageops promote"
@@ -96,7 +99,7 @@ def reconcile(
     versions = {
         int(v.version): v.tags or {} for v in client.search_model_versions(f"name = '{name}'")
     }
-    holds = {n: h for n, tags in versions.items() if (h := _hold(tags.get(CHAMPION_TAG, "")))}
+    holds = {n: h for n, tags in versions.items() if (h := _hold(_record_of(tags)))}
 
     def by_of(number: int, same: _Hold | None = None) -> str:
         """Whose move gave ``number`` the alias: the promote step's mark, else the record of
@@ -133,22 +136,39 @@ def reconcile(
             until = f" to {now_text(holds[after].since)}" if after in holds else ""
             then = f"; then v{after}" if after is not None else ""
             record = f"no: was @{alias} from {since}{until} ({hold.by}){then}"
-        if versions[number].get(CHAMPION_TAG) != record:
-            _set(client, name, number, record)
+        short = "yes" if number == current else _former(order, place, current)
+        tags = versions[number]
+        if tags.get(RECORD_TAG) != record or tags.get(CHAMPION_TAG) != short:
+            _set(client, name, number, {CHAMPION_TAG: short, RECORD_TAG: record})
     if current is not None and PENDING_TAG in versions.get(current, {}):
         client.delete_model_version_tag(name, str(current), PENDING_TAG)
     return current
 
 
-def _set(client: MlflowClient, name: str, version: int, record: str) -> None:
-    """Set the ``champion`` tag; once more if another writer set it at the same moment (MLflow's
-    SQL stores insert a new tag, and two inserts of one key collide)."""
+def _former(order: list[int], place: int, current: int | None) -> str:
+    """The short tag of a version that held the alias before: ``before v3``, the version that
+    took it next; ``was`` when none holds it now."""
+    after = order[place + 1] if place + 1 < len(order) else current
+    return f"before v{after}" if after is not None else "was"
+
+
+def _record_of(tags: dict[str, str]) -> str:
+    """A version's record: ``champion.record``; a registry written before it was split off
+    kept the whole sentence in ``champion``."""
+    return tags.get(RECORD_TAG) or tags.get(CHAMPION_TAG, "")
+
+
+def _set(client: MlflowClient, name: str, version: int, tags: dict[str, str]) -> None:
+    """Set the short tag, then the record (the version list shows tags in the order they were
+    first set); each once more if another writer set it at the same moment (MLflow's SQL stores
+    insert a new tag, and two inserts of one key collide)."""
     from mlflow.exceptions import MlflowException
 
-    try:
-        client.set_model_version_tag(name, str(version), CHAMPION_TAG, record)
-    except MlflowException:
-        client.set_model_version_tag(name, str(version), CHAMPION_TAG, record)
+    for key, value in tags.items():
+        try:
+            client.set_model_version_tag(name, str(version), key, value)
+        except MlflowException:
+            client.set_model_version_tag(name, str(version), key, value)
 
 
 def mark_pending(client: MlflowClient, name: str, version: int, by: str = BY_PROMOTE) -> None:

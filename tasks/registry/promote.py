@@ -34,7 +34,8 @@ from tasks.shared.step import step, step_logger, tasks_on_first_use
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 TAG_PREFIX = "promotion."
-PROMOTION_TAG = "promotion"  # the decision in one sentence
+PROMOTION_TAG = "promotion"  # promoted, not promoted: what the version list shows
+RECORD_TAG = TAG_PREFIX + "record"  # the decision in one sentence: the version's page
 DETAILS_TAG = TAG_PREFIX + "details"  # every field of the decision, JSON
 METRICS = tuple(SUMMARY_ROWS)  # all "higher is better"
 LOCK_TIMEOUT_S = 1800.0  # other promotions scoring a large holdout first
@@ -251,13 +252,13 @@ def _decide(
 
 
 def _record(client: MlflowClient, decision: Promotion, now: datetime) -> None:
-    """The decision as one sentence on the challenger (``promotion``), its details as JSON
-    beside it (``promotion.details``); on the champion, one sentence of what happened to it.
+    """The decision on the challenger: in a word or two (``promotion``: promoted, not promoted)
+    for the registry's version list, in one sentence (``promotion.record``) and as JSON
+    (``promotion.details``) for its page; on the champion, one sentence of what happened to it.
 
     The champion keeps the record of the decision that made it champion: a challenger's loss is
     written on the challenger, and the champion gets ``promotion.defended`` (or, when beaten,
-    ``promotion.replaced``) beside its own record, never over it. Two tags where there were
-    twelve: the registry's version list stays readable.
+    ``promotion.replaced``) beside its own record, never over it.
     """
     if decision.champion_version == decision.challenger_version:
         return  # already champion (a second promotion of it): the record that made it so stays
@@ -270,7 +271,8 @@ def _record(client: MlflowClient, decision: Promotion, now: datetime) -> None:
         decision.name,
         decision.challenger_version,
         {
-            PROMOTION_TAG: f"{verdict} {stamp}: {decision.reason}",
+            PROMOTION_TAG: "promoted" if decision.promoted else "not promoted",
+            RECORD_TAG: f"{verdict} {stamp}: {decision.reason}",
             DETAILS_TAG: strict_json.dumps(details),
         },
     )
