@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
@@ -47,7 +47,7 @@ from tasks.shared.flow_parameters import checked_flow
 from tasks.shared.forms import form_field, form_schema
 from tasks.shared.object_store import S3Url, is_s3_url
 from tasks.shared.settings import Settings, get_settings, redact_uri
-from tasks.shared.step import in_prefect_run, name_flow_run, step_logger
+from tasks.shared.step import in_prefect_run, name_flow_run, named_from_parameters, step_logger
 
 DEPLOYMENT_NAME = "score"
 SCORING_REPORT = "scoring-report"
@@ -91,7 +91,20 @@ class ScoreResult(BaseModel):
     cluster: str | None = None  # the Ray cluster it scored on; None: this machine
 
 
-@checked_flow(name="imageops-score", log_prints=True)
+def first_name(parameters: dict[str, Any]) -> str:
+    """The score run's name from its parameters, before the model is resolved:
+    ``score-imageops-classifier-champion-val``; the flow makes it the version's once it knows it
+    (``score-imageops-classifier-v3-val``)."""
+    model = parameters.get("model") or f"models:/{get_settings().registered_model_name}@champion"
+    label = model.removeprefix("models:/").replace("@", "-").replace("/", "-")
+    if not is_registry_uri(model):
+        label = Path(model).name
+    return f"score-{label}-{Path(str(parameters.get('images', 'data/digits/val'))).name}"
+
+
+@checked_flow(
+    name="imageops-score", log_prints=True, flow_run_name=named_from_parameters(first_name)
+)
 def score_flow(
     model: Annotated[
         str | None,

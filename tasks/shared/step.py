@@ -139,6 +139,28 @@ def name_flow_run(name: str) -> None:
 _NAMED: dict[object, str] = {}
 
 
+def named_from_parameters(name: Callable[[dict[str, Any]], str]) -> Callable[[], str]:
+    """A flow's ``flow_run_name``: ``name(parameters)``, given before the run's first log line
+    (Prefect's "Beginning flow run ..."), which otherwise carried the random name; the flow may
+    make it more precise (:func:`name_flow_run`). A name a person typed is kept, and so is the
+    random one when the parameters cannot make a name (the flow then says what is wrong)."""
+
+    def flow_run_name() -> str:
+        from prefect.context import FlowRunContext
+
+        run = FlowRunContext.get().flow_run  # type: ignore[union-attr]
+        if not _random_name(run.name):
+            return run.name
+        try:
+            given = name(dict(FlowRunContext.get().parameters))  # type: ignore[union-attr]
+        except (TypeError, ValueError, AttributeError, KeyError):
+            return run.name
+        _NAMED[run.id] = given
+        return given
+
+    return flow_run_name
+
+
 def _random_name(name: str) -> bool:
     """Whether ``name`` is one Prefect made up: two words of coolname's, Prefect's name maker."""
     words = name.split("-")
