@@ -358,9 +358,9 @@ class Stack(Services):
         key = kept_secret(self.dir / "mlflow-webhook-key", lambda: Fernet.generate_key().decode())
         self._launch(
             "mlflow-server",
-            [_tool("mlflow"), "server", *server_args(), "--host", self.host,
-             "--port", str(self.ports.mlflow), "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-             "--artifacts-destination", str(home / "mlartifacts")],
+            [_tool("mlflow"), "server", *server_args(), "--host", self.host, "--port",
+             str(self.ports.mlflow), "--workers", "1", "--backend-store-uri",
+             f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination", f"{home}/mlartifacts"],
             base | quiet | {
                 # The receiver is on http://127.0.0.1: MLflow's SSRF guard refuses it otherwise.
                 "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
