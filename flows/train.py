@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_json
@@ -25,6 +25,7 @@ from flows.config import (
     DemoTrainParams,
     DemoTransform,
 )
+from models.untrained import read_untrained
 from tasks.data.data_refs import REF_SYNTAX, ResolvedData, resolve_data
 from tasks.data.versioning import version_task
 from tasks.inference.export import export_task
@@ -34,14 +35,25 @@ from tasks.shared.artifacts import TRAINING_REPORT, republish
 from tasks.shared.flow_parameters import checked_flow
 from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings
-from tasks.shared.step import name_flow_run
+from tasks.shared.step import name_flow_run, named_from_parameters
 from tasks.train.build_model import build_model_task
 from tasks.train.launch import TrainResult, train_task
 from tasks.train.outputs_folder import outputs_folder
 from tasks.train.request import TrainRequest
 
 
-@checked_flow(name="imageops-train", log_prints=True)
+def training_name(parameters: dict[str, Any]) -> str:
+    """The training sub-run's name from its request, before its first log line:
+    ``training-resnet18-5-epochs`` (tasks.train.launch gives the same once it has checked it)."""
+    request = TrainRequest.model_validate(parameters["request"])
+    epochs = request.params.epochs
+    arch = read_untrained(request.model).arch
+    return f"training-{arch}-{epochs}-epoch" + ("s" if epochs != 1 else "")
+
+
+@checked_flow(
+    name="imageops-train", log_prints=True, flow_run_name=named_from_parameters(training_name)
+)
 def train_flow(request: TrainRequest) -> TrainResult:
     """Train ``request`` with ``params.nodes`` x ``params.nproc_per_node`` processes; the run is
     named after what it trains, and logs its epochs as they end (tasks.train.watch)."""

@@ -135,7 +135,7 @@ def _training_is_watchable_from_prefect(started: datetime) -> None:
     from prefect_runs import artifacts_of
 
     with get_client(sync_client=True) as prefect:
-        named = FlowRunFilter(name=FlowRunFilterName(like_="training-resnet18-1-epochs"))
+        named = FlowRunFilter(name=FlowRunFilterName(like_="training-resnet18-1-epoch"))
         (training,) = [
             r for r in prefect.read_flow_runs(flow_run_filter=named) if r.created >= started
         ]

@@ -153,7 +153,7 @@ def named_from_parameters(name: Callable[[dict[str, Any]], str]) -> Callable[[],
             return run.name
         try:
             given = name(dict(FlowRunContext.get().parameters))  # type: ignore[union-attr]
-        except (TypeError, ValueError, AttributeError, KeyError):
+        except Exception:  # a name is never worth failing a run: the flow says what is wrong
             return run.name
         _NAMED[run.id] = given
         return given

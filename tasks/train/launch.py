@@ -80,9 +80,10 @@ def _train(request: TrainRequest, settings: Settings, watched: bool) -> TrainRes
         log.info(finished_line(result))
         return _as_result(result, request.out, run_id, run_dir)
     checked = check_request(request, settings)
-    epochs, arch = request.params.epochs, checked.spec.arch
+    arch = checked.spec.arch
+    epochs = f"{request.params.epochs} epoch" + ("s" if request.params.epochs != 1 else "")
     if watched:
-        name_flow_run(f"training-{arch}-{epochs}-epochs")
+        name_flow_run(f"training-{arch}-{epochs.replace(' ', '-')}")
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     run_id = request.run_id
