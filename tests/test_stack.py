@@ -239,6 +239,13 @@ def test_runs_made_before_the_stack_show_in_its_prefect_ui(served: Served) -> No
         run = client.read_flow_run(UUID(served.before))
         assert run.state is not None and run.state.is_completed()
     assert "before-the-stack" in served.prefect("artifact", "ls")
+    if CHROMIUM is not None:  # and in the stack's UI: the run's page, its artifact one tab away
+        ui = served.api.removesuffix("/api")
+        with browser_page(served.auth) as page:
+            page.goto(f"{ui}/runs/flow-run/{served.before}")
+            page.get_by_text("made-before-the-stack").first.wait_for(timeout=60_000)
+            page.locator("li.p-tab", has_text="Artifacts").click()  # the run page's tabs
+            page.get_by_text("before-the-stack", exact=True).first.wait_for(timeout=60_000)
 
 
 def test_serve_prints_both_uis_and_binds_to_localhost(served: Served) -> None:
@@ -415,15 +422,7 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
 
     # The form's "Validate parameters" box unticked: the server takes the run, and the flow
     # refuses it before any step, in words naming the fields by their titles (issue 47, point 2).
-    made = httpx.post(
-        f"{served.api}/deployments/{train.id}/create_flow_run",
-        json={"parameters": {"params": {"epochs": 0, "momentum": 1.5}},
-              "enforce_parameter_schema": False},
-        headers={"Authorization": f"Basic {_basic(served.auth)}"},
-        timeout=30,
-    )  # fmt: skip
-    assert made.status_code == 201, made.text
-    run_id = UUID(made.json()["id"])
+    run_id = _submitted_unvalidated(served, train.id)
 
     def failed() -> Any:
         with served.client() as client:
@@ -449,6 +448,38 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
         )
     assert ran == []  # no step ran
+    if CHROMIUM is not None:  # what the person who ticked the box off reads on the run's page
+        ui = served.api.removesuffix("/api")
+        with browser_page(served.auth) as page:
+            page.goto(f"{ui}/runs/flow-run/{run_id}")
+            page.get_by_text("Epochs: 0 is not allowed", exact=False).first.wait_for(timeout=60_000)
+
+
+UNVALIDATED = "unvalidated-epochs-0"
+
+
+def _submitted_unvalidated(served: Served, deployment_id: UUID) -> UUID:
+    """Epochs 0 and momentum 1.5 on the train form, "Validate parameters" unticked, Submit (in
+    Chromium; without it, the API call the form then makes)."""
+    if CHROMIUM is None:
+        made = httpx.post(
+            f"{served.api}/deployments/{deployment_id}/create_flow_run",
+            json={"name": UNVALIDATED, "parameters": {"params": {"epochs": 0, "momentum": 1.5}},
+                  "enforce_parameter_schema": False},
+            headers={"Authorization": f"Basic {_basic(served.auth)}"},
+            timeout=30,
+        )  # fmt: skip
+        assert made.status_code == 201, made.text
+        return UUID(made.json()["id"])
+    ui = served.api.removesuffix("/api")
+    with browser_page(served.auth) as page:
+        page.goto(f"{ui}/deployments/deployment/{deployment_id}/run")
+        page.get_by_text("Run Name", exact=True).wait_for(timeout=60_000)
+        page.locator("input").first.fill(UNVALIDATED)
+        form_input(page, "Epochs").fill("0")
+        form_input(page, "Momentum").fill("1.5")
+        page.get_by_role("checkbox", name="Validate parameters").uncheck()
+        return submit(page, served, deployment_id, UNVALIDATED).id
 
 
 def _basic(auth: str) -> str:
@@ -741,7 +772,6 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
                     "steps": {"version_data": False, "register_model": False},
                 },
             )  # fmt: skip
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import expect
 
     ui = served.api.removesuffix("/api")
@@ -766,40 +796,49 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
             switch.click()
             expect(switch).to_have_attribute("aria-checked", "false")  # the click took
 
-        def submitted() -> Any:
-            return next((r for r in served.flow_runs(train.id) if r.name == FORM_RUN_NAME), None)
+        return submit(page, served, train.id, FORM_RUN_NAME)
 
-        # The run, not the page's navigation, is what Submit must make. Three times on a busy
-        # machine a click made none (the page stayed on the form, the server got no run); the
-        # last, in CI, while the stack's SQLite Prefect database answered "database is locked" to
-        # its own services. So each click waits for the form's POST .../create_flow_run and its
-        # answer (a request held by the database lock ends within its 60 s busy timeout), and a
-        # person's second click follows one that made no run. What the page asked and got is kept
-        # for the failure message.
-        seen: list[str] = []
-        page.on("response", lambda r: seen.append(f"{r.request.method} {r.url} -> {r.status}"))
-        page.on("requestfailed", lambda r: seen.append(f"{r.method} {r.url} failed: {r.failure}"))
-        page.on("console", lambda m: seen.append(f"console {m.type}: {m.text}"))
 
-        def creates(response: Any) -> bool:
-            return response.request.method == "POST" and "/create_flow_run" in response.url
+def submit(page: Any, served: Served, deployment_id: UUID, name: str) -> Any:
+    """Click the form's Submit, as a person does; the flow run it made (named ``name``).
 
-        for _ in range(2):
-            try:
-                with page.expect_response(creates, timeout=150_000) as answer:
-                    page.get_by_role("button", name="Submit").click()
-                if answer.value.ok:
-                    run = servers.wait_until(submitted, 60, **LONG_WAIT)
-                    if run:
-                        return run
-            except PlaywrightTimeout:
-                seen.append("no POST .../create_flow_run answered within 150 s of the click")
-        body = page.inner_text("body")
-        pytest.fail(
-            f"Submit made no flow run; the page ({page.url}) asked:\n"
-            + "\n".join(seen[-60:])
-            + f"\n...and shows, at its end:\n{body[-3000:]}\n{served.report()}"
-        )
+    The run, not the page's navigation, is what Submit must make. Three times on a busy machine
+    a click made none (the page stayed on the form, the server got no run); the last, in CI,
+    while the stack's SQLite Prefect database answered "database is locked" to its own
+    services. So each click waits for the form's POST .../create_flow_run and its answer (a
+    request held by the database lock ends within its 60 s busy timeout), and a person's second
+    click follows one that made no run. What the page asked and got is kept for the failure
+    message.
+    """
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    def submitted() -> Any:
+        return next((r for r in served.flow_runs(deployment_id) if r.name == name), None)
+
+    seen: list[str] = []
+    page.on("response", lambda r: seen.append(f"{r.request.method} {r.url} -> {r.status}"))
+    page.on("requestfailed", lambda r: seen.append(f"{r.method} {r.url} failed: {r.failure}"))
+    page.on("console", lambda m: seen.append(f"console {m.type}: {m.text}"))
+
+    def creates(response: Any) -> bool:
+        return response.request.method == "POST" and "/create_flow_run" in response.url
+
+    for _ in range(2):
+        try:
+            with page.expect_response(creates, timeout=150_000) as answer:
+                page.get_by_role("button", name="Submit").click()
+            if answer.value.ok:
+                run = servers.wait_until(submitted, 60, **LONG_WAIT)
+                if run:
+                    return run
+        except PlaywrightTimeout:
+            seen.append("no POST .../create_flow_run answered within 150 s of the click")
+    body = page.inner_text("body")
+    pytest.fail(
+        f"Submit made no flow run; the page ({page.url}) asked:\n"
+        + "\n".join(seen[-60:])
+        + f"\n...and shows, at its end:\n{body[-3000:]}\n{served.report()}"
+    )
 
 
 def test_browser_the_forms_show_each_field_titled_described_and_one_input(served: Served) -> None:
@@ -894,6 +933,49 @@ def test_browser_the_training_report_fits_its_panel(served: Served) -> None:
         shoot(page, "prefect-training-report", full_page=True)
 
 
+def test_browser_a_training_is_watched_from_its_prefect_run_page(
+    served: Served, registered_version: str
+) -> None:
+    """Issue 47, point 3, as a person sees it: the training's sub-run is named after what it
+    trains, its page's log holds the epoch lines and the rounded end line, and its Artifacts tab
+    the progress artifact, at 100 once it has ended."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with served.client() as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="training-resnet18-"))
+        )
+    run = next(r for r in runs if r.state is not None and r.state.is_completed())
+    epochs = run.parameters["request"]["params"]["epochs"]
+    assert run.name == f"training-resnet18-{epochs}-epoch" + ("s" if epochs > 1 else ""), run.name
+    ui = served.api.removesuffix("/api")
+    with browser_page(served.auth) as page:
+        page.goto(f"{ui}/runs/flow-run/{run.id}")
+        page.get_by_text(re.compile(r"epoch 1/\d+: train loss \d+\.\d{4}")).first.wait_for(
+            timeout=60_000
+        )
+        page.get_by_text("training finished").first.wait_for(timeout=60_000)
+        # named before its first line, which carried Prefect's random name
+        page.get_by_text(f"Beginning subflow run '{run.name}'").first.wait_for(timeout=60_000)
+        shoot(page, "prefect-training-run")
+        page.locator("li.p-tab", has_text="Artifacts").click()  # the run page's tabs
+        page.get_by_text("training-progress").first.wait_for(timeout=60_000)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    with served.client() as client:
+        (progress,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]),
+                key=ArtifactFilterKey(any_=["training-progress"]),
+            )
+        )
+    assert float(progress.data) == 100.0
+
+
 @pytest.fixture
 def registered_version(served: Served, digits_split: tuple[Path, Path]) -> str:
     """A version of the model in the served registry: the one the form and CLI runs registered,
@@ -955,7 +1037,30 @@ def test_browser_champion_set_by_clicks_scores_that_version(
     (run,) = served.wait("the trigger to start a scoring run", started, timeout_s=120)
     assert run.parameters["model"] == f"models:/{MODEL}/{registered_version}"
     assert run.parameters["cluster"] == "team"  # no IMAGEOPS_RAY_ADDRESS here: scored here
-    served.wait("the scoring run to complete", served.finished([run.id]), timeout_s=300)
+    (done,) = served.wait("the scoring run to complete", served.finished([run.id]), timeout_s=300)
+    assert done.name == f"score-{MODEL}-v{registered_version}-val", done.name
+    # Its report, in the Prefect UI: a header row, and the accuracy on the labelled images.
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    with served.client() as prefect:
+        (report,) = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]),
+                key=ArtifactFilterKey(any_=["scoring-report"]),
+            )
+        )
+    with browser_page(served.auth) as page:
+        page.goto(f"{served.api.removesuffix('/api')}/artifacts/artifact/{report.id}")
+        page.get_by_text(re.compile(r"labelled images")).first.wait_for(timeout=60_000)
+        headers = page.locator("th").all_inner_texts()
+        shown = page.inner_text("body")
+        shoot(page, "prefect-scoring-report")
+    assert headers[:2] == ["scoring", "this run"], headers
+    assert re.search(r"accuracy\s+\d\.\d{4} \(\d+ of \d+ labelled images\)", shown), shown
     client = MlflowClient(tracking_uri=served.mlflow, registry_uri=served.mlflow)
     tags = client.get_model_version(MODEL, registered_version).tags
     assert tags["champion"] == "yes", tags
