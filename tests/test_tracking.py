@@ -81,3 +81,14 @@ def test_the_stacks_mlflow_page_opens_in_the_model_view_unless_the_browser_chose
 
 def _main_script(page: str) -> str:
     return page.split('src="static-files/static/js/', 1)[1].split('"', 1)[0]
+
+
+def test_numbers_are_logged_to_mlflow_as_people_read_them() -> None:
+    """MLflow's UI shows a value as it was logged (issue 47: 0.027681401349539423): imageops logs
+    7 significant digits, float32's, and a small learning rate keeps its own digits."""
+    from tasks.shared.tracking import logged_value
+
+    assert logged_value(0.027681401349539423) == 0.02768140
+    assert logged_value(0.1 * 3) == 0.3  # 0.30000000000000004, the effective learning rate
+    assert logged_value(3.2e-07) == 3.2e-07
+    assert logged_value(123456.789) == 123456.8

@@ -402,16 +402,20 @@ def _log_to_mlflow(
     (or a new one); returns the run's id."""
     import mlflow
 
-    from tasks.shared.tracking import mlflow_run
+    from tasks.shared.tracking import logged_value, mlflow_run
 
     with mlflow_run(settings, run_id, run_name=f"evaluate-{scored.stem}") as used_run:
-        mlflow.log_metrics({f"{METRIC_PREFIX}{k}": v for k, v in result.metrics.items()})
+        mlflow.log_metrics(
+            {f"{METRIC_PREFIX}{k}": logged_value(v) for k, v in result.metrics.items()}
+        )
         # A tag, not a param: params are write-once, and a run may be evaluated again.
         mlflow.set_tag(f"{METRIC_PREFIX}top_k", str(result.top_k))
         for path in result.paths.values():
             mlflow.log_artifact(str(path), artifact_path=ARTIFACT_DIR)
         if (compared := result.compared) is not None and compare is not None:
-            mlflow.log_metrics({f"{COMPARE_PREFIX}{k}": v for k, v in compared.metrics.items()})
+            mlflow.log_metrics(
+                {f"{COMPARE_PREFIX}{k}": logged_value(v) for k, v in compared.metrics.items()}
+            )
             mlflow.set_tag(f"{COMPARE_PREFIX}table", compare.name)
             for path in compared.paths.values():
                 mlflow.log_artifact(str(path), artifact_path=f"{ARTIFACT_DIR}/compare")

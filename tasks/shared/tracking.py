@@ -25,6 +25,12 @@ MODEL_TRAINING = "custom_model_development"
 MODEL_TRAINING_VIEW = "workflowType=machine_learning"  # the UI's query parameter for that view
 
 
+def logged_value(value: float) -> float:
+    """A metric or number as imageops logs it to MLflow: 7 significant digits (float32's, what
+    training computes in), so the UI shows 0.02768140, not 0.027681401349539423."""
+    return float(f"{value:.7g}")
+
+
 def configure_mlflow(settings: Settings) -> str:
     """Point MLflow at the settings' stores and return the experiment id (created if missing).
 

@@ -28,7 +28,7 @@ from tasks.shared.artifacts import TRAINING_REPORT, markdown_table, png_markdown
 from tasks.shared.errors import InvalidParameterError, TrainingFailedError
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
-from tasks.shared.tracking import run_url
+from tasks.shared.tracking import logged_value, run_url
 from tasks.train.loop import LOSS, LR, THROUGHPUT, TOP1, TOP5, VAL_LOSS
 from tasks.train.params import RunConfig, TrainParams
 from tasks.train.request import CONFIG, Request
@@ -173,7 +173,7 @@ def _log_params(
         "memory_efficient": config.architecture.memory_efficient,
         "zero_init_residual": config.architecture.zero_init_residual,
         "world_size": config.world_size,
-        "effective_learning_rate": config.params.learning_rate * config.world_size,
+        "effective_learning_rate": logged_value(config.params.learning_rate * config.world_size),
         "device": config.device,
         "resolved_precision": config.precision,
         "num_classes": len(config.classes),

@@ -17,6 +17,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
+from tasks.shared.tracking import logged_value
+
 # What a client call raises when the tracking store does not take a record: MLflow's own error
 # (its retries exhausted, a 5xx, a locked SQLite file), a failed artifact upload, a full disk.
 TRACKING_ERRORS = (MlflowException, requests.RequestException, OSError)
@@ -72,7 +74,9 @@ def log_missing(
 
 def _log(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int) -> None:
     now = int(time.time() * 1000)
-    records = [Metric(k, float(v), now, step) for k, v in metrics.items() if k != "epoch"]
+    records = [
+        Metric(k, logged_value(float(v)), now, step) for k, v in metrics.items() if k != "epoch"
+    ]
     client.log_batch(run_id, metrics=records)
 
 
