@@ -115,6 +115,22 @@ class Served:
         with self.client() as client:
             return client.read_deployment_by_name(full_name)
 
+    def artifact(self, flow_run_id: UUID, key: str) -> Any:
+        """The artifact ``key`` that flow run ``flow_run_id`` published (there is one)."""
+        from prefect.client.schemas.filters import (
+            ArtifactFilter,
+            ArtifactFilterFlowRunId,
+            ArtifactFilterKey,
+        )
+
+        query = ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+            key=ArtifactFilterKey(any_=[key]),
+        )
+        with self.client() as client:
+            (found,) = client.read_artifacts(artifact_filter=query)
+        return found
+
     def flow_runs(self, deployment_id: UUID, states: list[str] | None = None) -> list[Any]:
         from prefect.client.schemas.filters import (
             FlowRunFilter,
@@ -960,20 +976,7 @@ def test_browser_a_training_is_watched_from_its_prefect_run_page(
         shoot(page, "prefect-training-run")
         page.locator("li.p-tab", has_text="Artifacts").click()  # the run page's tabs
         page.get_by_text("training-progress").first.wait_for(timeout=60_000)
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    with served.client() as client:
-        (progress,) = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]),
-                key=ArtifactFilterKey(any_=["training-progress"]),
-            )
-        )
-    assert float(progress.data) == 100.0
+    assert float(served.artifact(run.id, "training-progress").data) == 100.0
 
 
 @pytest.fixture
@@ -1040,19 +1043,7 @@ def test_browser_champion_set_by_clicks_scores_that_version(
     (done,) = served.wait("the scoring run to complete", served.finished([run.id]), timeout_s=300)
     assert done.name == f"score-{MODEL}-v{registered_version}-val", done.name
     # Its report, in the Prefect UI: a header row, and the accuracy on the labelled images.
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    with served.client() as prefect:
-        (report,) = prefect.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]),
-                key=ArtifactFilterKey(any_=["scoring-report"]),
-            )
-        )
+    report = served.artifact(run.id, "scoring-report")
     with browser_page(served.auth) as page:
         page.goto(f"{served.api.removesuffix('/api')}/artifacts/artifact/{report.id}")
         page.get_by_text(re.compile(r"labelled images")).first.wait_for(timeout=60_000)

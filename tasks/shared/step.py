@@ -148,11 +148,12 @@ def named_from_parameters(name: Callable[[dict[str, Any]], str]) -> Callable[[],
     def flow_run_name() -> str:
         from prefect.context import FlowRunContext
 
-        run = FlowRunContext.get().flow_run  # type: ignore[union-attr]
+        context = FlowRunContext.get()
+        run = context.flow_run  # type: ignore[union-attr]
         if not _random_name(run.name):
             return run.name
         try:
-            given = name(dict(FlowRunContext.get().parameters))  # type: ignore[union-attr]
+            given = name(dict(context.parameters))  # type: ignore[union-attr]
         except Exception:  # a name is never worth failing a run: the flow says what is wrong
             return run.name
         _NAMED[run.id] = given
