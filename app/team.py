@@ -55,6 +55,7 @@ JOIN_DIR = "team-join"  # <home>/team-join on a GPU machine
 JOIN_FILE = "team.env"
 BUCKET = "imageops"
 MLFLOW_ADMIN = "admin"
+MLFLOW_LOGIN_CACHE_S = 600  # how long the MLflow server trusts a login it checked
 START_TIMEOUT_S = 300.0  # a busy 2-core machine took 140 s to bring all five up
 RAY_STOP_TIMEOUT_S = 40.0  # `ray start --block` drains its node for up to 30 s on SIGTERM
 POSTGRES_STOP_TIMEOUT_S = 20.0
@@ -322,7 +323,12 @@ class TeamServer(Stack):
             "default_permission = READ\n"
             f"database_uri = {self.postgres.url('mlflow_auth', 'postgresql+psycopg')}\n"
             f"admin_username = {MLFLOW_ADMIN}\n"
-            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            # A checked login is remembered for 10 minutes (MLflow forgets it at once when the
+            # user changes): each check is a scrypt hash, 0.11 CPU-seconds on a 2-core VM, and
+            # the clients send the password with every request (a training's metric calls
+            # kept a third of a core busy in the MLflow server).
+            f"auth_cache_ttl_seconds = {MLFLOW_LOGIN_CACHE_S}\n",
         )
         assert self.s3 is not None and self.postgres is not None
         port = self.ports.mlflow

@@ -82,8 +82,8 @@ def test_metrics_match_scikit_learn_and_go_to_the_given_run(
     assert "evaluation/val.confusion.png" in logged
     assert "evaluation/val.per_class.csv" in logged
     metrics = client.get_run(run_id).data.metrics
-    assert metrics["eval/accuracy"] == pytest.approx(result["accuracy"])
-    assert metrics["eval/f1_macro"] == pytest.approx(result["f1_macro"])
+    assert metrics["eval_accuracy"] == pytest.approx(result["accuracy"])
+    assert metrics["eval_f1_macro"] == pytest.approx(result["f1_macro"])
 
 
 def test_without_a_run_id_a_new_run_is_made(project: Settings, scored_val: Path, tmp_path: Path):
@@ -92,8 +92,8 @@ def test_without_a_run_id_a_new_run_is_made(project: Settings, scored_val: Path,
     result = evaluate(scored, settings=project)
     run = MlflowClient().get_run(result.run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["eval/top5_accuracy"] == pytest.approx(result["top5_accuracy"])
-    assert run.data.tags["eval/top_k"] == "3"
+    assert run.data.metrics["eval_top5_accuracy"] == pytest.approx(result["top5_accuracy"])
+    assert run.data.tags["eval_top_k"] == "3"
 
 
 def test_the_command_logs_to_mlflow_only_when_asked(
@@ -113,7 +113,7 @@ def test_the_command_logs_to_mlflow_only_when_asked(
     logged = imageops("evaluate", str(scored), "--new-run", cwd=tmp_path)
     assert logged.returncode == 0, logged.stderr
     (run,) = client.search_runs([experiment_id])
-    assert run.info.run_name == "evaluate-copy" and "eval/accuracy" in run.data.metrics
+    assert run.info.run_name == "evaluate-copy" and "eval_accuracy" in run.data.metrics
 
     both = imageops("evaluate", str(scored), "--new-run", "--run-id", run.info.run_id, cwd=tmp_path)
     assert both.returncode != 0
@@ -237,9 +237,9 @@ def test_two_tables_are_evaluated_side_by_side(
     assert result.compared.paths["confusion_png"] == challenger.with_suffix(".confusion.png")
     assert result.compared.paths["confusion_png"].is_file()
     metrics = MlflowClient().get_run(result.run_id).data.metrics
-    assert metrics["eval/accuracy"] == pytest.approx(result["accuracy"])
-    assert metrics["eval/compare/accuracy"] == pytest.approx(result.compared["accuracy"])
-    assert metrics["eval/compare/f1_weighted"] == pytest.approx(result.compared["f1_weighted"])
+    assert metrics["eval_accuracy"] == pytest.approx(result["accuracy"])
+    assert metrics["eval_compare_accuracy"] == pytest.approx(result.compared["accuracy"])
+    assert metrics["eval_compare_f1_weighted"] == pytest.approx(result.compared["f1_weighted"])
     logged = {a.path for a in MlflowClient().list_artifacts(result.run_id, "evaluation/compare")}
     assert "evaluation/compare/challenger.confusion.png" in logged
 

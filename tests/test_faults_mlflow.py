@@ -133,7 +133,7 @@ def test_a_crashed_mlflow_server_loses_no_record_of_the_training(
         assert {m.step: m.value for m in history} == {
             int(h["epoch"]): logged_value(h[name]) for h in result.history
         }, name
-    for name in ("best/val/top1", "best/epoch"):
+    for name in ("best_val_top1", "best_epoch"):
         assert [m.step for m in client.get_metric_history(run_id, name)] == [FAST["epochs"]]
     assert run.data.params["epochs"] == str(FAST["epochs"])
     assert run.data.params["seed"] == str(SEED)

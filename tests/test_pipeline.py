@@ -91,7 +91,7 @@ def test_pipeline_flow_end_to_end(prefect_api, project: Settings, digits_raw: Pa
     ]
     accuracy = (table["category"].astype(str) == table["Scored Labels"].astype(str)).mean()
     assert result.metrics["accuracy"] == pytest.approx(accuracy)
-    assert "eval/accuracy" in client.get_run(result.mlflow_run_id).data.metrics
+    assert "eval_accuracy" in client.get_run(result.mlflow_run_id).data.metrics
 
     # what a person sees in the Prefect UI: curves and confusion matrix inline
     with get_client(sync_client=True) as prefect:

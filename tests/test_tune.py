@@ -157,7 +157,7 @@ def test_a_grid_runs_every_point_once_and_the_best_model_is_registered(
         assert [m.step for m in client.get_metric_history(trial.run_id, "val/top1")] == [1]
     logged = {Path(a.path).name for a in client.list_artifacts(result.parent_run_id, "tuning")}
     assert {"trials.csv", "trials.json", "trials.png"} <= logged
-    assert parent.data.metrics["best/val/top1"] == pytest.approx(best.value)
+    assert parent.data.metrics["best_val_top1"] == pytest.approx(best.value)
 
     # The table and the plot in Prefect.
     artifacts = prefect_artifacts("tuning-trials", "tuning-report")

@@ -174,7 +174,7 @@ def evaluate(
         Path | None,
         typer.Option(
             help="A second scored table (e.g. the same images scored by another model), "
-            "evaluated side by side; logged as eval/compare/<metric>."
+            "evaluated side by side; logged as eval_compare_<metric>."
         ),
     ] = None,
     run_id: Annotated[

@@ -4,7 +4,7 @@ Accuracy, top-k accuracy (k = min(5, classes)) from the probability columns, per
 precision/recall/F1 with macro and weighted averages (as scikit-learn defines them), and the
 confusion matrix as a PNG and as JSON. Like the Azure component, a second scored table (its second
 input, e.g. the same images scored by another model) is evaluated side by side. Metrics go to MLflow
-with the ``eval/`` prefix (``eval/compare/`` for the second table), in the given run (resumed, never
+with the ``eval_`` prefix (``eval_compare_`` for the second table), in the given run (resumed, never
 a second one) or a new run, unless the caller asks for the files alone (``imageops evaluate``
 without ``--run-id`` or ``--new-run``: MLflow's import and store cost over a second, more than the
 evaluation); inside a Prefect run they are also published as Prefect artifacts.
@@ -38,8 +38,10 @@ from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.shared.settings import Settings, get_settings
 from tasks.shared.step import in_prefect_run, step, step_logger, tasks_on_first_use
 
-METRIC_PREFIX = "eval/"
-COMPARE_PREFIX = "eval/compare/"
+# eval_accuracy, eval_compare_accuracy: after the training's curves in MLflow's charts
+# (tasks.shared.tracking.summary_metric says why).
+METRIC_PREFIX = "eval_"
+COMPARE_PREFIX = "eval_compare_"
 ARTIFACT_DIR = "evaluation"
 # Rows of the summary table: metric key -> label (top-k's label names its k).
 SUMMARY_ROWS = {
@@ -435,7 +437,7 @@ def evaluate(
     """Evaluate the labeled scored table ``scored`` (and ``compare`` beside it); write and log.
 
     Metrics files are written atomically beside each table and, with ``log_to_mlflow``, logged
-    as ``eval/<name>`` (``eval/compare/<name>``) into run ``run_id`` (resumed) or a new run; the
+    as ``eval_<name>`` (``eval_compare_<name>``) into run ``run_id`` (resumed) or a new run; the
     second table's result is ``result.compared``. ``images``: the folder that was scored, for the
     gallery of the most confidently wrong images (without it, no gallery); ``model``: the
     ModelDirectory that scored ``scored``, for Grad-CAM on those images (``compare``'s are not

@@ -31,6 +31,17 @@ def logged_value(value: float) -> float:
     return float(f"{value:.7g}")
 
 
+def summary_metric(*parts: str) -> str:
+    """The MLflow name of a run's one-figure summary: ``best_val_top1``, ``eval_accuracy``.
+
+    MLflow's charts file a metric under the part of its name before the last "/", show those
+    sections alphabetically, and the names without one ("Model metrics") after them: without a
+    "/", the summaries come after the per-epoch curves (``train/...``, ``val/...``) a person
+    reads first, not before them as ``best/...`` and ``eval/...`` did (issue 47).
+    """
+    return "_".join(part.replace("/", "_") for part in parts)
+
+
 def configure_mlflow(settings: Settings) -> str:
     """Point MLflow at the settings' stores and return the experiment id (created if missing).
 

@@ -28,7 +28,7 @@ from tasks.shared.artifacts import TRAINING_REPORT, markdown_table, png_markdown
 from tasks.shared.errors import InvalidParameterError, TrainingFailedError
 from tasks.shared.settings import Settings, redact_uri
 from tasks.shared.step import step_logger
-from tasks.shared.tracking import logged_value, run_url
+from tasks.shared.tracking import logged_value, run_url, summary_metric
 from tasks.train.loop import LOSS, LR, THROUGHPUT, TOP1, TOP5, VAL_LOSS
 from tasks.train.params import RunConfig, TrainParams
 from tasks.train.request import CONFIG, Request
@@ -284,8 +284,8 @@ def complete_run(
     if result is not None:
         best = {
             "epoch": float(result["epochs_trained"]),
-            "best/val/top1": result["metrics"][TOP1],
-            "best/epoch": float(result["best_epoch"]),
+            summary_metric("best", TOP1): result["metrics"][TOP1],
+            summary_metric("best", "epoch"): float(result["best_epoch"]),
         }
         history = [*result["history"], best]
         _patiently(lambda: log_missing(client, run_id, history), "the metrics", deadline)

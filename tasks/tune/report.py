@@ -21,6 +21,7 @@ from models.atomic import atomic_file, write_json, write_text
 from tasks.inference.tables import CSV_FORMAT
 from tasks.shared.artifacts import markdown_table, png_markdown, publish_markdown, publish_table
 from tasks.shared.step import step_logger
+from tasks.shared.tracking import summary_metric
 from tasks.tune.storage import describe_storage
 from tasks.tune.study import Study, TrialOutcome
 
@@ -168,7 +169,7 @@ def _log_to_mlflow(study: Study, result: StudyResult, paths: list[Path]) -> None
             client.log_artifact(run_id, str(path), artifact_path=ARTIFACTS)
         client.set_tag(run_id, "tune.trials", str(len(result.trials)))
         if result.best is not None and result.best.value is not None:
-            client.log_metric(run_id, f"best/{result.metric}", result.best.value)
+            client.log_metric(run_id, summary_metric("best", result.metric), result.best.value)
             client.set_tag(run_id, "tune.best_trial", str(result.best.number))
             client.set_tag(run_id, "tune.best_run_id", str(result.best.run_id))
     except Exception as exc:  # never hide the study's outcome behind its report
