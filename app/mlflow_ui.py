@@ -10,7 +10,9 @@ model view is remembered (and the assistant panel is not opened by itself). A pe
 switch to GenAI is remembered by MLflow and wins.
 
 ``mlflow server --app-name imageops`` runs it (the ``mlflow.app`` entry point in pyproject.toml);
-``app`` is built when the server asks for it, so the stack imports this module cheaply.
+``app`` is built when the server asks for it, so the stack imports this module cheaply. The team
+server's MLflow (``imageops-team``, :func:`team_app`) is MLflow's basic-auth app with the same
+change.
 """
 
 from __future__ import annotations
@@ -32,19 +34,21 @@ _SETS = "".join(
 REMEMBER_MODEL_VIEW = f"<script>try{{{_SETS}}}catch(e){{}}</script>".encode()
 
 
-def server_args() -> list[str]:
-    """``mlflow server``'s ``--app-name imageops`` where this environment's install registered
-    it; MLflow's own app otherwise, said once (an install made before this module existed)."""
+def server_args(logins: bool = False) -> list[str]:
+    """``mlflow server``'s ``--app-name imageops`` (``imageops-team`` with ``logins``: MLflow's
+    basic-auth) where this environment's install registered it; MLflow's own app otherwise,
+    said once (an install made before the entry point existed)."""
     from importlib.metadata import entry_points
 
-    if any(e.name == "imageops" for e in entry_points(group="mlflow.app")):
-        return ["--app-name", "imageops"]
+    name = "imageops-team" if logins else "imageops"
+    if any(e.name == name for e in entry_points(group="mlflow.app")):
+        return ["--app-name", name]
     print(
         "note: MLflow's UI may open in its GenAI view: this environment's imageops install "
         "predates app/mlflow_ui.py; `pip install -e .` registers it.",
         file=sys.stderr,
     )
-    return []
+    return ["--app-name", "basic-auth"] if logins else []
 
 
 def _model_view_by_default(response: Any) -> Any:
@@ -60,6 +64,16 @@ def _model_view_by_default(response: Any) -> Any:
         response.set_data(page.replace(b"<head>", b"<head>" + REMEMBER_MODEL_VIEW, 1))
         response.headers.pop("ETag", None)  # a cached copy of the unchanged page is not this
     return response
+
+
+def team_app() -> Any:
+    """``mlflow server --app-name imageops-team``: MLflow's basic-auth app (the team's logins,
+    its factory as ``--app-name basic-auth`` runs it) with the page's change hooked in first."""
+    from mlflow.server import app as flask_app
+    from mlflow.server.auth import create_app
+
+    flask_app.after_request(_model_view_by_default)
+    return create_app(flask_app)
 
 
 def __getattr__(name: str) -> Any:

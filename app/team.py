@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.mlflow_ui import server_args
 from app.stack import (
     PREFECT_USER,
     Ports,
@@ -335,7 +336,7 @@ class TeamServer(Stack):
         hosts = [self.host, f"{self.host}:{port}", "localhost", f"localhost:{port}"]
         self._launch(
             "mlflow-server",
-            [_tool("mlflow"), "server", "--app-name", "basic-auth", "--host", self.host,
+            [_tool("mlflow"), "server", *server_args(logins=True), "--host", self.host,
              "--port", str(port), "--workers", "1",
              "--artifacts-destination", f"s3://{BUCKET}/mlartifacts", "--serve-artifacts",
              "--allowed-hosts", ",".join(dict.fromkeys(hosts))],

@@ -38,6 +38,7 @@ import pytest
 from file_modes import open_to_others
 from server_processes import LONG_WAIT, PROMPT_WORKER, base_env
 
+from app.mlflow_ui import REMEMBER_MODEL_VIEW
 from app.ray_head import version_mismatch
 from app.stack import Services, kept_secret
 from app.team import JOIN_VARIABLES, TeamServer
@@ -335,6 +336,11 @@ def test_every_server_answers_only_with_the_join_files_logins(team: Team) -> Non
     assert httpx.get(search, params={"max_results": 1}, timeout=10).status_code == 401
     wrong = ("admin", "wrong")
     assert httpx.get(search, params={"max_results": 1}, auth=wrong, timeout=10).status_code == 401
+    # The UI's page, behind the login, opens in the model view (app/mlflow_ui.py's team_app)
+    login = (v["MLFLOW_TRACKING_USERNAME"], v["MLFLOW_TRACKING_PASSWORD"])
+    page = httpx.get(f"{uri}/", auth=login, timeout=30)
+    assert page.status_code == 200 and REMEMBER_MODEL_VIEW.decode() in page.text, page.text[:300]
+    assert httpx.get(f"{uri}/", timeout=10).status_code == 401
     script = (
         "import mlflow, sys\n"
         "mlflow.set_tracking_uri(sys.argv[1])\n"
