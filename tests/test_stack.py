@@ -933,10 +933,12 @@ def test_browser_the_mlflow_links_open_on_the_runs_and_the_registry(served: Serv
     with browser_page() as page:
         page.goto(f"{served.mlflow}/#/experiments/{experiment.experiment_id}/runs/"
                   f"{trained.info.run_id}/model-metrics")  # fmt: skip
-        page.get_by_text("Model metrics (").first.wait_for(timeout=60_000)
+        page.get_by_text("best_val_top1").first.wait_for(timeout=60_000)
         text = page.inner_text("body")
-        sections = re.findall(r"^(.+) \((\d+)\)$", text, re.MULTILINE)
+        sections = re.findall(r"^(.+)\n\((\d+)\)$", text, re.MULTILINE)  # "train", "(4)"
         assert [name for name, _ in sections][:3] == ["train", "val", "Model metrics"], sections
+        page.locator(".js-plotly-plot").nth(6).wait_for(timeout=60_000)  # drawn, for the picture
+        shoot(page, "mlflow-run-charts")
 
 
 def test_browser_the_training_report_fits_its_panel(served: Served) -> None:
