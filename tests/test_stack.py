@@ -216,52 +216,65 @@ def served(
             process.kill()
 
 
-# A flow run as `imageops run` makes it before any stack is up: on its temporary API
-# (app/cli/root.py's _start_prefect_api), publishing an artifact; prints the run's id.
-BEFORE_THE_STACK = """
-from app.cli.root import _start_prefect_api
-from tasks.shared.settings import get_settings
-
-get_settings().apply()
-_start_prefect_api(get_settings())()
-from prefect import flow
-from prefect.context import FlowRunContext
-from tasks.shared.artifacts import publish_markdown
-
-@flow(name="made-before-the-stack")
-def made() -> str:
-    publish_markdown("before-the-stack", "made on the temporary API", "imageops run's API")
-    return str(FlowRunContext.get().flow_run.id)
-
-print(made())
-"""
+# What `imageops run` made before any stack was up (on its temporary API, app/cli/root.py): the
+# whole pipeline on 60 digits at 8 px, in an MLflow experiment and registered model of its own, so
+# the stack's tests of "imageops" and "imageops-classifier" count only their own runs.
+BEFORE_THE_STACK = {
+    "IMAGEOPS_MLFLOW_EXPERIMENT": "before-the-stack",
+    "IMAGEOPS_REGISTERED_MODEL_NAME": "before-the-stack",
+}
 
 
 def _run_before_the_stack(root: Path, env: dict[str, str]) -> str:
+    """`imageops run` in the project before `imageops serve`; the id of its flow run."""
+    import sqlite3
+
+    import yaml
+
+    from tasks.data.sample import write_digits
+
+    source = write_digits(root / "before-the-stack", size=8, classes=[0, 1, 2], per_class=20)
+    params = root / "before-the-stack.yaml"
+    params.write_text(yaml.safe_dump({
+        "transform": {"resize_size": 8, "center_crop_size": 8, "random_horizontal_flip": False},
+        "split": {"fraction": 0.8}, "train": {"batch_size": 16}, "quantize": False,
+    }))  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-c", BEFORE_THE_STACK], env=env, cwd=root, capture_output=True,
-        text=True, timeout=300, check=False,
+        [sys.executable, "-m", "app.cli", "run", str(source), "--config", str(params),
+         "--epochs", "1", "--nproc-per-node", "1"],
+        env=env | BEFORE_THE_STACK, cwd=root, capture_output=True, text=True, timeout=600,
+        check=False,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    with contextlib.closing(sqlite3.connect(root / ".imageops" / "prefect" / "prefect.db")) as db:
+        (flow_run,) = db.execute(
+            "SELECT id FROM flow_run WHERE name LIKE 'pipeline-%' AND state_type = 'COMPLETED'"
+        ).fetchall()
+    return str(UUID(flow_run[0]))
 
 
 def test_runs_made_before_the_stack_show_in_its_prefect_ui(served: Served) -> None:
-    """One Prefect history per project (issue 47): a run `imageops run` made on its temporary API
-    before `imageops serve` came up is in the stack's Prefect, with its artifact, as the `prefect`
-    command shows them."""
-    assert "made-before-the-stack" in served.prefect("flow", "ls")
+    """One Prefect history per project (issue 47): the pipeline `imageops run` ran on its temporary
+    API before `imageops serve` came up is in the stack's Prefect with its artifacts, as the
+    `prefect` command shows them; in the stack's UI its summary says what happened to the model
+    in words (issue 47, point 7)."""
+    assert "imageops-pipeline" in served.prefect("flow", "ls")
     with served.client() as client:
         run = client.read_flow_run(UUID(served.before))
         assert run.state is not None and run.state.is_completed()
-    assert "before-the-stack" in served.prefect("artifact", "ls")
-    if CHROMIUM is not None:  # and in the stack's UI: the run's page, its artifact one tab away
+    assert "pipeline-summary" in served.prefect("artifact", "ls")
+    if CHROMIUM is not None:  # and in the stack's UI: the run's page, its summary one tab away
         ui = served.api.removesuffix("/api")
         with browser_page(served.auth) as page:
             page.goto(f"{ui}/runs/flow-run/{served.before}")
-            page.get_by_text("made-before-the-stack").first.wait_for(timeout=60_000)
+            page.get_by_text(run.name).first.wait_for(timeout=60_000)
             page.locator("li.p-tab", has_text="Artifacts").click()  # the run page's tabs
-            page.get_by_text("before-the-stack", exact=True).first.wait_for(timeout=60_000)
+            page.get_by_text("pipeline-summary", exact=True).first.click()
+            page.get_by_text("Promotion:").first.wait_for(timeout=60_000)
+            text = page.inner_text("body")
+            assert "before-the-stack v1 is now @champion" in text, text[-3000:]
+            assert re.search(r"accuracy\s+\d\.\d{4}", text), text[-3000:]
+            shoot(page, "prefect-pipeline-summary")
 
 
 def test_serve_prints_both_uis_and_binds_to_localhost(served: Served) -> None:
