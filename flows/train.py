@@ -37,7 +37,7 @@ from tasks.shared.forms import form_field
 from tasks.shared.settings import get_settings
 from tasks.shared.step import name_flow_run, named_from_parameters
 from tasks.train.build_model import build_model_task
-from tasks.train.launch import TrainResult, train_task
+from tasks.train.launch import TrainResult, train_task, training_run_name
 from tasks.train.outputs_folder import outputs_folder
 from tasks.train.request import TrainRequest
 
@@ -46,9 +46,7 @@ def training_name(parameters: dict[str, Any]) -> str:
     """The training sub-run's name from its request, before its first log line:
     ``training-resnet18-5-epochs`` (tasks.train.launch gives the same once it has checked it)."""
     request = TrainRequest.model_validate(parameters["request"])
-    epochs = request.params.epochs
-    arch = read_untrained(request.model).arch
-    return f"training-{arch}-{epochs}-epoch" + ("s" if epochs != 1 else "")
+    return training_run_name(read_untrained(request.model).arch, request.params.epochs)
 
 
 @checked_flow(

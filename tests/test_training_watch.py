@@ -86,3 +86,13 @@ def test_the_end_line_is_in_words_and_rounded() -> None:
         "training finished (stopped early): kept epoch 4 of 5 trained, validation top-1 97.30%, "
         "top-5 100.00%, validation loss 0.02768, training loss 1.791"
     )
+
+
+def test_one_epoch_is_said_in_the_singular() -> None:
+    """The training's run name and its progress label (tasks.train.launch): "1 epoch", not
+    "1 epochs" (the label said "resnet18, 1 epoch epochs" for a while)."""
+    from tasks.train.launch import epochs_text, training_run_name
+
+    assert [epochs_text(n) for n in (1, 2)] == ["1 epoch", "2 epochs"]
+    assert training_run_name("resnet18", 1) == "training-resnet18-1-epoch"
+    assert training_run_name("resnet18", 5) == "training-resnet18-5-epochs"

@@ -52,6 +52,17 @@ class TrainResult(BaseModel):
     pruned: bool = False
 
 
+def epochs_text(epochs: int) -> str:
+    """``1 epoch``, ``5 epochs``: how the training's name and progress say it."""
+    return f"{epochs} epoch" + ("s" if epochs != 1 else "")
+
+
+def training_run_name(arch: str, epochs: int) -> str:
+    """The training's Prefect run name, ``training-resnet18-5-epochs``: given from the request
+    before the run starts (flows.train) and again once the request is checked (here)."""
+    return f"training-{arch}-{epochs_text(epochs).replace(' ', '-')}"
+
+
 def train(
     request: TrainRequest, settings: Settings | None = None, *, watched: bool = False
 ) -> TrainResult:
@@ -81,9 +92,8 @@ def _train(request: TrainRequest, settings: Settings, watched: bool) -> TrainRes
         return _as_result(result, request.out, run_id, run_dir)
     checked = check_request(request, settings)
     arch = checked.spec.arch
-    epochs = f"{request.params.epochs} epoch" + ("s" if request.params.epochs != 1 else "")
     if watched:
-        name_flow_run(f"training-{arch}-{epochs.replace(' ', '-')}")
+        name_flow_run(training_run_name(arch, request.params.epochs))
     experiment_id = configure_mlflow(settings)
     client = MlflowClient(settings.tracking_uri, settings.registry_uri)
     run_id = request.run_id
@@ -105,7 +115,8 @@ def _train(request: TrainRequest, settings: Settings, watched: bool) -> TrainRes
             threads = torchrun_threads(request.params.nproc_per_node)
             env = torchrun_environment(settings, run_id, {**threads, **request.env})
             offset = torchrun_log.stat().st_size if torchrun_log.is_file() else 0
-            watch = TrainingWatch.start(f"{arch}, {epochs} epochs") if watched else None
+            label = f"{arch}, {epochs_text(request.params.epochs)}"
+            watch = TrainingWatch.start(label) if watched else None
             returncode = run_torchrun(command, env, run_dir, request.timeout_s, on_line=watch)
             if returncode != 0:
                 output = read_from(torchrun_log, offset)
