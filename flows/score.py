@@ -99,7 +99,7 @@ def first_name(parameters: dict[str, Any]) -> str:
     label = model.removeprefix("models:/").replace("@", "-").replace("/", "-")
     if not is_registry_uri(model):
         label = Path(model).name
-    return f"score-{label}-{Path(str(parameters.get('images', 'data/digits/val'))).name}"
+    return f"score-{label}-{Path(str(parameters['images'])).name}"
 
 
 @checked_flow(

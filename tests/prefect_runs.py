@@ -1,9 +1,13 @@
-"""Prefect in a test's own process: a flow run's task runs read back, another API pointed at."""
+"""Prefect in a test's own process: a flow run's task runs read back, another API pointed at, a
+project's Prefect database read with no server up."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from tasks.shared.servers import wait_until
@@ -117,3 +121,10 @@ def log_messages_of(
 
         wait_until(stored, timeout_s, interval_s=0.5)
     return messages
+
+
+def prefect_rows(database: Path, query: str) -> list[tuple]:
+    """``query``'s rows from a project's Prefect SQLite database (``<home>/prefect/prefect.db``),
+    read while no API server is up."""
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        return db.execute(query).fetchall()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+from prefect_runs import prefect_rows
 from server_processes import Processes, base_env
 
 from flows.config import PipelineConfig
@@ -136,11 +136,6 @@ def test_two_processes_opening_a_new_mlflow_database_at_once(tmp_path: Path) -> 
     assert outputs[0] == outputs[1]  # one experiment, which both found or made
 
 
-def _prefect_rows(database: Path, query: str) -> list[tuple]:
-    with sqlite3.connect(database) as db:
-        return db.execute(query).fetchall()
-
-
 def _lock_order(trace: Path) -> Callable[[str, str], int]:
     """Where in the fault trace (tasks.shared.faults) data set ``name``'s lock was taken or given
     back."""
@@ -199,7 +194,7 @@ def test_two_runs_on_different_data_sets_at_once(project: Settings, tmp_path: Pa
     classes = {"low": ["0", "1", "2"], "high": ["3", "4", "5"]}
     database = project.home_dir / "prefect" / "prefect.db"
     # Both flow runs, each from its own temporary API server, are in the project's one database.
-    flows = _prefect_rows(
+    flows = prefect_rows(
         database, "SELECT id, name, state_type FROM flow_run WHERE name LIKE 'pipeline-%'"
     )
     assert sorted(state for _, _, state in flows) == ["COMPLETED", "COMPLETED"], flows

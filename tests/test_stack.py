@@ -33,7 +33,7 @@ import httpx
 import psutil
 import pytest
 from file_modes import open_to_others
-from prefect_runs import prefect_api_at
+from prefect_runs import prefect_api_at, prefect_rows
 from server_processes import LONG_WAIT, PROMPT_WORKER
 
 from app.work_pools import base_job_template
@@ -227,8 +227,6 @@ BEFORE_THE_STACK = {
 
 def _run_before_the_stack(root: Path, env: dict[str, str]) -> str:
     """`imageops run` in the project before `imageops serve`; the id of its flow run."""
-    import sqlite3
-
     import yaml
 
     from tasks.data.sample import write_digits
@@ -246,11 +244,11 @@ def _run_before_the_stack(root: Path, env: dict[str, str]) -> str:
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    with contextlib.closing(sqlite3.connect(root / ".imageops" / "prefect" / "prefect.db")) as db:
-        (flow_run,) = db.execute(
-            "SELECT id FROM flow_run WHERE name LIKE 'pipeline-%' AND state_type = 'COMPLETED'"
-        ).fetchall()
-    return str(UUID(flow_run[0]))
+    ((flow_run,),) = prefect_rows(
+        root / ".imageops" / "prefect" / "prefect.db",
+        "SELECT id FROM flow_run WHERE name LIKE 'pipeline-%' AND state_type = 'COMPLETED'",
+    )
+    return str(UUID(flow_run))
 
 
 def test_runs_made_before_the_stack_show_in_its_prefect_ui(served: Served) -> None:

@@ -100,3 +100,15 @@ def test_a_run_is_named_from_its_parameters_before_its_first_log_line(prefect_ap
         made = client.create_flow_run(early, name="nightly-by-hand", parameters={"images": "val"})
     run_flow(early, flow_run=made, parameters={"images": "val"})
     assert final_name(str(made.id)) == "nightly-by-hand"
+    # A run that leaves a parameter to its default (as a deployment's may) is named from it too.
+
+    @flow(
+        name="named-by-default", flow_run_name=named_from_parameters(lambda p: f"s-{p['images']}")
+    )
+    def defaulted(images: str = "digits") -> None:
+        pass
+
+    with get_client(sync_client=True) as client:
+        made = client.create_flow_run(defaulted, parameters={})
+    run_flow(defaulted, flow_run=made, parameters={})
+    assert final_name(str(made.id)) == "s-digits"

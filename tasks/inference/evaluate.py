@@ -38,10 +38,6 @@ from tasks.shared.errors import InvalidParameterError, NotLabeledDatasetError
 from tasks.shared.settings import Settings, get_settings
 from tasks.shared.step import in_prefect_run, step, step_logger, tasks_on_first_use
 
-# eval_accuracy, eval_compare_accuracy: after the training's curves in MLflow's charts
-# (tasks.shared.tracking.summary_metric says why).
-METRIC_PREFIX = "eval_"
-COMPARE_PREFIX = "eval_compare_"
 ARTIFACT_DIR = "evaluation"
 # Rows of the summary table: metric key -> label (top-k's label names its k).
 SUMMARY_ROWS = {
@@ -404,21 +400,21 @@ def _log_to_mlflow(
     (or a new one); returns the run's id."""
     import mlflow
 
-    from tasks.shared.tracking import logged_value, mlflow_run
+    from tasks.shared.tracking import logged_value, mlflow_run, summary_metric
+
+    def logged(metrics: Mapping[str, float], *prefix: str) -> dict[str, float]:
+        """``eval_accuracy``, ``eval_compare_accuracy``: after the training's curves in MLflow."""
+        return {summary_metric(*prefix, k): logged_value(v) for k, v in metrics.items()}
 
     with mlflow_run(settings, run_id, run_name=f"evaluate-{scored.stem}") as used_run:
-        mlflow.log_metrics(
-            {f"{METRIC_PREFIX}{k}": logged_value(v) for k, v in result.metrics.items()}
-        )
+        mlflow.log_metrics(logged(result.metrics, "eval"))
         # A tag, not a param: params are write-once, and a run may be evaluated again.
-        mlflow.set_tag(f"{METRIC_PREFIX}top_k", str(result.top_k))
+        mlflow.set_tag(summary_metric("eval", "top_k"), str(result.top_k))
         for path in result.paths.values():
             mlflow.log_artifact(str(path), artifact_path=ARTIFACT_DIR)
         if (compared := result.compared) is not None and compare is not None:
-            mlflow.log_metrics(
-                {f"{COMPARE_PREFIX}{k}": logged_value(v) for k, v in compared.metrics.items()}
-            )
-            mlflow.set_tag(f"{COMPARE_PREFIX}table", compare.name)
+            mlflow.log_metrics(logged(compared.metrics, "eval", "compare"))
+            mlflow.set_tag(summary_metric("eval", "compare", "table"), compare.name)
             for path in compared.paths.values():
                 mlflow.log_artifact(str(path), artifact_path=f"{ARTIFACT_DIR}/compare")
     return used_run

@@ -147,13 +147,17 @@ def named_from_parameters(name: Callable[[dict[str, Any]], str]) -> Callable[[],
 
     def flow_run_name() -> str:
         from prefect.context import FlowRunContext
+        from prefect.utilities.callables import get_parameter_defaults
 
         context = FlowRunContext.get()
-        run = context.flow_run  # type: ignore[union-attr]
+        run, flow = context.flow_run, context.flow  # type: ignore[union-attr]
         if not _random_name(run.name):
             return run.name
+        # The flow's defaults under what the run was given: a deployment run's parameters may
+        # leave them out, and ``name`` need not know them.
+        parameters = get_parameter_defaults(flow.fn) | dict(context.parameters)  # type: ignore[union-attr]
         try:
-            given = name(dict(context.parameters))  # type: ignore[union-attr]
+            given = name(parameters)
         except Exception:  # a name is never worth failing a run: the flow says what is wrong
             return run.name
         _NAMED[run.id] = given
