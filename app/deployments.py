@@ -142,8 +142,11 @@ def register_deployments(
             "Start one (`imageops serve` does) and export PREFECT_API_URL, or set "
             "IMAGEOPS_PREFECT_API_URL.",
         )
+    from flows.saved_settings import register_saved_settings
+
     spec = load_spec(path)
     pull = spec.get("pull") or []
+    register_saved_settings()  # the forms' pickers list blocks of these types
     ids: dict[str, UUID] = {}
     # Entrypoints are module paths of the installed package: no working folder to be in.
     for entry in spec["deployments"]:

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from models.bounded_parse import read_yaml, shown
+from models.form_sections import FormSection, flattened, schema_extra
 from models.transform_spec import TransformSpec
 from models.untrained import ModelChoice
 from tasks.data.convert import find_source, source_classes
@@ -119,28 +120,40 @@ class PromotionChoice(BaseModel):
     )
 
 
+# The pipeline form's own card (models.form_sections): what a run does besides the float model.
+FORM_SECTIONS = (
+    FormSection(
+        "int8",
+        "INT8 model",
+        "Whether to write a static INT8 model too, and the top-1 it may lose. Empty: none.",
+        ("quantize", "max_top1_drop"),
+    ),
+)
+
+
 class PipelineConfig(BaseModel):
     """Everything ``imageops run`` and the pipeline flow take."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=schema_extra(FORM_SECTIONS))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_form_sections(cls, data: Any) -> Any:
+        return flattened(data, FORM_SECTIONS)
 
     source: str = Field(
         default="data/raw/digits",
         title="Raw images",
-        description="Folder (class sub-folders = labels) or .zip/.tar archive, relative to the "
-        f"project root, or a version of one as {REF_SYNTAX}, e.g. raw/digits@latest, fetched "
-        "from the DVC remote. A path under data/ that this machine lacks is its latest version "
-        "(each run with versioning on records the source's).",
+        description="Folder (class sub-folders = labels) or .zip/.tar archive under the project "
+        f"root, or a version of one as {REF_SYNTAX} (raw/digits@latest) from the DVC remote.",
     )
     dataset: str = Field(
         default="",
         # In the form's schema too, so a server refuses a bad name before any worker starts.
         pattern=f"^$|{NAME_PATTERN}",
         title="Data set name",
-        description="The prepared folders are data/<dataset>/images, train and val. Empty: the "
-        "source's name (its folder name, or its archive name without .zip/.tar/.tar.gz/.tgz/"
-        ".tar.bz2). Runs on different data sets can run at once; on the same one, they take "
-        "turns.",
+        description="The prepared folders are data/<dataset>/images, train and val; empty: the "
+        "source's folder or archive name. Runs on one data set take turns.",
     )
     split: SplitChoice = Field(
         default_factory=SplitChoice,

@@ -192,11 +192,17 @@ def trial_flow(
             title="Study",
             description="The study the trial belongs to: its storage, spec, data and folder "
             "(the tune flow fills it).",
+            filled_by_a_flow=True,
         ),
     ],
     asked: Annotated[
         AskedTrial,
-        form_field(title="Trial", description="The trial's number and the values it trains with."),
+        form_field(
+            title="Trial",
+            description="The trial's number and the values it trains with (the tune flow fills "
+            "it).",
+            filled_by_a_flow=True,
+        ),
     ],
 ) -> TrialOutcome:
     """One trial of a study as a flow run of its own: the ``tune-trial`` deployment.

@@ -43,6 +43,12 @@ RECIPE_FIELDS = (
 # fmt: off
 FORM_SECTIONS = (
     FormSection(
+        "padding_and_grayscale",
+        "Padding and grayscale",
+        "The other steps every image takes, in training and inference alike.",
+        ("pad", "padding", "grayscale"),
+    ),
+    FormSection(
         "training_augmentation",
         "Random changes in training",
         "Applied to training images only; validation, export and scoring never see them.",
@@ -84,7 +90,9 @@ class TransformSpec(BaseModel):
     """
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, json_schema_extra=schema_extra(FORM_SECTIONS)
+        extra="forbid",
+        frozen=True,
+        json_schema_extra=schema_extra(FORM_SECTIONS, saved_as="imageops-image-transformation"),
     )
 
     resize: bool = Field(
@@ -97,9 +105,8 @@ class TransformSpec(BaseModel):
     center_crop: bool = Field(
         True,
         title="Center crop",
-        description="Crop the square of `center_crop_size` at the image center (after the "
-        "resize). With a random crop or random resized crop in training, inference keeps this "
-        "crop's share of the resized image and crops at the training crop's size.",
+        description="Crop the square of `center_crop_size` at the image center, after the "
+        "resize (inference keeps its share of the image with a training crop).",
     )
     center_crop_size: int = _size(224, "Crop size", "Side of the center crop, in pixels (> 0).")
     pad: bool = Field(
@@ -233,7 +240,7 @@ class TransformSpec(BaseModel):
     mean: Annotated[
         list[Annotated[float, Field(allow_inf_nan=False)]], Field(min_length=3, max_length=3)
     ] = Field(
-        default_factory=lambda: list(IMAGENET_MEAN),
+        default=list(IMAGENET_MEAN),  # pydantic copies it per instance; the schema shows it
         title="Normalisation mean",
         description="Per-channel (R, G, B) mean subtracted after scaling to [0, 1]; ImageNet's "
         "by default, which pretrained weights expect.",
@@ -242,7 +249,7 @@ class TransformSpec(BaseModel):
         list[Annotated[float, Field(gt=0, allow_inf_nan=False)]],
         Field(min_length=3, max_length=3),
     ] = Field(
-        default_factory=lambda: list(IMAGENET_STD),
+        default=list(IMAGENET_STD),
         title="Normalisation std",
         description="Per-channel (R, G, B) standard deviation divided by, each > 0; ImageNet's "
         "by default.",

@@ -14,12 +14,13 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from models.atomic import atomic_directory, write_json
 from models.errors import InvalidModelDirectoryError
+from models.form_sections import FormSection, flattened, schema_extra
 
 MODEL_JSON = "model.json"
 UNTRAINED_FORMAT = "imageops.UntrainedModelDirectory"
@@ -183,6 +184,17 @@ def spec_for(
     return ModelSpec(family=family.name, arch=model_name, pretrained=pretrained, **switches)
 
 
+# The run form's one card (models.form_sections): the two families' own switches.
+FORM_SECTIONS = (
+    FormSection(
+        "family_options",
+        "DenseNet and ResNet options",
+        "The Azure DenseNet and ResNet components' own switches; other networks take neither.",
+        ("memory_efficient", "zero_init_residual"),
+    ),
+)
+
+
 class ModelChoice(BaseModel):
     """The DenseNet / ResNet component's options for any architecture of the zoo, by name.
 
@@ -191,24 +203,23 @@ class ModelChoice(BaseModel):
     the other family (memory efficient on a ResNet) is refused.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, json_schema_extra=schema_extra(FORM_SECTIONS)
+    )
 
     name: str = Field(
         default="resnext101_32x8d",
         title="Architecture",
-        description="A torchvision classification network by its name (the Azure components' "
-        f"{', '.join(DENSENETS + RESNETS)}; also efficientnet_b0 to b7, efficientnet_v2_s/m/l, "
-        "convnext_tiny/small/base/large, regnet_*, mobilenet_v2, mobilenet_v3_small/large, "
-        "vit_b_16, swin_t, maxvit_t, ...: `imageops model list`), or a timm model as "
-        "timm/<name> (e.g. timm/resnet18.a1_in1k).",
+        description="A torchvision classifier by name: the Azure components' DenseNets "
+        "(densenet121/161/169/201) and ResNets (resnet18 to 152, resnext50_32x4d, "
+        "resnext101_32x8d, wide_resnet50_2/101_2), any other (`imageops model list`), or "
+        "timm/<name> (timm/resnet18.a1_in1k).",
     )
     pretrained: bool = Field(
         default=True,
         title="Pretrained",
-        description="Start from the published ImageNet weights (torchvision's default weights "
-        "for the name, or timm's pretrained tag), from the weights cache "
-        "(IMAGEOPS_WEIGHTS_CACHE) or downloaded there; the transform should then match the "
-        "weights' input (`imageops transform init --like-model NAME`).",
+        description="Start from the published ImageNet weights (kept in IMAGEOPS_WEIGHTS_CACHE); "
+        "the transform should match them (`imageops transform init --like-model NAME`).",
     )
     memory_efficient: bool = Field(
         default=False,
@@ -222,6 +233,11 @@ class ModelChoice(BaseModel):
         description="ResNets only: start the last BatchNorm of each residual block at zero, so "
         "each block starts as the identity.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_form_sections(cls, data: Any) -> Any:
+        return flattened(data, FORM_SECTIONS)
 
     @model_validator(mode="after")
     def _known(self) -> ModelChoice:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -81,10 +82,11 @@ def test_every_form_field_has_a_title_in_words_and_a_plain_description(deploymen
         # An optional number is one input, left empty for the recipe's value: no type switch,
         # and no null in the defaults the form would send back.
         params = schema["definitions"]["TrainParams"]["properties"]
-        options = params["recipe_options"]["properties"]
+        picked = params["recipe_options"]["allOf"][0]["$ref"].rsplit("/", 1)[-1]
+        options = schema["definitions"][picked]["properties"]
         assert "anyOf" not in options["momentum"] and options["momentum"]["type"] == "number"
         assert "default" not in options["momentum"]
-        assert "momentum" not in schema["properties"]["params"]["default"]["recipe_options"]
+        assert "momentum" not in schema["properties"]["params"]["default"]
         # A choice set once can be set back to None (the recipe's): the select offers it first.
         assert options["decay_norm_and_bias"]["enum"] == [None, True, False]
         assert options["optimizer"]["enum"] == [None, "sgd", "adamw", "adam", "rmsprop"]
@@ -96,25 +98,43 @@ def _order(properties: dict) -> list[str]:
     return list(properties)
 
 
-def test_the_train_form_shows_the_basics_first_then_a_card_per_section() -> None:
-    """The form's order: the training's basics (epochs, batch, recipe, learning rate), then
-    the recipe's options and the machines; the transform's sizes, then what training alone
-    does. The same sections on the pipeline's form (one TrainParams, one TransformSpec)."""
+def test_the_train_form_shows_the_basics_first_then_a_saved_setting_per_section() -> None:
+    """The form's order: the training's basics (epochs, batch, recipe, learning rate), then one
+    picker each for the recipe's options and the machines; the transform's sizes, then pickers
+    for what training alone does and the normalisation. A picker is a Prefect block type whose
+    fields are the section's, so the block's own form titles and checks them. The same on the
+    pipeline's form (one TrainParams, one TransformSpec), which fits a few screens for it."""
     from flows.pipeline import pipeline
+    from flows.saved_settings import SAVED_SETTINGS
     from flows.train import train_model_flow
     from tasks.shared.forms import form_schema
 
+    def block_of(field: dict) -> dict:
+        return definitions[field["allOf"][0]["$ref"].rsplit("/", 1)[-1]]
+
     for flow in (train_model_flow, pipeline):
-        definitions = form_schema(flow).model_dump_for_openapi()["definitions"]
+        schema = form_schema(flow).model_dump_for_openapi()
+        definitions = schema["definitions"]
         train = definitions["TrainParams"]["properties"]
         assert _order(train)[:4] == ["epochs", "batch_size", "recipe", "learning_rate"]
         assert _order(train)[-2:] == ["recipe_options", "distribution"]
         assert train["distribution"]["title"] == "Machines and processes"
-        assert "nproc_per_node" in train["distribution"]["properties"]
+        machines = block_of(train["distribution"])
+        assert machines["block_type_slug"] == "imageops-distribution"
+        assert "nproc_per_node" in machines["properties"]
+        assert "nproc_per_node" not in train  # on the form only through the saved setting
         transform = definitions["TransformSpec"]["properties"]
         assert _order(transform)[:4] == ["resize", "resize_size", "center_crop", "center_crop_size"]
         assert _order(transform)[-2:] == ["training_augmentation", "normalisation"]
-        assert "random_crop" in transform["training_augmentation"]["properties"]
+        assert "random_crop" in block_of(transform["training_augmentation"])["properties"]
+        # The block types the server registers are these very fields, checked the same way.
+        for field in (train["recipe_options"], train["distribution"]):
+            slug = block_of(field)["block_type_slug"]
+            drawn = set(block_of(field)["properties"]) - {"$ref"}  # that one: see forms.py
+            assert set(SAVED_SETTINGS[slug].model_fields) == drawn
+    # What an empty picker means is on the form: the demo's values, by title.
+    params = form_schema(train_model_flow).model_dump_for_openapi()["properties"]["params"]
+    assert "Machines and processes left empty: Processes per node 2" in params["description"]
 
 
 def test_what_the_form_sends_grouped_trains_what_the_same_values_flat_do() -> None:
@@ -141,11 +161,33 @@ def test_what_the_form_sends_grouped_trains_what_the_same_values_flat_do() -> No
     assert from_form["params"].optimizer is None and from_form["transform"].random_crop
 
 
+def test_a_saved_setting_picked_on_the_form_trains_what_it_holds() -> None:
+    """A section's picker sends a block reference, which Prefect loads into the block before
+    the flow's parameters are checked: its fields, as saved (a new one's own defaults for
+    those left alone), win over the demo's; no picker keeps the demo's."""
+    from flows.saved_settings import SAVED_SETTINGS
+    from flows.train import train_model_flow
+
+    machines = SAVED_SETTINGS["imageops-distribution"](nproc_per_node=3)
+    recipe = SAVED_SETTINGS["imageops-recipe-options"](optimizer="sgd", schedule="step")
+    picked = train_model_flow.validate_parameters(
+        {"params": {"epochs": 2, "distribution": machines, "recipe_options": recipe}}
+    )["params"]
+    assert (picked.epochs, picked.nproc_per_node, picked.optimizer, picked.schedule) == (
+        2, 3, "sgd", "step",
+    )  # fmt: skip
+    assert picked.momentum is None  # left empty in the block: the recipe's
+    untouched = {"params": {"distribution": SAVED_SETTINGS["imageops-distribution"]()}}
+    assert train_model_flow.validate_parameters(untouched)["params"].nproc_per_node == 1
+    assert train_model_flow.validate_parameters({"params": {}})["params"].nproc_per_node == 2
+
+
 @pytest.mark.parametrize("deployment", SPEC["deployments"], ids=lambda d: d["name"])
 def test_prefect_deploy_titles_and_describes_every_parameter_too(deployment: dict) -> None:
     """`prefect deploy --prefect-file deployments/prefect.yaml` builds the schema itself, with
     Prefect's own calls (load the entrypoint, ``parameter_schema``): the same titles and
-    descriptions as the deployments imageops registers."""
+    descriptions as the deployments imageops registers (whose descriptions then say what a
+    section's empty picker means: Prefect's own form draws the sections' fields instead)."""
     from prefect.flows import load_flow_from_entrypoint
     from prefect.utilities.callables import parameter_schema
 
@@ -155,7 +197,7 @@ def test_prefect_deploy_titles_and_describes_every_parameter_too(deployment: dic
     ours = runner_deployment(deployment, [])._parameter_openapi_schema
     for name, prop in theirs.properties.items():
         assert prop["title"] == ours.properties[name]["title"], name
-        assert prop["description"] == ours.properties[name]["description"], name
+        assert ours.properties[name]["description"].startswith(prop["description"]), name
 
 
 def test_the_promote_and_score_deployments_are_there() -> None:
@@ -223,3 +265,33 @@ def test_the_readme_names_every_deployment_as_prefect_does(
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     for text in (page.read_text() for page in pages):
         assert set(re.findall(r"prefect deployment run ([\w-]+/[\w-]+)", text)) <= defined
+
+
+def _without(key: str, node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without(key, v) for k, v in node.items() if k != key}
+    if isinstance(node, list):
+        return [_without(key, v) for v in node]
+    return node
+
+
+def test_a_picked_saved_setting_passes_the_checks_of_the_form_and_the_server() -> None:
+    """A picker's value is a block reference: Prefect's check (the server's, and the UI's,
+    which drops ``additionalProperties`` first) takes it, as it takes a section typed as an
+    object, and still refuses a bad value in one."""
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows.train import train_model_flow
+    from tasks.shared.forms import form_schema
+
+    schema = form_schema(train_model_flow).model_dump_for_openapi()
+    picked = {"$ref": {"block_document_id": "9e944346-d267-484b-a542-5be4d0478c11"}}
+    for checked_as in (schema, _without("additionalProperties", schema)):
+        for good in (
+            {"params": {"epochs": 2, "distribution": picked, "recipe_options": picked}},
+            {"params": {"recipe_options": {"momentum": 0.5}}},
+            {"transform": {"training_augmentation": picked}},
+        ):
+            assert validate(good, checked_as) == [], good
+        bad = validate({"params": {"recipe_options": {"momentum": 1.5}}}, checked_as)
+        assert bad and "1.5" in str(bad[0].message), bad

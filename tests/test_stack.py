@@ -392,13 +392,20 @@ def test_every_deployment_is_registered_with_a_typed_form(served: Served) -> Non
     params = schema["definitions"]["TrainParams"]["properties"]
     assert params["epochs"]["title"] == "Epochs"
     assert params["epochs"]["exclusiveMinimum"] == 0
-    # a number below 1, one input a person may leave empty for the recipe to fill
-    momentum = params["recipe_options"]["properties"]["momentum"]
+    # a number below 1, one input a person may leave empty for the recipe to fill, on the
+    # form of the saved setting (a block type) the recipe options' picker picks
+    recipe_options = params["recipe_options"]["allOf"][0]["$ref"].rsplit("/", 1)[-1]
+    momentum = schema["definitions"][recipe_options]["properties"]["momentum"]
     assert (momentum["type"], momentum["exclusiveMaximum"]) == ("number", 1)
     assert params["learning_rate"]["description"].startswith("Initial learning rate")
     assert schema["properties"]["train_data"]["default"] == "data/digits/train"
-    # The form shows the demo's values: the ones a partial override keeps (flows.config).
-    assert schema["properties"]["params"]["default"]["distribution"]["nproc_per_node"] == 2
+    # The form keeps the demo's values (the ones a partial override keeps, flows.config) and
+    # says what an empty picker means.
+    assert schema["properties"]["params"]["default"]["nproc_per_node"] == 2
+    assert "left empty: Processes per node 2" in schema["properties"]["params"]["description"]
+    with served.client() as client:  # the pickers' block types, for the Blocks page and Add
+        slugs = {t.slug for t in client.read_block_types()}
+    assert {"imageops-recipe-options", "imageops-distribution"} <= slugs
 
     # Everything that trains shares the pool's `training` queue, which runs one at a time.
     for name in ("imageops-pipeline/pipeline", "imageops-train-model/train", "imageops-tune/tune"):
@@ -435,7 +442,7 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
     for bad in (
         {"params": {"epochs": 0}},
         {"params": {"momentum": 1.5}},  # given flat, as params.yaml and the README write it
-        {"params": {"recipe_options": {"momentum": 1.5}}},  # as the form sends it
+        {"params": {"recipe_options": {"momentum": 1.5}}},  # a section given whole
         {"params": {"momentm": 0.5}},  # a misspelt field
         {"train_data": 3},
         {"steps": {"version_dat": False}},  # a misspelt switch
@@ -464,8 +471,8 @@ def test_a_parameter_out_of_range_is_refused_by_the_server(served: Served) -> No
         in said
     ), said
     assert (
-        "Training parameters > Momentum: 1.5 is not allowed; it must be a finite number >= 0 and "
-        "< 1, or empty." in said
+        "Training parameters > Batch size: 0 is not allowed; it must be an integer > 0 and "
+        "<= 65536." in said
     ), said
     assert "params.epochs" not in said
     with served.client() as client:
@@ -486,12 +493,12 @@ UNVALIDATED = "unvalidated-epochs-0"
 
 
 def _submitted_unvalidated(served: Served, deployment_id: UUID) -> UUID:
-    """Epochs 0 and momentum 1.5 on the train form, "Validate parameters" unticked, Submit (in
+    """Epochs 0 and batch size 0 on the train form, "Validate parameters" unticked, Submit (in
     Chromium; without it, the API call the form then makes)."""
     if CHROMIUM is None:
         made = httpx.post(
             f"{served.api}/deployments/{deployment_id}/create_flow_run",
-            json={"name": UNVALIDATED, "parameters": {"params": {"epochs": 0, "momentum": 1.5}},
+            json={"name": UNVALIDATED, "parameters": {"params": {"epochs": 0, "batch_size": 0}},
                   "enforce_parameter_schema": False},
             headers={"Authorization": f"Basic {_basic(served.auth)}"},
             timeout=30,
@@ -504,7 +511,7 @@ def _submitted_unvalidated(served: Served, deployment_id: UUID) -> UUID:
         page.get_by_text("Run Name", exact=True).wait_for(timeout=60_000)
         page.locator("input").first.fill(UNVALIDATED)
         form_input(page, "Epochs").fill("0")
-        form_input(page, "Momentum").fill("1.5")
+        form_input(page, "Batch size").fill("0")
         page.get_by_role("checkbox", name="Validate parameters").uncheck()
         return submit(page, served, deployment_id, UNVALIDATED).id
 
@@ -547,8 +554,9 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     assert form_run.name == FORM_RUN_NAME
     assert form_run.parameters["params"]["epochs"] == 1
     assert form_run.parameters["steps"] == {"version_data": False, "register_model": False}
-    recipe_options = form_run.parameters["params"]["recipe_options"]
-    assert recipe_options["optimizer"] is None and recipe_options["schedule"] == "step"
+    # The pickers sent references to the saved settings, which the run loaded.
+    picked = form_run.parameters["params"]
+    assert set(picked["recipe_options"]) == set(picked["distribution"]) == {"$ref"}
 
     # Each run is in MLflow with the parameters it was given, and the deployment's for the rest.
     from mlflow.tracking import MlflowClient
@@ -772,7 +780,8 @@ def choose(page: Any, title: str, option: str) -> None:
     select show it: None (the recipe's) shows as empty."""
     from playwright.sync_api import expect
 
-    select = form_input(page, title)
+    label = page.get_by_text(f"{title} (Optional)", exact=True).first
+    select = label.locator("xpath=following::*[contains(@class, 'p-select-button__control')][1]")
     select.focus()
     page.keyboard.press("ArrowDown")
     page.get_by_role("option", name=option, exact=True).click()
@@ -781,21 +790,32 @@ def choose(page: Any, title: str, option: str) -> None:
 
 def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
     """Run on the training deployment's form, as a person fills it in Chromium: a run name, the
-    data, 1 epoch, 1 process, learning rate 0.03, no DVC version, no registering. The flow run.
+    data, 1 epoch, learning rate 0.03, two saved settings made with the pickers' Add (recipe
+    options with the step schedule, machines with 1 process), no DVC version, no registering.
+    The flow run.
 
-    Without Chromium the same values go through the API call the form makes (the browser's part
-    is then not shown; .ci/run installs Chromium).
+    Without Chromium the same values go through the API call the form makes, the settings saved
+    from Python (the browser's part is then not shown; .ci/run installs Chromium).
     """
     train = served.deployment("imageops-train-model/train")
     train_dir, val_dir = digits_split
     if CHROMIUM is None:
+        from flows.saved_settings import SAVED_SETTINGS
+
+        with prefect_api_at(served.api, served.auth):
+            recipe = SAVED_SETTINGS["imageops-recipe-options"](schedule="step").save("step")
+            machines = SAVED_SETTINGS["imageops-distribution"](nproc_per_node=1).save("one")
         with served.client() as client:
             return client.create_flow_run_from_deployment(
                 train.id,
                 name=FORM_RUN_NAME,
                 parameters={
                     "train_data": str(train_dir), "val_data": str(val_dir),
-                    "params": {"epochs": 1, "nproc_per_node": 1, "learning_rate": 0.03},
+                    "params": {
+                        "epochs": 1, "learning_rate": 0.03,
+                        "recipe_options": {"$ref": {"block_document_id": str(recipe)}},
+                        "distribution": {"$ref": {"block_document_id": str(machines)}},
+                    },
                     "steps": {"version_data": False, "register_model": False},
                 },
             )  # fmt: skip
@@ -811,12 +831,17 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
         field("Training data").fill(str(train_dir))
         field("Validation data").fill(str(val_dir))
         field("Epochs").fill("1")
-        field("Processes per node").fill("1")
         field("Learning rate").fill("0.03")
-        # A choice made and taken back (None: the recipe's), and one kept.
-        choose(page, "Optimizer", "sgd")
-        choose(page, "Optimizer", "None")
-        choose(page, "Learning-rate schedule", "step")
+        # Saved settings made on the form (each picker's Add), in them a choice made and taken
+        # back (None: the recipe's) and one kept; a picker emptied and set again.
+        with saved_setting(page, "Recipe options", "step-schedule"):
+            choose(page, "Optimizer", "sgd")
+            choose(page, "Optimizer", "None")
+            choose(page, "Learning-rate schedule", "step")
+        with saved_setting(page, "Machines and processes", "one-process"):
+            field("Processes per node").fill("1")
+        choose(page, "Machines and processes", "None")
+        choose(page, "Machines and processes", "one-process")
         for toggle in ("Version data with DVC", "Register"):
             label = page.get_by_text(f"{toggle} (Optional)", exact=True).first
             switch = label.locator("xpath=following::*[@role='switch'][1]")
@@ -824,6 +849,25 @@ def submit_the_run_form(served: Served, digits_split: tuple[Path, Path]) -> Any:
             expect(switch).to_have_attribute("aria-checked", "false")  # the click took
 
         return submit(page, served, train.id, FORM_RUN_NAME)
+
+
+@contextmanager
+def saved_setting(page: Any, picker: str, name: str) -> Iterator[None]:
+    """Make a saved setting with the Add button of the picker titled ``picker``: the block's form
+    opens in a dialog, named ``name``; the caller fills it; Create saves it, and the picker then
+    shows it."""
+    from playwright.sync_api import expect
+
+    label = page.get_by_text(f"{picker} (Optional)", exact=True).first
+    label.locator("xpath=following::button[contains(., 'Add')][1]").click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Block Name", exact=True).wait_for(timeout=30_000)
+    dialog.locator("input").first.fill(name)
+    yield
+    dialog.get_by_role("button", name="Create").click()
+    expect(dialog).to_be_hidden(timeout=30_000)
+    select = label.locator("xpath=following::*[contains(@class, 'p-select-button__control')][1]")
+    expect(select).to_have_text(name)
 
 
 def submit(page: Any, served: Served, deployment_id: UUID, name: str) -> Any:
@@ -868,33 +912,70 @@ def submit(page: Any, served: Served, deployment_id: UUID, name: str) -> Any:
     )
 
 
+# A screen of the run form: a 1,400 x 900 browser window. "Fits a few screens" (issue 47):
+# every run form at most this many of them.
+SCREEN = (1400, 900)
+MOST_SCREENS = 5
+
+
 def test_browser_the_forms_show_each_field_titled_described_and_one_input(served: Served) -> None:
-    """Each field titled and described; no switch between types anywhere; the basics first,
-    then a card per section; a choice set back to None (the recipe's) shows empty again."""
+    """Every run form fits a few screens; each field titled and described; no switch between
+    types anywhere; the basics first, then one picker per section (a saved setting), whose Add
+    opens the setting's own form, titled and described alike, where a choice set back to None
+    (the recipe's) shows empty again."""
     ui = served.api.removesuffix("/api")
-    for name in ("imageops-train-model/train", "imageops-pipeline/pipeline"):
+    heights = {}
+    for name in sorted(deployments_of_the_file()):
         deployment = served.deployment(name)
         with browser_page(served.auth) as page:
+            page.set_viewport_size(dict(zip(("width", "height"), SCREEN, strict=True)))
             page.goto(f"{ui}/deployments/deployment/{deployment.id}/run")
             page.get_by_text("Parameters", exact=True).wait_for(timeout=60_000)
-            page.get_by_text(" (Optional)").first.wait_for(timeout=60_000)
+            schema = deployment.parameter_openapi_schema
+            first = next(iter(schema["properties"].values()))["title"]
+            page.get_by_text(first, exact=False).first.wait_for(timeout=60_000)
+            # The form scrolls inside the page: the tallest scrolling box is the form's length.
+            heights[name] = page.evaluate(
+                "() => Math.max(...[...document.querySelectorAll('*')].map(e => e.scrollHeight))"
+            )
             text = page.inner_text("body")
             if name.endswith("/train"):
+                page.set_viewport_size({"width": 1400, "height": 1600})
                 shoot(page, "prefect-train-run-form")
+                assert "Processes per node (Optional)" not in text  # in the saved setting only
+                label = page.get_by_text("Recipe options (Optional)", exact=True).first
+                label.locator("xpath=following::button[contains(., 'Add')][1]").click()
+                dialog = page.get_by_role("dialog")
+                dialog.get_by_text("Optimizer (Optional)", exact=True).wait_for(timeout=30_000)
+                # the dialog fades in: the picture once that has ended (spinners go on)
+                page.wait_for_function(
+                    "() => document.getAnimations().every(a => a.playState !== 'running' "
+                    "|| a.effect.getComputedTiming().iterations === Infinity)"
+                )
+                shoot(page, "prefect-saved-setting-form")
+                said = dialog.inner_text()
+                assert "Property is type" not in said and "null" not in said.split()
+                assert "Label smoothing (Optional)" in said
                 choose(page, "Optimizer", "adamw")
                 choose(page, "Optimizer", "None")
                 choose(page, "Decay norm layers and biases", "true")
-        for key, prop in deployment.parameter_openapi_schema["properties"].items():
-            assert f"{prop['title']} (Optional)" in text, f"{name}: {key}'s title"
-            assert prop["description"] in text, f"{name}: {key}'s description"
+                dialog.get_by_role("button", name="Close").click()
         assert "Property is type" not in text, name
-        for titles in (
-            ("Epochs", "Learning rate", "Recipe options", "Optimizer", "Machines and processes",
-             "Processes per node"),
-            ("Image transformation", "Crop size", "Random changes in training", "Normalisation"),
-        ):  # fmt: skip
-            shown = [text.index(f"{title} (Optional)") for title in titles]
-            assert shown == sorted(shown), f"{name}: the basics first, then a card per section"
+        for key, prop in schema["properties"].items():
+            optional = "" if key in schema.get("required", ()) else " (Optional)"
+            assert f"{prop['title']}{optional}" in text, f"{name}: {key}'s title"
+            assert prop["description"] in text, f"{name}: {key}'s description"
+        if name.endswith(("/train", "/pipeline")):
+            for titles in (
+                ("Epochs", "Learning rate", "Recipe options", "Machines and processes"),
+                ("Image transformation", "Crop size", "Random changes in training",
+                 "Normalisation"),
+            ):  # fmt: skip
+                shown = [text.index(f"{title} (Optional)") for title in titles]
+                assert shown == sorted(shown), f"{name}: the basics first, then the pickers"
+    print("run form heights (px at 1,400 x 900):", heights)
+    too_tall = {n: h for n, h in heights.items() if h > MOST_SCREENS * SCREEN[1]}
+    assert not too_tall, f"forms over {MOST_SCREENS} screens of {SCREEN}: {too_tall}"
 
 
 def test_browser_the_mlflow_links_open_on_the_runs_and_the_registry(served: Served) -> None:

@@ -49,7 +49,7 @@ FORM_SECTIONS = (
     FormSection(
         "recipe_options",
         "Recipe options",
-        "Each left empty (None) takes the recipe's value; the description says which.",
+        "What the recipe fills where they are left empty.",
         (
             "optimizer", "schedule", "warmup_epochs", "momentum", "weight_decay",
             "head_only_epochs", "backbone_lr_scale", "decay_norm_and_bias", "mixup_alpha",
@@ -90,22 +90,18 @@ class TrainParams(BaseModel):
         gt=0,
         le=MAX_BATCH_SIZE,
         title="Batch size",
-        description="Images per batch in each process, as the Azure component means it. The "
-        "global batch (what Vertex AI's batch size means) is this x nodes x processes per node: "
-        "for a global batch of 64 on 4 processes, give 16. At most the training set's images "
-        f"(checked before any step runs) and {MAX_BATCH_SIZE:,}.",
+        description="Images per batch in each process (Azure's meaning; Vertex AI's global batch "
+        "is this x nodes x processes per node). At most the training set's images and "
+        f"{MAX_BATCH_SIZE:,}.",
     )
     recipe: Recipe = Field(
         "modern",
         title="Recipe",
-        description="Fills every recipe field left empty. modern (the default: the best "
-        "measured on held-out data, docs/benchmarks.md): AdamW, cosine decay after a warm-up "
-        "epoch, label smoothing 0.1, no weight decay on norm layers and biases, and in training "
-        "RandAugment, random erasing and a random resized crop of half the image to all of it "
-        "(unless the transform sets its own). azure: the Azure component's exact defaults (SGD "
-        "with Nesterov momentum, warm-up then polynomial decay, no label smoothing, no "
-        "augmentation policy, erasing or random resized crop). Any field you set wins over the "
-        "recipe's.",
+        description="Fills every recipe field left empty (a field you set wins). modern (the "
+        "default, the best measured): AdamW, cosine decay after a warm-up epoch, label "
+        "smoothing, RandAugment, random erasing, a random resized crop. azure: the Azure "
+        "component's exact defaults (SGD with Nesterov momentum, polynomial decay, no "
+        "augmentation). docs/configuration.md has both.",
     )
     optimizer: Literal["sgd", "adamw", "adam", "rmsprop"] | None = Field(
         None,
@@ -136,9 +132,7 @@ class TrainParams(BaseModel):
         allow_inf_nan=False,
         title="Learning rate",
         description="Initial learning rate of one process; distributed runs use it x the "
-        "number of processes. Lower it if the loss becomes NaN. Empty: the recipe's (azure and "
-        "modern: 0.001). Azure's page says 0.001 in its text and 0.1 in its table: imageops "
-        "takes the text's 0.001; give 0.1 for the table's.",
+        "number of processes. Empty: the recipe's, 0.001 (Azure's text; its table says 0.1).",
     )
     momentum: float | None = Field(
         None,
@@ -244,9 +238,8 @@ class TrainParams(BaseModel):
     seed: int = Field(
         1,
         title="Random seed",
-        description="Seeds initialisation, shuffling and augmentation: same seed, data, "
-        "processes and hardware give the same model, bit for bit on CPU, up to float rounding "
-        "on GPU.",
+        description="Seeds initialisation, shuffling and augmentation: the same seed, data and "
+        "hardware give the same model.",
     )
     patience: int = Field(
         3,

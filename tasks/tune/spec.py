@@ -16,10 +16,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
 
 from models.bounded_parse import BoundedLoader, read_yaml
+from models.form_sections import flattened, schema_extra
 from models.untrained import ModelChoice
 from tasks.shared.errors import InvalidTuningSpecError
 from tasks.shared.validation import describe
@@ -37,7 +38,15 @@ MAX_PARALLEL_TRIALS = 64  # the tune flow's thread pool: one thread waits on eac
 class TuningSpec(BaseModel):
     """A hyperparameter tuning study: the form the tune flow takes, the shape of tuning.yaml."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # The tune form's spec is optional (empty: the example study): a picker of saved studies.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, json_schema_extra=schema_extra((), saved_as="imageops-study")
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_a_saved_study(cls, data: Any) -> Any:
+        return flattened(data, ())
 
     study_name: str | None = Field(
         None,
