@@ -554,9 +554,13 @@ def test_runs_from_the_cli_and_the_form_train_one_at_a_time(
     assert form_run.name == FORM_RUN_NAME
     assert form_run.parameters["params"]["epochs"] == 1
     assert form_run.parameters["steps"] == {"version_data": False, "register_model": False}
-    # The pickers sent references to the saved settings, which the run loaded.
+    # The pickers sent references to the saved settings, which the run loaded; `prefect block
+    # ls` lists the settings, by their type.
     picked = form_run.parameters["params"]
     assert set(picked["recipe_options"]) == set(picked["distribution"]) == {"$ref"}
+    listed = served.prefect("block", "ls")
+    for block_type in ("imageops-recipe-options", "imageops-distribution"):
+        assert block_type in listed, listed
 
     # Each run is in MLflow with the parameters it was given, and the deployment's for the rest.
     from mlflow.tracking import MlflowClient

@@ -7,8 +7,9 @@ declared with :func:`form_field` carries both in ``json_schema_extra``, which Pr
 Prefect's own ``prefect deploy`` gets them too. :func:`form_schema` (what ``imageops serve`` and
 ``python -m app.deployments`` register) also turns the docstring markup pydantic copies into the
 nested models' descriptions (``code``, :func:`name`) into plain text, draws an optional value
-as one input that may be left empty or set back to None, and groups a model's fields into the
-sections it declares (models.form_sections), basics first.
+as one input that may be left empty or set back to None, and draws the basic fields of a model
+with the sections it declares (models.form_sections) after them, each section (and an optional
+model saved whole) as one picker of saved settings: Prefect blocks (flows.saved_settings).
 """
 
 from __future__ import annotations
