@@ -42,3 +42,35 @@ def test_a_flow_called_with_a_bad_value_runs_no_step(prefect_api: None) -> None:
     assert message.startswith("imageops-train-model refused 1 value(s) before running anything:")
     assert "- Training parameters > Epochs: 0 is not allowed" in message
     assert "params.epochs" not in message
+
+
+def test_a_saved_setting_deleted_since_the_form_picked_it_is_said_in_words(
+    prefect_api: None,
+) -> None:
+    """A run whose picker named a saved setting (a block) that has been deleted since, as a
+    'Run again' of an older run does: the flow refuses it before any step, naming the picker by
+    its title, not with Prefect's "Failed to resolve block references" or a field "$ref"."""
+    from prefect.blocks.core import Block
+
+    from flows.saved_settings import SAVED_SETTINGS
+    from flows.train import train_model_flow
+
+    setting = SAVED_SETTINGS["imageops-distribution"](nproc_per_node=1)
+    kept = setting.save("kept-machines", overwrite=True)
+    gone = SAVED_SETTINGS["imageops-distribution"](nproc_per_node=3)
+    gone_id = gone.save("deleted-machines", overwrite=True)
+    Block.delete("imageops-distribution/deleted-machines")
+
+    picked = train_model_flow.validate_parameters(
+        {"params": {"distribution": {"$ref": {"block_document_id": str(kept)}}}}
+    )
+    assert picked["params"].nproc_per_node == 1
+    with pytest.raises(ParameterTypeError) as refused:
+        train_model_flow.validate_parameters(
+            {"params": {"distribution": {"$ref": {"block_document_id": str(gone_id)}}}}
+        )
+    said = str(refused.value)
+    where = "Training parameters > Machines and processes"
+    assert f"{where}: the saved setting it names cannot be loaded" in said, said
+    assert "pick another one, or leave it empty" in said
+    assert "$ref" not in said

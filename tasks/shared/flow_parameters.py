@@ -20,6 +20,7 @@ from prefect.exceptions import ParameterTypeError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
+from models.form_sections import SCHEMA_KEY
 from tasks.shared.validation import expected
 
 
@@ -30,8 +31,12 @@ class CheckedFlow(Flow):
         try:
             return super().validate_parameters(parameters)
         except ParameterTypeError:
-            sentences = bad_parameters(self.fn, parameters)
-            if not sentences:  # not a value's fault (a block reference): Prefect's own words
+            # A saved setting the form picked first (its reference, flattened, would read as a
+            # field "$ref"), then the values.
+            sentences = unloadable_settings(self.fn, parameters) or bad_parameters(
+                self.fn, parameters
+            )
+            if not sentences:
                 raise
             raise ParameterTypeError(
                 f"{self.name} refused {len(sentences)} value(s) before running anything:\n- "
@@ -47,6 +52,35 @@ def checked_flow(**options: Any) -> Callable[[Callable[..., Any]], CheckedFlow]:
         return CheckedFlow(fn=fn, **options)
 
     return decorate
+
+
+def unloadable_settings(fn: Callable[..., Any], parameters: dict[str, Any]) -> list[str]:
+    """One plain sentence per saved setting (a block reference a form's picker sent) that
+    Prefect cannot load: deleted since, or holding values its type no longer takes."""
+    from prefect.blocks.core import Block
+
+    hints = typing.get_type_hints(fn, include_extras=True)
+    sentences = []
+    for name, value in parameters.items():
+        for loc, ref in _block_references(value, ()):
+            try:
+                Block.load_from_ref(ref, _sync=True)
+            except Exception as exc:  # whatever Prefect raised, said in words
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                sentences.append(
+                    f"{_where(name, hints.get(name), loc)}: the saved setting it names cannot be "
+                    f"loaded ({why}); pick another one, or leave it empty for the defaults."
+                )
+    return sentences
+
+
+def _block_references(value: Any, loc: tuple[str, ...]) -> typing.Iterator[tuple[tuple, Any]]:
+    if isinstance(value, dict):
+        if set(value) == {"$ref"}:
+            yield loc, value["$ref"]
+            return
+        for key, item in value.items():
+            yield from _block_references(item, (*loc, str(key)))
 
 
 def bad_parameters(fn: Callable[..., Any], parameters: dict[str, Any]) -> list[str]:
@@ -67,18 +101,7 @@ def bad_parameters(fn: Callable[..., Any], parameters: dict[str, Any]) -> list[s
 def _sentence(name: str, hint: Any, error: Any) -> str:
     """``Training parameters > Epochs: 0 is not allowed; it must be an integer > 0 and <= 10000.``
     (the range in the words of :func:`tasks.shared.validation.expected`)."""
-    titles, field = [_title(hint) or name], _field_info(hint)
-    kind = _bare(hint)
-    for step in error["loc"]:
-        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
-            break
-        field = kind.model_fields.get(str(step))
-        if field is None:  # a field the model does not have
-            titles.append(str(step))
-            break
-        titles.append(field.title or str(step))
-        kind = _bare(field.annotation)
-    where = " > ".join(titles)
+    where, field = _where(name, hint, error["loc"]), _field_at(hint, error["loc"])
     value = error.get("input")
     kind_of = error["type"]
     if kind_of == "missing":
@@ -90,6 +113,39 @@ def _sentence(name: str, hint: Any, error: Any) -> str:
     if field is not None and _bare(field.annotation) in (int, float, bool):
         return f"{where}: {value!r} is not allowed; it must be {expected(field)}."
     return f"{where}: {value!r} is not allowed ({error['msg'][:1].lower()}{error['msg'][1:]})."
+
+
+def _where(name: str, hint: Any, loc: typing.Sequence[Any]) -> str:
+    """``Training parameters > Machines and processes``: a place in a parameter, by the titles
+    the form shows (a section by its own: models.form_sections)."""
+    titles, kind = [_title(hint) or name], _bare(hint)
+    for step in loc:
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            break
+        field = kind.model_fields.get(str(step))
+        if field is None:  # a section of the model, or a field it does not have
+            declared = (kind.model_config.get("json_schema_extra") or {}).get(SCHEMA_KEY, [])
+            sections = (
+                {d["key"]: d["title"] for d in declared} if isinstance(declared, list) else {}
+            )
+            titles.append(sections.get(str(step), str(step)))
+            break
+        titles.append(field.title or str(step))
+        kind = _bare(field.annotation)
+    return " > ".join(titles)
+
+
+def _field_at(hint: Any, loc: typing.Sequence[Any]) -> FieldInfo | None:
+    """The field at ``loc`` in a parameter (None past a field the model does not have)."""
+    field, kind = _field_info(hint), _bare(hint)
+    for step in loc:
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            break
+        field = kind.model_fields.get(str(step))
+        if field is None:
+            break
+        kind = _bare(field.annotation)
+    return field
 
 
 def _field_info(hint: Any) -> FieldInfo | None:
